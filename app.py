@@ -1,0 +1,628 @@
+"""DDTree Studio: run AR, DFlash and DDTree side by side, replay the race, inspect every step.
+
+    python app.py [--host 127.0.0.1] [--port 7860] [--model smollm2] [--drafter FOLDER|random]
+                  [--device cpu] [--dtype float32]
+
+The models load once at startup and are shared read-only by every browser session;
+each session keeps its own traces in ``gr.State``. ``--port`` defaults to Gradio's
+``GRADIO_SERVER_PORT`` (then 7860), ``--host`` to ``GRADIO_SERVER_NAME`` (then 127.0.0.1).
+
+Trace files (the download, and what the upload accepts) are JSON:
+``{"schema_version": 1, "traces": [<Trace>, ...]}`` with one trace per method, each
+as ``engine.trace.Trace.to_dict()`` writes it. The upload also takes a single trace
+object (``Trace.save``) or a plain list of traces.
+
+Figures come from ``viz/`` (pure functions of traces); this file only wires them up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gradio as gr
+
+from engine.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.errors import EngineError
+from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
+from viz.figures import acceptance_histogram, empty_figure, explain_stop, probability_figure, race_chart, \
+    stage_figure, sweep_figure
+from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
+from viz.tokens import TokenText, pieces_token_text
+from viz.tree_figure import tree_figure
+
+log = logging.getLogger("ddtree-studio")
+
+EXAMPLE_PROMPTS = [
+    "Write a haiku about the sea.",
+    "List the first ten prime numbers.",
+    "Explain what a hash table is in two sentences.",
+    "Write a Python function that reverses a string.",
+]
+POLL_S = 0.2  # how often a streaming handler refreshes the page while the model works
+REPLAY_FRAME_S = 0.1
+REPLAY_SPEEDS = [("0.25×", 0.25), ("0.5×", 0.5), ("1× (real time)", 1.0)]
+DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
+MAX_SWEEP_POINTS = 8
+TRACE_FILE_NAME = "ddtree-traces.json"
+DRAFTERS_DIR = Path(__file__).parent / "assets" / "drafters"
+
+
+# ---------------------------------------------------------------- models (shared)
+
+@dataclass
+class Studio:
+    """The loaded models, shared read-only by every session. ``lock`` serialises
+    decoding: a torch model with caches is not safe to drive from two threads."""
+
+    decoder: Decoder
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @functools.cached_property
+    def decode_token(self) -> TokenText:
+        tokenizer = self.decoder.target.tokenizer
+        return functools.lru_cache(maxsize=None)(lambda token: tokenizer.decode([token], skip_special_tokens=False))
+
+    def token_text_for(self, traces: list[Trace]) -> TokenText:
+        """The tokenizer for traces of the loaded model; otherwise (an upload from
+        another model) the text pieces the traces themselves carry."""
+        if traces and all(trace.config.model == self.decoder.target.name for trace in traces):
+            return self.decode_token
+        return pieces_token_text(traces)
+
+
+def load_studio(model: str | None, drafter: str | None, device: str, dtype: str) -> Studio:
+    """Target plus drafter: ``drafter`` is a checkpoint folder, ``random``, or None for
+    the drafter shipped under assets/drafters/ (a seeded random one when none is)."""
+    from engine.drafter import DFlashDrafter, fresh_config, load_drafter
+    from engine.target import load_target
+
+    target = load_target(model, device=device, dtype=dtype)
+    if drafter == "random":
+        folder = None
+    elif drafter is None:
+        folder = _shipped_drafter()
+    else:
+        folder = Path(drafter)
+    if folder is not None:
+        draft_model, info = load_drafter(folder), DrafterInfo(name=folder.name, trained=True)
+    else:
+        config = fresh_config(target.config, num_layers=3, mask_token_id=16)
+        draft_model, info = DFlashDrafter(config).initialize(0), DrafterInfo(name="random", trained=False)
+    draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
+    return Studio(Decoder(target, draft_model, info))
+
+
+def _shipped_drafter() -> Path | None:
+    found = sorted(path.parent for path in DRAFTERS_DIR.glob("*/config.json"))
+    return found[0] if found else None
+
+
+# ---------------------------------------------------------------- per-session state
+
+@dataclass
+class RunControl:
+    """The session's Stop switch; decoding polls it between steps. A plain flag, so
+    ``gr.State`` can deep-copy it into every new session."""
+
+    stop: bool = False
+
+
+def ordered(traces: dict[str, Trace]) -> list[Trace]:
+    return [traces[method] for method in METHODS if method in traces]
+
+
+def save_traces(traces: list[Trace]) -> str:
+    path = Path(tempfile.mkdtemp(prefix="ddtree-studio-")) / TRACE_FILE_NAME
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "traces": [t.to_dict() for t in traces]}))
+    return str(path)
+
+
+def read_traces(path: str) -> list[Trace]:
+    """Parse a trace file (see the module docstring for the accepted shapes)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceError(f"not a JSON trace file: {exc}") from exc
+    if isinstance(data, dict) and "traces" in data:
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise TraceError(f"trace file schema version {data.get('schema_version')!r} is not supported "
+                             f"(expected {SCHEMA_VERSION})")
+        data = data["traces"]
+    items = data if isinstance(data, list) else [data]
+    traces = [Trace.from_dict(item) for item in items]
+    if not traces:
+        raise TraceError("the file holds no traces")
+    unknown = [t.config.method for t in traces if t.config.method not in METHODS]
+    if unknown:
+        raise TraceError(f"unknown method {unknown[0]!r} in trace file; expected one of {', '.join(METHODS)}")
+    return traces
+
+
+# ---------------------------------------------------------------- running the model
+
+class LiveRun:
+    """One decoder run on a worker thread; the handler polls ``trace`` as it grows."""
+
+    def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
+                 control: RunControl):
+        self.trace: Trace | None = None
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        self._args = (studio.decoder, prompt, prompt_ids, settings, control)
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self) -> None:
+        decoder, prompt, prompt_ids, settings, control = self._args
+        try:
+            self.trace = decoder.run(prompt, settings, prompt_ids=prompt_ids, on_step=self._on_step,
+                                     should_stop=lambda: control.stop)
+        except Exception as exc:  # handed to the UI thread, which reports it
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def _on_step(self, trace: Trace, step) -> None:
+        self.trace = trace
+
+
+def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
+             control: RunControl) -> Iterator[LiveRun]:
+    """Yield the live run every ``POLL_S`` until it ends (yielding once more at the
+    end). The model lock is held throughout; while another session holds it this
+    yields None, so the caller can say it is waiting."""
+    while not studio.lock.acquire(timeout=POLL_S):
+        if control.stop:
+            return
+        yield None
+    live = None
+    try:
+        live = LiveRun(studio, prompt, prompt_ids, settings, control)
+        while not live.done.wait(POLL_S):
+            yield live
+        if live.error is not None:
+            raise live.error
+        yield live
+    finally:
+        if live is not None and not live.done.is_set():
+            control.stop = True  # the page went away mid-run: let the worker stop at its next step
+            live.done.wait()
+        studio.lock.release()
+
+
+def encode_prompt(studio: Studio, prompt: str) -> list[int]:
+    if not prompt or not prompt.strip():
+        raise EngineError("the prompt is empty: type a message for the model to answer")
+    return studio.decoder.target.chat_ids(prompt)
+
+
+def filled(value, name: str):
+    """A number box's value; an emptied box arrives as None."""
+    if value is None:
+        raise EngineError(f"{name} is empty: enter a number")
+    return value
+
+
+def common_settings(max_new_tokens, temperature, seed) -> dict:
+    return dict(max_new_tokens=int(filled(max_new_tokens, "max new tokens")),
+                temperature=float(filled(temperature, "temperature")), seed=int(filled(seed, "seed")))
+
+
+def checked(studio: Studio, prompt_ids: list[int], settings: list[DecodeSettings]) -> list[DecodeSettings]:
+    """Check every run's settings before any starts, so a bad value fails at once."""
+    for setting in settings:
+        studio.decoder.prepare(setting, len(prompt_ids))
+    return settings
+
+
+def problem(exc: Exception) -> str:
+    """Show a failure in the UI: a toast plus the status line's Markdown."""
+    if isinstance(exc, (EngineError, TraceError)):
+        message = str(exc)
+    else:
+        log.exception("unexpected failure")
+        message = f"internal error ({type(exc).__name__}: {exc}); the app is still running, try again"
+    gr.Warning(message)
+    return f"⚠️ **{message[0].upper() + message[1:]}**"
+
+
+# ---------------------------------------------------------------- the UI
+
+class StudioApp:
+    """Components plus their handlers. Handlers return ``{component: value}`` so each
+    updates exactly what it changes; all per-user data arrives through ``gr.State``."""
+
+    def __init__(self, studio: Studio):
+        self.studio = studio
+        self.demo = self._build()
+
+    # -- layout
+
+    def _build(self) -> gr.Blocks:
+        with gr.Blocks(title="DDTree Studio", delete_cache=(3600, 3600)) as demo:
+            self.traces = gr.State({})  # method -> Trace, this session's run or upload
+            self.control = gr.State(RunControl())
+            gr.Markdown("# DDTree Studio\nAR, DFlash and DDTree decoding side by side — same target, same prompt.")
+            gr.Markdown(self._model_banner(), elem_id="model-banner")
+            with gr.Tabs():
+                with gr.Tab("Run & inspect"):
+                    self._build_run_view()
+                    self._build_inspector()
+                with gr.Tab("Budget sweep"):
+                    self._build_sweep()
+            self._wire()
+        return demo
+
+    def _model_banner(self) -> str:
+        decoder = self.studio.decoder
+        target, info = decoder.target, decoder.drafter_info
+        drafter = (f"**{info.name}** (trained)" if info.trained else
+                   f"**{info.name} — untrained** (seeded random weights: drafts are noise and τ stays near 1; "
+                   "the machinery is real, the speed-up is not)")
+        return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}) · "
+                f"drafter {drafter}")
+
+    def _build_run_view(self) -> None:
+        with gr.Row():
+            with gr.Column(scale=3):
+                self.prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLE_PROMPTS[0], elem_id="prompt")
+                gr.Examples(EXAMPLE_PROMPTS, inputs=self.prompt, label="Example prompts")
+            with gr.Column(scale=2):
+                self.methods = gr.CheckboxGroup([(METHOD_NAMES[m], m) for m in METHODS], value=list(METHODS),
+                                                label="Methods (each runs alone, one after another)")
+                with gr.Row():
+                    self.max_new_tokens = gr.Number(32, label="Max new tokens", precision=0, minimum=1)
+                    self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)", minimum=0)
+                with gr.Row():
+                    self.seed = gr.Number(0, label="Seed", precision=0)
+                    self.budget = gr.Number(32, label="DDTree budget (nodes, 1–1024)", precision=0)
+                with gr.Row():
+                    self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
+                    self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
+        self.status = gr.Markdown("Ready.", elem_id="status")
+        gr.HTML(legend_html())
+        with gr.Row(equal_height=False):
+            self.columns = {method: gr.HTML(column_html(method, None), elem_id=f"column-{method}")
+                            for method in METHODS}
+        with gr.Accordion("Replay race (all methods on one clock, from the recorded step times)", open=True):
+            with gr.Row():
+                self.speed = gr.Radio(REPLAY_SPEEDS, value=0.5, label="Replay speed", scale=3)
+                self.replay_button = gr.Button("Replay race", scale=1, elem_id="replay-button")
+            self.race = gr.Plot(race_chart([]), label="Tokens over time", show_label=False)
+        with gr.Accordion("Traces: download or upload (replay and inspect without running a model)", open=False):
+            with gr.Row():
+                self.download = gr.File(label="Download this run's traces (JSON)", interactive=False)
+                self.upload = gr.File(label="Upload traces (JSON)", file_types=[".json"], type="filepath")
+            self.summary = gr.JSON(label="Run summary", value={})
+
+    def _build_inspector(self) -> None:
+        gr.Markdown("## Step inspector")
+        with gr.Row():
+            self.inspect_method = gr.Radio([], label="Method", scale=2)
+            self.prev_button = gr.Button("◀ Prev", scale=0, min_width=80)
+            self.step = gr.Slider(0, 1, value=0, step=1, label="Step (focus it and use ← →)", scale=4,
+                                  elem_id="step-slider")
+            self.next_button = gr.Button("Next ▶", scale=0, min_width=80)
+        self.tree = gr.Plot(empty_figure("Run or upload traces to inspect the draft trees."), label="Draft tree",
+                            elem_id="tree-plot")
+        with gr.Row():
+            self.why = gr.Markdown("", elem_id="why-stopped")
+            self.probs = gr.Plot(empty_figure("Per-depth draft probabilities appear here."), label="Draft top-k")
+        with gr.Row():
+            self.step_stages = gr.Plot(empty_figure("Stage timings for the step."), label="Step timing")
+            self.run_stages = gr.Plot(empty_figure("Stage timings for the run."), label="Run timing")
+        self.histogram = gr.Plot(acceptance_histogram([]), label="Acceptance lengths")
+
+    def _build_sweep(self) -> None:
+        gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab, "
+                    "with AR as the tokens/s reference.")
+        with gr.Row():
+            self.budgets = gr.Textbox(DEFAULT_SWEEP, label=f"Budgets (comma separated, up to {MAX_SWEEP_POINTS})",
+                                      scale=3)
+            self.sweep_button = gr.Button("Run sweep", variant="primary", scale=1)
+            self.sweep_stop = gr.Button("Stop", variant="stop", scale=0)
+        self.sweep_status = gr.Markdown("")
+        self.sweep_plot = gr.Plot(sweep_figure([]), label="Budget sweep")
+        self.sweep_table = gr.Dataframe(headers=["budget", "τ", "tokens/s", "speed-up vs AR", "tokens", "steps"],
+                                        label="Sweep results", interactive=False)
+
+    def _wire(self) -> None:
+        run_inputs = [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budget, self.methods,
+                      self.control]
+        self.run_event = self.run_button.click(
+            self.run, run_inputs, self.run_outputs, api_name="run", concurrency_id="model", concurrency_limit=4,
+            show_progress="minimal")
+        self.stop_button.click(self.request_stop, self.control, self.status, api_name="stop", queue=False)
+        self.replay_button.click(self.replay, [self.traces, self.speed, self.control],
+                                 [self.status, *self.columns.values()], api_name="replay", show_progress="hidden")
+        self.upload.upload(self.load_upload, [self.upload, self.traces], self.run_outputs, api_name="upload")
+        inspector = [self.tree, self.probs, self.why, self.step_stages]
+        # .input (not .change) so the updates a run or upload makes do not trigger these again
+        self.inspect_method.input(self.select_method, [self.traces, self.inspect_method],
+                                  [self.step, *inspector], api_name="select_method")
+        self.step.input(self.inspect, [self.traces, self.inspect_method, self.step], inspector, api_name="inspect",
+                        trigger_mode="always_last", show_progress="hidden")
+        for button, delta in ((self.prev_button, -1), (self.next_button, 1)):
+            button.click(functools.partial(self.shift_step, delta=delta), [self.traces, self.inspect_method, self.step],
+                         [self.step, *inspector], api_visibility="private", show_progress="hidden")
+        self.sweep_button.click(
+            self.sweep, [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budgets, self.control],
+            [self.sweep_status, self.sweep_plot, self.sweep_table], api_name="sweep", concurrency_id="model",
+            concurrency_limit=4, show_progress="minimal")
+        self.sweep_stop.click(self.request_stop, self.control, self.sweep_status, api_visibility="private",
+                              queue=False)
+
+    @property
+    def run_outputs(self) -> list:
+        """Everything a set of traces is shown in; the API returns them in this order
+        (``self.traces`` is state and not part of the API)."""
+        return [self.status, *self.columns.values(), self.summary, self.download, self.race, self.inspect_method,
+                self.step, self.tree, self.probs, self.why, self.step_stages, self.run_stages, self.histogram,
+                self.traces]
+
+    # -- handlers
+
+    def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, control: RunControl):
+        """Run the chosen methods one after another, streaming each column, then show
+        everything about the finished traces."""
+        control.stop = False
+        try:
+            if not methods:
+                raise EngineError("choose at least one method to run")
+            prompt_ids = encode_prompt(self.studio, prompt)
+            common = common_settings(max_new_tokens, temperature, seed)
+            budget = int(filled(budget, "tree budget"))
+            settings = checked(self.studio, prompt_ids, [DecodeSettings(method, tree_budget=budget, **common)
+                                                         for method in METHODS if method in methods])
+        except EngineError as exc:
+            yield {self.status: problem(exc)}
+            return
+        finished: dict[str, Trace] = {}
+        yield {column: column_html(method, None, absent="waiting" if method in methods else "not selected")
+               for method, column in self.columns.items()}
+        for number, setting in enumerate(settings, start=1):
+            method = setting.method
+            heading = f"**Running {METHOD_NAMES[method]}** ({number} of {len(settings)})"
+            live = None
+            try:
+                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
+                    if live is None:
+                        yield {self.status: f"{heading}: waiting for another session's run to finish…"}
+                    else:
+                        yield self._live_update(method, live, finished, heading)
+            except Exception as exc:
+                yield self.present(finished, problem(exc))
+                return
+            if live is not None and live.trace is not None:
+                finished[method] = live.trace
+            if control.stop:
+                break
+        yield self.present(finished, self._run_status(finished, control.stop))
+
+    def _live_update(self, method: str, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
+        if live.trace is None:
+            return {self.status: f"{heading}: prefill…"}
+        stats = run_stats(live.trace)
+        return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
+                self.columns[method]: column_html(method, live.trace, finished.get("ar"))}
+
+    def _run_status(self, traces: dict[str, Trace], stopped: bool) -> str:
+        notes = [note for trace in traces.values() for note in trace.config.notes]
+        for note in notes:
+            gr.Info(note)
+        done = "Stopped" if stopped else "Done"
+        return " · ".join([f"**{done}**: {', '.join(METHOD_NAMES[m] for m in traces) or 'nothing ran'}.", *notes])
+
+    def request_stop(self, control: RunControl) -> str:
+        control.stop = True
+        return "Stopping after the current step…"
+
+    def replay(self, traces: dict[str, Trace], speed: float, control: RunControl):
+        """Animate every run on one clock, each token appearing when its step ended."""
+        runs = [trace for trace in ordered(traces) if trace.summary is not None]
+        if not runs:
+            yield {self.status: problem(EngineError("nothing to replay yet: run the methods or upload traces"))}
+            return
+        control.stop = False
+        speed = float(speed or 1.0)
+        finish = max(trace.summary.wall_s for trace in runs)
+        started = time.perf_counter()
+        clock = 0.0
+        while clock < finish and not control.stop:
+            clock = min(finish, (time.perf_counter() - started) * speed)
+            yield self._race_frame(traces, clock, f"Replay at {speed:g}×: t = {clock:.2f} s of {finish:.2f} s")
+            time.sleep(REPLAY_FRAME_S)
+        yield self._race_frame(traces, None, "Replay finished." if not control.stop else "Replay stopped.")
+
+    def _race_frame(self, traces: dict[str, Trace], clock: float | None, status: str) -> dict:
+        ar = traces.get("ar")
+        return {self.status: status, **{
+            column: column_html(method, traces.get(method), ar, until=clock, all_done=clock is None)
+            for method, column in self.columns.items()}}
+
+    def load_upload(self, path: str | None, current: dict[str, Trace]):
+        if not path:
+            return {}
+        try:
+            traces = read_traces(path)
+        except TraceError as exc:
+            return {self.status: problem(exc)}
+        by_method: dict[str, Trace] = {}
+        for trace in traces:
+            by_method.setdefault(trace.config.method, trace)
+        status = f"Loaded {len(by_method)} trace(s) from the upload."
+        if len(by_method) < len(traces):
+            status += " The file holds several traces of one method; the first of each is shown."
+        return self.present(by_method, status)
+
+    def present(self, traces: dict[str, Trace], status: str) -> dict:
+        """Every view of a set of finished traces (after a run or an upload)."""
+        runs = ordered(traces)
+        ar = traces.get("ar")
+        first = next((m for m in ("ddtree", "dflash", "ar") if m in traces), None)
+        outputs = {
+            self.status: status,
+            **{column: column_html(method, traces.get(method), ar, all_done=True)
+               for method, column in self.columns.items()},
+            self.summary: run_summary(traces),
+            self.download: save_traces(runs) if runs else None,
+            self.race: race_chart(runs),
+            self.inspect_method: gr.Radio(choices=[(METHOD_NAMES[t.config.method], t.config.method) for t in runs],
+                                          value=first),
+            self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs if t.summary},
+                                          "Time per stage, whole run"),
+            self.histogram: acceptance_histogram(runs),
+            self.traces: traces,
+        }
+        return outputs | self.select_method(traces, first)
+
+    def select_method(self, traces: dict[str, Trace], method: str | None) -> dict:
+        trace = traces.get(method) if method else None
+        last = max(0, len(trace.steps) - 1) if trace else 0
+        # a slider needs maximum > minimum, so a one-step run still gets 0..1 (inspect clamps)
+        return {self.step: gr.Slider(minimum=0, maximum=max(last, 1), value=0, step=1, interactive=last > 0),
+                **self.inspect(traces, method, 0)}
+
+    def shift_step(self, traces: dict[str, Trace], method: str | None, index, delta: int) -> dict:
+        trace = traces.get(method) if method else None
+        last = max(0, len(trace.steps) - 1) if trace else 0
+        index = min(max(int(index or 0) + delta, 0), last)
+        return {self.step: index, **self.inspect(traces, method, index)}
+
+    def inspect(self, traces: dict[str, Trace], method: str | None, index) -> dict:
+        trace = traces.get(method) if method else None
+        if trace is None or not trace.steps:
+            message = "No steps to inspect." if trace is not None else "Run or upload traces to inspect steps."
+            return {self.tree: empty_figure(message), self.probs: empty_figure(message), self.why: "",
+                    self.step_stages: empty_figure(message)}
+        step = trace.steps[min(max(int(index or 0), 0), len(trace.steps) - 1)]
+        token_text = self.studio.token_text_for(ordered(traces))
+        label = trace.config.label
+        return {
+            self.tree: tree_figure(step, token_text, label),
+            self.probs: probability_figure(step, token_text, label),
+            self.why: explain_stop(step, token_text),
+            self.step_stages: stage_figure({label: step.stage_s}, f"Time per stage, step {step.index}"),
+        }
+
+    def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, control: RunControl):
+        """AR once, then DDTree at each budget; the plot and table grow as runs finish."""
+        control.stop = False
+        try:
+            budgets = parse_budgets(budgets_text)
+            prompt_ids = encode_prompt(self.studio, prompt)
+            common = common_settings(max_new_tokens, temperature, seed)
+            settings = checked(self.studio, prompt_ids, [DecodeSettings("ar", **common)] + [
+                DecodeSettings("ddtree", tree_budget=budget, **common) for budget in budgets])
+        except EngineError as exc:
+            yield {self.sweep_status: problem(exc)}
+            return
+        baseline, runs = None, []
+        for number, setting in enumerate(settings):
+            name = "AR baseline" if setting.method == "ar" else f"DDTree budget {setting.tree_budget}"
+            bar = progress_bar(number, len(settings))
+            live = None
+            try:
+                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
+                    tokens = run_stats(live.trace).tokens if live is not None and live.trace else 0
+                    yield {self.sweep_status: f"{bar} run {number + 1} of {len(settings)}: {name}, {tokens} tokens"}
+            except Exception as exc:
+                yield {self.sweep_status: problem(exc)}
+                return
+            if control.stop or live is None or live.trace is None:
+                break
+            if setting.method == "ar":
+                baseline = live.trace
+            else:
+                runs.append(live.trace)
+                yield {self.sweep_plot: sweep_figure(runs, baseline), self.sweep_table: sweep_rows(runs, baseline)}
+        done = "Sweep stopped." if control.stop else "Sweep finished."
+        yield {self.sweep_status: f"{progress_bar(len(runs) + 1, len(settings))} {done}"}
+
+
+def run_summary(traces: dict[str, Trace]) -> dict:
+    """The API-friendly digest of a run: text and headline numbers per method."""
+    ar = traces.get("ar")
+    summary = {}
+    for method, trace in traces.items():
+        stats = run_stats(trace)
+        summary[method] = {
+            "text": trace.text, "tokens": stats.tokens, "steps": stats.steps, "tau": round(stats.tau, 4),
+            "tokens_per_s": round(stats.tokens_per_s, 3), "wall_s": round(stats.elapsed_s, 4),
+            "identical_to_ar": identical_to(trace, ar) if ar is not None else None,
+            "stop_reason": trace.summary.stop_reason if trace.summary else None,
+            "drafter": trace.config.drafter, "drafter_trained": trace.config.drafter_trained,
+            "tree_budget": trace.config.tree_budget, "notes": trace.config.notes,
+        }
+    return summary
+
+
+def parse_budgets(text: str) -> list[int]:
+    parts = [part.strip() for part in (text or "").replace(";", ",").split(",") if part.strip()]
+    try:
+        budgets = sorted({int(part) for part in parts})
+    except ValueError:
+        raise EngineError(f"budgets must be whole numbers separated by commas, e.g. {DEFAULT_SWEEP}") from None
+    if not budgets:
+        raise EngineError(f"enter at least one budget, e.g. {DEFAULT_SWEEP}")
+    if len(budgets) > MAX_SWEEP_POINTS:
+        raise EngineError(f"at most {MAX_SWEEP_POINTS} budgets per sweep, got {len(budgets)}")
+    return budgets
+
+
+def sweep_rows(runs: list[Trace], baseline: Trace | None) -> list[list]:
+    reference = run_stats(baseline).tokens_per_s if baseline is not None else 0.0
+    rows = []
+    for trace in sorted(runs, key=lambda t: t.config.tree_budget):
+        stats = run_stats(trace)
+        speedup = f"{stats.tokens_per_s / reference:.2f}×" if reference > 0 else "–"
+        rows.append([trace.config.tree_budget, round(stats.tau, 3), round(stats.tokens_per_s, 2), speedup,
+                     stats.tokens, stats.steps])
+    return rows
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    filled = round(width * done / total) if total else width
+    return f"`[{'█' * filled}{'·' * (width - filled)}]`"
+
+
+CSS = """
+.ddt-column { min-height: 8em; }
+#status { min-height: 1.5em; }
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default=None, help="address to serve on (default: GRADIO_SERVER_NAME or 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: GRADIO_SERVER_PORT or 7860)")
+    parser.add_argument("--model", default=None, help="target model: folder, GGUF file or hub id (default: bundled)")
+    parser.add_argument("--drafter", default=None,
+                        help="DFlash drafter folder, or 'random' (default: the shipped drafter, else random)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
+    started = time.perf_counter()
+    try:
+        studio = load_studio(args.model, args.drafter, args.device, args.dtype)
+    except EngineError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    info = studio.decoder.drafter_info
+    log.info("loaded %s with drafter %s%s in %.1f s", studio.decoder.target.name, info.name,
+             "" if info.trained else " (untrained)", time.perf_counter() - started)
+    StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
+        server_name=args.host, server_port=args.port, css=CSS)
+
+
+if __name__ == "__main__":
+    main()

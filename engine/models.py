@@ -1,0 +1,48 @@
+"""Pick and load the target + drafter pair the app and the bench run on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.decode import Decoder, DrafterInfo
+from engine.drafter import DFlashDrafter, fresh_config, load_drafter
+from engine.target import BUNDLED_MODEL, load_target
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SHIPPED_DRAFTER = ASSETS / "drafters" / "smollm2-135m-dflash-b16"
+RANDOM = "random"
+# <empty_output>: a SmolLM2 special token that chat text never produces
+BUNDLED_MASK_TOKEN = 16
+RANDOM_DRAFTER_LAYERS = 3
+
+
+def shipped_drafter() -> Path | None:
+    return SHIPPED_DRAFTER if (SHIPPED_DRAFTER / "config.json").is_file() else None
+
+
+def random_drafter(target, seed: int = 0, block_size: int = 16) -> DFlashDrafter:
+    mask = BUNDLED_MASK_TOKEN if target.name == BUNDLED_MODEL else target.config.vocab_size - 1
+    config = fresh_config(target.config, num_layers=RANDOM_DRAFTER_LAYERS, mask_token_id=mask, block_size=block_size)
+    return DFlashDrafter(config).initialize(seed)
+
+
+def load_decoder(model: str | None = None, drafter: str | None = None, device: str = "cpu",
+                 dtype: str = "float32", seed: int = 0) -> Decoder:
+    """``drafter``: a checkpoint folder, ``random`` (seeded, untrained), or ``None`` for
+    the shipped drafter when running the bundled model (random otherwise)."""
+    checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast, before the slow target load
+    target = load_target(model, device=device, dtype=dtype)
+    if checkpoint is None and drafter is None and target.name == BUNDLED_MODEL and shipped_drafter() is not None:
+        drafter, checkpoint = str(shipped_drafter()), load_drafter(shipped_drafter())
+    if checkpoint is None:
+        draft_model, info = random_drafter(target, seed), DrafterInfo(f"random (untrained, seed {seed})", trained=False)
+    else:
+        draft_model, info = checkpoint, DrafterInfo(_display_name(drafter), trained=True)
+    draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
+    return Decoder(target, draft_model, info)
+
+
+def _display_name(path: str) -> str:
+    resolved = Path(path).resolve()
+    return resolved.name if resolved.parent == SHIPPED_DRAFTER.parent else str(path)
+

@@ -1,0 +1,114 @@
+"""Bad input gets a clear EngineError naming the cause and the fix, never a traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.bench import plan_jobs, read_prompts
+from engine.decode import MAX_TREE_BUDGET, DecodeSettings
+from engine.drafter import load_drafter, save_drafter
+from engine.errors import EngineError
+from engine.target import load_target
+from tests.tiny import tiny_decoder, tiny_drafter, tiny_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return tiny_decoder(0, vocab=40)
+
+
+def test_empty_prompt(decoder):
+    with pytest.raises(EngineError, match="prompt is empty"):
+        decoder.run("   ", DecodeSettings("ar"))
+
+
+def test_prompt_beyond_context(decoder):
+    with pytest.raises(EngineError, match="exceeds the model's context of 512 tokens"):
+        decoder.run(prompt_ids=[3] * 500, settings=DecodeSettings("ddtree", max_new_tokens=20))
+
+
+@pytest.mark.parametrize("budget", [0, -3])
+def test_budget_below_one(decoder, budget):
+    with pytest.raises(EngineError, match="tree budget must be at least 1"):
+        decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ddtree", tree_budget=budget))
+
+
+def test_absurd_budget_is_capped_and_said(decoder):
+    trace = decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ddtree", max_new_tokens=4, tree_budget=10**9))
+    assert trace.config.tree_budget == MAX_TREE_BUDGET
+    assert trace.config.notes == [f"tree budget 1000000000 capped to {MAX_TREE_BUDGET}"]
+
+
+@pytest.mark.parametrize("block_size", [1, 17])
+def test_block_size_unsupported_by_drafter(decoder, block_size):
+    with pytest.raises(EngineError, match=f"block size {block_size} is not supported by this drafter: choose 2..16"):
+        decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("dflash", block_size=block_size))
+
+
+def test_missing_drafter_folder(tmp_path):
+    with pytest.raises(EngineError, match="does not exist; pass a DFlash checkpoint folder or 'random'"):
+        load_drafter(tmp_path / "nope")
+
+
+def test_corrupt_drafter_weights(tmp_path):
+    save_drafter(tiny_drafter(tiny_target()), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(EngineError, match="unreadable \\(corrupt or truncated\\?\\)"):
+        load_drafter(tmp_path)
+
+
+def test_not_a_dflash_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(EngineError, match="this is not a DFlash drafter checkpoint"):
+        load_drafter(tmp_path)
+
+
+def test_drafter_for_another_model(tmp_path):
+    from engine.decode import Decoder
+
+    other = tiny_drafter(tiny_target())
+    other.config.target_layer_ids = [0, 9]
+    with pytest.raises(EngineError, match="it was trained for another model"):
+        Decoder(tiny_target(), other)
+
+
+def test_drafter_round_trip_is_exact(tmp_path):
+    drafter = tiny_drafter(tiny_target())
+    save_drafter(drafter, tmp_path)
+    loaded = load_drafter(tmp_path).double()
+    for name, tensor in drafter.state_dict().items():
+        assert loaded.state_dict()[name].equal(tensor), name
+
+
+def test_unreadable_prompts_file(tmp_path):
+    with pytest.raises(EngineError, match="cannot read prompts file"):
+        read_prompts(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "prompt": "ok"}\nnot json\n')
+    with pytest.raises(EngineError, match="bad.jsonl:2 is not valid JSON"):
+        read_prompts(str(bad))
+
+
+def test_unknown_method():
+    with pytest.raises(EngineError, match="unknown method"):
+        plan_jobs("ar,medusa", "32")
+
+
+def test_model_id_that_cannot_be_fetched(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(EngineError, match="model hub is unreachable \\(offline\\).*pass its folder"):
+        load_target("some-org/gated-model")
+
+
+def test_cli_reports_errors_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", str(tmp_path / "none.jsonl")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: cannot read prompts file")
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,56 @@
+"""The bundled SmolLM2-135M, offline: chat template, stopping, exactness, and the bench CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.decode import DecodeSettings
+from engine.models import load_decoder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return load_decoder(drafter="random")
+
+
+def test_chat_prompt_uses_template_and_stops_at_end_of_turn(decoder):
+    ids = decoder.target.chat_ids("Say hi.")
+    assert decoder.target.tokenizer.decode(ids).endswith("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
+    trace = decoder.run("Say hi.", DecodeSettings("ar", max_new_tokens=64))
+    assert trace.summary.stop_reason == "eos"
+    assert trace.output_ids[-1] == decoder.target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert trace.text.strip() and "<|im_end|>" not in trace.text
+
+
+@pytest.mark.parametrize("prompt", ["Write a Python function that adds two numbers.", "Name three colours."])
+def test_random_drafter_outputs_equal_ar_in_float32(decoder, prompt):
+    ar = decoder.run(prompt, DecodeSettings("ar", max_new_tokens=24))
+    for settings in (DecodeSettings("dflash", max_new_tokens=24), DecodeSettings("ddtree", max_new_tokens=24, tree_budget=16)):
+        assert decoder.run(prompt, settings).output_ids == ar.output_ids
+
+
+def test_bench_cli_on_default_model(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "colours", "prompt": "Name three colours."}) + "\n")
+    out = tmp_path / "results.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "--prompts", str(prompts), "--methods", "ar,dflash,ddtree",
+         "--tree-budget", "4,16", "--max-new-tokens", "12", "--device", "cpu", "--out", str(out),
+         "--traces", str(tmp_path / "traces"), "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert set(data["summary"]) == {"ar", "dflash", "ddtree@4", "ddtree@16"}
+    assert data["summary"]["ar"]["tau"] == 1.0 and data["summary"]["ar"]["speedup_vs_ar"] == 1.0
+    assert all(data["summary"][k]["identical_to_ar"] == "1/1" for k in ("dflash", "ddtree@4", "ddtree@16"))
+    run = data["runs"][0]
+    assert {"prompt_id", "method", "tree_budget", "output_ids", "text", "new_tokens", "verify_steps",
+            "acceptance_lengths", "tau", "wall_s", "tokens_per_s"} <= run.keys()
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
+        "colours.ar.json", "colours.ddtree@16.json", "colours.ddtree@4.json", "colours.dflash.json"]
+    assert "| ddtree@16 |" in result.stdout

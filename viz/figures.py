@@ -1,0 +1,210 @@
+"""Figures and explanations for one step or whole runs (everything but the tree).
+
+Pure functions of traces: no tokenizer (a ``TokenText`` is passed in), no models.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from engine.trace import STAGES, Step, Trace
+from viz.tokens import TokenText, shown
+
+ACCEPTED_COLOUR = "#2ca02c"
+TARGET_COLOUR = "#d9534f"
+METHOD_COLOURS = {"ar": "#7f7f7f", "dflash": "#ff7f0e", "ddtree": "#1f6fd1"}
+STAGE_COLOURS = {"draft": "#ff7f0e", "tree_build": "#9467bd", "tree_compile": "#8c564b", "verify": "#1f77b4",
+                 "commit": "#2ca02c"}
+
+
+def empty_figure(message: str, height: int = 220) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font=dict(size=14, color="#666"))
+    fig.update_layout(template="plotly_white", height=height, xaxis=dict(visible=False), yaxis=dict(visible=False),
+                      margin=dict(l=10, r=10, t=30, b=10))
+    return fig
+
+
+def target_path_tokens(step: Step) -> list[int]:
+    """The target's token at each depth along the accepted path, depth 1 first; the
+    last one is the bonus (what the target wanted where the draft was rejected)."""
+    return [step.target_tokens[node] for node in step.accepted]
+
+
+def draft_rank(step: Step, depth: int, token: int) -> tuple[int, float] | None:
+    """(0-based rank, probability) of ``token`` in the drafter's recorded top-k at
+    ``depth`` (1-based), or None when it is outside the top-k or past the draft."""
+    if not 1 <= depth <= len(step.draft_top_tokens):
+        return None
+    tokens = step.draft_top_tokens[depth - 1]
+    if token not in tokens:
+        return None
+    rank = tokens.index(token)
+    return rank, step.draft_top_probs[depth - 1][rank]
+
+
+def probability_figure(step: Step, token_text: TokenText, label: str = "") -> go.Figure:
+    """Heatmap of the drafter's top-k per depth, with the accepted token (green
+    square) and the target's token (red cross) marked where they are in the top-k."""
+    if not step.draft_top_tokens:
+        return empty_figure("No draft in this step: AR makes every token with the target.")
+    depths = list(range(1, len(step.draft_top_tokens) + 1))
+    k = len(step.draft_top_tokens[0])
+    ranks = list(range(1, k + 1))
+    z = [[step.draft_top_probs[d - 1][r - 1] for d in depths] for r in ranks]
+    text = [[shown(token_text, step.draft_top_tokens[d - 1][r - 1]) for d in depths] for r in ranks]
+    fig = go.Figure(go.Heatmap(
+        x=depths, y=ranks, z=z, text=text, texttemplate="%{text}", textfont=dict(size=10),
+        colorscale="Blues", zmin=0, zmax=1, colorbar=dict(title="prob", thickness=12),
+        hovertemplate="depth %{x} · rank %{y}<br>token %{text}<br>draft prob %{z:.4f}<extra></extra>",
+        name="draft top-k",
+    ))
+    accepted_tokens = [step.tree_tokens[node - 1] for node in step.accepted[1:]]
+    _mark(fig, step, accepted_tokens, "accepted draft token",
+          dict(symbol="square-open", size=30, color=ACCEPTED_COLOUR, line=dict(width=3)))
+    wanted = target_path_tokens(step)
+    _mark(fig, step, wanted, "target's token", dict(symbol="x-thin-open", size=16, color=TARGET_COLOUR,
+                                                    line=dict(width=3, color=TARGET_COLOUR)))
+    stop_depth = len(step.accepted)
+    missed = stop_depth <= len(depths) and draft_rank(step, stop_depth, wanted[-1]) is None
+    if missed:
+        fig.add_annotation(x=stop_depth, y=0, yref="paper", yshift=-58, showarrow=False, yanchor="top",
+                           text=f"✗ target wanted {shown(token_text, wanted[-1])}, not in top-{k}",
+                           font=dict(color=TARGET_COLOUR, size=11))
+    fig.update_layout(
+        title=dict(text=" · ".join(filter(None, [label, f"Step {step.index}: drafter's top-{k} per depth"])), x=0,
+                   font=dict(size=14)),
+        template="plotly_white", height=140 + 34 * k + 24 * missed, margin=dict(l=10, r=10, t=70, b=40 + 24 * missed),
+        xaxis=dict(title="draft depth", tickvals=depths, side="bottom"),
+        yaxis=dict(title="rank", autorange="reversed", tickvals=ranks),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0),
+    )
+    return fig
+
+
+def _mark(fig: go.Figure, step: Step, tokens: list[int], name: str, marker: dict) -> None:
+    """Markers over the heatmap cells holding ``tokens[d-1]`` at depth d."""
+    cells = [(depth, found[0] + 1) for depth, token in enumerate(tokens, start=1)
+             if (found := draft_rank(step, depth, token)) is not None]
+    if cells:
+        fig.add_trace(go.Scatter(x=[c[0] for c in cells], y=[c[1] for c in cells], mode="markers", name=name,
+                                 marker=marker, hoverinfo="skip"))
+
+
+def explain_stop(step: Step, token_text: TokenText) -> str:
+    """Markdown: where and why the acceptance walk stopped in this step."""
+    bonus = _code(shown(token_text, step.bonus_token))
+    if step.tree_size == 0:
+        return f"**Step {step.index}** drafts nothing (AR): the target produced {bonus}."
+    drafted = len(step.accepted) - 1
+    stop_depth = drafted + 1
+    lines = [f"**Step {step.index}**: {drafted} drafted token{'s' * (drafted != 1)} accepted, "
+             f"then the target's bonus {bonus}."]
+    last = step.accepted[-1]
+    offered = [node for node in range(1, step.tree_size + 1) if step.tree_parents[node - 1] == last]
+    if not offered:
+        reason = ("the draft block ends here" if stop_depth > len(step.draft_top_tokens)
+                  else "the tree's budget held nothing deeper on this path")
+        lines.append(f"Nothing was rejected: the accepted path reached a leaf ({reason}), so the target "
+                     "simply added the next token.")
+    else:
+        alternatives = ", ".join(f"{_code(shown(token_text, step.tree_tokens[node - 1]))} "
+                                 f"(p={step.tree_node_probs[node - 1]:.3f})" for node in offered[:8])
+        lines.append(f"First rejected depth: **{stop_depth}**. The tree offered {alternatives}; "
+                     f"the target wanted {bonus}.")
+        found = draft_rank(step, stop_depth, step.bonus_token)
+        k = len(step.draft_top_tokens[stop_depth - 1]) if stop_depth <= len(step.draft_top_tokens) else 0
+        if found is None:
+            lines.append(f"In the drafter's distribution at depth {stop_depth}, {bonus} is **not in the top-{k}**: "
+                         "the drafter did not see it coming.")
+        else:
+            rank, prob = found
+            lines.append(f"In the drafter's distribution at depth {stop_depth}, {bonus} was **rank {rank + 1}** "
+                         f"(p={prob:.4f}), but the tree held no branch for it below this path.")
+    if len(step.committed_ids) < drafted + 1:
+        lines.append("The commit was cut short by a stop token or the new-token limit.")
+    return "\n\n".join(lines)
+
+
+def _code(text: str) -> str:
+    """Token text as a Markdown code span, so ``*``, ``_`` or ``<`` in a token stay literal."""
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def stage_figure(rows: dict[str, dict[str, float]], title: str) -> go.Figure:
+    """Stacked horizontal bars of time per stage (ms), one bar per row label."""
+    if not rows:
+        return empty_figure("No timings yet.")
+    labels = list(rows)
+    fig = go.Figure()
+    for stage in STAGES:
+        fig.add_trace(go.Bar(
+            y=labels, x=[rows[label].get(stage, 0.0) * 1e3 for label in labels], name=stage, orientation="h",
+            marker_color=STAGE_COLOURS[stage], hovertemplate=f"{stage}: %{{x:.2f}} ms<extra>%{{y}}</extra>",
+        ))
+    fig.update_layout(barmode="stack", title=dict(text=title, x=0, font=dict(size=14)), template="plotly_white",
+                      height=150 + 40 * len(labels), margin=dict(l=10, r=10, t=70, b=40),
+                      xaxis=dict(title="ms"), yaxis=dict(autorange="reversed"),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0, traceorder="normal"))
+    return fig
+
+
+def acceptance_histogram(traces: list[Trace]) -> go.Figure:
+    """How many tokens each step committed (acceptance length, bonus included)."""
+    if not traces:
+        return empty_figure("Run or upload traces to see acceptance lengths.")
+    fig = go.Figure()
+    for trace in traces:
+        counts = Counter(step.acceptance_length for step in trace.steps)
+        lengths = sorted(counts)
+        fig.add_trace(go.Bar(x=lengths, y=[counts[n] for n in lengths], name=trace.config.label,
+                             marker_color=METHOD_COLOURS.get(trace.config.method),
+                             hovertemplate="length %{x}: %{y} steps<extra>%{fullData.name}</extra>"))
+    fig.update_layout(barmode="group", title=dict(text="Acceptance length per step (bonus included)", x=0,
+                                                  font=dict(size=14)),
+                      template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),
+                      xaxis=dict(title="tokens committed in one step", dtick=1), yaxis=dict(title="steps"),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
+    return fig
+
+
+def sweep_figure(traces: list[Trace], baseline: Trace | None = None) -> go.Figure:
+    """τ and tokens/s against the DDTree budget; AR's tokens/s as a reference line."""
+    if not traces:
+        return empty_figure("Run a sweep to compare budgets.")
+    runs = sorted((t for t in traces if t.summary is not None), key=lambda t: t.config.tree_budget)
+    budgets = [t.config.tree_budget for t in runs]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("τ (mean acceptance length)", "tokens / s"))
+    fig.add_trace(go.Scatter(x=budgets, y=[t.summary.tau for t in runs], mode="lines+markers", name="τ",
+                             marker_color=METHOD_COLOURS["ddtree"]), row=1, col=1)
+    fig.add_trace(go.Scatter(x=budgets, y=[t.summary.tokens_per_s for t in runs], mode="lines+markers",
+                             name="DDTree tokens/s", marker_color=METHOD_COLOURS["ddtree"]), row=1, col=2)
+    if baseline is not None and baseline.summary is not None:
+        fig.add_hline(y=baseline.summary.tokens_per_s, line=dict(dash="dash", color=METHOD_COLOURS["ar"]),
+                      annotation_text="AR", row=1, col=2)
+    fig.update_xaxes(type="log", title="tree budget (nodes)", tickvals=budgets)
+    fig.update_layout(template="plotly_white", height=360, margin=dict(l=10, r=10, t=50, b=40), showlegend=False)
+    return fig
+
+
+def race_chart(traces: list[Trace]) -> go.Figure:
+    """Tokens committed against wall time for each run: the race, as one static plot."""
+    if not traces:
+        return empty_figure("Run or upload traces to see the race.")
+    fig = go.Figure()
+    for trace in traces:
+        times, counts = [0.0, trace.prefill.t_end], [0, 1]
+        for step in trace.steps:
+            times.append(step.t_end)
+            counts.append(counts[-1] + step.acceptance_length)
+        fig.add_trace(go.Scatter(x=times, y=counts, mode="lines", line_shape="hv", name=trace.config.label,
+                                 line=dict(color=METHOD_COLOURS.get(trace.config.method), width=2)))
+    fig.update_layout(title=dict(text="Tokens over time (each method ran alone)", x=0, font=dict(size=14)),
+                      template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),
+                      xaxis=dict(title="seconds since start"), yaxis=dict(title="tokens"),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
+    return fig

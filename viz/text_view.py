@@ -1,0 +1,135 @@
+"""A run's output as HTML: tokens coloured by origin, plus its live statistics.
+
+Both the live run view and the replay race render a trace "as of" a moment: only
+the prefill and the steps finished by ``until`` seconds count, so one function
+serves streaming (the trace so far, ``until=None``) and the shared-clock replay.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from engine.trace import Trace
+from viz.tokens import committed_origins
+
+ORIGIN_STYLES = {
+    "draft": "background:#c9f0c4;",  # accepted draft token
+    "target": "background:#d6e4fb;",  # the target's own token: bonus, prefill, every AR token
+}
+METHOD_NAMES = {"ar": "AR (target only)", "dflash": "DFlash (chain)", "ddtree": "DDTree (tree)"}
+
+
+def legend_html() -> str:
+    return ("<div style='font-size:0.9em'>"
+            f"<span style='{ORIGIN_STYLES['draft']}padding:1px 4px;border-radius:3px'>accepted draft token</span> "
+            f"<span style='{ORIGIN_STYLES['target']}padding:1px 4px;border-radius:3px'>target's token "
+            "(bonus / AR)</span> · hover a token for its step</div>")
+
+
+@dataclass(frozen=True)
+class RunStats:
+    tokens: int
+    steps: int
+    tau: float
+    elapsed_s: float
+    done: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def run_stats(trace: Trace, until: float | None = None) -> RunStats:
+    """Statistics of the trace as of ``until`` seconds (``None``: everything recorded)."""
+    finished = trace.summary is not None and (until is None or until >= trace.summary.wall_s)
+    if finished:
+        s = trace.summary
+        return RunStats(tokens=s.new_tokens, steps=s.steps, tau=s.tau, elapsed_s=s.wall_s, done=True)
+    steps = [step for step in trace.steps if until is None or step.t_end <= until]
+    started = until is None or trace.prefill.t_end <= until
+    lengths = [step.acceptance_length for step in steps]
+    elapsed = until if until is not None else (steps[-1].t_end if steps else trace.prefill.t_end)
+    return RunStats(tokens=int(started) + sum(lengths), steps=len(steps),
+                    tau=sum(lengths) / len(lengths) if lengths else 0.0, elapsed_s=elapsed, done=False)
+
+
+def tokens_html(trace: Trace, until: float | None = None) -> str:
+    """The output so far, one span per token, coloured by where it came from."""
+    spans = []
+    if until is None or trace.prefill.t_end <= until:
+        spans.append(_span(trace.prefill.first_text, "target", "prefill"))
+    for step in trace.steps:
+        if until is not None and step.t_end > until:
+            break
+        for piece, origin in zip(step.committed_text, committed_origins(step)):
+            spans.append(_span(piece, origin, f"step {step.index}"))
+    return "".join(spans)
+
+
+def _span(piece: str, origin: str, where: str) -> str:
+    return (f"<span style='{ORIGIN_STYLES[origin]}' title='{where}: {origin}'>"
+            f"{html.escape(piece)}</span>")
+
+
+def identical_to(trace: Trace, reference: Trace) -> bool:
+    return trace.output_ids == reference.output_ids
+
+
+def column_html(method: str, trace: Trace | None, ar: Trace | None = None, until: float | None = None,
+                all_done: bool = False, absent: str = "not run") -> str:
+    """One method's column: title, drafter badge, stats line, verdict against AR,
+    the engine's notes, text. ``absent`` says why there is no trace yet.
+
+    ``all_done`` says every method of the run has finished, which is when comparing
+    with AR means something.
+    """
+    title = f"<div style='font-weight:600;font-size:1.1em'>{METHOD_NAMES.get(method, method)}</div>"
+    if trace is None:
+        return f"<div class='ddt-column'>{title}<div style='color:#888'>{html.escape(absent)}</div></div>"
+    stats = run_stats(trace, until)
+    parts = [title, _drafter_badge(trace), _stats_line(stats, trace, ar, until)]
+    if all_done and ar is not None and stats.done:
+        parts.append(_verdict(trace, ar))
+    parts += [f"<div style='color:#8a4b00;font-size:0.85em'>{html.escape(note)}</div>"
+              for note in trace.config.notes]
+    parts.append("<div class='ddt-text' style='white-space:pre-wrap;font-family:ui-monospace,monospace;"
+                 "font-size:0.92em;line-height:1.5;border:1px solid #ddd;border-radius:6px;padding:8px;"
+                 f"min-height:6em;margin-top:6px'>{tokens_html(trace, until)}</div>")
+    return f"<div class='ddt-column'>{''.join(parts)}</div>"
+
+
+def _drafter_badge(trace: Trace) -> str:
+    config = trace.config
+    if config.method == "ar":
+        return "<div style='color:#666;font-size:0.85em'>no drafter</div>"
+    budget = f" · budget {config.tree_budget}" if config.tree_budget is not None else ""
+    warning = ("" if config.drafter_trained else
+               " <span style='background:#fde2b8;color:#8a4b00;padding:1px 6px;border-radius:8px'>"
+               "untrained drafter: expect τ ≈ 1</span>")
+    return (f"<div style='color:#666;font-size:0.85em'>drafter {html.escape(str(config.drafter))}"
+            f"{budget}{warning}</div>")
+
+
+def _stats_line(stats: RunStats, trace: Trace, ar: Trace | None, until: float | None) -> str:
+    items = [f"{stats.tokens} tokens", f"{stats.steps} steps", f"τ {stats.tau:.2f}",
+             f"{stats.tokens_per_s:.1f} tok/s", f"{stats.elapsed_s:.2f} s"]
+    if ar is not None and trace is not ar:
+        ar_stats = run_stats(ar, until)
+        if ar_stats.tokens_per_s > 0 and stats.tokens_per_s > 0:
+            items.append(f"{stats.tokens_per_s / ar_stats.tokens_per_s:.2f}× vs AR")
+    state = "done" if stats.done else "running" if until is None else "…"
+    return (f"<div class='ddt-stats' style='font-size:0.9em'>{' · '.join(items)} "
+            f"<span style='color:#888'>({state})</span></div>")
+
+
+def _verdict(trace: Trace, ar: Trace) -> str:
+    if trace is ar:
+        return ("<div class='ddt-verdict'><span style='background:#eee;padding:1px 6px;border-radius:8px'>"
+                "reference output</span></div>")
+    if identical_to(trace, ar):
+        return ("<div class='ddt-verdict'><span style='background:#c9f0c4;padding:1px 6px;border-radius:8px'>"
+                "✓ identical to AR</span></div>")
+    why = " (expected when sampling: temperature > 0)" if trace.config.temperature > 0 else ""
+    return ("<div class='ddt-verdict'><span style='background:#f8d0cf;padding:1px 6px;border-radius:8px'>"
+            f"✗ differs from AR{why}</span></div>")
