@@ -30,8 +30,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.decode import DecodeSettings, Decoder
 from engine.errors import EngineError
+from engine.models import load_decoder
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
 from viz.figures import acceptance_histogram, empty_figure, explain_stop, probability_figure, race_chart, \
     stage_figure, sweep_figure
@@ -53,7 +54,6 @@ REPLAY_SPEEDS = [("0.25×", 0.25), ("0.5×", 0.5), ("1× (real time)", 1.0)]
 DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
 MAX_SWEEP_POINTS = 8
 TRACE_FILE_NAME = "ddtree-traces.json"
-DRAFTERS_DIR = Path(__file__).parent / "assets" / "drafters"
 
 
 # ---------------------------------------------------------------- models (shared)
@@ -77,33 +77,6 @@ class Studio:
         if traces and all(trace.config.model == self.decoder.target.name for trace in traces):
             return self.decode_token
         return pieces_token_text(traces)
-
-
-def load_studio(model: str | None, drafter: str | None, device: str, dtype: str) -> Studio:
-    """Target plus drafter: ``drafter`` is a checkpoint folder, ``random``, or None for
-    the drafter shipped under assets/drafters/ (a seeded random one when none is)."""
-    from engine.drafter import DFlashDrafter, fresh_config, load_drafter
-    from engine.target import load_target
-
-    target = load_target(model, device=device, dtype=dtype)
-    if drafter == "random":
-        folder = None
-    elif drafter is None:
-        folder = _shipped_drafter()
-    else:
-        folder = Path(drafter)
-    if folder is not None:
-        draft_model, info = load_drafter(folder), DrafterInfo(name=folder.name, trained=True)
-    else:
-        config = fresh_config(target.config, num_layers=3, mask_token_id=16)
-        draft_model, info = DFlashDrafter(config).initialize(0), DrafterInfo(name="random", trained=False)
-    draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
-    return Studio(Decoder(target, draft_model, info))
-
-
-def _shipped_drafter() -> Path | None:
-    found = sorted(path.parent for path in DRAFTERS_DIR.glob("*/config.json"))
-    return found[0] if found else None
 
 
 # ---------------------------------------------------------------- per-session state
@@ -141,10 +114,38 @@ def read_traces(path: str) -> list[Trace]:
     traces = [Trace.from_dict(item) for item in items]
     if not traces:
         raise TraceError("the file holds no traces")
-    unknown = [t.config.method for t in traces if t.config.method not in METHODS]
-    if unknown:
-        raise TraceError(f"unknown method {unknown[0]!r} in trace file; expected one of {', '.join(METHODS)}")
+    for trace in traces:
+        check_consistent(trace)
     return traces
+
+
+def check_consistent(trace: Trace) -> None:
+    """Catch a hand-edited or truncated trace at the upload rather than deep inside a figure."""
+    if trace.config.method not in METHODS:
+        raise TraceError(f"unknown method {trace.config.method!r} in trace file; expected one of {', '.join(METHODS)}")
+    if trace.summary is None:
+        raise TraceError(f"the {trace.config.method} trace has no summary: it was saved before its run finished")
+    for step in trace.steps:
+        try:
+            n = len(step.tree_tokens)
+            tree_lists = (step.tree_parents, step.tree_depths, step.tree_node_probs, step.tree_path_probs,
+                          step.tree_ranks)
+            faults = [
+                (any(len(values) != n for values in tree_lists), "its tree lists differ in length"),
+                (len(step.target_tokens) != n + 1, "it needs one target token per node plus the root"),
+                (any(not 0 <= parent < node for node, parent in enumerate(step.tree_parents, start=1)),
+                 "a node's parent does not come before it"),
+                (not step.accepted or step.accepted[0] != 0 or any(not 0 < a <= n for a in step.accepted[1:]),
+                 "its accepted path is not root-first node indices"),
+                (len(step.committed_ids) != len(step.committed_text), "committed ids and texts differ in length"),
+                (len(step.draft_top_tokens) != len(step.draft_top_probs), "draft top-k tokens and probs differ"),
+            ]
+        except TypeError as exc:
+            raise TraceError(f"step {step.index} of the {trace.config.method} trace has malformed values: {exc}") \
+                from exc
+        for failed, why in faults:
+            if failed:
+                raise TraceError(f"step {step.index} of the {trace.config.method} trace is inconsistent: {why}")
 
 
 # ---------------------------------------------------------------- running the model
@@ -157,11 +158,11 @@ class LiveRun:
         self.trace: Trace | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
-        self._args = (studio.decoder, prompt, prompt_ids, settings, control)
-        threading.Thread(target=self._work, daemon=True).start()
+        threading.Thread(target=self._work, args=(studio.decoder, prompt, prompt_ids, settings, control),
+                         daemon=True).start()
 
-    def _work(self) -> None:
-        decoder, prompt, prompt_ids, settings, control = self._args
+    def _work(self, decoder: Decoder, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
+              control: RunControl) -> None:
         try:
             self.trace = decoder.run(prompt, settings, prompt_ids=prompt_ids, on_step=self._on_step,
                                      should_stop=lambda: control.stop)
@@ -265,8 +266,8 @@ class StudioApp:
         decoder = self.studio.decoder
         target, info = decoder.target, decoder.drafter_info
         drafter = (f"**{info.name}** (trained)" if info.trained else
-                   f"**{info.name} — untrained** (seeded random weights: drafts are noise and τ stays near 1; "
-                   "the machinery is real, the speed-up is not)")
+                   f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
+                   "near 1; the machinery is real, the speed-up is not")
         return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}) · "
                 f"drafter {drafter}")
 
@@ -277,13 +278,14 @@ class StudioApp:
                 gr.Examples(EXAMPLE_PROMPTS, inputs=self.prompt, label="Example prompts")
             with gr.Column(scale=2):
                 self.methods = gr.CheckboxGroup([(METHOD_NAMES[m], m) for m in METHODS], value=list(METHODS),
-                                                label="Methods (each runs alone, one after another)")
+                                                label="Methods (each runs alone, one after another)", elem_id="methods")
                 with gr.Row():
-                    self.max_new_tokens = gr.Number(32, label="Max new tokens", precision=0, minimum=1)
-                    self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)", minimum=0)
+                    self.max_new_tokens = gr.Number(32, label="Max new tokens", precision=0,
+                                                    elem_id="max-new-tokens")
+                    self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)")
                 with gr.Row():
                     self.seed = gr.Number(0, label="Seed", precision=0)
-                    self.budget = gr.Number(32, label="DDTree budget (nodes, 1–1024)", precision=0)
+                    self.budget = gr.Number(32, label="DDTree budget (nodes, 1–1024)", precision=0, elem_id="budget")
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
@@ -313,13 +315,16 @@ class StudioApp:
             self.next_button = gr.Button("Next ▶", scale=0, min_width=80)
         self.tree = gr.Plot(empty_figure("Run or upload traces to inspect the draft trees."), label="Draft tree",
                             elem_id="tree-plot")
-        with gr.Row():
-            self.why = gr.Markdown("", elem_id="why-stopped")
-            self.probs = gr.Plot(empty_figure("Per-depth draft probabilities appear here."), label="Draft top-k")
-        with gr.Row():
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                gr.Markdown("### Why it stopped")
+                self.why = gr.Markdown("", elem_id="why-stopped")
             self.step_stages = gr.Plot(empty_figure("Stage timings for the step."), label="Step timing")
+        self.probs = gr.Plot(empty_figure("Per-depth draft probabilities appear here."), label="Draft top-k",
+                             elem_id="probs-plot")
+        with gr.Row():
             self.run_stages = gr.Plot(empty_figure("Stage timings for the run."), label="Run timing")
-        self.histogram = gr.Plot(acceptance_histogram([]), label="Acceptance lengths")
+            self.histogram = gr.Plot(acceptance_histogram([]), label="Acceptance lengths")
 
     def _build_sweep(self) -> None:
         gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab, "
@@ -337,13 +342,13 @@ class StudioApp:
     def _wire(self) -> None:
         run_inputs = [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budget, self.methods,
                       self.control]
-        self.run_event = self.run_button.click(
+        self.run_button.click(
             self.run, run_inputs, self.run_outputs, api_name="run", concurrency_id="model", concurrency_limit=4,
             show_progress="minimal")
         self.stop_button.click(self.request_stop, self.control, self.status, api_name="stop", queue=False)
         self.replay_button.click(self.replay, [self.traces, self.speed, self.control],
                                  [self.status, *self.columns.values()], api_name="replay", show_progress="hidden")
-        self.upload.upload(self.load_upload, [self.upload, self.traces], self.run_outputs, api_name="upload")
+        self.upload.upload(self.load_upload, self.upload, self.run_outputs, api_name="upload")
         inspector = [self.tree, self.probs, self.why, self.step_stages]
         # .input (not .change) so the updates a run or upload makes do not trigger these again
         self.inspect_method.input(self.select_method, [self.traces, self.inspect_method],
@@ -427,7 +432,7 @@ class StudioApp:
 
     def replay(self, traces: dict[str, Trace], speed: float, control: RunControl):
         """Animate every run on one clock, each token appearing when its step ended."""
-        runs = [trace for trace in ordered(traces) if trace.summary is not None]
+        runs = ordered(traces)
         if not runs:
             yield {self.status: problem(EngineError("nothing to replay yet: run the methods or upload traces"))}
             return
@@ -448,7 +453,7 @@ class StudioApp:
             column: column_html(method, traces.get(method), ar, until=clock, all_done=clock is None)
             for method, column in self.columns.items()}}
 
-    def load_upload(self, path: str | None, current: dict[str, Trace]):
+    def load_upload(self, path: str | None) -> dict:
         if not path:
             return {}
         try:
@@ -477,7 +482,7 @@ class StudioApp:
             self.race: race_chart(runs),
             self.inspect_method: gr.Radio(choices=[(METHOD_NAMES[t.config.method], t.config.method) for t in runs],
                                           value=first),
-            self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs if t.summary},
+            self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
                                           "Time per stage, whole run"),
             self.histogram: acceptance_histogram(runs),
             self.traces: traces,
@@ -485,16 +490,13 @@ class StudioApp:
         return outputs | self.select_method(traces, first)
 
     def select_method(self, traces: dict[str, Trace], method: str | None) -> dict:
-        trace = traces.get(method) if method else None
-        last = max(0, len(trace.steps) - 1) if trace else 0
+        last = last_step(traces, method)
         # a slider needs maximum > minimum, so a one-step run still gets 0..1 (inspect clamps)
         return {self.step: gr.Slider(minimum=0, maximum=max(last, 1), value=0, step=1, interactive=last > 0),
                 **self.inspect(traces, method, 0)}
 
     def shift_step(self, traces: dict[str, Trace], method: str | None, index, delta: int) -> dict:
-        trace = traces.get(method) if method else None
-        last = max(0, len(trace.steps) - 1) if trace else 0
-        index = min(max(int(index or 0) + delta, 0), last)
+        index = min(max(int(index or 0) + delta, 0), last_step(traces, method))
         return {self.step: index, **self.inspect(traces, method, index)}
 
     def inspect(self, traces: dict[str, Trace], method: str | None, index) -> dict:
@@ -503,7 +505,7 @@ class StudioApp:
             message = "No steps to inspect." if trace is not None else "Run or upload traces to inspect steps."
             return {self.tree: empty_figure(message), self.probs: empty_figure(message), self.why: "",
                     self.step_stages: empty_figure(message)}
-        step = trace.steps[min(max(int(index or 0), 0), len(trace.steps) - 1)]
+        step = trace.steps[min(max(int(index or 0), 0), last_step(traces, method))]
         token_text = self.studio.token_text_for(ordered(traces))
         label = trace.config.label
         return {
@@ -543,9 +545,19 @@ class StudioApp:
                 baseline = live.trace
             else:
                 runs.append(live.trace)
-                yield {self.sweep_plot: sweep_figure(runs, baseline), self.sweep_table: sweep_rows(runs, baseline)}
+                yield self._sweep_results(runs, baseline)
         done = "Sweep stopped." if control.stop else "Sweep finished."
-        yield {self.sweep_status: f"{progress_bar(len(runs) + 1, len(settings))} {done}"}
+        # the last message carries everything: API clients only see the final one
+        yield {self.sweep_status: f"{progress_bar(len(runs) + 1, len(settings))} {done}",
+               **self._sweep_results(runs, baseline)}
+
+    def _sweep_results(self, runs: list[Trace], baseline: Trace | None) -> dict:
+        return {self.sweep_plot: sweep_figure(runs, baseline), self.sweep_table: sweep_rows(runs, baseline)}
+
+
+def last_step(traces: dict[str, Trace], method: str | None) -> int:
+    trace = traces.get(method) if method else None
+    return max(0, len(trace.steps) - 1) if trace else 0
 
 
 def run_summary(traces: dict[str, Trace]) -> dict:
@@ -558,7 +570,7 @@ def run_summary(traces: dict[str, Trace]) -> dict:
             "text": trace.text, "tokens": stats.tokens, "steps": stats.steps, "tau": round(stats.tau, 4),
             "tokens_per_s": round(stats.tokens_per_s, 3), "wall_s": round(stats.elapsed_s, 4),
             "identical_to_ar": identical_to(trace, ar) if ar is not None else None,
-            "stop_reason": trace.summary.stop_reason if trace.summary else None,
+            "stop_reason": trace.summary.stop_reason,
             "drafter": trace.config.drafter, "drafter_trained": trace.config.drafter_trained,
             "tree_budget": trace.config.tree_budget, "notes": trace.config.notes,
         }
@@ -590,8 +602,8 @@ def sweep_rows(runs: list[Trace], baseline: Trace | None) -> list[list]:
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:
-    filled = round(width * done / total) if total else width
-    return f"`[{'█' * filled}{'·' * (width - filled)}]`"
+    bar = round(width * done / total) if total else width
+    return f"`[{'█' * bar}{'·' * (width - bar)}]`"
 
 
 CSS = """
@@ -610,16 +622,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    log.setLevel(logging.INFO)
     log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
     started = time.perf_counter()
     try:
-        studio = load_studio(args.model, args.drafter, args.device, args.dtype)
+        studio = Studio(load_decoder(args.model, args.drafter, args.device, args.dtype))
     except EngineError as exc:
         raise SystemExit(f"error: {exc}") from None
-    info = studio.decoder.drafter_info
-    log.info("loaded %s with drafter %s%s in %.1f s", studio.decoder.target.name, info.name,
-             "" if info.trained else " (untrained)", time.perf_counter() - started)
+    log.info("loaded %s with drafter %s in %.1f s", studio.decoder.target.name, studio.decoder.drafter_info.name,
+             time.perf_counter() - started)
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
         server_name=args.host, server_port=args.port, css=CSS)
 

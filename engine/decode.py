@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 import ddtree
+from engine import hybrid
 from engine.drafter import DFlashDrafter, DraftContext
 from engine.errors import EngineError
 from engine.target import Target
@@ -250,9 +251,7 @@ class _Run:
                            margins[: len(committed)])
 
     def commit_cache(self, accepted: list[int]) -> None:
-        for layer in self.cache.layers:
-            layer.keys = ddtree.compact_rows(layer.keys, self.start, accepted)
-            layer.values = ddtree.compact_rows(layer.values, self.start, accepted)
+        hybrid.commit_cache(self.cache, self.start, accepted)
 
     def clip(self, tokens: list[int]) -> list[int]:
         """Cut at the first stop token (kept) and at the new-token limit."""

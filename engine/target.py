@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from engine import hybrid
 from engine.errors import EngineError
 
 BUNDLED_MODEL = "smollm2"
@@ -95,10 +96,14 @@ class Target:
     def new_cache(self):
         from transformers import DynamicCache
 
+        if hybrid.is_hybrid(self.config):
+            return hybrid.TreeCache(self.config)
         return DynamicCache(config=self.config)
 
     def forward(self, input_ids, position_ids, cache, attention_bias=None, hidden_states=False):
         """Logits ``[q, vocab]`` and, if asked, the per-layer hidden states."""
+        if hybrid.verifies_tree(cache):  # linear-attention layers fork their state per tree node
+            return hybrid.tree_forward(self.model, input_ids, position_ids, cache, attention_bias, hidden_states)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -58,9 +58,10 @@ def probability_figure(step: Step, token_text: TokenText, label: str = "") -> go
     z = [[step.draft_top_probs[d - 1][r - 1] for d in depths] for r in ranks]
     text = [[shown(token_text, step.draft_top_tokens[d - 1][r - 1]) for d in depths] for r in ranks]
     fig = go.Figure(go.Heatmap(
-        x=depths, y=ranks, z=z, text=text, texttemplate="%{text}", textfont=dict(size=10),
+        x=depths, y=ranks, z=z, text=[[_clip(t) for t in row] for row in text], customdata=text,
+        texttemplate="%{text}", textfont=dict(size=10),
         colorscale="Blues", zmin=0, zmax=1, colorbar=dict(title="prob", thickness=12),
-        hovertemplate="depth %{x} · rank %{y}<br>token %{text}<br>draft prob %{z:.4f}<extra></extra>",
+        hovertemplate="depth %{x} · rank %{y}<br>token %{customdata}<br>draft prob %{z:.4f}<extra></extra>",
         name="draft top-k",
     ))
     accepted_tokens = [step.tree_tokens[node - 1] for node in step.accepted[1:]]
@@ -72,18 +73,23 @@ def probability_figure(step: Step, token_text: TokenText, label: str = "") -> go
     stop_depth = len(step.accepted)
     missed = stop_depth <= len(depths) and draft_rank(step, stop_depth, wanted[-1]) is None
     if missed:
-        fig.add_annotation(x=stop_depth, y=0, yref="paper", yshift=-58, showarrow=False, yanchor="top",
-                           text=f"✗ target wanted {shown(token_text, wanted[-1])}, not in top-{k}",
-                           font=dict(color=TARGET_COLOUR, size=11))
+        fig.add_annotation(x=1, y=1, xref="paper", yref="paper", showarrow=False, xanchor="right", yanchor="bottom",
+                           text=f"✗ depth {stop_depth}: target wanted {shown(token_text, wanted[-1])}, "
+                                f"not in top-{k}", font=dict(color=TARGET_COLOUR, size=12))
     fig.update_layout(
         title=dict(text=" · ".join(filter(None, [label, f"Step {step.index}: drafter's top-{k} per depth"])), x=0,
                    font=dict(size=14)),
-        template="plotly_white", height=140 + 34 * k + 24 * missed, margin=dict(l=10, r=10, t=70, b=40 + 24 * missed),
+        template="plotly_white", height=140 + 34 * k, margin=dict(l=10, r=10, t=70, b=40),
         xaxis=dict(title="draft depth", tickvals=depths, side="bottom"),
         yaxis=dict(title="rank", autorange="reversed", tickvals=ranks),
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0),
     )
     return fig
+
+
+def _clip(text: str, width: int = 8) -> str:
+    """Cell labels stay inside their cell; the hover has the whole token."""
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _mark(fig: go.Figure, step: Step, tokens: list[int], name: str, marker: dict) -> None:
@@ -158,6 +164,7 @@ def acceptance_histogram(traces: list[Trace]) -> go.Figure:
     if not traces:
         return empty_figure("Run or upload traces to see acceptance lengths.")
     fig = go.Figure()
+    longest = max((step.acceptance_length for trace in traces for step in trace.steps), default=1)
     for trace in traces:
         counts = Counter(step.acceptance_length for step in trace.steps)
         lengths = sorted(counts)
@@ -167,7 +174,9 @@ def acceptance_histogram(traces: list[Trace]) -> go.Figure:
     fig.update_layout(barmode="group", title=dict(text="Acceptance length per step (bonus included)", x=0,
                                                   font=dict(size=14)),
                       template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),
-                      xaxis=dict(title="tokens committed in one step", dtick=1), yaxis=dict(title="steps"),
+                      # a few empty lengths on the right keep one-length runs from drawing slabs
+                      xaxis=dict(title="tokens committed in one step", dtick=1, range=[0.5, max(longest, 6) + 0.5]),
+                      yaxis=dict(title="steps"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
     return fig
 

@@ -84,7 +84,8 @@ def column_html(method: str, trace: Trace | None, ar: Trace | None = None, until
     ``all_done`` says every method of the run has finished, which is when comparing
     with AR means something.
     """
-    title = f"<div style='font-weight:600;font-size:1.1em'>{METHOD_NAMES.get(method, method)}</div>"
+    budget = f" · budget {trace.config.tree_budget}" if trace and trace.config.tree_budget is not None else ""
+    title = f"<div style='font-weight:600;font-size:1.1em'>{METHOD_NAMES.get(method, method)}{budget}</div>"
     if trace is None:
         return f"<div class='ddt-column'>{title}<div style='color:#888'>{html.escape(absent)}</div></div>"
     stats = run_stats(trace, until)
@@ -103,12 +104,10 @@ def _drafter_badge(trace: Trace) -> str:
     config = trace.config
     if config.method == "ar":
         return "<div style='color:#666;font-size:0.85em'>no drafter</div>"
-    budget = f" · budget {config.tree_budget}" if config.tree_budget is not None else ""
     warning = ("" if config.drafter_trained else
-               " <span style='background:#fde2b8;color:#8a4b00;padding:1px 6px;border-radius:8px'>"
-               "untrained drafter: expect τ ≈ 1</span>")
-    return (f"<div style='color:#666;font-size:0.85em'>drafter {html.escape(str(config.drafter))}"
-            f"{budget}{warning}</div>")
+               " <span style='background:#fde2b8;color:#8a4b00;padding:1px 6px;border-radius:8px;"
+               "white-space:nowrap'>untrained drafter: expect τ ≈ 1</span>")
+    return f"<div style='color:#666;font-size:0.85em'>drafter {html.escape(str(config.drafter))}{warning}</div>"
 
 
 def _stats_line(stats: RunStats, trace: Trace, ar: Trace | None, until: float | None) -> str:

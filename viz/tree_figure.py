@@ -1,8 +1,9 @@
 """One verify step's draft tree as a plotly tidy tree.
 
 The root (last committed token) sits on the left and depth grows to the right.
-Children are ordered by draft probability, most probable on top, and every subtree
-owns a contiguous band of rows, so edges never cross. The accepted path is drawn
+Children are ordered by draft probability, most probable on top, every subtree owns
+a contiguous band of rows (so edges never cross), and a parent sits level with its
+first child, so the most probable chain reads as one straight line. The accepted path is drawn
 strong, the bonus token hangs after the last accepted node as an extra node of its
 own style, the drafted alternatives the target turned down at that point are
 marked, and the rest of the tree (never reached by the acceptance walk) is faded.
@@ -40,9 +41,9 @@ EXTRA_LABELS_IN_BIG_TREES = 32
 @dataclass(frozen=True)
 class TreeLayout:
     graph: nx.DiGraph  # nodes carry the step's data; edges run parent -> child
-    positions: dict[int, tuple[float, float]]  # node -> (depth, row), row 0 at the top
+    positions: dict[int, tuple[int, int]]  # node -> (depth, row), row 0 at the top
     bonus: int  # the bonus node's id (one past the last draft node)
-    leaves: int
+    row_count: int
 
 
 def tree_graph(step: Step) -> tuple[nx.DiGraph, int]:
@@ -81,27 +82,29 @@ def tree_graph(step: Step) -> tuple[nx.DiGraph, int]:
 
 
 def tidy_layout(step: Step) -> TreeLayout:
-    """Leaves take consecutive rows in depth-first order; a parent sits midway
-    between its first and last child."""
+    """Leaves take consecutive rows in depth-first order; a parent takes its first
+    child's row (for the last accepted node that child is the bonus, so the committed
+    tokens line up)."""
     graph, bonus = tree_graph(step)
-    rows: dict[int, float] = {}
-    leaves = 0
+    rows: dict[int, int] = {}
+    next_row = 0
     for node in nx.dfs_postorder_nodes(graph, ROOT):
-        kids = list(graph.successors(node))
-        if kids:
-            rows[node] = (rows[kids[0]] + rows[kids[-1]]) / 2
+        first_child = next(graph.successors(node), None)
+        if first_child is not None:
+            rows[node] = rows[first_child]
         else:
-            rows[node] = leaves
-            leaves += 1
-    positions = {node: (float(graph.nodes[node]["depth"]), rows[node]) for node in graph}
-    return TreeLayout(graph=graph, positions=positions, bonus=bonus, leaves=leaves)
+            rows[node] = next_row
+            # a blank row under the bonus keeps the committed line clear of the alternatives
+            next_row += 2 if node == bonus else 1
+    positions = {node: (graph.nodes[node]["depth"], rows[node]) for node in graph}
+    return TreeLayout(graph=graph, positions=positions, bonus=bonus, row_count=next_row)
 
 
 def tree_figure(step: Step, token_text: TokenText, label: str = "") -> go.Figure:
     """``label`` names the run (``ddtree@32``) in the title."""
     layout = tidy_layout(step)
     graph = layout.graph
-    labelled = _labelled_nodes(step, graph)
+    labelled = _labelled_nodes(graph)
     fig = go.Figure()
     for edge_kind, style in (("faded", dict(color="#c3c9cf", width=1)),
                              ("accepted", dict(color=NODE_STYLES["accepted"][1], width=3)),
@@ -133,15 +136,15 @@ def tree_figure(step: Step, token_text: TokenText, label: str = "") -> go.Figure
     fig.update_layout(
         title=dict(text=" · ".join(filter(None, [label, tree_title(step)])), x=0, font=dict(size=14)),
         template="plotly_white",
-        height=tree_height(layout.leaves),
+        height=tree_height(layout.row_count),
         margin=dict(l=10, r=10, t=70, b=40),
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0, font=dict(size=11)),
-        hoverlabel=dict(align="left"),
-        xaxis=dict(tickvals=list(range(int(max_depth) + 1)),
-                   ticktext=["root"] + [str(d) for d in range(1, int(max_depth) + 1)],
+        hoverlabel=dict(align="left", bgcolor="white", font=dict(color="#222")),
+        xaxis=dict(tickvals=list(range(max_depth + 1)),
+                   ticktext=["root"] + [str(d) for d in range(1, max_depth + 1)],
                    title="draft depth", range=[-0.5, max_depth + 0.6], showgrid=False, zeroline=False),
         # rows count down the page; the extra room on top keeps the first label clear of the legend
-        yaxis=dict(visible=False, range=[layout.leaves - 0.3, -1.0]),
+        yaxis=dict(visible=False, range=[layout.row_count - 0.4, -1.6]),
     )
     return fig
 
@@ -153,10 +156,11 @@ def tree_title(step: Step) -> str:
     return f"Step {step.index}: {step.tree_size} drafted, {drafted} accepted + bonus"
 
 
-def tree_height(leaves: int) -> int:
-    """Rows stay readable: roomy for small trees, tighter (but growing) for big ones."""
-    per_leaf = 34 if leaves <= 16 else 22 if leaves <= 64 else 14
-    return int(min(8000, max(260, 130 + leaves * per_leaf)))
+def tree_height(rows: int) -> int:
+    """Pixels for ``rows`` rows: the first 16 get 34 px each, the next 48 get 22 and
+    the rest 14, so small trees are roomy and big ones still grow row by row."""
+    pixels = 34 * min(rows, 16) + 22 * min(max(rows - 16, 0), 48) + 14 * max(rows - 64, 0)
+    return min(8000, max(260, 140 + pixels))
 
 
 def node_hover(graph: nx.DiGraph, node: int, bonus: int, token_text: TokenText) -> str:
@@ -166,15 +170,15 @@ def node_hover(graph: nx.DiGraph, node: int, bonus: int, token_text: TokenText) 
         return (f"root: {token}<br>the last committed token<br>"
                 f"target chose next: {shown(token_text, data['target'])}")
     if node == bonus:
-        return (f"bonus: {token}<br>the target's token after node {data['parent']}, "
-                f"which no drafted child matched")
-    return (f"{token}<br>node {node} · depth {data['depth']} · {data['kind']}<br>"
+        after = "the root" if data["parent"] == ROOT else f"node {data['parent']}"
+        return f"bonus: {token}<br>the target's token after {after}, which no drafted child matched"
+    return (f"{token}<br>node {node} · depth {data['depth']} · {NODE_STYLES[data['kind']][0].lower()}<br>"
             f"draft prob {data['prob']:.4f}<br>path prob {data['path_prob']:.4g}<br>"
             f"rank at depth: {data['rank'] + 1}<br>"
             f"target chose here: {shown(token_text, data['target'])}")
 
 
-def _labelled_nodes(step: Step, graph: nx.DiGraph) -> set[int]:
+def _labelled_nodes(graph: nx.DiGraph) -> set[int]:
     if graph.number_of_nodes() <= LABEL_ALL_UP_TO:
         return set(graph)
     story = {node for node in graph if graph.nodes[node]["kind"] in ("root", "accepted", "bonus", "rejected")}

@@ -327,7 +327,15 @@ def visible_lines(lines: list[WrappedLine], chars: int, max_lines: int) -> list[
     return lines[max(0, shown - max_lines):shown]
 
 
-def fit_text(text: str, font: Font, width: int) -> str:
+def fit_first(options: list[str], font: Font, width: float) -> str:
+    """The first (longest, clearest) option that fits; else the last one cut to fit."""
+    for option in options:
+        if font.getlength(option) <= width:
+            return option
+    return fit_text(options[-1], font, width)
+
+
+def fit_text(text: str, font: Font, width: float) -> str:
     """``text`` cut with an ellipsis so it fits ``width`` pixels."""
     if font.getlength(text) <= width:
         return text
@@ -357,9 +365,10 @@ def drafter_name(trace: Trace) -> str | None:
     return f"{config.drafter} (untrained)"
 
 
-def drafter_line(trace: Trace) -> str:
-    drafter = drafter_name(trace)
-    return f"{trace.config.model} + drafter {drafter}" if drafter else f"{trace.config.model} · target only"
+def drafter_lines(trace: Trace) -> list[str]:
+    """How the column's models are named, longest first: narrow columns take a shorter form."""
+    drafter, model = drafter_name(trace), trace.config.model
+    return [f"{model} + drafter {drafter}", f"{model} + {drafter}"] if drafter else [f"{model} · target only"]
 
 
 def engine_line(trace: Trace) -> str:
@@ -371,11 +380,14 @@ def playback_line(slowdown: float) -> str:
     if slowdown == 1:
         return "real time"
     if slowdown > 1:
-        return f"slow motion, {slowdown:g}× slower than real time"
-    return f"sped up {1 / slowdown:g}× (clocks show real time)"
+        return f"slow motion, {slowdown:.3g}× slower than real time"
+    return f"sped up {1 / slowdown:.3g}× (clocks show real time)"
 
 
 def token_label(piece: str) -> str:
+    """A token as a tree label: whitespace drawn as visible marks, since a blank label reads as missing."""
+    if piece.isspace():
+        piece = piece.replace(" ", "␣")
     return piece.replace("\n", "↵").replace("\t", "→") or "∅"
 
 
@@ -540,11 +552,9 @@ class Scene:
         draw.rectangle((box.panel.x0 + self.preset.px(14), box.panel.y0, box.panel.x1 - self.preset.px(14),
                         box.panel.y0 + self.preset.px(4)), fill=colour)  # the method's colour as a top rule
         room = box.name.width - fonts.clock.getlength("000.00 s") - self.preset.px(12)
-        title = method_title(trace)
-        if fonts.heading.getlength(title) > room:  # narrow columns (four of them) get the short label
-            title = fit_text(short_title(trace), fonts.heading, room)
-        draw.text((box.name.x0, box.name.y0), title, font=fonts.heading, fill=colour)
-        draw.text((box.subtitle.x0, box.subtitle.y0), fit_text(drafter_line(trace), fonts.small, box.subtitle.width),
+        draw.text((box.name.x0, box.name.y0), fit_first([method_title(trace), short_title(trace)], fonts.heading, room),
+                  font=fonts.heading, fill=colour)
+        draw.text((box.subtitle.x0, box.subtitle.y0), fit_first(drafter_lines(trace), fonts.small, box.subtitle.width),
                   font=fonts.small, fill=theme.text)
         draw.text((box.engine.x0, box.engine.y0), fit_text(engine_line(trace), fonts.small, box.engine.width),
                   font=fonts.small, fill=theme.muted)
@@ -557,7 +567,7 @@ class Scene:
                 *(CardRow(line, fonts.prompt, theme.text, space_before=px(10) if i == 0 else 0)
                   for i, line in enumerate(self._prompt_lines(area.width))),
                 *(CardRow(fit_text(fact, fonts.body, area.width), fonts.body, theme.muted,
-                          space_before=px(30) if i == 0 else 0) for i, fact in enumerate(self._card_facts()))]
+                          space_before=px(30) if i == 0 else 0) for i, fact in enumerate(self.card_facts()))]
         image = Image.new("RGB", self.size, theme.background)
         draw = ImageDraw.Draw(image)
         y = area.y0 + (area.height - sum(row.space_before + line_height(row.font) for row in rows)) // 2  # centred
@@ -575,7 +585,7 @@ class Scene:
             lines = lines[:PROMPT_CARD_LINES - 1] + [fit_text(lines[PROMPT_CARD_LINES - 1] + " …", font, width)]
         return lines
 
-    def _card_facts(self) -> list[str]:
+    def card_facts(self) -> list[str]:
         traces = [c.trace for c in self.columns]
         first = traces[0].config
         sampling = "greedy" if first.temperature == 0 else f"temperature {first.temperature:g}"
@@ -681,6 +691,7 @@ class Scene:
     def _draw_legend(self, draw: ImageDraw.ImageDraw, inner: Box) -> None:
         theme, font, r = self.theme, self.fonts.label, self.preset.px(7)
         x, y = inner.x1, inner.y0 + line_height(self.fonts.small) // 2
+        # laid out from the right edge leftwards, so the entries are listed last to first
         for text, fill, outline in (("bonus (target's token)", None, theme.accepted), ("rejected", theme.rejected, None),
                                     ("accepted path", theme.accepted, None)):
             x -= font.getlength(text)
@@ -714,6 +725,7 @@ class Scene:
             # (which is no drafted node) never covers one
             last = tree.points[step.accepted[-1]]
             bonus_at = (last[0] + tree.depth_width / 2, last[1])
+            draw.line((*last, *bonus_at), fill=theme.accepted, width=px(2))
             self._dot(draw, bonus_at, radius * 1.2, theme.panel, outline=theme.accepted)
             self._label_tokens(draw, [bonus_at], [step.committed_text[len(step.accepted) - 1]], radius,
                                tree.depth_width, above=False)

@@ -1,7 +1,8 @@
 """Training a DFlash drafter for the target on the target's own outputs.
 
-``prompts``: prompt sources written here (no dataset download). ``data``: prompts ->
-greedy target responses -> token files (vLLM or transformers). ``train``: the DFlash
-objective. ``export``: bf16, sharded checkpoints. ``run``: the whole procedure as one
-command. See README.md beside this file.
+``prompts``: prompt sources written here (no dataset download). ``generation``: vLLM and
+transformers backends. ``data``: prompts -> greedy target replies -> token shards.
+``train``: the DFlash objective and a time-bounded, resumable loop. ``export``: bf16,
+sharded checkpoints. ``convert``: GGUF target -> HF folder. ``run``: the whole procedure
+as one command; ``device.sh``: that command on the GPU machine. See README.md here.
 """

@@ -30,12 +30,16 @@ import numpy as np
 import torch
 
 from engine.target import Target, load_target
-from engine.training.generation import Generator, Sampling, TransformersGenerator, VllmGenerator, VllmSettings
+from engine.training.generation import (Generator, Sampling, TransformersGenerator, VllmGenerator, VllmSettings,
+                                       device_and_dtype)
 from engine.training.prompts import (Prompt, code_prompts, general_prompts, math_prompts, self_written_openers,
                                      stub_prompts)
 
 STATS_FILE = "data-stats.json"
+MIN_CHUNK_PROMPTS = 64  # fewer than this left in the budget: stop
 SHARD_PATTERN = "responses-*.pt"
+# per shard: replies that ended their turn (untrimmed), were cut at a loop, were too short; tokens
+COUNTS = ("stopped", "trimmed", "dropped", "generated_tokens", "reply_tokens")
 
 
 @dataclass
@@ -52,8 +56,8 @@ class DataSettings:
     prompt_temperature: float = 1.0
     prompt_top_p: float = 0.95
     min_prompt_chars: int = 12
-    chunk_prompts: int = 8192
-    max_minutes: float | None = None  # reply generation stops starting chunks once this would be exceeded
+    chunk_prompts: int = 8192  # prompts per vLLM call (and shard); later chunks shrink to fit the deadline
+    max_minutes: float | None = None  # the whole stage, engine start included: no new chunk that would overrun it
     ngram: int = 8
     max_ngram_repeats: int = 4
     min_response_tokens: int = 8
@@ -166,9 +170,10 @@ class ShardBuilder:
     lengths: list[int] = field(default_factory=list)
     response_starts: list[int] = field(default_factory=list)
     prompt_ids: list[str] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=lambda: dict(stopped=0, trimmed=0, dropped=0, reply_tokens=0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
 
     def add(self, prompt: Prompt, prompt_ids: list[int], reply: list[int], stopped: bool, settings: DataSettings):
+        self.counts["generated_tokens"] += len(reply)
         keep = repetition_cut(reply, settings.ngram, settings.max_ngram_repeats)
         if keep < settings.min_response_tokens:
             self.counts["dropped"] += 1
@@ -195,39 +200,51 @@ class ShardBuilder:
 
 
 def generate_responses(generator: Generator, chat: Target, prompts: list[Prompt], settings: DataSettings,
-                       folder: Path, log=print) -> None:
-    """Greedy replies, one shard per chunk of prompts. Chunks already on disk are skipped
-    (resumable); a new chunk starts only if the last one's time still fits the budget."""
+                       folder: Path, deadline: float = math.inf, log=print) -> None:
+    """Greedy replies, one shard per chunk of prompts, continuing after the shards already on
+    disk. The first chunk (a quarter size) measures the speed; later chunks are sized so they
+    end before ``deadline`` (``time.monotonic()`` seconds): a chunk cannot be cut short."""
     sampling = Sampling(settings.max_new_tokens)
-    budget = settings.max_minutes * 60 if settings.max_minutes is not None else math.inf
-    began, last_chunk_seconds = time.monotonic(), 0.0
-    for index, start in enumerate(range(0, len(prompts), settings.chunk_prompts)):
-        end = min(start + settings.chunk_prompts, len(prompts))
-        path = folder / f"responses-{index:05d}.pt"
-        if path.exists():
-            _check_shard_range(path, (start, end))
-            continue
-        if time.monotonic() - began + last_chunk_seconds > budget:
+    start, index = answered_so_far(folder)
+    done, busy_seconds = 0, 0.0
+    while start < len(prompts):
+        size = chunk_size(settings, done / busy_seconds if done else None, deadline - time.monotonic())
+        if size == 0:
             log(f"replies: time budget reached; prompts {start}..{len(prompts)} left without replies")
             return
         chunk_began = time.monotonic()
-        chunk = prompts[start:end]
+        chunk = prompts[start:start + size]
         encoded = [chat.chat_ids(p.text) for p in chunk]
         shard = ShardBuilder()
         for prompt, ids, completion in zip(chunk, encoded, generator.complete(encoded, sampling)):
             shard.add(prompt, ids, completion.token_ids, completion.stopped, settings)
-        last_chunk_seconds = time.monotonic() - chunk_began
-        shard.save(path, (start, end), last_chunk_seconds)
-        log(f"replies: chunk {index} ({end - start} prompts) kept {len(shard.lengths)}, "
-            f"{shard.counts['reply_tokens']} reply tokens in {last_chunk_seconds:.1f} s "
-            f"({shard.counts['reply_tokens'] / max(last_chunk_seconds, 1e-9):.0f} tok/s)")
+        seconds = time.monotonic() - chunk_began
+        shard.save(folder / f"responses-{index:05d}.pt", (start, start + len(chunk)), seconds)
+        generated = shard.counts["generated_tokens"]
+        log(f"replies: chunk {index} (prompts {start}..{start + len(chunk)}): {generated} tokens generated in "
+            f"{seconds:.1f} s ({generated / max(seconds, 1e-9):.0f} tok/s); kept {len(shard.lengths)} replies, "
+            f"{shard.counts['reply_tokens']} tokens")
+        start, index = start + len(chunk), index + 1
+        done, busy_seconds = done + len(chunk), busy_seconds + seconds
 
 
-def _check_shard_range(path: Path, expected: tuple[int, int]) -> None:
-    found = tuple(torch.load(path)["prompt_range"])
-    if found != expected:
-        raise ValueError(f"{path} holds prompts {found}, not {expected}: it was written with another "
-                         "--chunk-prompts; use that value or remove the responses-*.pt files")
+def chunk_size(settings: DataSettings, prompts_per_second: float | None, seconds_left: float) -> int:
+    """Prompts for the next chunk: a quarter chunk first (it measures the speed), then as many
+    as 90% of the time left allows, at most ``chunk_prompts``; 0 when that is too few."""
+    if seconds_left <= 0:
+        return 0
+    if prompts_per_second is None:
+        return max(1, settings.chunk_prompts // 4)
+    if math.isinf(seconds_left):
+        return settings.chunk_prompts
+    fitting = int(prompts_per_second * seconds_left * 0.9)
+    return min(settings.chunk_prompts, fitting) if fitting >= MIN_CHUNK_PROMPTS else 0
+
+
+def answered_so_far(folder: Path) -> tuple[int, int]:
+    """(prompts answered, shards written) by earlier runs: shards cover prompts in order."""
+    shards = sorted(folder.glob(SHARD_PATTERN))
+    return (int(torch.load(shards[-1])["prompt_range"][1]), len(shards)) if shards else (0, 0)
 
 
 # ---- loading -------------------------------------------------------------------------------------
@@ -273,7 +290,7 @@ class SequenceData:
 
 def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timings: dict[str, float]) -> dict:
     shards = [torch.load(p) for p in sorted(folder.glob(SHARD_PATTERN))]
-    counts = {key: sum(s["counts"][key] for s in shards) for key in ("stopped", "trimmed", "dropped", "reply_tokens")}
+    counts = {key: sum(s["counts"][key] for s in shards) for key in COUNTS}
     sequences = sum(len(s["lengths"]) for s in shards)
     reply_seconds = sum(s["seconds"] for s in shards)
     by_source: dict[str, int] = {}
@@ -285,7 +302,7 @@ def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timin
         "sequences": sequences, **counts,
         "tokens": int(sum(int(s["lengths"].sum()) for s in shards)),
         "mean_reply_tokens": counts["reply_tokens"] / max(sequences, 1),
-        "reply_seconds": reply_seconds, "reply_tokens_per_s": counts["reply_tokens"] / max(reply_seconds, 1e-9),
+        "reply_seconds": reply_seconds, "generated_tokens_per_s": counts["generated_tokens"] / max(reply_seconds, 1e-9),
         **{f"{stage}_seconds": seconds for stage, seconds in timings.items()},
     }
 
@@ -308,26 +325,30 @@ def open_generator(args) -> tuple[Generator, Target]:
         chat = tokenizer_only_target(args.model)
         vllm = VllmSettings(max_num_seqs=args.vllm_max_num_seqs, enforce_eager=args.vllm_eager)
         return VllmGenerator(args.model, chat.stop_ids, args.seed, vllm), chat
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    target = load_target(args.model, *device_and_dtype(args.device, args.dtype))
     return TransformersGenerator(target, args.batch_size, args.seed), target
 
 
-def run(generator: Generator, chat: Target, folder: Path, settings: DataSettings, log=print) -> dict:
-    """Prompts (reused if written before), then replies (missing shards only), then stats."""
+def run(generator: Generator, chat: Target, folder: Path, settings: DataSettings, log=print,
+        began: float | None = None) -> dict:
+    """Prompts (reused if written before), then replies (missing shards only), then stats.
+    ``settings.max_minutes`` counts from ``began`` (default: now)."""
     folder.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic() if began is None else began
+    deadline = began + settings.max_minutes * 60 if settings.max_minutes is not None else math.inf
     timings = {}
     train_path, heldout_path = folder / "prompts.jsonl", folder / "heldout.jsonl"
     if train_path.exists() and heldout_path.exists():
         prompts, heldout = read_prompts(train_path), read_prompts(heldout_path)
         log(f"prompts: reusing {len(prompts)} training + {len(heldout)} held-out prompts from {folder}")
     else:
-        began = time.monotonic()
+        prompts_began = time.monotonic()
         prompts, heldout = split_heldout(build_prompts(generator, chat, settings), settings)
         write_prompts(train_path, prompts)
         write_prompts(heldout_path, heldout)
-        timings["prompts"] = time.monotonic() - began
+        timings["prompts"] = time.monotonic() - prompts_began
         log(f"prompts: {len(prompts)} training + {len(heldout)} held-out in {timings['prompts']:.1f} s")
-    generate_responses(generator, chat, prompts, settings, folder, log)
+    generate_responses(generator, chat, prompts, settings, folder, deadline, log)
     stats = data_stats(folder, prompts, heldout, timings)
     (folder / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
     log("data: " + json.dumps(stats))
@@ -342,7 +363,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--backend", choices=["vllm", "transformers"], default="vllm")
     parser.add_argument("--device", default="auto", help="transformers backend only")
-    parser.add_argument("--dtype", default="bfloat16", help="transformers backend only")
+    parser.add_argument("--dtype", default=None, help="transformers backend only (default: bf16 on CUDA, else fp32)")
     parser.add_argument("--batch-size", type=int, default=32, help="transformers backend only")
     parser.add_argument("--vllm-max-num-seqs", type=int, default=VllmSettings.max_num_seqs)
     parser.add_argument("--vllm-eager", action="store_true", help="no CUDA graphs: starts in seconds, runs slower")
@@ -355,10 +376,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    began = time.monotonic()  # the budget includes starting the engine
     args, settings = parse_args(argv)
     generator, chat = open_generator(args)
     try:
-        run(generator, chat, args.out, settings)
+        run(generator, chat, args.out, settings, began=began)
     finally:
         generator.close()
 

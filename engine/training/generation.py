@@ -26,6 +26,13 @@ class Completion:
     stopped: bool  # True: the model ended its turn; False: cut by max_new_tokens
 
 
+def device_and_dtype(device: str, dtype: str | None) -> tuple[str, str]:
+    """``auto`` picks CUDA when present; the dtype defaults to bfloat16 there, float32 on CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+
+
 class Generator(Protocol):
     def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]: ...
 

@@ -281,7 +281,8 @@ FUNCTION_SPECS = [
      [("sum_to_n(5)", "15"), ("sum_to_n(10)", "55"), ("sum_to_n(1)", "1")]),
     ("", "def correct_bracketing(brackets: str) -> bool:",
      "brackets is a string of '(' and ')'.\nReturn True if every opening bracket has a corresponding closing bracket.",
-     [("correct_bracketing('(')", "False"), ("correct_bracketing('(()())')", "True"), ("correct_bracketing(')(()')", "False")]),
+     [("correct_bracketing('(')", "False"), ("correct_bracketing('(()())')", "True"),
+      ("correct_bracketing(')(()')", "False")]),
     ("", "def fib(n: int) -> int:",
      "Return the n-th Fibonacci number.",
      [("fib(10)", "55"), ("fib(1)", "1"), ("fib(8)", "21")]),
@@ -410,11 +411,13 @@ FUNCTION_SPECS = [
     ("", "def check_if_last_char_is_a_letter(txt: str) -> bool:",
      "Return True if the last character of a given string is an alphabetical character and is not\n"
      "a part of a word, and False otherwise.",
-     [("check_if_last_char_is_a_letter('apple pie')", "False"), ("check_if_last_char_is_a_letter('apple pi e')", "True")]),
+     [("check_if_last_char_is_a_letter('apple pie')", "False"),
+      ("check_if_last_char_is_a_letter('apple pi e')", "True")]),
     ("", "def largest_smallest_integers(lst: list) -> tuple:",
      "Return a tuple (a, b), where a is the largest negative integer and b is the smallest positive\n"
      "integer in the list. If there are no negative or positive integers, return None for them.",
-     [("largest_smallest_integers([2, 4, 1, 3, 5, 7])", "(None, 1)"), ("largest_smallest_integers([])", "(None, None)")]),
+     [("largest_smallest_integers([2, 4, 1, 3, 5, 7])", "(None, 1)"),
+      ("largest_smallest_integers([])", "(None, None)")]),
     ("", "def special_factorial(n: int) -> int:",
      "The Brazilian factorial is defined as n! * (n-1)! * (n-2)! * ... * 1!, where n > 0.\n"
      "Return the Brazilian factorial of n.",

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Train the DFlash drafter for SmolLM2 on the GPU machine. Run the SAME command in two
+# back-to-back calls (the machine keeps /tmp while it stays warm, 30 s after a call):
+#   call A: install vLLM, convert the GGUF, generate the data, train until the deadline
+#   call B: resume training until the deadline
+# Every call ends by DEADLINE_MIN minutes after it starts and leaves in $OUT:
+#   drafter/       config.json + bf16 safetensors shards (<= 15 MiB each): load_drafter() reads it
+#   heldout.jsonl  {"id", "prompt", "source"} prompts never trained on, for the bench
+#   run.log        everything printed: stage timings, data stats, training log lines
+# Needs in /tmp/stage (staged with ../shared/device/stage.sh): vllm-trim.tar.xz, INSTALL.sh and
+# the SmolLM2 GGUF. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training planned
+# for call B, read by call A only), NUM_PROMPTS (50000). Extra arguments go to
+# engine.training.run and from there to engine.training.train (e.g. --num-layers 5).
+#     bash engine/training/device.sh
+set -uo pipefail
+started=$(date +%s)
+cd "$(dirname "$0")/../.."  # the repository root: python -m engine... needs it
+: "${OUT:?OUT must name the folder whose files come back}"
+STAGE=${STAGE:-/tmp/stage}
+export SITE=${SITE:-/tmp/site}  # where INSTALL.sh puts vLLM
+WORK=${WORK:-/tmp/dflash}
+MODEL=${MODEL:-/tmp/smol-hf}
+export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       VLLM_NO_USAGE_STATS=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 HOME=/tmp/home \
+       VLLM_CACHE_ROOT=/tmp/vcache TRITON_CACHE_DIR=/tmp/tcache
+mkdir -p "$WORK" "$HOME"
+log="$WORK/run.log"
+
+say() { echo "== device.sh: $* at $(( $(date +%s) - started )) s"; }
+
+prepare() {
+  if [ ! -d "$SITE/vllm" ]; then
+    [ -f "$STAGE/vllm-trim.tar.xz" ] || { say "no $STAGE/vllm-trim.tar.xz: stage the bundle first"; return 1; }
+    bash "$STAGE/INSTALL.sh" "$STAGE/vllm-trim.tar.xz" || return 1
+    say "vLLM installed"
+  fi
+  if [ ! -f "$MODEL/config.json" ]; then
+    gguf=$(ls "$STAGE"/*.gguf 2>/dev/null | head -n 1)
+    [ -n "$gguf" ] || { say "no GGUF in $STAGE: stage SmolLM2-135M-Instruct.Q4_1.gguf first"; return 1; }
+    python3 -m engine.training.convert "$gguf" "$MODEL" || return 1
+    say "target converted"
+  fi
+}
+
+{
+  say "call started $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+  prepare && python3 -m engine.training.run --model "$MODEL" --out "$WORK" --started-at "$started" \
+    --deadline-minutes "${DEADLINE_MIN:-9}" --later-minutes "${LATER_MIN:-8.3}" --num-prompts "${NUM_PROMPTS:-50000}" "$@"
+  status=$?
+  echo "$status" > "$WORK/status"
+  say "pipeline exit status $status"
+} 2>&1 | tee -a "$log"
+
+# Whatever happened, bring back what exists (at most 8 files of 16 MiB each come back).
+mkdir -p "$OUT/drafter"
+cp "$WORK"/train/drafter/* "$OUT/drafter/" 2>/dev/null || echo "no drafter exported yet" | tee -a "$log"
+cp "$WORK/heldout.jsonl" "$OUT/" 2>/dev/null
+ls -l "$OUT" "$OUT/drafter" | tee -a "$log"
+cp "$log" "$OUT/run.log"
+exit "$(cat "$WORK/status" 2>/dev/null || echo 1)"

@@ -1,0 +1,506 @@
+"""The DFlash training objective and loop.
+
+One step, for a batch of self-distilled sequences (prompt + the target's greedy reply):
+
+1. The frozen target runs once over each whole sequence. Its tapped layers give the
+   context features (``drafter.context_features``); its final hidden states give, if
+   distilling, its own next-token distribution.
+2. Up to ``blocks_per_sequence`` anchors ``a`` are drawn inside each reply. A block is
+   ``[token a, mask, ..., mask]`` at positions ``a .. a+B-1``, exactly what decoding
+   drafts after committing token ``a``.
+3. All blocks of the batch go through the drafter in one call. Block j sees the context
+   features at positions ``< a_j`` (never ``a_j`` itself: at inference the anchor token's
+   features do not exist yet) and its own B slots, nothing else.
+4. Slot k (1..B-1) predicts the token at position ``a + k`` (same-position labels), with
+   weight ``exp(-(k-1)/gamma)``: early slots decide most of the acceptance length. The
+   loss mixes cross-entropy on the data token with KL to the target's distribution at
+   position ``a + k - 1`` (``--distill-weight``).
+
+The target's embedding and lm_head are shared and frozen; only the drafter learns.
+Training is time-bounded (``--max-minutes``) and resumable (``--resume``), so it can be
+carried over several short GPU calls; the learning-rate schedule runs on trained time
+(or steps) stored in the checkpoint.
+
+    python -m engine.training.train --model /tmp/smol-hf --data /tmp/dflash --out /tmp/dflash/train \\
+        --max-minutes 8 --schedule-minutes 11
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.drafter import DFlashDrafter, DrafterConfig, fresh_config, parameter_count
+from engine.target import Target, load_target
+from engine.training.data import SequenceData
+from engine.training.export import export_drafter
+from engine.training.generation import device_and_dtype
+
+STATE_FILE = "train-state.pt"
+LOG_FILE = "train-log.jsonl"
+EXPORT_FOLDER = "drafter"
+
+
+@dataclass
+class TrainSettings:
+    batch_size: int = 64  # sequences per step
+    blocks_per_sequence: int = 32
+    max_length: int = 640  # longer sequences are cut (prompt + 384 reply tokens fits)
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_fraction: float = 0.03
+    weight_decay: float = 0.01
+    gamma: float = 7.0  # slot k weighs exp(-(k-1)/gamma)
+    distill_weight: float = 0.5  # 0: cross-entropy on the data token only; 1: KL to the target only
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 50
+    save_every_minutes: float = 2.0
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved with the checkpoint, so a resumed run continues the schedule."""
+
+    step: int = 0
+    trained_seconds: float = 0.0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens: int = 0
+    schedule_seconds: float | None = None  # the schedule runs on trained time ...
+    schedule_steps: int | None = None  # ... or, if set, on steps (deterministic: tests)
+
+    def fraction(self) -> float:
+        if self.schedule_steps:
+            return self.step / self.schedule_steps
+        return self.trained_seconds / self.schedule_seconds
+
+
+def learning_rate(settings: TrainSettings, fraction: float) -> float:
+    """Linear warmup, then cosine decay to ``lr * min_lr_ratio`` at fraction 1."""
+    if fraction < settings.warmup_fraction:
+        return settings.lr * max(fraction / settings.warmup_fraction, 0.01)
+    t = min(1.0, (fraction - settings.warmup_fraction) / (1 - settings.warmup_fraction))
+    return settings.lr * (settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ---- batches ---------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [b, S], padded past each length
+    lengths: torch.Tensor  # [b]
+    response_starts: torch.Tensor  # [b]
+
+
+def usable_sequences(data: SequenceData, max_length: int) -> torch.Tensor:
+    """Indices of sequences with at least one anchor and its label inside ``max_length``."""
+    return torch.nonzero(data.response_starts.cpu() + 2 <= data.lengths.cpu().clamp(max=max_length)).flatten()
+
+
+def epoch_batches(usable: torch.Tensor, lengths: torch.Tensor, batch_size: int, epoch: int,
+                  seed: int) -> list[torch.Tensor]:
+    """A seeded shuffle cut into batches of similar lengths (less padding), in random order."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    shuffled = usable[torch.randperm(len(usable), generator=generator)]
+    batches = []
+    for group in shuffled.split(batch_size * 32):
+        batches += list(group[torch.argsort(lengths[group], stable=True)].split(batch_size))
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator)]
+
+
+def make_batch(data: SequenceData, indices: torch.Tensor, max_length: int, pad_id: int, multiple: int = 64) -> Batch:
+    """Sequences cut to ``max_length`` and right-padded to a multiple of ``multiple`` (few distinct shapes)."""
+    indices = indices.to(data.lengths.device)
+    lengths = data.lengths[indices].clamp(max=max_length)
+    width = min(max_length, -(-int(lengths.max()) // multiple) * multiple)
+    positions = torch.arange(width, device=lengths.device)
+    inside = positions < lengths[:, None]
+    flat = (data.offsets[indices, None] + positions).clamp(max=len(data.tokens) - 1)
+    ids = torch.where(inside, data.tokens[flat], pad_id)
+    return Batch(ids, lengths, data.response_starts[indices])
+
+
+# ---- the objective -------------------------------------------------------------------------------
+
+@dataclass
+class Blocks:
+    anchors: torch.Tensor  # [b, n]: position of each block's first token
+    valid: torch.Tensor  # [b, n]: False for filler blocks of sequences with fewer reply positions than n
+
+
+def sample_anchors(batch: Batch, count: int, generator: torch.Generator) -> Blocks:
+    """Distinct random anchors ``a`` with ``response_start <= a`` and ``a + 1 < length``:
+    at inference the first block starts at the first reply token (prefill produced it),
+    and a block needs at least one label."""
+    b, width = batch.ids.shape
+    positions = torch.arange(width, device=batch.ids.device)
+    allowed = (positions >= batch.response_starts[:, None]) & (positions + 1 < batch.lengths[:, None])
+    scores = torch.rand(b, width, generator=generator, device=batch.ids.device)
+    top, anchors = torch.where(allowed, scores, -1.0).topk(min(count, width), dim=1)
+    valid = top >= 0
+    return Blocks(torch.where(valid, anchors, 0), valid)
+
+
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+    """Token ids ``[b, n*B]`` (anchor token, then masks) and their positions ``[b, n*B]``."""
+    b, n = anchors.shape
+    tokens = torch.full((b, n, block_size), mask_token_id, dtype=ids.dtype, device=ids.device)
+    tokens[:, :, 0] = ids.gather(1, anchors)
+    positions = anchors[:, :, None] + torch.arange(block_size, device=ids.device)
+    return tokens.view(b, n * block_size), positions.view(b, n * block_size)
+
+
+def block_visibility(anchors: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+    """Attention mask ``[b, 1, n*B, context_length + n*B]`` (True: visible). A query of block
+    j sees context positions strictly before ``anchor_j`` and every slot of block j."""
+    b, n = anchors.shape
+    device = anchors.device
+    sees_context = torch.arange(context_length, device=device) < anchors[:, :, None]  # [b, n, S]
+    sees_context = sees_context.repeat_interleave(block_size, dim=1)  # [b, n*B, S]
+    block_of = torch.arange(n * block_size, device=device) // block_size
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)  # [b, n*B, n*B]
+    return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+
+def block_labels(batch: Batch, blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot k of a block at ``a`` predicts the token at ``a + k``: labels and validity ``[b, n, B-1]``."""
+    b, n = blocks.anchors.shape
+    positions = blocks.anchors[:, :, None] + torch.arange(1, block_size, device=batch.ids.device)
+    valid = (positions < batch.lengths[:, None, None]) & blocks.valid[:, :, None]
+    labels = batch.ids.gather(1, positions.clamp(max=batch.ids.shape[1] - 1).view(b, -1)).view(b, n, -1)
+    return labels, valid
+
+
+def slot_weights(block_size: int, gamma: float, device) -> torch.Tensor:
+    return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
+
+
+@torch.no_grad()
+def target_pass(target: Target, drafter: DFlashDrafter, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context features ``[b, S, taps*H]`` and the final (normed) hidden states ``[b, S, H]``.
+    Right padding needs no attention mask: causal attention keeps it out of real positions."""
+    out = target.model.base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return drafter.context_features(out.hidden_states), out.last_hidden_state
+
+
+def target_logits(target: Target, final_hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its final hidden states, only where they are needed."""
+    return target.model.get_output_embeddings()(final_hidden)
+
+
+def draft_hidden(drafter: DFlashDrafter, target: Target, ids: torch.Tensor, anchors: torch.Tensor,
+                 features: torch.Tensor) -> torch.Tensor:
+    """The drafter's final hidden states for slots 1..B-1 of every block: ``[b, n, B-1, H]``."""
+    b, width = ids.shape
+    block_size = drafter.block_size
+    dtype = next(drafter.parameters()).dtype
+    tokens, positions = block_inputs(ids, anchors, block_size, drafter.mask_token_id)
+    hidden = drafter(
+        drafter.embed(tokens, target.embedding).to(dtype),
+        features.to(dtype),
+        block_positions=positions,
+        context_positions=torch.arange(width, device=ids.device).expand(b, width),
+        mask=block_visibility(anchors, width, block_size),
+    )
+    return hidden.view(b, anchors.shape[1], block_size, -1)[:, :, 1:]
+
+
+@dataclass
+class StepMetrics:
+    """Sums over a step (tensors, so logging does not synchronise every step)."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    kl: torch.Tensor
+    correct: torch.Tensor  # [B-1] slots whose top-1 equals the label
+    counted: torch.Tensor  # [B-1] slots with a label
+    accepted: torch.Tensor  # total leading correct slots over blocks: tau - 1 if drafts were chains
+    blocks: torch.Tensor
+
+
+def block_loss(drafter: DFlashDrafter, target: Target, hidden: torch.Tensor, labels: torch.Tensor,
+               valid: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor,
+               settings: TrainSettings) -> StepMetrics:
+    """Weighted CE (and KL to the target) over the slots that have a label.
+
+    The [slots, vocab] tensors are the step's largest (~6 GB at the defaults), so both
+    terms share one log-softmax and the KL avoids full-size temporaries."""
+    weights = slot_weights(drafter.block_size, settings.gamma, hidden.device).expand_as(valid)[valid]
+    student = torch.log_softmax(drafter.logits(hidden[valid], target.lm_head).float(), -1)
+    wanted = labels[valid]
+    ce = -(student.gather(1, wanted[:, None]).squeeze(1) * weights).sum() / weights.sum()
+    kl = torch.zeros((), device=hidden.device)
+    if settings.distill_weight > 0:
+        kl = (distillation_kl(target, final_hidden, anchors, valid, student) * weights).sum() / weights.sum()
+    loss = (1 - settings.distill_weight) * ce + settings.distill_weight * kl
+    hits = torch.zeros_like(valid)
+    hits[valid] = student.detach().argmax(-1) == wanted
+    leading = hits.long().cumprod(-1).sum(-1)  # accepted draft tokens if the block were verified greedily
+    return StepMetrics(loss, ce.detach(), kl.detach(), hits.sum((0, 1)), valid.sum((0, 1)),
+                       leading.sum(), valid[:, :, 0].sum())
+
+
+def distillation_kl(target: Target, final_hidden: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                    student: torch.Tensor) -> torch.Tensor:
+    """KL(target || drafter) per labelled slot. The target's distribution over the token at
+    ``a + k`` is its output at position ``a + k - 1``."""
+    source = anchors[:, :, None] + torch.arange(valid.shape[-1], device=anchors.device)
+    rows = torch.arange(len(anchors), device=anchors.device)[:, None, None].expand_as(source)
+    with torch.no_grad():
+        logits = target_logits(target, final_hidden[rows[valid], source[valid]])
+        teacher = torch.log_softmax(logits.to(student.dtype), -1)
+        teacher_probs = teacher.exp()
+        negative_entropy = (teacher_probs * teacher).sum(-1)
+        del logits, teacher
+    # sum_v p(v) log q(v) as a batched dot product, so no [slots, vocab] product is kept;
+    # in float32 (autocast would round 49k log-probabilities to bf16)
+    with torch.autocast(student.device.type, enabled=False):
+        cross = torch.bmm(teacher_probs[:, None, :], student[:, :, None]).view(-1)
+    return negative_entropy - cross
+
+
+def train_step(drafter, target, batch: Batch, settings: TrainSettings, optimizer, generator) -> StepMetrics:
+    features, final_hidden = target_pass(target, drafter, batch.ids)
+    blocks = sample_anchors(batch, settings.blocks_per_sequence, generator)
+    labels, valid = block_labels(batch, blocks, drafter.block_size)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if batch.ids.is_cuda else nullcontext()
+    with autocast:
+        hidden = draft_hidden(drafter, target, batch.ids, blocks.anchors, features)
+        metrics = block_loss(drafter, target, hidden, labels, valid, blocks.anchors, final_hidden, settings)
+    optimizer.zero_grad(set_to_none=True)
+    metrics.loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), settings.grad_clip)
+    optimizer.step()
+    return metrics
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+@dataclass
+class LogWindow:
+    """Metrics summed since the last log line."""
+
+    steps: int = 0
+    tokens: int = 0
+    began: float = field(default_factory=time.monotonic)
+    sums: dict = field(default_factory=dict)
+
+    def add(self, metrics: StepMetrics, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        for name, value in vars(metrics).items():
+            value = value.detach()
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    def line(self, progress: Progress, lr: float) -> dict:
+        sums = {name: value.float().cpu() for name, value in self.sums.items()}
+        seconds = time.monotonic() - self.began
+        return {
+            "step": progress.step, "epoch": progress.epoch, "minutes": round(progress.trained_seconds / 60, 2),
+            "lr": lr, "loss": float(sums["loss"]) / self.steps, "ce": float(sums["ce"]) / self.steps,
+            "kl": float(sums["kl"]) / self.steps,
+            "tau_chain": 1 + float(sums["accepted"] / sums["blocks"].clamp(min=1)),
+            "slot_accuracy": [round(float(a), 3) for a in sums["correct"] / sums["counted"].clamp(min=1)],
+            "tokens_per_s": self.tokens / seconds, "steps_per_s": self.steps / seconds,
+            "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+        }
+
+
+def format_line(line: dict) -> str:
+    accuracy = " ".join(f"{100 * a:.0f}" for a in line["slot_accuracy"])
+    return (f"step {line['step']:6d} | {line['minutes']:6.2f} min | lr {line['lr']:.2e} | loss {line['loss']:.3f} "
+            f"(ce {line['ce']:.3f} kl {line['kl']:.3f}) | tau~ {line['tau_chain']:.2f} | acc% {accuracy} | "
+            f"{line['tokens_per_s'] / 1000:.0f}k tok/s {line['steps_per_s']:.1f} it/s | peak {line['peak_gb']:.0f} GB")
+
+
+@dataclass
+class Trainer:
+    """A drafter being trained against a frozen target on one data set."""
+
+    drafter: DFlashDrafter
+    target: Target
+    data: SequenceData
+    settings: TrainSettings
+    progress: Progress
+    optimizer: torch.optim.Optimizer
+    log: Callable[[str], None] = print
+    log_path: Path | None = None
+
+    @staticmethod
+    def new(drafter, target, data, settings: TrainSettings, progress: Progress, **kwargs) -> "Trainer":
+        target.model.requires_grad_(False)
+        drafter.train()
+        decay = [p for p in drafter.parameters() if p.ndim >= 2]  # no weight decay on norms
+        rest = [p for p in drafter.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=settings.lr, betas=(0.9, 0.95), fused=target.device.type == "cuda")
+        return Trainer(drafter, target, data.to(target.device), settings, progress, optimizer, **kwargs)
+
+    def run(self, max_seconds: float = math.inf, max_steps: int | None = None, on_save=None) -> Progress:
+        """Train until the schedule ends, ``max_seconds`` pass or ``max_steps`` steps are done;
+        ``on_save`` runs every ``save_every_minutes`` and is the caller's way to checkpoint."""
+        settings, progress = self.settings, self.progress
+        pad_id = self.target.stop_ids[0]  # any id: padding is never a label nor visible context
+        generator = torch.Generator(self.target.device)
+        usable = usable_sequences(self.data, settings.max_length)
+        if len(usable) == 0:
+            raise ValueError(f"none of the {len(self.data)} sequences has a reply token within max_length "
+                             f"{settings.max_length}: nothing to train on")
+        lengths = self.data.lengths.cpu()
+        batches = epoch_batches(usable, lengths, settings.batch_size, progress.epoch, settings.seed)
+        began = last = last_save = time.monotonic()
+        window, lr, last_step = LogWindow(), settings.lr, progress.step + (max_steps or math.inf)
+        while progress.fraction() < 1 and last - began < max_seconds and progress.step < last_step:
+            if progress.batch_in_epoch >= len(batches):
+                progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+                batches = epoch_batches(usable, lengths, settings.batch_size, progress.epoch, settings.seed)
+            batch = make_batch(self.data, batches[progress.batch_in_epoch], settings.max_length, pad_id)
+            lr = learning_rate(settings, progress.fraction())
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            generator.manual_seed(settings.seed * 1_000_003 + progress.step)  # anchors depend on the step alone
+            metrics = train_step(self.drafter, self.target, batch, settings, self.optimizer, generator)
+            tokens = int(batch.lengths.sum())
+            window.add(metrics, tokens)
+            now = time.monotonic()
+            progress.step, progress.batch_in_epoch = progress.step + 1, progress.batch_in_epoch + 1
+            progress.tokens += tokens
+            progress.trained_seconds += now - last
+            last = now
+            if progress.step % settings.log_every == 0:
+                self.report(window, lr)
+                window = LogWindow()
+            if on_save is not None and now - last_save > settings.save_every_minutes * 60:
+                on_save(self)
+                last = last_save = time.monotonic()  # saving is not training time
+        if window.steps:
+            self.report(window, lr)
+        return progress
+
+    def report(self, window: LogWindow, lr: float) -> None:
+        line = window.line(self.progress, lr)
+        self.log(format_line(line))
+        if self.log_path is not None:
+            with self.log_path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+def save_state(trainer: Trainer, path: Path) -> None:
+    """Everything a resumed run needs; written to a temporary name first, so a kill mid-write
+    leaves the previous checkpoint intact."""
+    state = {
+        "drafter_config": trainer.drafter.config.to_json(),
+        "drafter": trainer.drafter.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "progress": asdict(trainer.progress),
+        "settings": asdict(trainer.settings),
+    }
+    partial = path.with_suffix(".partial")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def load_state(path: Path, device) -> dict:
+    state = torch.load(path, map_location=device, weights_only=False)
+    state["drafter_config"] = DrafterConfig.from_json(state["drafter_config"])
+    state["progress"] = Progress(**state["progress"])
+    state["settings"] = TrainSettings(**state["settings"])
+    return state
+
+
+def save_outputs(trainer: Trainer, out: Path, shard_mb: float | None) -> None:
+    """The resumable state and the exported (bf16, sharded) drafter."""
+    save_state(trainer, out / STATE_FILE)
+    progress = trainer.progress
+    extra = {"training": {"steps": progress.step, "tokens": progress.tokens,
+                          "minutes": round(progress.trained_seconds / 60, 2),
+                          "distill_weight": trainer.settings.distill_weight,
+                          "blocks_per_sequence": trainer.settings.blocks_per_sequence}}
+    export_drafter(trainer.drafter, out / EXPORT_FOLDER, shard_mb=shard_mb, extra=extra)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="target: HF folder, GGUF, or nothing for the bundled SmolLM2")
+    parser.add_argument("--data", required=True, type=Path, help="folder with responses-*.pt (engine.training.data)")
+    parser.add_argument("--out", required=True, type=Path, help=f"gets {STATE_FILE}, {EXPORT_FOLDER}/, {LOG_FILE}")
+    parser.add_argument("--resume", type=Path, help=f"a {STATE_FILE} to continue (its settings are kept)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, help="target dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-taps", type=int, default=5)
+    parser.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    parser.add_argument("--mask-token-id", type=int, default=16, help="SmolLM2's <empty_output>, never in chat text")
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop this run (cleanly) after this long")
+    parser.add_argument("--schedule-minutes", type=float, default=None,
+                        help="lr schedule length in trained minutes over all runs (default: --max-minutes; "
+                             "a resumed run keeps its own unless this is given)")
+    parser.add_argument("--schedule-steps", type=int, default=None, help="schedule on steps instead of time")
+    parser.add_argument("--shard-mb", type=float, default=15.0, help="max MiB per weight file; 0: one file")
+    for name, value in asdict(TrainSettings()).items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    return parser.parse_args(argv)
+
+
+def start(args, target: Target) -> tuple[DFlashDrafter, TrainSettings, Progress, dict | None]:
+    """A fresh drafter and settings, or the ones in ``--resume``."""
+    if args.resume:
+        state = load_state(args.resume, target.device)
+        drafter = DFlashDrafter(state["drafter_config"]).to(target.device)
+        drafter.load_state_dict(state["drafter"])
+        progress, settings = state["progress"], state["settings"]
+        if args.schedule_minutes:
+            progress.schedule_seconds, progress.schedule_steps = args.schedule_minutes * 60, None
+        return drafter, settings, progress, state["optimizer"]
+    settings = TrainSettings(**{name: getattr(args, name) for name in asdict(TrainSettings())})
+    config = fresh_config(target.config, num_layers=args.num_layers, mask_token_id=args.mask_token_id,
+                          block_size=args.block_size, num_taps=args.num_taps, target_layer_ids=args.target_layer_ids)
+    drafter = DFlashDrafter(config).initialize(settings.seed).to(target.device)
+    schedule_minutes = args.schedule_minutes or args.max_minutes
+    if not (args.schedule_steps or schedule_minutes):
+        raise SystemExit("give --max-minutes, --schedule-minutes or --schedule-steps: the schedule needs a length")
+    progress = Progress(schedule_seconds=schedule_minutes * 60 if schedule_minutes else None,
+                        schedule_steps=args.schedule_steps)
+    return drafter, settings, progress, None
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    began = time.monotonic()
+    target = load_target(args.model, *device_and_dtype(args.device, args.dtype))
+    data = SequenceData.load(args.data)
+    drafter, settings, progress, optimizer_state = start(args, target)
+    args.out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer.new(drafter, target, data, settings, progress, log_path=args.out / LOG_FILE)
+    if optimizer_state is not None:
+        trainer.optimizer.load_state_dict(optimizer_state)
+    config = drafter.config
+    print(f"train: {len(data)} sequences, {int(data.lengths.sum())} tokens; "
+          f"drafter {parameter_count(drafter) / 1e6:.2f}M params, {config.num_hidden_layers} layers, "
+          f"taps {config.target_layer_ids}; {'resuming at step ' + str(progress.step) if args.resume else 'fresh'}; "
+          f"schedule {progress.fraction():.0%} done; {json.dumps(asdict(settings))}", flush=True)
+    shard_mb = args.shard_mb or None
+    # time already spent loading counts against this run's budget
+    max_seconds = args.max_minutes * 60 - (time.monotonic() - began) if args.max_minutes else math.inf
+    trainer.run(max_seconds, on_save=lambda t: save_state(t, args.out / STATE_FILE))
+    save_outputs(trainer, args.out, shard_mb)
+    print(f"train: saved step {progress.step} ({progress.fraction():.0%} of the schedule) to {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The launched app (bundled SmolLM2) driven through its API with gradio_client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from gradio_client import Client, handle_file
+
+from engine.trace import Trace
+
+# the /run (and /upload) outputs, in the order app.StudioApp.run_outputs lists them
+OUTPUTS = ["status", "ar", "dflash", "ddtree", "summary", "download", "race", "inspect_method", "step", "tree",
+           "probs", "why", "step_stages", "run_stages", "histogram"]
+ALL_METHODS = ["ar", "dflash", "ddtree"]
+PROMPT = "Name three colors."
+
+
+def run(client: Client, prompt: str = PROMPT, max_new_tokens=12, temperature=0.0, seed=0, budget=8,
+        methods=ALL_METHODS) -> dict:
+    result = client.predict(prompt, max_new_tokens, temperature, seed, budget, methods, api_name="/run")
+    return dict(zip(OUTPUTS, result))
+
+
+def plot_data(value) -> list[dict]:
+    return json.loads(value["plot"])["data"]
+
+
+def tree_nodes(value) -> list[int]:
+    """Node ids drawn in a tree figure (node traces carry them as customdata)."""
+    return sorted(node for trace in plot_data(value) for node in trace.get("customdata") or [])
+
+
+@pytest.fixture(scope="module")
+def client(app_url) -> Client:
+    return Client(app_url, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def full_run(client) -> dict:
+    return run(client)
+
+
+def test_run_gives_three_texts_and_trees(client, full_run):
+    assert full_run["status"].startswith("**Done**")
+    summary = full_run["summary"]
+    assert set(summary) == set(ALL_METHODS)
+    for method in ALL_METHODS:
+        assert summary[method]["text"].strip()
+        assert summary[method]["tokens"] == 12
+        assert "ddt-text" in full_run[method]
+    # greedy decoding: the drafts change the speed, never the text
+    assert summary["dflash"]["identical_to_ar"] and summary["ddtree"]["identical_to_ar"]
+    # the shipped drafter when there is one, else a random one that must say so
+    assert ("untrained" in full_run["ddtree"]) == (not summary["ddtree"]["drafter_trained"])
+    traces = {t.config.method: t for t in read_download(full_run["download"])}
+    assert set(traces) == set(ALL_METHODS)
+    for method in ALL_METHODS:
+        step, tree = client.predict(method, api_name="/select_method")[:2]
+        assert step["maximum"] >= 1
+        first = traces[method].steps[0]
+        assert tree_nodes(tree) == list(range(first.tree_size + 2))
+    ddtree_first = traces["ddtree"].steps[0]
+    assert 1 <= ddtree_first.tree_size <= 8
+    assert tree_nodes(full_run["tree"]) == list(range(ddtree_first.tree_size + 2))
+
+
+def test_inspect_moves_through_steps(client, full_run):
+    client.predict("ddtree", api_name="/select_method")
+    tree, probs, why, _ = client.predict("ddtree", 2, api_name="/inspect")
+    assert "Step 2" in json.loads(tree["plot"])["layout"]["title"]["text"]
+    assert "Step 2" in why
+    assert any(trace["type"] == "heatmap" for trace in plot_data(probs))
+
+
+def read_download(path: str) -> list[Trace]:
+    bundle = json.loads(Path(path).read_text())
+    assert bundle["schema_version"] == 1
+    return [Trace.from_dict(item) for item in bundle["traces"]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt="   "), "prompt is empty"),
+    (dict(prompt="word " * 9000), "exceeds the model's context"),
+    (dict(budget=0), "tree budget must be at least 1"),
+    (dict(max_new_tokens=0), "max new tokens must be between"),
+    (dict(methods=[]), "choose at least one method"),
+])
+def test_bad_input_is_reported_and_the_app_keeps_serving(client, kwargs, message):
+    bad = run(client, **kwargs)
+    assert message in bad["status"].lower()
+    assert bad["status"].startswith("⚠️")
+    good = run(client, max_new_tokens=3, methods=["ar"])
+    assert good["status"].startswith("**Done**") and good["summary"]["ar"]["tokens"] == 3
+
+
+def test_budget_over_the_cap_is_capped_with_a_note(client):
+    result = run(client, budget=5000, max_new_tokens=2, methods=["ddtree"])
+    assert "capped to 1024" in result["status"]
+    assert result["summary"]["ddtree"]["tree_budget"] == 1024
+
+
+def test_corrupt_upload_is_reported(client, full_run, tmp_path):
+    broken = json.loads(Path(full_run["download"]).read_text())
+    del broken["traces"][2]["steps"][0]["tree_parents"][-1]  # a truncated DDTree step
+    for content, message in (("{not json", "not a json trace file"),
+                             (json.dumps({"schema_version": 1, "traces": [{"schema_version": 1, "config": {}}]}),
+                              "missing or has malformed field"),
+                             (json.dumps({"schema_version": 99, "traces": []}), "schema version 99"),
+                             (json.dumps(broken), "step 0 of the ddtree trace is inconsistent")):
+        path = tmp_path / "bad.json"
+        path.write_text(content)
+        status = client.predict(handle_file(str(path)), api_name="/upload")[0]
+        assert status.startswith("⚠️") and message in status.lower(), status
+    assert run(client, max_new_tokens=2, methods=["ar"])["status"].startswith("**Done**")
+
+
+def test_uploaded_traces_replay_and_inspect_without_running(app_url, full_run):
+    fresh = Client(app_url, verbose=False)
+    loaded = dict(zip(OUTPUTS, fresh.predict(handle_file(full_run["download"]), api_name="/upload")))
+    assert loaded["status"].startswith("Loaded 3 trace(s)")
+    assert loaded["summary"] == full_run["summary"]
+    status, *columns = fresh.predict(1.0, api_name="/replay")
+    assert status == "Replay finished."
+    assert all("ddt-text" in column for column in columns)
+    assert "identical to AR" in columns[2]
+
+
+def test_sessions_keep_their_own_results(app_url):
+    prompts = {"a": "Say hello.", "b": "Count to five."}
+    clients = {name: Client(app_url, verbose=False) for name in prompts}
+    results = {}
+
+    def work(name):
+        results[name] = run(clients[name], prompt=prompts[name], max_new_tokens=6, methods=["ar"])
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    for name, prompt in prompts.items():
+        (trace,) = read_download(results[name]["download"])
+        assert trace.config.prompt == prompt
+        # the session's inspector shows its own run
+        _, tree = clients[name].predict("ar", api_name="/select_method")[:2]
+        root_hover = next(t for t in plot_data(tree) if t.get("customdata") == [0])["hovertext"][0]
+        assert f"(id {trace.steps[0].root_token})" in root_hover
+    assert results["a"]["summary"]["ar"]["text"] != results["b"]["summary"]["ar"]["text"]
+    untouched = Client(app_url, verbose=False)  # a third session has nothing of theirs
+    assert "nothing to replay yet" in untouched.predict(1.0, api_name="/replay")[0].lower()
+
+
+def test_stop_ends_a_run_early_and_keeps_what_it_made(app_url):
+    client = Client(app_url, verbose=False)
+    job = client.submit(PROMPT, 300, 0.0, 0, 8, ["ar", "ddtree"], api_name="/run")
+    deadline = time.monotonic() + 120
+    while not any("tokens," in str(outputs[0]) for outputs in job.outputs()):
+        assert time.monotonic() < deadline and not job.done(), "the run never started streaming"
+        time.sleep(0.2)
+    assert client.predict(api_name="/stop").startswith("Stopping")
+    result = dict(zip(OUTPUTS, job.result(timeout=120)))
+    assert result["status"].startswith("**Stopped**")
+    assert 0 < result["summary"]["ar"]["tokens"] < 300
+    assert result["summary"]["ar"]["stop_reason"] == "cancelled"
+    assert "ddtree" not in result["summary"]
+
+
+def test_budget_sweep(client):
+    status, plot, table = client.predict(PROMPT, 6, 0.0, 0, "2, 4", api_name="/sweep")
+    assert "Sweep finished" in status
+    assert [row[0] for row in table["data"]] == [2, 4]
+    assert [len(trace["x"]) for trace in plot_data(plot)[:2]] == [2, 2]
+    bad = client.predict(PROMPT, 6, 0.0, 0, "4, many", api_name="/sweep")[0]
+    assert "budgets must be whole numbers" in bad.lower()

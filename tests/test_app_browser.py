@@ -1,0 +1,87 @@
+"""The launched app in headless Chromium (Debian's package), driven by Playwright."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SCREENSHOT = Path("/tmp/app.png")
+RUN_TIMEOUT_MS = 240_000
+
+if not CHROMIUM.exists():
+    pytest.skip("needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (pip install playwright)")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+def open_page(browser, app_url):
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page.goto(app_url)
+    page.locator("#run-button").wait_for()
+    return page
+
+
+def start_run(page, prompt: str, max_new_tokens: int = 10, budget: int = 16) -> None:
+    page.locator("#prompt textarea").fill(prompt)
+    page.locator("#max-new-tokens input").fill(str(max_new_tokens))
+    page.locator("#budget input").fill(str(budget))
+    page.locator("#run-button").click()
+
+
+def wait_until_done(page) -> None:
+    page.wait_for_function("document.querySelector('#status')?.innerText.startsWith('Done')",
+                           timeout=RUN_TIMEOUT_MS)
+
+
+def column_texts(page) -> dict[str, str]:
+    return {method: page.locator(f"#column-{method} .ddt-text").inner_text() for method in ("ar", "dflash", "ddtree")}
+
+
+def tree_title(page) -> str:
+    return page.locator("#tree-plot .gtitle").text_content()
+
+
+def test_run_shows_three_outputs_and_a_tree_and_the_slider_steps(browser, app_url):
+    page = open_page(browser, app_url)
+    start_run(page, "Name three colors.")
+    wait_until_done(page)
+    texts = column_texts(page)
+    assert all(text.strip() for text in texts.values()), texts
+    assert texts["ar"] == texts["dflash"] == texts["ddtree"]  # greedy: identical output
+    assert page.locator(".ddt-verdict", has_text="identical to AR").count() == 2
+    trained = "untrained" not in page.locator("#model-banner").inner_text()
+    assert page.locator("#column-ddtree", has_text="untrained").count() == (0 if trained else 1)
+    page.locator("#tree-plot .js-plotly-plot").wait_for()
+    assert page.locator("#tree-plot .js-plotly-plot .point").count() >= 3  # root, drafts, bonus
+    assert "Step 0" in tree_title(page)
+
+    slider = page.locator("#step-slider input[type=range]")
+    slider.focus()
+    slider.press("ArrowRight")
+    page.wait_for_function("document.querySelector('#tree-plot .gtitle')?.textContent.includes('Step 1')")
+    page.get_by_role("button", name="Next ▶").click()
+    page.wait_for_function("document.querySelector('#tree-plot .gtitle')?.textContent.includes('Step 2')")
+    assert "Step 2" in page.locator("#why-stopped").inner_text()
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+
+def test_two_sessions_at_once_keep_their_own_results(browser, app_url):
+    first, second = open_page(browser, app_url), open_page(browser, app_url)
+    start_run(first, "Say hello.", max_new_tokens=8)
+    start_run(second, "Count to five.", max_new_tokens=8)
+    wait_until_done(first)
+    wait_until_done(second)
+    assert column_texts(first)["ar"] != column_texts(second)["ar"]
+    third = open_page(browser, app_url)
+    assert "not run" in third.locator("#column-ar").inner_text()

@@ -1,0 +1,80 @@
+"""The drafter reads z-lab DFlash checkpoints, sliding-window layers included, and its
+cached inference path matches a from-scratch pass over the whole context."""
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from engine.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.drafter import DraftContext, load_drafter
+from tests.tiny import tiny_target
+
+
+def zlab_checkpoint(folder, target, sliding_window=4):
+    """A checkpoint laid out as z-lab publishes them (Qwen3 keys, dflash_config, layer_types)."""
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+        "hidden_size": 64, "intermediate_size": 96, "head_dim": 16, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "num_target_layers": 4, "vocab_size": 40,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": sliding_window,
+        "block_size": 8, "dflash_config": {"mask_token_id": 39, "target_layer_ids": [0, 2]},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"fc.weight": (64, 128), "hidden_norm.weight": (64,), "norm.weight": (64,)}
+    for i in range(2):
+        p = f"layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+                   p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+                   p + "self_attn.q_norm.weight": (16,), p + "self_attn.k_norm.weight": (16,),
+                   p + "mlp.gate_proj.weight": (96, 64), p + "mlp.up_proj.weight": (96, 64),
+                   p + "mlp.down_proj.weight": (64, 96), p + "input_layernorm.weight": (64,),
+                   p + "post_attention_layernorm.weight": (64,)}
+    state = {k: (torch.randn(s, generator=g) * (0.1 if len(s) == 2 else 1)).to(torch.bfloat16) for k, s in shapes.items()}
+    save_file(state, str(folder / "model.safetensors"))
+
+
+def test_zlab_checkpoint_loads_with_its_settings(tmp_path):
+    zlab_checkpoint(tmp_path, tiny_target())
+    drafter = load_drafter(tmp_path)
+    assert drafter.block_size == 8 and drafter.mask_token_id == 39
+    assert drafter.config.target_layer_ids == [0, 2]
+    first, second = (layer.self_attn for layer in drafter.layers)
+    assert (first.is_causal, first.sliding_window) == (True, 4)  # z-lab: sliding layers are causal
+    assert (second.is_causal, second.sliding_window) == (False, None)
+
+
+def test_zlab_drafter_decodes_exactly(tmp_path):
+    target = tiny_target(2, vocab=40)
+    zlab_checkpoint(tmp_path, target)
+    drafter = load_drafter(tmp_path).double().eval()
+    decoder = Decoder(target, drafter, DrafterInfo("zlab", trained=True))
+    ids = [5, 9, 3, 22, 17, 8]
+    ar = decoder.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=30))
+    for settings in (DecodeSettings("dflash", max_new_tokens=30), DecodeSettings("ddtree", max_new_tokens=30, tree_budget=24)):
+        assert decoder.run(prompt_ids=ids, settings=settings).output_ids == ar.output_ids
+
+
+@torch.inference_mode()
+def test_cached_context_equals_one_pass_over_the_whole_context(tmp_path):
+    target = tiny_target(3, vocab=40)
+    zlab_checkpoint(tmp_path, target, sliding_window=64)
+    drafter = load_drafter(tmp_path).double().eval()
+    ids = torch.tensor([[4, 8, 15, 16, 23, 12, 7, 30, 2, 11]])
+    hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    features = drafter.context_features(hidden)
+    block = torch.tensor([[11] + [39] * 7])
+    embeddings = drafter.embed(block, target.embedding)
+    block_positions = torch.arange(10, 18)[None]
+
+    whole = drafter(embeddings, features, block_positions, torch.arange(10)[None])
+    context = DraftContext.empty(2)
+    drafter(embeddings, features[:, :6], torch.arange(6, 14)[None], torch.arange(6)[None], cache=context)
+    cached = drafter(embeddings, features[:, 6:], block_positions, torch.arange(6, 10)[None], cache=context)
+    assert context.length == 10
+    torch.testing.assert_close(cached, whole, rtol=1e-10, atol=1e-10)

@@ -1,0 +1,111 @@
+"""The benchmark report, from a results file built by engine.bench's own code on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from engine.bench import benchmark, plan_jobs, summarize_runs
+from engine.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.drafter import fresh_config
+from tests.tiny import OracleDrafter, tiny_drafter, tiny_target
+from viz.report import headline_table, load_setting, main, per_position_acceptance
+
+PROMPT = {"id": "p1", "prompt": "Hello,world"}  # the tiny tokenizer has no space character
+MAX_NEW_TOKENS = 24
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def results_path(tmp_path_factory):
+    target = tiny_target(0)
+    ar = Decoder(target, tiny_drafter(target)).run(PROMPT["prompt"], DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS))
+    config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1,
+                          block_size=BLOCK_SIZE, num_taps=2)
+    reference = target.chat_ids(PROMPT["prompt"]) + ar.output_ids
+    oracle = OracleDrafter(config, reference).initialize(0).to(torch.float64).eval()
+    decoder = Decoder(target, oracle, DrafterInfo("oracle", trained=False))
+    jobs = plan_jobs("ar,dflash,ddtree", "4,16")
+    runs, notes = benchmark(decoder, [PROMPT], jobs, DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS),
+                            progress=False)
+    results = {
+        "config": {"command": "python -m engine.bench (test)", "model": target.name, "drafter": "oracle",
+                   "drafter_trained": False, "engine": "torch", "device": "cpu", "dtype": "float64",
+                   "block_size": BLOCK_SIZE, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "seed": 0,
+                   "tree_budgets": [4, 16], "prompts": "inline.jsonl", "num_prompts": 1,
+                   "host": {"platform": "test-host", "torch": torch.__version__, "threads": 2}},
+        "runs": runs, "summary": summarize_runs(runs, jobs), "notes": notes,
+    }
+    path = tmp_path_factory.mktemp("results") / "cpu-torch.json"
+    path.write_text(json.dumps(results))
+    return path
+
+
+@pytest.fixture(scope="module")
+def report(results_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("report")
+    out, assets = folder / "BENCHMARKS.md", folder / "assets" / "bench"
+    assert main(["--results", str(results_path), "--out", str(out), "--assets", str(assets)]) == 0
+    return {"markdown": out.read_text(), "assets": assets}
+
+
+def test_report_has_a_row_per_method(report):
+    markdown = report["markdown"]
+    for row in ("| AR | 1.00 |", "| DFlash |", "| DDTree (budget 4) |", "| DDTree (budget 16) |"):
+        assert row in markdown
+    assert "| baseline |" in markdown
+    assert "| 1/1 |" in markdown  # identical to AR, as engine.bench counts it
+
+
+def test_report_says_where_and_how_it_was_measured(report):
+    markdown = report["markdown"]
+    for fact in ("Device: cpu", "Engine: torch, dtype float64", "drafter: oracle (untrained)", "`inline.jsonl`",
+                 "up to 24 new tokens", "Command: `python -m engine.bench (test)`"):
+        assert fact in markdown
+
+
+def test_per_position_table_matches_the_runs(report, results_path):
+    setting = load_setting(results_path)
+    header = "| Method | steps | " + " | ".join(f"k={k}" for k in range(1, BLOCK_SIZE)) + " |"
+    assert header in report["markdown"]
+    lengths = setting.acceptance_lengths("ddtree@16")
+    shares = per_position_acceptance(lengths, BLOCK_SIZE - 1)
+    row = f"| DDTree (budget 16) | {len(lengths)} | " + " | ".join(f"{s:.0%}" for s in shares) + " |"
+    assert row in report["markdown"]
+    assert max(lengths) > 1  # the oracle drafter got drafts accepted, so the table is not all zeros
+
+
+def test_plots_exist_and_are_linked(report):
+    for name in ("cpu-torch-budget.png", "cpu-torch-acceptance.png"):
+        png = report["assets"] / name
+        with Image.open(png) as image:
+            assert image.width > 300 and image.height > 200
+        assert f"(assets/bench/{name})" in report["markdown"]
+
+
+def test_per_position_acceptance_counts_the_bonus_out():
+    # lengths count the bonus: 1 accepts nothing, 3 accepts positions 1 and 2
+    assert per_position_acceptance([1, 3, 2], 3) == pytest.approx([2 / 3, 1 / 3, 0.0])
+
+
+def test_headline_prints_only_the_table(results_path, capsys):
+    assert main(["--results", str(results_path), "--headline"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert all(line.startswith("|") for line in lines)
+    assert len(lines) == 2 + 4  # header, rule, AR + DFlash + two budgets
+    assert lines == headline_table([load_setting(results_path)]).splitlines()
+
+
+def test_quoted_globs_are_expanded(results_path, capsys):
+    assert main(["--results", str(results_path.parent / "*.json"), "--headline"]) == 0
+    assert "DDTree (budget 16)" in capsys.readouterr().out
+
+
+def test_a_file_that_is_not_results_is_refused(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"runs": []}))
+    assert main(["--results", str(bad), "--headline"]) == 1
+    assert "not an engine.bench results file" in capsys.readouterr().err

@@ -1,0 +1,339 @@
+"""The DFlash training pipeline on tiny models: the block mask and labels, equality with the
+decoder's drafting, checkpoints, the data pipeline, and that training raises acceptance."""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.decode import Decoder, DecodeSettings, DrafterInfo
+from engine.drafter import load_drafter
+from engine.target import Target
+from engine.training import data as data_module
+from engine.training.data import DataSettings, SequenceData, repetition_cut, user_turn_ids
+from engine.training.export import export_drafter
+from engine.training.generation import Sampling, TransformersGenerator, as_completion
+from engine.training.run import Plan
+from engine.training.train import (Batch, Blocks, Progress, TrainSettings, Trainer, block_labels, block_visibility,
+                                   distillation_kl, draft_hidden, learning_rate, load_state, make_batch,
+                                   sample_anchors, save_state, target_logits, target_pass)
+from tests.tiny import STOP, VOCAB, tiny_drafter, tiny_target
+
+MASK = 95  # tiny_drafter's mask token: the last id of the tiny vocabulary
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread, and much faster when other work shares the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, MASK) for _ in range(length)] for _ in range(count)]
+
+
+def greedy_sequences(target: Target, prompts: list[list[int]], new_tokens: int) -> SequenceData:
+    completions = TransformersGenerator(target, batch_size=8).complete(prompts, Sampling(new_tokens))
+    return SequenceData.from_lists([p + c.token_ids for p, c in zip(prompts, completions)],
+                                   [len(p) for p in prompts])
+
+
+@functools.cache
+def tiny_data(seed: int) -> SequenceData:
+    return greedy_sequences(tiny_target(seed, dtype=torch.float32), random_prompts(16, 6, seed), new_tokens=24)
+
+
+# ---- the block layout -------------------------------------------------------------------------
+
+def test_block_sees_context_strictly_before_its_anchor_and_only_its_own_block():
+    anchors = torch.tensor([[3, 7], [5, 1]])
+    block_size, context = 4, 10
+    mask = block_visibility(anchors, context, block_size)
+    assert mask.shape == (2, 1, 8, context + 8)
+    for row in range(2):
+        for j in range(2):
+            for slot in range(block_size):
+                visible = mask[row, 0, j * block_size + slot]
+                anchor = int(anchors[row, j])
+                assert visible[:anchor].all(), "context before the anchor must be visible"
+                assert not visible[anchor:context].any(), "the anchor's own and later features must be hidden"
+                own = visible[context + j * block_size: context + (j + 1) * block_size]
+                assert own.all(), "a block sees all of its slots (non-causal)"
+                assert visible[context:].sum() == block_size, "a block never sees another block"
+
+
+def test_slot_k_is_labelled_with_the_token_at_anchor_plus_k():
+    ids = torch.arange(100, 112)[None]  # token at position p is 100 + p
+    batch = Batch(ids, lengths=torch.tensor([10]), response_starts=torch.tensor([2]))
+    blocks = Blocks(anchors=torch.tensor([[2, 7]]), valid=torch.tensor([[True, True]]))
+    labels, valid = block_labels(batch, blocks, block_size=4)
+    assert labels[0, 0].tolist() == [103, 104, 105]
+    assert valid[0, 0].all()
+    assert labels[0, 1, :2].tolist() == [108, 109]
+    assert valid[0, 1].tolist() == [True, True, False], "no label past the sequence end (length 10)"
+
+
+def test_anchors_lie_in_the_reply_and_leave_room_for_a_label():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.zeros(3, 16, dtype=torch.long)
+    batch = Batch(ids, lengths=torch.tensor([16, 9, 6]), response_starts=torch.tensor([4, 5, 4]))
+    blocks = sample_anchors(batch, count=6, generator=generator)
+    for row in range(3):
+        chosen = blocks.anchors[row][blocks.valid[row]].tolist()
+        start, length = int(batch.response_starts[row]), int(batch.lengths[row])
+        assert len(chosen) == len(set(chosen)) == min(6, length - 1 - start)
+        assert all(start <= a and a + 1 < length for a in chosen)
+
+
+def test_target_logits_from_final_hidden_states_equal_the_models_logits():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = torch.tensor(random_prompts(2, 12, seed=1))
+    _, final_hidden = target_pass(target, drafter, ids)
+    torch.testing.assert_close(target_logits(target, final_hidden), target.model(input_ids=ids).logits)
+
+
+def test_distillation_compares_slot_k_with_the_targets_output_at_anchor_plus_k_minus_1():
+    target = tiny_target()
+    ids = torch.tensor(random_prompts(1, 12, seed=2))
+    _, final_hidden = target_pass(target, tiny_drafter(target), ids)
+    anchors, valid = torch.tensor([[4, 8]]), torch.ones(1, 2, 3, dtype=torch.bool)
+    valid[0, 1, 2] = False
+    student = torch.log_softmax(torch.randn(5, VOCAB, dtype=torch.float64), -1)
+    teacher = torch.log_softmax(target.model(input_ids=ids).logits[0], -1)
+    slots = [(a, k) for j, a in enumerate([4, 8]) for k in range(1, 4) if valid[0, j, k - 1]]
+    expected = torch.stack([(teacher[a + k - 1].exp() * (teacher[a + k - 1] - q)).sum()
+                            for (a, k), q in zip(slots, student)])
+    torch.testing.assert_close(distillation_kl(target, final_hidden, anchors, valid, student), expected)
+
+
+def test_training_forward_drafts_exactly_what_the_decoder_drafts():
+    """Blocks at every decode step's root position, computed in one training forward over the
+    finished sequence, give the decoder's own draft distributions (float64)."""
+    target = tiny_target(seed=3)
+    drafter = tiny_drafter(target, seed=3, block_size=8, layers=2)
+    prompt = random_prompts(1, 7, seed=3)[0]
+    trace = Decoder(target, drafter, DrafterInfo("random", False)).run(
+        prompt_ids=prompt, settings=DecodeSettings("dflash", max_new_tokens=20))
+    sequence = torch.tensor([prompt + trace.output_ids])
+    starts, start = [], len(prompt)
+    for step in trace.steps:
+        starts.append(start)
+        start += len(step.accepted)
+    features, _ = target_pass(target, drafter, sequence)
+    with torch.no_grad():
+        hidden = draft_hidden(drafter, target, sequence, torch.tensor([starts]), features)
+        probs = torch.softmax(drafter.logits(hidden, target.lm_head), -1)[0]
+    for j, step in enumerate(trace.steps):
+        top = probs[j].topk(len(step.draft_top_tokens[0]), dim=-1)
+        assert top.indices.tolist() == step.draft_top_tokens
+        torch.testing.assert_close(top.values, torch.tensor(step.draft_top_probs, dtype=torch.float64),
+                                   atol=1e-6, rtol=1e-5)
+
+
+# ---- schedule, batches, checkpoints, export ------------------------------------------------------
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    settings = TrainSettings(lr=1e-3, warmup_fraction=0.1, min_lr_ratio=0.1)
+    assert learning_rate(settings, 0.05) == pytest.approx(5e-4)
+    assert learning_rate(settings, 0.1) == pytest.approx(1e-3)
+    assert learning_rate(settings, 1.0) == pytest.approx(1e-4)
+    assert learning_rate(settings, 0.55) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+
+
+def test_batches_cut_long_sequences_and_pad_short_ones():
+    data = SequenceData.from_lists([[5] * 70, [6] * 10], [3, 4])
+    batch = make_batch(data, torch.tensor([0, 1]), max_length=66, pad_id=1, multiple=64)
+    assert batch.ids.shape == (2, 66)
+    assert batch.lengths.tolist() == [66, 10]
+    assert batch.ids[1, :10].eq(6).all() and batch.ids[1, 10:].eq(1).all()
+
+
+def tiny_trainer(seed: int = 0) -> Trainer:
+    target = tiny_target(seed, dtype=torch.float32)
+    settings = TrainSettings(batch_size=4, blocks_per_sequence=4, lr=3e-3, log_every=1000, seed=seed)
+    return Trainer.new(tiny_drafter(target, seed, block_size=8), target, tiny_data(seed), settings,
+                       Progress(schedule_steps=8), log=lambda line: None)
+
+
+def test_a_resumed_run_continues_exactly_where_it_stopped(tmp_path):
+    straight = tiny_trainer()
+    straight.run()
+    first = tiny_trainer()
+    first.run(max_seconds=0.0)
+    assert first.progress.step == 0, "no time: the loop stops at once"
+    first.run(max_steps=5)  # crosses into the second epoch (4 batches of 4)
+    save_state(first, tmp_path / "state.pt")
+    state = load_state(tmp_path / "state.pt", "cpu")
+    resumed = tiny_trainer()
+    resumed.drafter.load_state_dict(state["drafter"])
+    resumed.optimizer.load_state_dict(state["optimizer"])
+    resumed.progress = state["progress"]
+    resumed.run()
+    assert resumed.progress.step == straight.progress.step == 8
+    for a, b in zip(resumed.drafter.parameters(), straight.drafter.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_export_splits_weights_into_small_bf16_shards_that_load_back(tmp_path):
+    target = tiny_target()
+    drafter = tiny_drafter(target, layers=2)
+    files = export_drafter(drafter, tmp_path, shard_mb=0.1, extra={"training": {"steps": 1}})
+    assert len(files) > 1 and all(f.stat().st_size <= 0.1 * 2**20 for f in files)
+    assert not (tmp_path / "model.safetensors").exists()
+    assert all(t.dtype == torch.bfloat16 for f in files for t in load_file(f).values())
+    loaded = load_drafter(tmp_path)
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name].double(), tensor.to(torch.bfloat16).double())
+    export_drafter(drafter, tmp_path, shard_mb=None)  # one file again: the old shards must go
+    assert [f.name for f in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+def test_repetition_cut_keeps_the_first_repeats_of_a_loop():
+    loop = [7, 8, 9]
+    reply = [1, 2, 3, 4] + loop * 10
+    keep = repetition_cut(reply, n=3, max_repeats=4)
+    assert reply[:keep] == [1, 2, 3, 4] + loop * 4, "cut where (7, 8, 9) starts a fifth time"
+    assert repetition_cut(list(range(50)), n=8, max_repeats=1) == 50
+    assert repetition_cut([1, 2], n=8, max_repeats=1) == 2
+
+
+def test_completions_end_at_and_keep_the_first_stop_token():
+    assert as_completion([5, 6, 2, 7, 2], stop_ids=[2]).token_ids == [5, 6, 2]
+    assert as_completion([5, 6, 2, 7, 2], stop_ids=[2]).stopped
+    assert not as_completion([5, 6], stop_ids=[2]).stopped
+
+
+class TextTokenizer:
+    """Every printable character gets its own id in 2..94 of the tiny vocabulary (0: unknown)."""
+
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) - 30 if 32 <= ord(c) <= 124 else 0 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i + 30) for i in ids if 2 <= i <= 94)
+
+
+def test_data_pipeline_writes_split_prompts_and_replies_that_load(tmp_path):
+    tiny = tiny_target(seed=1, dtype=torch.float32)
+    chat = Target(model=tiny.model, tokenizer=TextTokenizer(), name="tiny", stop_ids=[STOP])
+    settings = DataSettings(num_prompts=40, min_heldout=4, max_new_tokens=12, prompt_max_tokens=16,
+                            min_prompt_chars=4, chunk_prompts=16, min_response_tokens=2)
+    generator = TransformersGenerator(chat, batch_size=16)
+    stats = data_module.run(generator, chat, tmp_path, settings, log=lambda line: None)
+    train_prompts = data_module.read_prompts(tmp_path / "prompts.jsonl")
+    heldout = data_module.read_prompts(tmp_path / "heldout.jsonl")
+    assert len(heldout) >= 4 and not {p.text for p in heldout} & {p.text for p in train_prompts}
+    assert {"self", "general", "code", "math"} <= {p.source for p in train_prompts}
+    ranges = [tuple(torch.load(p)["prompt_range"]) for p in sorted(tmp_path.glob("responses-*.pt"))]
+    assert ranges[0] == (0, 4) and ranges[-1][1] == len(train_prompts), "a quarter-size first chunk, then all"
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    data = SequenceData.load(tmp_path)
+    assert len(data) == stats["sequences"] > 0
+    first = data.tokens[: data.lengths[0]].tolist()
+    assert first[: data.response_starts[0]] == chat.chat_ids(train_prompts[0].text)
+    # a second run reuses everything on disk
+    assert data_module.run(generator, chat, tmp_path, settings, log=lambda line: None)["sequences"] == len(data)
+
+
+@functools.cache
+def smollm2_chat() -> Target:
+    """The bundled SmolLM2's tokenizer (read from its GGUF, a few seconds), without weights."""
+    from transformers import AutoTokenizer
+
+    from engine.target import bundled_gguf
+
+    gguf = bundled_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return Target(model=None, tokenizer=tokenizer, name="smollm2", stop_ids=[2])
+
+
+class EchoGenerator:
+    """Replies with the prompt's last ten tokens reversed, then ends its turn."""
+
+    def complete(self, prompts, sampling):
+        return [as_completion(p[-10:][::-1] + [STOP], [STOP]) for p in prompts]
+
+    def close(self):
+        pass
+
+
+def test_replies_stop_at_the_deadline_and_a_later_run_continues(tmp_path):
+    chat = Target(model=None, tokenizer=TextTokenizer(), name="text", stop_ids=[STOP])
+    prompts = [data_module.Prompt(f"prompt number {i}", "math") for i in range(100)]
+    settings = DataSettings(chunk_prompts=40)
+    data_module.generate_responses(EchoGenerator(), chat, prompts, settings, tmp_path, deadline=time.monotonic(),
+                                   log=lambda line: None)
+    assert not list(tmp_path.glob("responses-*.pt")), "no time left: no chunk starts"
+    data_module.generate_responses(EchoGenerator(), chat, prompts, settings, tmp_path, log=lambda line: None)
+    ranges = [tuple(torch.load(p)["prompt_range"]) for p in sorted(tmp_path.glob("responses-*.pt"))]
+    assert ranges == [(0, 10), (10, 50), (50, 90), (90, 100)]
+    data = SequenceData.load(tmp_path)
+    assert len(data) == 100
+    last = data.tokens[data.offsets[-1]: data.offsets[-1] + data.lengths[-1]].tolist()
+    assert last[data.response_starts[-1]:] == TextTokenizer()("prompt number 99")["input_ids"][-10:][::-1] + [STOP]
+
+
+def test_chunks_shrink_to_fit_the_time_left():
+    settings = DataSettings(chunk_prompts=8192)
+    assert data_module.chunk_size(settings, None, 100.0) == 2048, "the first chunk measures the speed"
+    assert data_module.chunk_size(settings, 100.0, 10.0) == 900
+    assert data_module.chunk_size(settings, 100.0, 1000.0) == 8192
+    assert data_module.chunk_size(settings, 100.0, math.inf) == 8192
+    assert data_module.chunk_size(settings, 100.0, 0.5) == 0, "time for too few prompts: stop"
+    assert data_module.chunk_size(settings, None, -1.0) == 0
+
+
+def test_user_turn_ids_stop_where_the_users_text_begins():
+    chat = smollm2_chat()
+    ids = user_turn_ids(chat, "Tell me")
+    text = chat.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\nTell me")
+    assert chat.chat_ids("Tell me about bees")[: len(ids)] == ids, "the same tokens as the app's encoding"
+
+
+# ---- run planning ----------------------------------------------------------------------------------
+
+def test_plan_leaves_training_the_rest_of_the_call_and_schedules_the_later_calls():
+    plan = Plan(deadline_minutes=9.0, later_minutes=8.5, data_minutes=5.5, min_train_minutes=1.5, save_minutes=0.3)
+    assert plan.data_budget(elapsed_minutes=1.0) == 5.5
+    assert plan.data_budget(elapsed_minutes=3.0) == pytest.approx(9.0 - 3.0 - 1.5 - 0.3)
+    assert plan.train_budget(elapsed_minutes=6.0) == pytest.approx(2.7)
+    assert plan.schedule_minutes(elapsed_minutes=6.0) == pytest.approx(2.7 + 8.5)
+
+
+# ---- training works --------------------------------------------------------------------------------
+
+def mean_tau(target: Target, drafter, prompts: list[list[int]], method: str) -> float:
+    decoder = Decoder(target, drafter, DrafterInfo("tiny", True))
+    taus = [decoder.run(prompt_ids=p, settings=DecodeSettings(method, max_new_tokens=32, tree_budget=16)).summary.tau
+            for p in prompts]
+    return sum(taus) / len(taus)
+
+
+def test_training_on_the_targets_own_outputs_raises_acceptance():
+    target = tiny_target(seed=5, dtype=torch.float32)
+    prompts = random_prompts(24, 6, seed=5)
+    data = greedy_sequences(target, prompts, new_tokens=40)
+    drafter = tiny_drafter(target, seed=5, block_size=8)
+    before = {m: mean_tau(target, drafter.eval(), prompts[:8], m) for m in ("dflash", "ddtree")}
+    settings = TrainSettings(batch_size=8, blocks_per_sequence=8, lr=3e-3, warmup_fraction=0.05, log_every=1000)
+    Trainer.new(drafter, target, data, settings, Progress(schedule_steps=300), log=lambda line: None).run()
+    after = {m: mean_tau(target, drafter.eval(), prompts[:8], m) for m in ("dflash", "ddtree")}
+    print(f"tau before {before}, after {after}")
+    assert after["dflash"] > before["dflash"] + 0.5
+    assert after["ddtree"] > before["ddtree"] + 0.5

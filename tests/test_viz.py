@@ -1,0 +1,266 @@
+"""Figure builders on real traces from the tiny models, plus a synthetic 1024-node step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ddtree
+from engine.decode import DecodeSettings
+from engine.trace import Step, Trace
+from tests.tiny import tiny_decoder
+from viz.figures import acceptance_histogram, draft_rank, explain_stop, probability_figure, race_chart, \
+    stage_figure, sweep_figure
+from viz.text_view import column_html, run_stats, tokens_html
+from viz.tokens import committed_origins, pieces_token_text, visible
+from viz.tree_figure import NODE_STYLES, tidy_layout, tree_figure, tree_height
+
+PROMPT_IDS = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict[str, Trace]:
+    decoder = tiny_decoder()
+    return {method: decoder.run(prompt_ids=PROMPT_IDS, settings=DecodeSettings(method, max_new_tokens=20,
+                                                                             tree_budget=16))
+            for method in ("ar", "dflash", "ddtree")}
+
+
+def token_text(token: int) -> str:
+    return f"t{token} "  # a trailing space, to check it is made visible
+
+
+def node_traces(fig) -> dict[str, object]:
+    """The figure's node traces by kind (edge traces carry no customdata)."""
+    names = {legend: kind for kind, (legend, _, _) in NODE_STYLES.items()}
+    return {names[t.name]: t for t in fig.data if t.name in names}
+
+
+def drawn_nodes(fig) -> list[int]:
+    return sorted(node for t in node_traces(fig).values() for node in t.customdata)
+
+
+def synthetic_step(budget: int = 1024, accept_depth: int = 4, seed: int = 0) -> Step:
+    """A DDTree step built with the real tree code on made-up draft distributions; the
+    target follows the most probable child for ``accept_depth`` depths, then wants the
+    drafter's best token at that depth that the tree did not draft there."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = 200
+    log_probs = torch.log_softmax(torch.randn(15, vocab, generator=generator) * 3, dim=-1)
+    tree = ddtree.build_tree(log_probs, budget)
+    children = tree.child_maps()
+    top = log_probs.topk(8, dim=-1)
+    targets = []
+    for node in range(tree.size + 1):
+        depth = 0 if node == 0 else int(tree.depths[node - 1])
+        kids = sorted(children[node].values(), key=lambda child: -float(tree.log_probs[child - 1]))
+        if kids and depth < accept_depth:
+            targets.append(int(tree.tokens[kids[0] - 1]))
+        else:
+            candidates = top.indices[min(depth, 14)].tolist() + list(range(vocab))
+            targets.append(next(t for t in candidates if t not in children[node]))
+    accepted, bonus = ddtree.follow_tree(tree, targets)
+    path_tokens = [int(tree.tokens[node - 1]) for node in accepted[1:]]
+    committed = path_tokens + [bonus]
+    return Step(
+        index=7, t_start=0.0, t_end=0.01, stage_s={"draft": 0.001, "verify": 0.005}, root_token=3,
+        draft_top_tokens=top.indices.tolist(), draft_top_probs=top.values.exp().tolist(),
+        tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),
+        tree_node_probs=tree.log_probs.exp().tolist(), tree_path_probs=tree.path_log_probs.exp().tolist(),
+        tree_ranks=tree.ranks.tolist(), target_tokens=targets, accepted=accepted, bonus_token=bonus,
+        committed_ids=committed, committed_text=[token_text(t) for t in committed],
+        committed_margins=[1.0] * len(committed),
+    )
+
+
+# ---------------------------------------------------------------- the draft tree
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_every_node_is_drawn_once_plus_root_and_bonus(traces, method):
+    for step in traces[method].steps:
+        fig = tree_figure(step, token_text)
+        assert drawn_nodes(fig) == list(range(step.tree_size + 2))
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_accepted_path_is_exactly_the_accepted_nodes(traces, method):
+    steps = traces[method].steps
+    assert max(len(step.accepted) for step in steps) >= 2, "the tiny run should accept some draft tokens"
+    for step in steps:
+        nodes = node_traces(tree_figure(step, token_text))
+        drawn_accepted = list(nodes["accepted"].customdata) if "accepted" in nodes else []
+        assert drawn_accepted == step.accepted[1:]
+        assert list(nodes["root"].customdata) == [0]
+        assert list(nodes["bonus"].customdata) == [step.tree_size + 1]
+
+
+def test_accepted_path_of_a_deep_synthetic_step():
+    step = synthetic_step(budget=64, accept_depth=4)
+    assert len(step.accepted) == 5
+    nodes = node_traces(tree_figure(step, token_text))
+    assert list(nodes["accepted"].customdata) == step.accepted[1:]
+    layout = tidy_layout(step)
+    # the bonus hangs after the last accepted node, one depth further
+    assert layout.graph.nodes[layout.bonus]["parent"] == step.accepted[-1]
+    assert layout.positions[layout.bonus][0] == 5
+
+
+def test_hover_text_shows_token_and_probabilities(traces):
+    step = next(s for s in traces["ddtree"].steps if s.tree_size)
+    nodes = node_traces(tree_figure(step, token_text))
+    hovers = {node: text for t in nodes.values() for node, text in zip(t.customdata, t.hovertext)}
+    for node in range(1, step.tree_size + 1):
+        hover = hovers[node]
+        assert visible(token_text(step.tree_tokens[node - 1])) in hover
+        assert "·" in hover  # the token's trailing space, made visible
+        assert f"{step.tree_node_probs[node - 1]:.4f}" in hover
+        assert f"path prob {step.tree_path_probs[node - 1]:.4g}" in hover
+        assert f"rank at depth: {step.tree_ranks[node - 1] + 1}" in hover
+        assert f"target chose here: {visible(token_text(step.target_tokens[node]))}" in hover
+    assert "bonus" in hovers[step.tree_size + 1]
+
+
+def test_ar_step_is_root_then_bonus(traces):
+    step = traces["ar"].steps[0]
+    layout = tidy_layout(step)
+    assert list(layout.graph.edges) == [(0, 1)]
+    assert layout.graph.nodes[1]["token"] == step.bonus_token
+
+
+def test_dflash_chain_is_one_branch(traces):
+    for step in traces["dflash"].steps:
+        graph = tidy_layout(step).graph
+        draft_nodes = range(1, step.tree_size + 1)
+        assert all(len([c for c in graph.successors(n) if graph.nodes[c]["kind"] != "bonus"]) <= 1
+                   for n in [0, *draft_nodes])
+
+
+def test_children_ordered_by_probability_and_edges_never_cross():
+    step = synthetic_step(budget=300)
+    layout = tidy_layout(step)
+    graph, rows = layout.graph, {n: layout.positions[n][1] for n in layout.graph}
+    for parent in graph:
+        kids = [k for k in graph.successors(parent) if graph.nodes[k]["kind"] != "bonus"]
+        by_row = sorted(kids, key=rows.get)
+        assert [graph.nodes[k]["prob"] for k in by_row] == sorted((graph.nodes[k]["prob"] for k in kids),
+                                                                  reverse=True)
+    edges = sorted(((rows[p], rows[c]) for p, c in graph.edges if graph.nodes[p]["depth"] == 3))
+    assert [c for _, c in edges] == sorted(c for _, c in edges), "edges between two depths cross"
+
+
+def test_1024_node_tree_builds_and_stays_legible():
+    step = synthetic_step(budget=1024)
+    assert step.tree_size == 1024
+    started = time.perf_counter()
+    fig = tree_figure(step, token_text, "ddtree@1024")
+    fig.to_json()
+    print(f"\n1024-node tree figure built and serialised in {time.perf_counter() - started:.3f} s")
+    assert drawn_nodes(fig) == list(range(1026))
+    labels = sum(1 for t in node_traces(fig).values() for text in t.text if text)
+    assert labels < 100, "big trees label only what matters"
+    assert fig.layout.height > tree_height(8)
+
+
+def test_height_grows_with_rows():
+    heights = [tree_height(rows) for rows in range(1, 600)]
+    assert heights == sorted(heights) and heights[0] < heights[-1]
+
+
+# ---------------------------------------------------------------- other figures
+
+def test_probability_figure_marks_accepted_and_target_tokens():
+    step = synthetic_step(budget=64, accept_depth=2)
+    fig = probability_figure(step, token_text)
+    marks = {t.name: list(zip(t.x, t.y)) for t in fig.data if t.type == "scatter"}
+    accepted_cells = [(depth, draft_rank(step, depth, step.tree_tokens[node - 1])[0] + 1)
+                      for depth, node in enumerate(step.accepted[1:], start=1)]
+    assert marks["accepted draft token"] == accepted_cells
+    rank, _ = draft_rank(step, 3, step.bonus_token)  # in the top-k, though not in the tree
+    assert marks["target's token"] == [(1, accepted_cells[0][1]), (2, accepted_cells[1][1]), (3, rank + 1)]
+    heatmap = fig.data[0]
+    assert len(heatmap.z) == 8 and len(heatmap.z[0]) == len(step.draft_top_tokens)
+
+
+def test_probability_figure_says_when_the_target_token_is_not_in_top_k(traces):
+    step = next(s for s in traces["ddtree"].steps
+                if draft_rank(s, len(s.accepted), s.bonus_token) is None and len(s.accepted) <= len(s.draft_top_tokens))
+    fig = probability_figure(step, token_text)
+    assert any("not in top-" in a.text for a in fig.layout.annotations)
+
+
+def test_probability_figure_for_ar_explains_there_is_no_draft(traces):
+    fig = probability_figure(traces["ar"].steps[0], token_text)
+    assert "AR" in fig.layout.annotations[0].text
+
+
+def test_explain_stop_names_depth_wanted_token_and_its_draft_rank(traces):
+    step = synthetic_step(budget=64, accept_depth=2)
+    text = explain_stop(step, token_text)
+    assert "First rejected depth: **3**" in text
+    assert visible(token_text(step.bonus_token)) in text
+    rank, prob = draft_rank(step, 3, step.bonus_token)
+    assert f"**rank {rank + 1}** (p={prob:.4f})" in text
+    real = next(s for s in traces["ddtree"].steps if s.tree_size)
+    assert "not in the top-8" in explain_stop(real, token_text) or "rank" in explain_stop(real, token_text)
+    assert "AR" in explain_stop(traces["ar"].steps[0], token_text)
+
+
+def test_explain_stop_when_the_whole_path_was_accepted():
+    step = synthetic_step(budget=64, accept_depth=99)  # the target agrees down to a leaf
+    last = step.accepted[-1]
+    assert last not in step.tree_parents
+    text = explain_stop(step, token_text)
+    assert "Nothing was rejected" in text
+    assert ("the draft block ends here" in text) == (step.tree_depths[last - 1] == len(step.draft_top_tokens))
+
+
+def test_stage_and_run_figures(traces):
+    runs = list(traces.values())
+    stages = stage_figure({t.config.label: t.summary.stage_s for t in runs}, "run")
+    verify = next(bar for bar in stages.data if bar.name == "verify")
+    assert list(verify.y) == ["ar", "dflash", "ddtree@16"]
+    assert verify.x[0] == pytest.approx(traces["ar"].summary.stage_s["verify"] * 1e3)
+    histogram = acceptance_histogram(runs)
+    for bar, trace in zip(histogram.data, runs):
+        assert sum(bar.y) == trace.summary.steps
+    race = race_chart(runs)
+    assert [line.y[-1] for line in race.data] == [t.summary.new_tokens for t in runs]
+    sweep = sweep_figure([traces["ddtree"]], traces["ar"])
+    assert list(sweep.data[0].y) == [traces["ddtree"].summary.tau]
+
+
+# ---------------------------------------------------------------- text, stats, token text
+
+def test_text_view_colours_draft_and_target_tokens(traces):
+    trace = traces["ddtree"]
+    page = tokens_html(trace)
+    drafted = sum(origin == "draft" for step in trace.steps for origin in committed_origins(step))
+    assert page.count(": draft'") == drafted >= 1
+    assert page.count(": target'") == trace.summary.new_tokens - drafted
+    column = column_html("ddtree", trace, traces["ar"], all_done=True)
+    assert "identical to AR" in column and "untrained" in column
+
+
+def test_run_stats_as_of_a_moment(traces):
+    trace = traces["dflash"]
+    middle = trace.steps[len(trace.steps) // 2]
+    stats = run_stats(trace, until=middle.t_end)
+    assert stats.steps == middle.index + 1 and not stats.done
+    assert stats.tokens == 1 + sum(s.acceptance_length for s in trace.steps[: middle.index + 1])
+    assert run_stats(trace).done and run_stats(trace).tokens == trace.summary.new_tokens
+
+
+def test_token_text_from_trace_pieces(traces):
+    trace = traces["ar"]
+    text = pieces_token_text([trace])
+    step = trace.steps[0]
+    assert text(step.committed_ids[0]) == step.committed_text[0]
+    assert text(10**6) == "#1000000"
+
+
+def test_visible_whitespace():
+    assert visible(" a\nb\t") == "·a⏎b⇥"
+    assert visible("") == "∅"
+    assert visible("\x80") == "\\x80"

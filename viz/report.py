@@ -1,0 +1,420 @@
+"""Benchmark report: BENCHMARKS.md and its plots, from ``engine.bench`` result files.
+
+    python -m viz.report --results results/*.json --out BENCHMARKS.md [--assets assets/bench]
+    python -m viz.report --results results/*.json --headline    # just the README table
+
+Each results file is one measurement setting (say, CPU torch engine, or a GPU) and gets
+its own section: where and how it was measured, τ / tokens/s / speedup per method,
+per-position acceptance, a budget trade-off plot and an acceptance-length histogram.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.trace import METHODS
+
+MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 16 drafts 15)
+METHOD_NAMES = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}
+# the video's palette, so plots and video read alike
+COLOURS = {"ar": "#94a3b8", "dflash": "#38bdf8", "ddtree": "#f59e0b"}
+DDTREE_SHADES = ["#fbbf24", "#f59e0b", "#d97706", "#b45309", "#92400e", "#78350f"]
+
+
+class ReportError(ValueError):
+    """A results file that cannot be reported."""
+
+
+# ---------------------------------------------------------------- reading results
+
+
+@dataclass(frozen=True)
+class MethodRow:
+    label: str
+    tau: float
+    tokens_per_s: float
+    speedup: float | None
+    identical: str  # "3/3", "yes"/"no", or "baseline" for AR
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One results file: one place and way of measuring."""
+
+    path: Path
+    config: dict
+    runs: list[dict]
+    summary: dict
+    notes: list[str]
+
+    @property
+    def title(self) -> str:
+        config = self.config
+        where = config.get("host", {}).get("gpu") or str(config.get("device", "unknown device"))
+        prompts = Path(str(config.get("prompts", "?"))).stem
+        return f"{where} · {config.get('engine', '?')} engine · {config.get('dtype', '?')} · {prompts} prompts"
+
+    @property
+    def labels(self) -> list[str]:
+        return sorted(self.summary, key=label_order)
+
+    @property
+    def positions(self) -> int:
+        block = self.config.get("block_size")
+        return min(MAX_POSITIONS, block - 1) if isinstance(block, int) and block > 1 else MAX_POSITIONS
+
+    def rows(self) -> list[MethodRow]:
+        return [_method_row(label, self.summary[label]) for label in self.labels]
+
+    def acceptance_lengths(self, label: str) -> list[int]:
+        """Every verify step's acceptance length (bonus included), all prompts."""
+        return [n for run in self.runs if run_label(run) == label for n in run["acceptance_lengths"]]
+
+    def drafting_labels(self) -> list[str]:
+        return [label for label in self.labels if label_method(label) != "ar" and self.acceptance_lengths(label)]
+
+
+def _method_row(label: str, entry: dict) -> MethodRow:
+    identical = entry.get("identical_to_ar")
+    if label_method(label) == "ar":
+        shown = "baseline"
+    elif isinstance(identical, bool):
+        shown = "yes" if identical else "no"
+    else:
+        shown = str(identical) if identical is not None else "–"
+    return MethodRow(label, float(entry["tau"]), float(entry["tokens_per_s"]), entry.get("speedup_vs_ar"), shown)
+
+
+def label_method(label: str) -> str:
+    return label.split("@", 1)[0]
+
+
+def label_budget(label: str) -> int | None:
+    _, _, budget = label.partition("@")
+    return int(budget) if budget.isdigit() else None
+
+
+def label_order(label: str) -> tuple[int, int, str]:
+    method = label_method(label)
+    rank = METHODS.index(method) if method in METHODS else len(METHODS)
+    return (rank, label_budget(label) or 0, label)
+
+
+def run_label(run: dict) -> str:
+    if run.get("label"):
+        return run["label"]
+    return f"ddtree@{run['tree_budget']}" if run["method"] == "ddtree" else run["method"]
+
+
+def display_label(label: str) -> str:
+    budget = label_budget(label)
+    name = METHOD_NAMES.get(label_method(label), label)
+    return f"{name} (budget {budget})" if budget is not None else name
+
+
+def load_setting(path: str | Path) -> Setting:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path} is not valid JSON: {exc}") from exc
+    _check_results(path, data)
+    return Setting(path, data["config"], data["runs"], data["summary"], list(data.get("notes", [])))
+
+
+def _check_results(path: Path, data) -> None:
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), t) for k, t in
+                                             (("config", dict), ("runs", list), ("summary", dict))):
+        raise ReportError(f"{path} is not an engine.bench results file: it needs config, runs and summary")
+    for label, entry in data["summary"].items():
+        missing = [k for k in ("tau", "tokens_per_s") if k not in entry]
+        if missing:
+            raise ReportError(f"{path}: summary of {label} has no {missing[0]}")
+    for index, run in enumerate(data["runs"]):
+        missing = [k for k in ("method", "acceptance_lengths") if k not in run]
+        if missing:
+            raise ReportError(f"{path}: run {index} has no {missing[0]}")
+
+
+def expand_paths(patterns: list[str]) -> list[Path]:
+    """Result paths; patterns are globbed here too, for shells that pass them through quoted."""
+    paths: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise ReportError(f"no results files match {pattern!r}")
+        paths += [Path(m) for m in matches]
+    return list(dict.fromkeys(paths))
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def per_position_acceptance(lengths: list[int], positions: int) -> list[float]:
+    """Share of steps that accepted draft position k (k = 1..positions). A step's
+    acceptance length counts the bonus token, so it accepted position k iff length > k."""
+    if not lengths:
+        return [0.0] * positions
+    return [sum(1 for n in lengths if n > k) / len(lengths) for k in range(1, positions + 1)]
+
+
+def length_histogram(lengths: list[int], longest: int) -> list[float]:
+    """Share of steps with acceptance length 1..longest."""
+    if not lengths:
+        return [0.0] * longest
+    return [sum(1 for n in lengths if n == length) / len(lengths) for length in range(1, longest + 1)]
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _speedup(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def _metric_cells(row: MethodRow) -> list[str]:
+    return [display_label(row.label), f"{row.tau:.2f}", f"{row.tokens_per_s:.1f}", _speedup(row.speedup), row.identical]
+
+
+METRIC_HEADER = ["Method", "τ (tokens per verify step)", "tokens/s", "speedup vs AR", "identical to AR"]
+
+
+def headline_table(settings: list[Setting]) -> str:
+    rows = [[setting.title, *_metric_cells(row)] for setting in settings for row in setting.rows()]
+    return _table(["Setting", *METRIC_HEADER], rows)
+
+
+def method_table(setting: Setting) -> str:
+    return _table(METRIC_HEADER, [_metric_cells(row) for row in setting.rows()])
+
+
+def acceptance_table(setting: Setting) -> str:
+    positions = setting.positions
+    rows = []
+    for label in setting.drafting_labels():
+        lengths = setting.acceptance_lengths(label)
+        shares = per_position_acceptance(lengths, positions)
+        rows.append([display_label(label), str(len(lengths)), *(f"{share:.0%}" for share in shares)])
+    return _table(["Method", "steps", *(f"k={k}" for k in range(1, positions + 1))], rows)
+
+
+def measurement_lines(setting: Setting) -> list[str]:
+    """Where and how the numbers were measured, from the results' own config."""
+    config, host = setting.config, setting.config.get("host", {})
+    lines = [f"Results file: `{setting.path.as_posix()}`"]
+    device = str(config.get("device", "?"))
+    if host.get("gpu"):
+        device += f" ({host['gpu']})"
+    host_bits = [host[k] if k != "torch" else f"torch {host[k]}" for k in ("platform", "torch") if host.get(k)]
+    if host.get("threads"):
+        host_bits.append(f"{host['threads']} CPU threads")
+    lines.append(f"Device: {device}" + (f" — {', '.join(host_bits)}" if host_bits else ""))
+    lines.append(f"Engine: {config.get('engine', '?')}, dtype {config.get('dtype', '?')}")
+    drafter = str(config.get("drafter", "?"))
+    if config.get("drafter_trained") is False and "untrained" not in drafter.lower():
+        drafter += " (untrained)"
+    lines.append(f"Target model: {config.get('model', '?')}; drafter: {drafter}")
+    prompts = f"`{config['prompts']}`" if config.get("prompts") else "?"
+    count = config.get("num_prompts") or len({run.get("prompt_id") for run in setting.runs})
+    lines.append(f"Prompts: {prompts} ({count} prompts), up to {config.get('max_new_tokens', '?')} new tokens each")
+    lines.append(f"Decoding: {_sampling(config)}, draft block size {config.get('block_size', '?')}, "
+                 f"tree budgets {', '.join(map(str, config.get('tree_budgets') or [])) or '–'}")
+    if config.get("command"):
+        lines.append(f"Command: `{config['command']}`")
+    if config.get("total_s") is not None:
+        lines.append(f"Whole benchmark took {config['total_s']:.0f} s")
+    return lines
+
+
+def _sampling(config: dict) -> str:
+    temperature = config.get("temperature")
+    if temperature is None:
+        return "temperature ?"
+    return "greedy (temperature 0)" if temperature == 0 else f"sampling at temperature {temperature:g}"
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _pyplot():
+    """matplotlib with the file-only backend, or None when it is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")  # no display; also keeps output identical across machines
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    # no version stamp, so reruns give identical files; "tight" keeps legends placed outside the axes
+    figure.savefig(path, dpi=120, metadata={"Software": None}, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def plot_budget_tradeoff(plt, setting: Setting, path: Path) -> Path | None:
+    """τ and speedup vs tree budget for DDTree, DFlash as flat reference lines; None without DDTree runs."""
+    rows = [row for row in setting.rows() if label_budget(row.label) is not None]
+    if not rows:
+        return None
+    budgets = [label_budget(row.label) for row in rows]
+    dflash = next((row for row in setting.rows() if row.label == "dflash"), None)
+    figure, tau_axis = plt.subplots(figsize=(7, 4))
+    speed_axis = tau_axis.twinx()
+    tau_axis.plot(budgets, [row.tau for row in rows], "o-", color=COLOURS["ddtree"], label="DDTree τ")
+    if all(row.speedup is not None for row in rows):
+        speed_axis.plot(budgets, [row.speedup for row in rows], "s--", color="#16a34a", label="DDTree speedup")
+        speed_axis.axhline(1.0, color=COLOURS["ar"], linestyle=":", linewidth=1, label="AR (1×)")
+    if dflash is not None:
+        tau_axis.axhline(dflash.tau, color=COLOURS["dflash"], linewidth=1.2, label="DFlash τ")
+        if dflash.speedup is not None:
+            speed_axis.axhline(dflash.speedup, color=COLOURS["dflash"], linestyle="--", linewidth=1.2,
+                               label="DFlash speedup")
+    tau_axis.set_xscale("log", base=2)
+    tau_axis.set_xticks(budgets, [str(b) for b in budgets])
+    tau_axis.minorticks_off()
+    tau_axis.set_xlabel("DDTree tree budget (drafted nodes per step)")
+    tau_axis.set_ylabel("τ: tokens per verify step")
+    speed_axis.set_ylabel("speedup vs AR (wall time)")
+    for axis in (tau_axis, speed_axis):  # from zero, with headroom so the top marker is not cut
+        axis.set_ylim(0, axis.get_ylim()[1] * 1.12)
+    handles = tau_axis.get_legend_handles_labels()[0] + speed_axis.get_legend_handles_labels()[0]
+    tau_axis.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize=8)
+    tau_axis.set_title(f"Budget trade-off — {setting.title}", fontsize=10)
+    tau_axis.grid(alpha=0.3)
+    return _save(plt, figure, path)
+
+
+def plot_acceptance_histogram(plt, setting: Setting, path: Path) -> Path | None:
+    """Grouped bars: share of verify steps per acceptance length; None without drafting runs."""
+    labels = setting.drafting_labels()
+    if not labels:
+        return None
+    longest = setting.positions + 1
+    width = 0.8 / len(labels)
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for index, label in enumerate(labels):
+        shares = length_histogram(setting.acceptance_lengths(label), longest)
+        offsets = [length - 0.4 + width * (index + 0.5) for length in range(1, longest + 1)]
+        axis.bar(offsets, shares, width=width, color=_label_colour(label, setting), label=display_label(label))
+    axis.set_xticks(range(1, longest + 1))
+    axis.set_xlabel("acceptance length (accepted draft tokens + 1 bonus)")
+    axis.set_ylabel("share of verify steps")
+    axis.set_title(f"Acceptance lengths — {setting.title}", fontsize=10)
+    axis.legend(fontsize=8)
+    axis.grid(axis="y", alpha=0.3)
+    return _save(plt, figure, path)
+
+
+def _label_colour(label: str, setting: Setting) -> str:
+    if label_budget(label) is None:
+        return COLOURS.get(label_method(label), "#64748b")
+    budgets = sorted(b for b in map(label_budget, setting.labels) if b is not None)
+    # spread the budgets over the shades, light (small) to dark (large)
+    step = (len(DDTREE_SHADES) - 1) / max(1, len(budgets) - 1)
+    return DDTREE_SHADES[round(budgets.index(label_budget(label)) * step)]
+
+
+# ---------------------------------------------------------------- the report
+
+
+def asset_names(settings: list[Setting]) -> list[str]:
+    """A file-name stem per setting, unique even when two results files share a name."""
+    names: list[str] = []
+    for setting in settings:
+        base = re.sub(r"[^A-Za-z0-9_-]+", "-", setting.path.stem).strip("-") or "results"
+        name, count = base, 2
+        while name in names:
+            name, count = f"{base}-{count}", count + 1
+        names.append(name)
+    return names
+
+
+def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, command: str) -> str:
+    plt = _pyplot()
+    parts = [
+        "# Benchmarks",
+        f"Generated by `{command}` from {len(settings)} results file(s) written by `engine.bench`; "
+        "rerun it rather than editing by hand. τ is the mean acceptance length (accepted draft tokens + the bonus "
+        "token per verify step; AR's is 1). Speedup is AR's total wall time over the method's, in the same run.",
+        "## Headline",
+        headline_table(settings),
+    ]
+    if plt is None:
+        parts.append("_Plots were skipped: matplotlib is not installed (`pip install matplotlib`)._")
+    for setting, name in zip(settings, asset_names(settings)):
+        parts += _setting_section(setting, plt, assets_dir / name, out_path.parent)
+    return "\n\n".join(parts) + "\n"
+
+
+def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path) -> list[str]:
+    parts = [f"## {setting.title}", "Measured:\n" + "\n".join(f"- {line}" for line in measurement_lines(setting)),
+             method_table(setting)]
+    if setting.drafting_labels():
+        parts += [f"### Per-position acceptance\n\nShare of verify steps that accepted draft position k "
+                  f"(all prompts): a step accepts position k when its acceptance length exceeds k.",
+                  acceptance_table(setting)]
+    if plt is not None:
+        plots = [("Budget trade-off", plot_budget_tradeoff(plt, setting, _suffixed(asset_stem, "-budget.png"))),
+                 ("Acceptance lengths", plot_acceptance_histogram(plt, setting, _suffixed(asset_stem, "-acceptance.png")))]
+        parts += [f"### {title}\n\n![{title} — {setting.title}]({_relative(png, markdown_dir)})"
+                  for title, png in plots if png is not None]
+    if setting.notes:
+        parts.append("### Notes from the benchmark run\n\n" + "\n".join(f"- {note}" for note in setting.notes))
+    return parts
+
+
+def _suffixed(stem: Path, suffix: str) -> Path:
+    return stem.with_name(stem.name + suffix)
+
+
+def _relative(path: Path, start: Path) -> str:
+    return Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m viz.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", nargs="+", required=True, help="engine.bench results JSON files (globs allowed)")
+    parser.add_argument("--out", default="BENCHMARKS.md")
+    parser.add_argument("--assets", default="assets/bench", help="folder for the PNG plots")
+    parser.add_argument("--headline", action="store_true", help="print only the headline markdown table")
+    args = parser.parse_args(argv)
+    try:
+        settings = [load_setting(path) for path in expand_paths(args.results)]
+        if args.headline:
+            print(headline_table(settings))
+            return 0
+        out = Path(args.out)
+        command = "python -m viz.report " + " ".join(sys.argv[1:] if argv is None else argv)
+        report = build_report(settings, out, Path(args.assets), command)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+    except (ReportError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} and plots in {args.assets}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
