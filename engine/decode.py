@@ -10,9 +10,10 @@ target's distribution.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -157,6 +158,7 @@ class _Run:
         self.cache = self.target.new_cache()
         self.draft_context = DraftContext.empty(len(self.drafter.layers)) if self.drafts else None
         self.output_ids: list[int] = []
+        self.text = TextStream(self.target.decode)
 
     def execute(self) -> Trace:
         self.t0 = self.clock.now()
@@ -191,7 +193,7 @@ class _Run:
             self.new_context = self.drafter.context_features(hidden)
             self.new_context_positions = positions
         self.output_ids.append(first)
-        return Prefill(t_end=self.clock.now() - self.t0, first_token=first, first_text=self.target.decode([first]),
+        return Prefill(t_end=self.clock.now() - self.t0, first_token=first, first_text=self.text.push(first),
                        first_margin=_margins(logits[-1:])[0])
 
     def draft(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,9 +244,8 @@ class _Run:
             path_tokens = [int(t) for t in inputs.input_ids[0, accepted[1:]].tolist()]
             committed = self.clip(path_tokens + [bonus])
             margins = _margins(logits.index_select(0, torch.tensor(accepted, device=self.device)))
-            text_before = self.target.decode(self.output_ids)
             self.output_ids.extend(committed)
-            pieces = _pieces(self.target, self.output_ids, len(committed), text_before)
+            pieces = [self.text.push(token) for token in committed]
             self.start += len(accepted)
             self.root = bonus
         return self.record(index, t_start, root, log_probs, tree, target_tokens, accepted, bonus, committed, pieces,
@@ -288,11 +289,31 @@ def _margins(logits: torch.Tensor) -> list[float]:
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
-def _pieces(target: Target, output_ids: list[int], count: int, text_before: str) -> list[str]:
-    """Decoded text per new token; decoding the whole output keeps multi-byte characters whole."""
-    pieces, previous = [], text_before
-    for end in range(len(output_ids) - count + 1, len(output_ids) + 1):
-        text = target.decode(output_ids[:end])
-        pieces.append(text[len(previous):] if text.startswith(previous) else text)
-        previous = text
-    return pieces
+@dataclass
+class TextStream:
+    """Incremental detokenization: one piece per token, and the pieces join to the full decode.
+
+    Decoding only a short window keeps each token O(1). A character split across tokens
+    decodes to U+FFFD until its last byte arrives, so its piece is held back until then.
+    The window restarts on the last token, decoded alone, so tokenizers that drop a
+    leading space at the start of a decode still give the next token its space.
+    """
+
+    decode: Callable[[list[int]], str]
+    ids: list[int] = field(default_factory=list)
+    start: int = 0  # the window: decode(ids[start:]) begins with ``emitted``
+    emitted: str = ""
+
+    WINDOW = 16
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.decode(self.ids[self.start:])
+        if text.endswith("\ufffd"):
+            return ""
+        shared = len(os.path.commonprefix([text, self.emitted]))
+        piece, self.emitted = text[shared:], text
+        if len(self.ids) - self.start > self.WINDOW:
+            self.start = len(self.ids) - 1
+            self.emitted = self.decode(self.ids[self.start:])
+        return piece

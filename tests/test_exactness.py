@@ -95,3 +95,4 @@ def test_trace_records_every_step_consistently():
         assert set(step.stage_s) == {"draft", "tree_build", "tree_compile", "verify", "commit"}
         assert step.t_end >= step.t_start
     assert "".join(trace.text_pieces) == trace.text
+

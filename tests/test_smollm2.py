@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.decode import DecodeSettings
+from engine.decode import DecodeSettings, TextStream
 from engine.models import load_decoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,3 +54,13 @@ def test_bench_cli_on_default_model(tmp_path):
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         "colours.ar.json", "colours.ddtree@16.json", "colours.ddtree@4.json", "colours.dflash.json"]
     assert "| ddtree@16 |" in result.stdout
+
+
+def test_text_pieces_join_to_the_full_decode_even_for_split_characters(decoder):
+    tokenizer = decoder.target.tokenizer
+    text = "naïve café — 日本語のテキスト ✓ " * 3 + "and a long ASCII tail " * 5
+    ids = tokenizer(text)["input_ids"]
+    stream = TextStream(decoder.target.decode)
+    pieces = [stream.push(token) for token in ids]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert "\ufffd" not in "".join(pieces)
