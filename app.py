@@ -39,6 +39,7 @@ from viz.figures import acceptance_histogram, empty_figure, explain_stop, probab
 from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
 from viz.tokens import TokenText, pieces_token_text
 from viz.tree_figure import tree_figure
+from viz.video import VideoError, render_video
 
 log = logging.getLogger("ddtree-studio")
 
@@ -226,7 +227,7 @@ def checked(studio: Studio, prompt_ids: list[int], settings: list[DecodeSettings
 
 def problem(exc: Exception) -> str:
     """Show a failure in the UI: a toast plus the status line's Markdown."""
-    if isinstance(exc, (EngineError, TraceError)):
+    if isinstance(exc, (EngineError, TraceError, VideoError)):
         message = str(exc)
     else:
         log.exception("unexpected failure")
@@ -299,6 +300,9 @@ class StudioApp:
                 self.speed = gr.Radio(REPLAY_SPEEDS, value=0.5, label="Replay speed", scale=3)
                 self.replay_button = gr.Button("Replay race", scale=1, elem_id="replay-button")
             self.race = gr.Plot(race_chart([]), label="Tokens over time", show_label=False)
+            with gr.Row():
+                self.video_button = gr.Button("Render comparison video (MP4, 720p)", scale=1, elem_id="video-button")
+                self.video = gr.Video(label="Comparison video", interactive=False, scale=3, elem_id="video")
         with gr.Accordion("Traces: download or upload (replay and inspect without running a model)", open=False):
             with gr.Row():
                 self.download = gr.File(label="Download this run's traces (JSON)", interactive=False)
@@ -348,6 +352,8 @@ class StudioApp:
         self.stop_button.click(self.request_stop, self.control, self.status, api_name="stop", queue=False)
         self.replay_button.click(self.replay, [self.traces, self.speed, self.control],
                                  [self.status, *self.columns.values()], api_name="replay", show_progress="hidden")
+        self.video_button.click(self.render_video, [self.traces, self.speed], [self.status, self.video],
+                                api_name="video", concurrency_id="video", concurrency_limit=1)
         self.upload.upload(self.load_upload, self.upload, self.run_outputs, api_name="upload")
         inspector = [self.tree, self.probs, self.why, self.step_stages]
         # .input (not .change) so the updates a run or upload makes do not trigger these again
@@ -446,6 +452,20 @@ class StudioApp:
             yield self._race_frame(traces, clock, f"Replay at {speed:g}×: t = {clock:.2f} s of {finish:.2f} s")
             time.sleep(REPLAY_FRAME_S)
         yield self._race_frame(traces, None, "Replay finished." if not control.stop else "Replay stopped.")
+
+    def render_video(self, traces: dict[str, Trace], speed: float, progress=gr.Progress()) -> dict:
+        """The race as an MP4, drawn from the traces (the replay speed sets the slow motion)."""
+        runs = ordered(traces)
+        if not runs:
+            return {self.status: problem(EngineError("nothing to film yet: run the methods or upload traces"))}
+        out = Path(tempfile.mkdtemp(prefix="ddtree-video-")) / "ddtree-comparison.mp4"
+        try:
+            render_video(runs, out, preset="720p", slowdown=1.0 / float(speed or 1.0),
+                         progress=lambda done, total: progress(done / total, desc="rendering video frames"))
+        except VideoError as exc:
+            return {self.status: problem(exc)}
+        return {self.status: f"Video rendered: {len(runs)} columns, {out.stat().st_size / 1e6:.1f} MB.",
+                self.video: str(out)}
 
     def _race_frame(self, traces: dict[str, Trace], clock: float | None, status: str) -> dict:
         ar = traces.get("ar")

@@ -176,3 +176,15 @@ def test_budget_sweep(client):
     assert [len(trace["x"]) for trace in plot_data(plot)[:2]] == [2, 2]
     bad = client.predict(PROMPT, 6, 0.0, 0, "4, many", api_name="/sweep")[0]
     assert "budgets must be whole numbers" in bad.lower()
+
+
+def test_video_button_renders_the_sessions_race(app_url, client, full_run):
+    import imageio_ffmpeg
+
+    status, video = client.predict(1.0, api_name="/video")
+    assert status.startswith("Video rendered: 3 columns")
+    path = video["video"] if isinstance(video, dict) else video
+    frames = imageio_ffmpeg.read_frames(path)
+    assert next(frames)["size"] == (1280, 720)
+    untouched = Client(app_url, verbose=False)
+    assert "nothing to film yet" in untouched.predict(1.0, api_name="/video")[0].lower()
