@@ -145,6 +145,19 @@ class Decoder:
         return _Run(self, settings, config, on_step, should_stop).execute()
 
 
+@dataclass
+class _Outcome:
+    """What one verify pass decided."""
+
+    tree: ddtree.DraftTree
+    target_tokens: list[int]
+    accepted: list[int]
+    bonus: int
+    committed: list[int]
+    pieces: list[str]
+    margins: list[float]
+
+
 class _Run:
     """The state of one generation; ``execute`` is the whole loop."""
 
@@ -196,7 +209,7 @@ class _Run:
         return Prefill(t_end=self.clock.now() - self.t0, first_token=first, first_text=self.text.push(first),
                        first_margin=_margins(logits[-1:])[0])
 
-    def draft(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self) -> torch.Tensor:
         """Log-probabilities ``[block-1, vocab]`` for the slots after the root, in one drafter pass."""
         block_size = self.settings.block_size
         block = torch.full((1, block_size), self.drafter.mask_token_id, device=self.device)
@@ -245,11 +258,11 @@ class _Run:
             committed = self.clip(path_tokens + [bonus])
             margins = _margins(logits.index_select(0, torch.tensor(accepted, device=self.device)))
             self.output_ids.extend(committed)
-            pieces = [self.text.push(token) for token in committed]
+            outcome = _Outcome(tree, target_tokens, accepted, bonus, committed,
+                               pieces=[self.text.push(token) for token in committed], margins=margins[: len(committed)])
             self.start += len(accepted)
             self.root = bonus
-        return self.record(index, t_start, root, log_probs, tree, target_tokens, accepted, bonus, committed, pieces,
-                           margins[: len(committed)])
+        return self.record(index, t_start, root, log_probs, outcome)
 
     def commit_cache(self, accepted: list[int]) -> None:
         hybrid.commit_cache(self.cache, self.start, accepted)
@@ -263,7 +276,8 @@ class _Run:
                 return tokens[: i + 1]
         return tokens
 
-    def record(self, index, t_start, root, log_probs, tree, target_tokens, accepted, bonus, committed, pieces, margins) -> Step:
+    def record(self, index: int, t_start: float, root: int, log_probs: torch.Tensor | None, outcome: "_Outcome") -> Step:
+        tree = outcome.tree
         top_tokens: list[list[int]] = []
         top_probs: list[list[float]] = []
         if log_probs is not None:
@@ -276,8 +290,9 @@ class _Run:
             draft_top_tokens=top_tokens, draft_top_probs=top_probs,
             tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),
             tree_node_probs=tree.log_probs.exp().tolist(), tree_path_probs=tree.path_log_probs.exp().tolist(),
-            tree_ranks=tree.ranks.tolist(), target_tokens=[int(t) for t in target_tokens], accepted=accepted,
-            bonus_token=int(bonus), committed_ids=committed, committed_text=pieces, committed_margins=margins,
+            tree_ranks=tree.ranks.tolist(), target_tokens=[int(t) for t in outcome.target_tokens],
+            accepted=outcome.accepted, bonus_token=int(outcome.bonus), committed_ids=outcome.committed,
+            committed_text=outcome.pieces, committed_margins=outcome.margins,
         )
 
 
