@@ -21,7 +21,7 @@ from engine.errors import EngineError
 from engine.target import load_target
 from tests.hybrid_models import (FAMILIES, FULL, LINEAR, hybrid_decoder, hybrid_model, hybrid_target, reference_greedy,
                                  save_tiny_hybrid)
-from tests.test_sampling import CHI2_CRITICAL_DF5, chi_square
+from tests.test_sampling import CHI2_CRITICAL_DF5, chi_square, three_token_marginals
 from tests.tiny import OracleDrafter, tiny_drafter
 
 
@@ -228,15 +228,7 @@ def exact_marginals(model) -> list[torch.Tensor]:
             logits = model(input_ids=torch.tensor([SAMPLE_PROMPT])).logits[0, -1]
         return torch.softmax(logits / TEMPERATURE, dim=-1)
 
-    marginals = [torch.zeros(VOCAB, dtype=torch.float64) for _ in range(3)]
-    p0 = next_probs(())
-    marginals[0] += p0
-    for a in range(VOCAB):
-        p1 = next_probs((a,))
-        marginals[1] += p0[a] * p1
-        for b in range(VOCAB):
-            marginals[2] += p0[a] * p1[b] * next_probs((a, b))
-    return marginals
+    return three_token_marginals(next_probs, VOCAB)
 
 
 # --- a saved hybrid folder is just another target ---------------------------------------------

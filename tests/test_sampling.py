@@ -19,22 +19,26 @@ PROMPT = [2, 4, 3, 5]
 CHI2_CRITICAL_DF5 = 20.52  # p = 0.001
 
 
-def exact_marginals(target) -> list[torch.Tensor]:
-    """P(token at new position i) for i = 0, 1, 2, summing over the earlier tokens."""
-    def next_probs(prefix):
-        ids = torch.tensor([PROMPT + list(prefix)])
-        logits = target.model(input_ids=ids).logits[0, -1]
-        return torch.softmax(logits / TEMPERATURE, dim=-1)
-
-    marginals = [torch.zeros(VOCAB, dtype=torch.float64) for _ in range(3)]
+def three_token_marginals(next_probs, vocab: int) -> list[torch.Tensor]:
+    """P(token at new position i) for i = 0, 1, 2, summing over the earlier tokens;
+    ``next_probs(prefix)`` is the target's next-token distribution after the prompt + prefix."""
+    marginals = [torch.zeros(vocab, dtype=torch.float64) for _ in range(3)]
     p0 = next_probs(())
     marginals[0] += p0
-    for a in range(VOCAB):
+    for a in range(vocab):
         p1 = next_probs((a,))
         marginals[1] += p0[a] * p1
-        for b in range(VOCAB):
+        for b in range(vocab):
             marginals[2] += p0[a] * p1[b] * next_probs((a, b))
     return marginals
+
+
+def exact_marginals(target) -> list[torch.Tensor]:
+    def next_probs(prefix):
+        logits = target.model(input_ids=torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+        return torch.softmax(logits / TEMPERATURE, dim=-1)
+
+    return three_token_marginals(next_probs, VOCAB)
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
