@@ -5,7 +5,6 @@ Tokens are drawn for the first three positions over many seeds, by AR and by DDT
 distribution is compared with the exact marginal computed from the target.
 """
 
-import itertools
 
 import torch
 

@@ -371,8 +371,8 @@ def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path
     parts = [f"## {setting.title}", "Measured:\n" + "\n".join(f"- {line}" for line in measurement_lines(setting)),
              method_table(setting)]
     if setting.drafting_labels():
-        parts += [f"### Per-position acceptance\n\nShare of verify steps that accepted draft position k "
-                  f"(all prompts): a step accepts position k when its acceptance length exceeds k.",
+        parts += ["### Per-position acceptance\n\nShare of verify steps that accepted draft position k "
+                  "(all prompts): a step accepts position k when its acceptance length exceeds k.",
                   acceptance_table(setting)]
     if plt is not None:
         plots = [("Budget trade-off", plot_budget_tradeoff(plt, setting, _suffixed(asset_stem, "-budget.png"))),
