@@ -269,8 +269,8 @@ class StudioApp:
         drafter = (f"**{info.name}** (trained)" if info.trained else
                    f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
                    "near 1; the machinery is real, the speed-up is not")
-        return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}) · "
-                f"drafter {drafter}")
+        return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
+                f"{decoder.engine} engine) · drafter {drafter}")
 
     def _build_run_view(self) -> None:
         with gr.Row():
@@ -632,6 +632,15 @@ CSS = """
 """
 
 
+def load_studio_decoder(args: argparse.Namespace) -> Decoder:
+    if args.engine == "vllm":  # imported here: the torch engine never needs vLLM
+        from engine.vllm_engine import VllmOptions, load_vllm_decoder
+
+        return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
+                                 options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size))
+    return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default=None, help="address to serve on (default: GRADIO_SERVER_NAME or 127.0.0.1)")
@@ -640,14 +649,17 @@ def main() -> None:
     parser.add_argument("--drafter", default=None,
                         help="DFlash drafter folder, or 'random' (default: the shipped drafter, else random)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
+    parser.add_argument("--dtype", default=None, help="float32 (torch default), bfloat16 (vllm default), float16, float64")
+    parser.add_argument("--engine", default="torch", choices=["torch", "vllm"],
+                        help="torch (any machine) or vllm (CUDA GPU + requirements-gpu.txt)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
     started = time.perf_counter()
     try:
-        studio = Studio(load_decoder(args.model, args.drafter, args.device, args.dtype))
+        studio = Studio(load_studio_decoder(args))
     except EngineError as exc:
         raise SystemExit(f"error: {exc}") from None
     log.info("loaded %s with drafter %s in %.1f s", studio.decoder.target.name, studio.decoder.drafter_info.name,

@@ -15,6 +15,7 @@ from ddtree.verify import (
     sample_tokens,
 )
 from ddtree.cache import compact_rows, kept_rows
+from ddtree.paged import compaction_moves, move_rows, query_bias
 
 __all__ = [
     "DraftTree",
@@ -24,8 +25,11 @@ __all__ = [
     "build_tree",
     "chain_tree",
     "compact_rows",
+    "compaction_moves",
     "compile_tree",
     "follow_tree",
     "kept_rows",
+    "move_rows",
+    "query_bias",
     "sample_tokens",
 ]

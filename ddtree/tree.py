@@ -59,7 +59,7 @@ def build_tree(log_probs: torch.Tensor, budget: int, width: int | None = None) -
     if budget == 0 or depth_limit == 0 or top_k == 0:
         return DraftTree.empty()
 
-    top_log_probs, top_tokens = torch.topk(log_probs.detach().float().cpu(), k=top_k, dim=-1)
+    top_log_probs, top_tokens = torch.topk(log_probs.detach().float(), k=top_k, dim=-1)  # on the drafter's device
     lp = top_log_probs.tolist()
     tok = top_tokens.tolist()
 

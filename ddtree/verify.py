@@ -21,13 +21,16 @@ class TreeInputs:
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """``[n+1, n+1]`` bool: node i sees node j iff j is i itself or one of its ancestors.
 
-    ``parents`` lists the parent of nodes 1..n; parents precede children, so each row
-    is its parent's row plus the diagonal.
+    ``parents`` lists the parent of nodes 1..n. Every node climbs one level per round (the
+    root is its own parent), so the loop runs depth times, not once per node.
     """
     n = int(parents.numel())
+    parent_of = torch.cat([torch.zeros(1, dtype=torch.long), parents.long()])
     visible = torch.eye(n + 1, dtype=torch.bool)
-    for node, parent in enumerate(parents.tolist(), start=1):
-        visible[node, :node] = visible[parent, :node]
+    nodes, ancestor = torch.arange(n + 1), torch.arange(n + 1)
+    while bool(ancestor.any()):
+        ancestor = parent_of[ancestor]
+        visible[nodes, ancestor] = True
     return visible
 
 

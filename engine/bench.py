@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from engine.decode import DecodeSettings, Decoder
 from engine.errors import EngineError
-from engine.trace import METHODS, Trace
+from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, Trace
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
 
@@ -107,19 +107,29 @@ def run_record(prompt: dict, job: Job, trace: Trace) -> dict:
 
 def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
     ar_wall = sum(r["wall_s"] for r in runs if r["label"] == "ar")
+    vllm_ar_wall = sum(r["wall_s"] for r in runs if r["label"] == NATIVE_AR)
     summary = {}
     for job in jobs:
         mine = [r for r in runs if r["label"] == job.label]
         wall = sum(r["wall_s"] for r in mine)
         lengths = [n for r in mine for n in r["acceptance_lengths"]]
         entry = {
-            "tau": sum(lengths) / len(lengths) if lengths else 0.0,
+            "tau": sum(lengths) / len(lengths) if lengths else float(job.method == "ar"),
             "tokens_per_s": sum(r["new_tokens"] for r in mine) / wall if wall else 0.0,
             "speedup_vs_ar": ar_wall / wall if ar_wall and wall else None,
         }
-        if ar_wall and job.label != "ar":
-            identical = sum(1 for r in mine if r.get("divergence") is None)
-            entry["identical_to_ar"] = f"{identical}/{len(mine)}"
+        if "drafts" in mine[0]:  # vLLM's own DFlash reports counters, not per-step lengths
+            drafts = sum(r["drafts"] for r in mine)
+            entry["tau"] = 1 + sum(r["accepted"] for r in mine) / drafts if drafts else 0.0
+        if vllm_ar_wall:
+            entry["speedup_vs_vllm_ar"] = vllm_ar_wall / wall if wall else None
+        checked = [r for r in mine if "divergence" in r]  # vLLM's own runs are checked against vLLM AR only
+        if checked:
+            identical = sum(1 for r in checked if r["divergence"] is None)
+            entry["identical_to_ar"] = f"{identical}/{len(checked)}"
+        compared = [r["identical_to_vllm_ar"] for r in mine if "identical_to_vllm_ar" in r]
+        if compared:
+            entry["identical_to_vllm_ar"] = f"{sum(compared)}/{len(compared)}"
         summary[job.label] = entry
     return summary
 
@@ -153,6 +163,62 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
     return runs, notes
 
 
+def benchmark_native(decoder, prompts: list[dict], args: argparse.Namespace, dtype: str,
+                     progress: bool = True) -> tuple[list[dict], list[Job]]:
+    """vLLM as it ships (CUDA graphs on): its AR and, with a drafter, its DFlash, on the same prompts."""
+    from engine.vllm_engine import native_acceptance, native_generate, native_llm
+
+    wanted = {m.strip() for m in args.native.split(",") if m.strip()}
+    if wanted - {"ar", "dflash"} or ("dflash" in wanted and decoder.drafter is None):
+        raise EngineError(f"--native takes ar and/or dflash (dflash needs a drafter), got {args.native!r}")
+    jobs = [Job(label, method, None) for label, method in ((NATIVE_AR, "ar"), (NATIVE_DFLASH, "dflash"))
+            if method in wanted]
+    runs: list[dict] = []
+    for job in jobs:
+        drafter = decoder.drafter_path if job.method == "dflash" else None
+        llm = native_llm(args.model, dtype, drafter, decoder.drafter.block_size - 1 if drafter else 0,
+                         seed=args.seed, options=decoder.options)
+        prompt_ids = [decoder.target.chat_ids(p["prompt"]) for p in prompts]
+        native_generate(llm, prompt_ids[0], 8, decoder.target.stop_ids)  # warm-up, untimed
+        for prompt, ids in tqdm(list(zip(prompts, prompt_ids)), desc=job.label, disable=not progress):
+            before = native_acceptance(llm)
+            run = native_generate(llm, ids, args.max_new_tokens, decoder.target.stop_ids)
+            after = native_acceptance(llm)
+            record = {"prompt_id": prompt["id"], "method": job.method, "label": job.label, "tree_budget": None,
+                      "output_ids": run.output_ids, "text": decoder.target.decode(run.output_ids),
+                      "new_tokens": len(run.output_ids), "verify_steps": None, "acceptance_lengths": [],
+                      "wall_s": run.wall_s, "tokens_per_s": len(run.output_ids) / run.wall_s, "stage_s": {}}
+            if job.method == "dflash":
+                record["drafts"], record["accepted"] = after[0] - before[0], after[1] - before[1]
+            if job.method == "ar":  # where a run leaves vLLM's output, how close was vLLM to a tie?
+                record["margins"] = native_generate(llm, ids, args.max_new_tokens, decoder.target.stop_ids,
+                                                    margins=True).margins
+            runs.append(record)
+        del llm
+        torch.cuda.empty_cache()
+    return runs, jobs
+
+
+def compare_to_native_ar(runs: list[dict]) -> list[str]:
+    """Mark every run that differs from vLLM's own AR output on its prompt; return notes."""
+    reference = {r["prompt_id"]: r for r in runs if r["label"] == NATIVE_AR}
+    notes = []
+    for run in runs:
+        if run["label"] == NATIVE_AR or run["prompt_id"] not in reference:
+            continue
+        ours, theirs = run["output_ids"], reference[run["prompt_id"]]["output_ids"]
+        run["identical_to_vllm_ar"] = ours == theirs
+        if ours != theirs:
+            index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            margins = reference[run["prompt_id"]].get("margins") or []
+            gap = margins[index] if index < len(margins) else None
+            run["vllm_divergence"] = {"index": index, "vllm_margin": gap, "near_tie": gap is not None and gap < NEAR_TIE}
+            verdict = "n/a" if gap is None else f"{gap:.4f} ({'a numerical near-tie' if gap < NEAR_TIE else 'NOT a near-tie: investigate'})"
+            notes.append(f"{run['prompt_id']} {run['label']}: differs from vLLM AR at new token {index}; "
+                         f"vLLM's top-2 logit gap there {verdict}")
+    return notes
+
+
 def _settings(base: DecodeSettings, job: Job, **overrides) -> DecodeSettings:
     fields = {**base.__dict__, "method": job.method, "tree_budget": job.tree_budget or base.tree_budget, **overrides}
     return DecodeSettings(**fields)
@@ -165,11 +231,19 @@ def _divergence_note(prompt_id: str, label: str, div: dict) -> str:
 
 
 def format_summary(summary: dict) -> str:
-    rows = ["| method | τ | tokens/s | speedup vs AR | identical to AR |", "|---|---|---|---|---|"]
+    native = any("speedup_vs_vllm_ar" in s for s in summary.values())
+    head = "| method | τ | tokens/s | speedup vs AR |" + (" vs vLLM AR | identical to vLLM AR |" if native else "")
+    rows = [head + " identical to AR |", "|---|---|---|---|" + ("---|---|" if native else "") + "---|"]
     for label, s in summary.items():
-        speedup = "–" if s["speedup_vs_ar"] is None else f"{s['speedup_vs_ar']:.2f}×"
-        rows.append(f"| {label} | {s['tau']:.2f} | {s['tokens_per_s']:.1f} | {speedup} | {s.get('identical_to_ar', '–')} |")
+        cells = [label, f"{s['tau']:.2f}", f"{s['tokens_per_s']:.1f}", _times(s["speedup_vs_ar"])]
+        if native:
+            cells += [_times(s.get("speedup_vs_vllm_ar")), s.get("identical_to_vllm_ar", "–")]
+        rows.append("| " + " | ".join(cells + [s.get("identical_to_ar", "–")]) + " |")
     return "\n".join(rows)
+
+
+def _times(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}×"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -190,6 +264,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--traces", default=None, help="folder to write each run's Trace JSON into")
     parser.add_argument("--out", default=None, help="results JSON path")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="vllm engine: run the Studio's passes eagerly")
+    parser.add_argument("--native", default="", metavar="ar,dflash",
+                        help="vllm engine: also time vLLM's own AR and/or DFlash (CUDA graphs on) on the same prompts")
     return parser.parse_args(argv)
 
 
@@ -203,26 +281,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from engine.models import load_decoder
-
-    if args.engine != "torch":
-        raise EngineError("the vllm engine is not available in this build yet; use --engine torch")
     prompts = read_prompts(args.prompts)[: args.limit]
     jobs = plan_jobs(args.methods, args.tree_budget)
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.native and args.engine != "vllm":
+        raise EngineError("--native times vLLM's own decoding: it needs --engine vllm")
+    gpu = args.engine == "vllm" or args.device.startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
     started = time.perf_counter()
-    decoder = load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed)
+    decoder = _load(args, dtype)
     base = DecodeSettings("ar", max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           block_size=args.block_size, tree_budget=32)
     traces_dir = Path(args.traces) if args.traces else None
     if traces_dir is not None:
         traces_dir.mkdir(parents=True, exist_ok=True)
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
+    if args.native:
+        native_runs, native_jobs = benchmark_native(decoder, prompts, args, dtype, progress=not args.no_progress)
+        runs, jobs = runs + native_runs, jobs + native_jobs
+        notes += compare_to_native_ar(runs)
     summary = summarize_runs(runs, jobs)
     config = {
         "command": "python -m engine.bench " + " ".join(sys.argv[1:]),
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype,
+        "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
+        "cuda_graphs": (not args.no_cuda_graphs) if args.engine == "vllm" else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": [j.tree_budget for j in jobs if j.tree_budget],
         "prompts": args.prompts, "num_prompts": len(prompts), "host": _host(), "total_s": time.perf_counter() - started,
@@ -235,6 +318,17 @@ def _main(args: argparse.Namespace) -> int:
         print(note)
     print(format_summary(summary))
     return 0
+
+
+def _load(args: argparse.Namespace, dtype: str):
+    if args.engine == "vllm":
+        from engine.vllm_engine import VllmOptions, load_vllm_decoder
+
+        options = VllmOptions(tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.no_cuda_graphs)
+        return load_vllm_decoder(args.model, args.drafter, dtype=dtype, seed=args.seed, options=options)
+    from engine.models import load_decoder
+
+    return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed)
 
 
 def _host() -> dict:

@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 
 import ddtree
-from engine import hybrid
-from engine.drafter import DFlashDrafter, DraftContext
+from engine.drafter import DFlashDrafter
+from engine.drafting import EagerDraft, GraphedDraft
 from engine.errors import EngineError
 from engine.target import Target
 from engine.trace import METHODS, Prefill, RunConfig, Step, Trace, summarize
@@ -73,13 +73,25 @@ class StageClock:
 
 class Decoder:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
-                 engine: str = "torch"):
+                 engine: str = "torch", cuda_graphs: bool = False):
         self.target = target
         self.drafter = drafter
         self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
         self.engine = engine
+        self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
+        self._graphed_drafts: dict[int, GraphedDraft] = {}
         if drafter is not None:
             self._check_drafter_fits(drafter)
+
+    def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
+        if not (self.cuda_graphs and self.drafter.full_attention):
+            return EagerDraft(self.drafter, self.target.embedding, self.target.lm_head, block_size)
+        if block_size not in self._graphed_drafts:
+            self._graphed_drafts[block_size] = GraphedDraft(self.drafter, self.target.embedding, self.target.lm_head,
+                                                            block_size, self.target.context_length)
+        graphed = self._graphed_drafts[block_size]
+        graphed.reset()
+        return graphed
 
     def _check_drafter_fits(self, drafter: DFlashDrafter) -> None:
         cfg, tcfg = drafter.config, self.target.config
@@ -169,7 +181,7 @@ class _Run:
         self.generator = torch.Generator(self.device).manual_seed(settings.seed)
         self.drafts = settings.method != "ar"
         self.cache = self.target.new_cache()
-        self.draft_context = DraftContext.empty(len(self.drafter.layers)) if self.drafts else None
+        self.draft_pass = decoder.draft_pass(settings.block_size) if self.drafts else None
         self.output_ids: list[int] = []
         self.text = TextStream(self.target.decode)
 
@@ -211,18 +223,7 @@ class _Run:
 
     def draft(self) -> torch.Tensor:
         """Log-probabilities ``[block-1, vocab]`` for the slots after the root, in one drafter pass."""
-        block_size = self.settings.block_size
-        block = torch.full((1, block_size), self.drafter.mask_token_id, device=self.device)
-        block[0, 0] = self.root
-        hidden = self.drafter(
-            self.drafter.embed(block, self.target.embedding),
-            self.new_context,
-            block_positions=torch.arange(self.start, self.start + block_size, device=self.device)[None],
-            context_positions=self.new_context_positions,
-            cache=self.draft_context,
-        )
-        logits = self.drafter.logits(hidden[0, 1:], self.target.lm_head)
-        return torch.log_softmax(logits.float(), dim=-1)
+        return self.draft_pass(self.root, self.start, self.new_context, self.new_context_positions)
 
     def build(self, log_probs: torch.Tensor | None) -> ddtree.DraftTree:
         if log_probs is None:
@@ -242,14 +243,14 @@ class _Run:
             tree = self.build(log_probs)
         with self.clock.stage("tree_compile"):
             inputs = ddtree.compile_tree(tree, self.root, self.start)
-            bias = ddtree.attention_bias(inputs.visible.to(self.device), self.start, self.target.dtype) if tree.size else None
+            bias = self.target.tree_bias(inputs.visible, self.start) if tree.size else None
         with self.clock.stage("verify"):
             logits, hidden = self.target.forward(inputs.input_ids.to(self.device), inputs.position_ids.to(self.device),
                                                  self.cache, bias, hidden_states=self.drafts)
         with self.clock.stage("commit"):
             target_tokens = ddtree.sample_tokens(logits, self.settings.temperature, self.generator).tolist()
             accepted, bonus = ddtree.follow_tree(tree, target_tokens)
-            self.commit_cache(accepted)
+            self.target.commit(self.cache, self.start, accepted)
             if self.drafts:
                 kept = torch.tensor(accepted, device=self.device)
                 self.new_context = self.drafter.context_features(hidden).index_select(1, kept)
@@ -263,9 +264,6 @@ class _Run:
             self.start += len(accepted)
             self.root = bonus
         return self.record(index, t_start, root, log_probs, outcome)
-
-    def commit_cache(self, accepted: list[int]) -> None:
-        hybrid.commit_cache(self.cache, self.start, accepted)
 
     def clip(self, tokens: list[int]) -> list[int]:
         """Cut at the first stop token (kept) and at the new-token limit."""

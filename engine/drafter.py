@@ -203,6 +203,40 @@ class DraftContext:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
+    def visible(self, block: int, added) -> None:
+        return None  # every cached row is real: no mask needed
+
+    def advance(self, added) -> None:
+        self.length += added
+
+
+class StaticDraftContext:
+    """The committed context's keys/values in preallocated buffers, so every draft pass has
+    the same shapes and can be replayed as a CUDA graph. A pass may bring padding rows after
+    its ``added`` real ones: they are written past ``length`` and masked, and the next pass
+    overwrites them. Needs full (non-causal, unwindowed) attention in every layer."""
+
+    def __init__(self, config: "DrafterConfig", capacity: int, device, dtype: torch.dtype):
+        shape = (1, config.num_key_value_heads, capacity, config.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in config.layer_types]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in config.layer_types]
+        self.rows = torch.arange(capacity, device=device)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.length + self.rows[: k.shape[2]]
+        self.keys[layer].index_copy_(2, rows, k)
+        self.values[layer].index_copy_(2, rows, v)
+        return self.keys[layer], self.values[layer]
+
+    def visible(self, block: int, added) -> torch.Tensor:
+        """``[1, 1, 1, capacity + block]`` bool: the real context rows, then the whole block."""
+        context = self.rows < self.length + added
+        return torch.cat([context, torch.ones(block, dtype=torch.bool, device=context.device)])[None, None, None]
+
+    def advance(self, added) -> None:
+        self.length += added
+
 
 class Attention(nn.Module):
     def __init__(self, config: DrafterConfig, layer_type: str):
@@ -299,9 +333,20 @@ class DFlashDrafter(nn.Module):
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
-    def context_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Concatenate the tapped target layers' outputs (``hidden_states[0]`` is the embedding)."""
-        return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+    @property
+    def full_attention(self) -> bool:
+        """Every layer sees the whole context and block (what ``StaticDraftContext`` needs)."""
+        return all(not layer.self_attn.is_causal and layer.self_attn.sliding_window is None for layer in self.layers)
+
+    @property
+    def hidden_state_indices(self) -> list[int]:
+        """Where the tapped layers sit in HF's ``output_hidden_states`` (index 0 is the embeddings,
+        so layer ``i``'s output is ``i + 1``: z-lab's convention for ``target_layer_ids``)."""
+        return [i + 1 for i in self.config.target_layer_ids]
+
+    def context_features(self, hidden_states) -> torch.Tensor:
+        """Concatenate the tapped target layers' outputs; ``hidden_states`` is indexed as HF's."""
+        return torch.cat([hidden_states[i] for i in self.hidden_state_indices], dim=-1)
 
     def embed(self, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, embedding) * self.config.input_embedding_scale
@@ -312,16 +357,21 @@ class DFlashDrafter(nn.Module):
         context_features: torch.Tensor,
         block_positions: torch.Tensor,
         context_positions: torch.Tensor,
-        cache: DraftContext | None = None,
+        cache: DraftContext | StaticDraftContext | None = None,
         mask: torch.Tensor | None = None,
+        context_count: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states ``[b, q, hidden]`` for the block.
 
         ``context_features [b, c, taps*hidden]`` are the context tokens not yet in
-        ``cache`` (all of them when there is no cache). ``mask`` (bool, ``[b or 1, 1,
+        ``cache`` (all of them when there is no cache); with a ``StaticDraftContext`` only
+        the first ``context_count`` of them are real. ``mask`` (bool, ``[b or 1, 1,
         q, ctx + q]``) overrides the default visibility; training uses it to keep
         many blocks of one sequence apart.
         """
+        added = context_features.shape[1] if context_count is None else context_count
+        if cache is not None and mask is None:
+            mask = cache.visible(block_embeddings.shape[1], added)
         dtype = block_embeddings.dtype
         context = self.hidden_norm(self.fc(context_features))
         rope_block = self.rotary(block_positions, dtype)
@@ -330,7 +380,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, context, rope_block, rope_context, cache, i, mask)
         if cache is not None:
-            cache.length += context_features.shape[1]
+            cache.advance(added)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:

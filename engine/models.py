@@ -37,12 +37,12 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
     if checkpoint is None:
         draft_model, info = random_drafter(target, seed), DrafterInfo(f"random (untrained, seed {seed})", trained=False)
     else:
-        draft_model, info = checkpoint, DrafterInfo(_display_name(drafter), trained=True)
+        draft_model, info = checkpoint, DrafterInfo(display_name(drafter), trained=True)
     draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
     return Decoder(target, draft_model, info)
 
 
-def _display_name(path: str) -> str:
+def display_name(path: str) -> str:
     resolved = Path(path).resolve()
     return resolved.name if resolved.parent == SHIPPED_DRAFTER.parent else str(path)
 

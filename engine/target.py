@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+import ddtree
 from engine import hybrid
 from engine.errors import EngineError
 
@@ -99,6 +100,14 @@ class Target:
         if hybrid.is_hybrid(self.config):
             return hybrid.TreeCache(self.config)
         return DynamicCache(config=self.config)
+
+    def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor:
+        """What ``forward`` takes as ``attention_bias`` for a tree block after ``past_length`` cached tokens."""
+        return ddtree.attention_bias(visible.to(self.device), past_length, self.dtype)
+
+    def commit(self, cache, past_length: int, accepted: list[int]) -> None:
+        """Keep the accepted path's cache state (node indices, root first), drop the other nodes'."""
+        hybrid.commit_cache(cache, past_length, accepted)
 
     def forward(self, input_ids, position_ids, cache, attention_bias=None, hidden_states=False):
         """Logits ``[q, vocab]`` and, if asked, the per-layer hidden states."""

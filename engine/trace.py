@@ -14,6 +14,7 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 METHODS = ("ar", "dflash", "ddtree")
+NATIVE_AR, NATIVE_DFLASH = "vllm-ar", "vllm-dflash"  # bench labels of vLLM's own decoding (--native)
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
 
 

@@ -50,3 +50,7 @@ def app_url(tmp_path_factory) -> str:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and vLLM (requirements-gpu.txt); skipped elsewhere")

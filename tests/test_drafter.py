@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import DraftContext, load_drafter
-from tests.tiny import tiny_target
+from engine.drafter import DraftContext, StaticDraftContext, load_drafter
+from tests.tiny import tiny_drafter, tiny_target
 
 
 def zlab_checkpoint(folder, target, sliding_window=4):
@@ -78,3 +78,31 @@ def test_cached_context_equals_one_pass_over_the_whole_context(tmp_path):
     cached = drafter(embeddings, features[:, 6:], block_positions, torch.arange(6, 10)[None], cache=context)
     assert context.length == 10
     torch.testing.assert_close(cached, whole, rtol=1e-10, atol=1e-10)
+
+
+@torch.inference_mode()
+def test_static_context_with_padding_rows_equals_the_growing_context():
+    """The CUDA-graph draft path: fixed buffers, steps padded to a block, padding masked."""
+    target = tiny_target(4, vocab=40)
+    drafter = tiny_drafter(target, layers=2)
+    assert drafter.full_attention
+    generator = torch.Generator().manual_seed(0)
+    width, block = 2 * target.config.hidden_size, 4
+    growing = DraftContext.empty(2)
+    static = StaticDraftContext(drafter.config, capacity=64, device="cpu", dtype=torch.float64)
+    start = 0
+    for added in (7, 3, 1, 4, 2):  # the prompt, then steps of 1..block committed tokens
+        features = torch.randn(1, added, width, generator=generator, dtype=torch.float64)
+        positions = torch.arange(start, start + added)[None]
+        embeddings = torch.randn(1, block, target.config.hidden_size, generator=generator, dtype=torch.float64)
+        block_positions = torch.arange(start + added, start + added + block)[None]
+        expected = drafter(embeddings, features, block_positions, positions, cache=growing)
+        padded, padded_positions = features, positions
+        if added <= block:  # as GraphedDraft loads them: garbage after the real rows
+            padded = torch.cat([features, torch.randn(1, block - added, width, generator=generator, dtype=torch.float64)], 1)
+            padded_positions = torch.cat([positions, torch.full((1, block - added), 99)], 1)
+        got = drafter(embeddings, padded, block_positions, padded_positions, cache=static,
+                      context_count=torch.tensor(added))
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        start += added
+    assert int(static.length) == growing.length == start

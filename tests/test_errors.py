@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from engine.bench import plan_jobs, read_prompts
 from engine.decode import MAX_TREE_BUDGET, DecodeSettings
@@ -112,3 +113,20 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: cannot read prompts file")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+@pytest.mark.parametrize("extra, message", [
+    (["--engine", "vllm"], "error: the vLLM engine needs a CUDA GPU; on this machine use --engine torch"),
+    (["--native", "ar"], "error: --native times vLLM's own decoding: it needs --engine vllm"),
+])
+def test_vllm_engine_without_a_gpu_is_a_clear_error(extra, message):
+    result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl", *extra],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == message
+
+
+def test_the_app_and_the_torch_engine_never_import_vllm():
+    code = "import sys, app, engine.bench, engine.models; assert 'vllm' not in sys.modules, 'vllm imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.bench import benchmark, plan_jobs, summarize_runs
+from engine.bench import Job, benchmark, plan_jobs, summarize_runs
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import fresh_config
 from tests.tiny import OracleDrafter, tiny_drafter, tiny_target
@@ -109,3 +109,35 @@ def test_a_file_that_is_not_results_is_refused(tmp_path, capsys):
     bad.write_text(json.dumps({"runs": []}))
     assert main(["--results", str(bad), "--headline"]) == 1
     assert "not an engine.bench results file" in capsys.readouterr().err
+
+
+def test_stage_table_is_milliseconds_per_verify_step(report, results_path):
+    data = json.loads(results_path.read_text())
+    ddtree = [run for run in data["runs"] if run["label"] == "ddtree@16"]
+    steps = sum(run["verify_steps"] for run in ddtree)
+    verify_ms = 1000 * sum(run["stage_s"]["verify"] for run in ddtree) / steps
+    wall_ms = 1000 * sum(run["wall_s"] for run in ddtree) / steps
+    row = next(line for line in report["markdown"].split("### Where the time goes")[1].splitlines()
+               if line.startswith("| DDTree (budget 16) |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[4] == f"{verify_ms:.2f}" and cells[-1] == f"{wall_ms:.2f}"
+
+
+def test_native_vllm_rows_add_the_comparison_columns(results_path, tmp_path):
+    """A vllm-engine file with --native runs: vLLM's own AR is the baseline of two extra columns."""
+    data = json.loads(results_path.read_text())
+    native = [dict(run, label="vllm-ar", method="ar", acceptance_lengths=[], stage_s={}, verify_steps=None,
+                   wall_s=run["wall_s"] * 2, identical_to_vllm_ar=True)
+              for run in data["runs"] if run["label"] == "ar"]
+    for run in data["runs"]:
+        run["identical_to_vllm_ar"] = run["label"] != "dflash"
+    jobs = plan_jobs("ar,dflash,ddtree", "4,16") + [Job("vllm-ar", "ar", None)]
+    data["runs"] += native
+    data["summary"] = summarize_runs(data["runs"], jobs)
+    path = tmp_path / "gpu-vllm.json"
+    path.write_text(json.dumps(data))
+    table = headline_table([load_setting(path)])
+    assert "speedup vs vLLM AR | identical to vLLM AR |" in table.splitlines()[0]
+    assert "| vLLM's own AR | 1.00 |" in table and table.count("| baseline |") == 2
+    dflash = next(line for line in table.splitlines() if "| DFlash |" in line)
+    assert dflash.endswith("| 0/1 |") and data["summary"]["ar"]["speedup_vs_vllm_ar"] == pytest.approx(2.0)

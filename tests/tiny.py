@@ -59,9 +59,11 @@ class OracleDrafter(DFlashDrafter):
         self.reference = reference
         self.demote_every = demote_every
 
-    def forward(self, block_embeddings, context_features, block_positions, context_positions, cache=None, mask=None):
+    def forward(self, block_embeddings, context_features, block_positions, context_positions, cache=None, mask=None,
+                context_count=None):
         self.block_start = int(block_positions[0, 0])
-        return super().forward(block_embeddings, context_features, block_positions, context_positions, cache, mask)
+        return super().forward(block_embeddings, context_features, block_positions, context_positions, cache, mask,
+                               context_count)
 
     def logits(self, hidden, lm_head):
         vocab = lm_head.shape[0]

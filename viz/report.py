@@ -19,10 +19,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.trace import METHODS
+from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH
 
 MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 16 drafts 15)
 METHOD_NAMES = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}
+NATIVE_NAMES = {NATIVE_AR: "vLLM's own AR", NATIVE_DFLASH: "vLLM's own DFlash"}
 # the video's palette, so plots and video read alike
 COLOURS = {"ar": "#94a3b8", "dflash": "#38bdf8", "ddtree": "#f59e0b"}
 DDTREE_SHADES = ["#fbbf24", "#f59e0b", "#d97706", "#b45309", "#92400e", "#78350f"]
@@ -42,6 +43,8 @@ class MethodRow:
     tokens_per_s: float
     speedup: float | None
     identical: str  # "3/3", "yes"/"no", or "baseline" for AR
+    vllm_speedup: float | None = None  # vllm engine runs with --native: against vLLM's own AR
+    vllm_identical: str = "–"
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,9 @@ def _method_row(label: str, entry: dict) -> MethodRow:
         shown = "yes" if identical else "no"
     else:
         shown = str(identical) if identical is not None else "–"
-    return MethodRow(label, float(entry["tau"]), float(entry["tokens_per_s"]), entry.get("speedup_vs_ar"), shown)
+    vllm_identical = "baseline" if label == NATIVE_AR else str(entry.get("identical_to_vllm_ar", "–"))
+    return MethodRow(label, float(entry["tau"]), float(entry["tokens_per_s"]), entry.get("speedup_vs_ar"), shown,
+                     entry.get("speedup_vs_vllm_ar"), vllm_identical)
 
 
 def label_method(label: str) -> str:
@@ -115,7 +120,7 @@ def run_label(run: dict) -> str:
 
 def display_label(label: str) -> str:
     budget = label_budget(label)
-    name = METHOD_NAMES.get(label_method(label), label)
+    name = METHOD_NAMES.get(label_method(label), NATIVE_NAMES.get(label, label))
     return f"{name} (budget {budget})" if budget is not None else name
 
 
@@ -187,20 +192,30 @@ def _speedup(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
 
-def _metric_cells(row: MethodRow) -> list[str]:
-    return [display_label(row.label), f"{row.tau:.2f}", f"{row.tokens_per_s:.1f}", _speedup(row.speedup), row.identical]
+def _metric_cells(row: MethodRow, native: bool) -> list[str]:
+    cells = [display_label(row.label), f"{row.tau:.2f}", f"{row.tokens_per_s:.1f}", _speedup(row.speedup), row.identical]
+    return cells + [_speedup(row.vllm_speedup), row.vllm_identical] if native else cells
 
 
 METRIC_HEADER = ["Method", "τ (tokens per verify step)", "tokens/s", "speedup vs AR", "identical to AR"]
+NATIVE_HEADER = ["speedup vs vLLM AR", "identical to vLLM AR"]
+
+
+def _native(settings: list[Setting]) -> bool:
+    """Whether any setting timed vLLM's own decoding beside ours (then the table says how we compare)."""
+    return any(NATIVE_AR in setting.summary for setting in settings)
 
 
 def headline_table(settings: list[Setting]) -> str:
-    rows = [[setting.title, *_metric_cells(row)] for setting in settings for row in setting.rows()]
-    return _table(["Setting", *METRIC_HEADER], rows)
+    native = _native(settings)
+    rows = [[setting.title, *_metric_cells(row, native)] for setting in settings for row in setting.rows()]
+    return _table(["Setting", *METRIC_HEADER, *(NATIVE_HEADER if native else [])], rows)
 
 
 def method_table(setting: Setting) -> str:
-    return _table(METRIC_HEADER, [_metric_cells(row) for row in setting.rows()])
+    native = _native([setting])
+    return _table(METRIC_HEADER + (NATIVE_HEADER if native else []),
+                  [_metric_cells(row, native) for row in setting.rows()])
 
 
 def acceptance_table(setting: Setting) -> str:
@@ -211,6 +226,27 @@ def acceptance_table(setting: Setting) -> str:
         shares = per_position_acceptance(lengths, positions)
         rows.append([display_label(label), str(len(lengths)), *(f"{share:.0%}" for share in shares)])
     return _table(["Method", "steps", *(f"k={k}" for k in range(1, positions + 1))], rows)
+
+
+STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
+
+
+def stage_table(setting: Setting) -> str | None:
+    """Milliseconds per verify step in each stage (the engine's stage timers), and the rest of
+    the loop (detokenizing, recording the trace, Python); None when no run has stage timers."""
+    rows = []
+    for label in setting.labels:
+        runs = [run for run in setting.runs if run_label(run) == label and run.get("stage_s")]
+        steps = sum(run.get("verify_steps") or 0 for run in runs)
+        if not steps:
+            continue
+        per_step = {stage: 1000 * sum(run["stage_s"].get(stage, 0.0) for run in runs) / steps for stage in STAGES}
+        wall = 1000 * sum(run["wall_s"] for run in runs) / steps
+        cells = [f"{per_step[stage]:.2f}" for stage in STAGES]
+        rows.append([display_label(label), *cells, f"{wall - sum(per_step.values()):.2f}", f"{wall:.2f}"])
+    if not rows:
+        return None
+    return _table(["Method", *STAGES, "rest", "wall per step (ms)"], rows)
 
 
 def measurement_lines(setting: Setting) -> list[str]:
@@ -370,6 +406,10 @@ def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, comm
 def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path) -> list[str]:
     parts = [f"## {setting.title}", "Measured:\n" + "\n".join(f"- {line}" for line in measurement_lines(setting)),
              method_table(setting)]
+    stages = stage_table(setting)
+    if stages is not None:
+        parts += ["### Where the time goes\n\nMilliseconds per verify step, from the engine's stage timers "
+                  "(wall time includes the prefill, spread over the steps).", stages]
     if setting.drafting_labels():
         parts += ["### Per-position acceptance\n\nShare of verify steps that accepted draft position k "
                   "(all prompts): a step accepts position k when its acceptance length exceeds k.",

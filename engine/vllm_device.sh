@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The vLLM engine on the GPU machine: install the staged vLLM 0.23.0 bundle, put the drafter
+# together, then run the given command with the environment vLLM needs; output also goes to
+# $OUT/log.txt. Files staged in /tmp/stage with ../shared/device/stage.sh (one call each,
+# back to back: the machine keeps /tmp for 30 s after a call):
+#   cat ../shared/device/vllm-0.23.0/vllm-trim.tar.xz.part-* > /tmp/vllm-trim.tar.xz
+#   git rm -q --cached assets/drafters/smollm2-135m-dflash-b16/model.safetensors  # (restore after:
+#   git reset -q -- assets/drafters)  a tracked 32 MB file would travel with every call
+#   ../shared/device/stage.sh /tmp/vllm-trim.tar.xz ../shared/device/vllm-0.23.0/INSTALL.sh \
+#       "$(python -c 'from engine.target import bundled_gguf; print(bundled_gguf())')" \
+#       assets/drafters/smollm2-135m-dflash-b16/model.safetensors
+# then, e.g.:
+#   bash engine/vllm_device.sh python3 -m pytest -q -m gpu tests/test_vllm_engine.py
+#   bash engine/vllm_device.sh python3 -m engine.bench --engine vllm --native --model '$DDTREE_VLLM_MODEL' ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?OUT must name the folder whose files come back}"
+STAGE=${STAGE:-/tmp/stage}
+export SITE=${SITE:-/tmp/site}
+export PYTHONPATH=$SITE:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       VLLM_NO_USAGE_STATS=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 HOME=/tmp/home VLLM_CACHE_ROOT=/tmp/vcache \
+       TRITON_CACHE_DIR=/tmp/tcache DDTREE_CACHE=/tmp/ddtree-cache PYTHONUNBUFFERED=1
+SHIPPED=assets/drafters/smollm2-135m-dflash-b16
+mkdir -p "$HOME"
+
+if [ ! -d "$SITE/vllm" ]; then
+  bash "$STAGE/INSTALL.sh" "$STAGE/vllm-trim.tar.xz" >/dev/null || { echo "vLLM install failed"; exit 1; }
+fi
+if [ -z "${DDTREE_VLLM_DRAFTER:-}" ]; then
+  if [ -f "$SHIPPED/model.safetensors" ]; then DDTREE_VLLM_DRAFTER=$PWD/$SHIPPED
+  else
+    mkdir -p /tmp/drafter && cp "$SHIPPED/config.json" /tmp/drafter/ && cp "$STAGE/model.safetensors" /tmp/drafter/
+    DDTREE_VLLM_DRAFTER=/tmp/drafter
+  fi
+fi
+export DDTREE_VLLM_DRAFTER
+export DDTREE_VLLM_MODEL=${DDTREE_VLLM_MODEL:-$(ls "$STAGE"/*.gguf | head -n 1)}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+eval "$@" 2>&1 | tee -a "$OUT/log.txt"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,199 @@
+"""The vLLM engine: AR, DFlash and DDTree on an embedded ``vllm.LLM``, emitting the torch engine's Trace.
+
+The driver (this module) owns the tokenizer and checks settings; vLLM's workers run the
+decode loop on vLLM's model and paged KV cache (``engine.vllm_worker``, loaded as a worker
+extension), and rank 0's trace comes back. vLLM's own AR and DFlash are kept as baselines
+(``native_generate``): the yardstick a speed claim is measured against.
+
+Needs a CUDA GPU and ``pip install -r requirements-gpu.txt``; nothing else in the Studio
+imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.drafter import load_drafter
+from engine.errors import EngineError
+from engine.target import BUNDLED_MODEL, Target, _stop_ids, bundled_gguf, resolve_dtype
+from engine.trace import Step, Trace
+
+VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
+REPO = Path(__file__).resolve().parent.parent
+CONVERTED = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree-studio"))
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    tensor_parallel_size: int = 1
+    cuda_graphs: bool = True  # the Studio's own graphs: vLLM itself runs eager (see module doc)
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 4096
+
+
+def require_vllm():
+    """vLLM itself, or a clear error saying how to get it."""
+    if not torch.cuda.is_available():
+        raise EngineError("the vLLM engine needs a CUDA GPU; on this machine use --engine torch")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise EngineError(f"the vLLM engine needs vLLM {VLLM_VERSION}: pip install -r requirements-gpu.txt") from exc
+    if vllm.__version__ != VLLM_VERSION:
+        raise EngineError(f"the vLLM engine is built against vLLM {VLLM_VERSION}, found {vllm.__version__}: "
+                          "pip install -r requirements-gpu.txt")
+    # vLLM forks its engine process; a driver that already touched CUDA (converting a GGUF,
+    # the torch engine beside it) must spawn it instead
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    return vllm
+
+
+def model_folder(name: str | None) -> str:
+    """An HF folder or id vLLM can load; the bundled GGUF (or any .gguf) is converted once, in float32."""
+    name = name or BUNDLED_MODEL
+    if name != BUNDLED_MODEL and not name.endswith(".gguf"):
+        return name
+    gguf = bundled_gguf() if name == BUNDLED_MODEL else Path(name)
+    if not gguf.is_file():
+        raise EngineError(f"GGUF file {name!r} does not exist")
+    folder = CONVERTED / f"{gguf.stem}-float32"
+    if not (folder / "config.json").is_file():
+        from engine.training.convert import convert
+
+        convert(gguf, folder, torch.float32)
+    return str(folder)
+
+
+class ClientTarget(Target):
+    """The driver's view of the target that vLLM serves: tokenizer and shape, no weights."""
+
+    def __init__(self, name: str, folder: str, dtype: torch.dtype, context_length: int):
+        from transformers import AutoConfig, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        self._config = AutoConfig.from_pretrained(folder)
+        super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=_stop_ids(tokenizer, self._config))
+        self._dtype, self._context_length = dtype, context_length
+
+    device = property(lambda self: torch.device("cuda"))
+    dtype = property(lambda self: self._dtype)
+    config = property(lambda self: self._config)
+    context_length = property(lambda self: self._context_length)
+
+
+class VllmDecoder(Decoder):
+    """``Decoder``'s interface over an embedded ``vllm.LLM``; the loop runs in vLLM's workers."""
+
+    def __init__(self, model: str | None, drafter_path: str | None, drafter_info: DrafterInfo,
+                 dtype: str = "bfloat16", seed: int = 0, options: VllmOptions = VllmOptions()):
+        vllm = require_vllm()
+        folder = model_folder(model)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        self.options, self.drafter_path = options, drafter_path
+        self.llm = vllm.LLM(
+            model=folder, dtype=dtype, seed=seed, tensor_parallel_size=options.tensor_parallel_size,
+            enforce_eager=True, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
+            gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
+            worker_extension_cls="engine.vllm_worker.StudioWorker",
+        )
+        loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
+                                                              drafter_info.name, options.cuda_graphs))[0]
+        target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"])
+        drafter = load_drafter(drafter_path) if drafter_path is not None else None
+        super().__init__(target, drafter, drafter_info, engine="vllm")
+
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
+            prompt_ids: list[int] | None = None, on_step: Callable[[Trace, Step], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Trace:
+        """The whole generation runs in the workers: ``on_step`` sees the steps once it is over,
+        and ``should_stop`` is read only before it starts."""
+        if prompt_ids is None:
+            if not prompt.strip():
+                raise EngineError("the prompt is empty: type a message for the model to answer")
+            prompt_ids = self.target.chat_ids(prompt)
+        self.prepare(settings, len(prompt_ids))  # bad settings fail here, before any worker is busy
+        if should_stop is not None and should_stop():
+            raise EngineError("stopped before the run started")
+        raw = self.llm.collective_rpc("studio_run", args=(prompt, list(prompt_ids), asdict(settings)))[0]
+        trace = Trace.from_json(raw)
+        trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
+                                  f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}")
+        if on_step is not None:
+            for step in trace.steps:
+                on_step(trace, step)
+        return trace
+
+
+def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,
+                      options: VllmOptions = VllmOptions()) -> VllmDecoder:
+    """The vLLM twin of ``engine.models.load_decoder`` (the shipped drafter for the bundled model)."""
+    from engine.models import RANDOM, display_name, shipped_drafter
+
+    if drafter == RANDOM:
+        raise EngineError("the vLLM engine runs trained drafters only: pass a drafter folder")
+    if drafter is None and (model or BUNDLED_MODEL) == BUNDLED_MODEL and shipped_drafter() is not None:
+        drafter = str(shipped_drafter())
+    info = DrafterInfo(display_name(drafter), trained=True) if drafter else DrafterInfo("none", trained=False)
+    return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
+
+
+@dataclass
+class NativeRun:
+    """vLLM's own generation of one prompt: the baseline the Studio's loop is measured against."""
+
+    output_ids: list[int]
+    wall_s: float
+    margins: list[float] | None = None  # top-1 minus top-2 logit per token, when asked for
+
+
+def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_speculative_tokens: int = 15,
+               seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False):
+    """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, or its DFlash with our
+    drafter when ``drafter`` is given."""
+    vllm = require_vllm()
+    speculative = None
+    if drafter is not None:
+        speculative = {"method": "dflash", "model": drafter, "num_speculative_tokens": num_speculative_tokens}
+    return vllm.LLM(model=model_folder(model), dtype=dtype, seed=seed,
+                    tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
+                    gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
+                    speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager)
+
+
+def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],
+                    margins: bool = False) -> NativeRun:
+    """Greedy, one request at a time (as the Studio's loop runs), stopping where the loop stops.
+    ``margins`` asks vLLM for the top-2 log-probs (their gap is the logit gap); time it apart."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_ids,
+                            ignore_eos=False, detokenize=False, logprobs=2 if margins else None)
+    started = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)[0].outputs[0]
+    wall = time.perf_counter() - started
+    gaps = [_top2_gap(top) for top in out.logprobs] if margins else None
+    return NativeRun(output_ids=list(out.token_ids), wall_s=wall, margins=gaps)
+
+
+def _top2_gap(top: dict) -> float:
+    values = sorted((entry.logprob for entry in top.values()), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else float("inf")
+
+
+def native_acceptance(llm) -> tuple[int, int]:
+    """(drafts, accepted draft tokens) so far, from vLLM's speculative-decoding counters."""
+    drafts = accepted = 0
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            drafts += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted += int(metric.value)
+    return drafts, accepted
+

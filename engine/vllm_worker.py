@@ -1,0 +1,288 @@
+"""The Studio's decode loop inside vLLM's workers: vLLM's model, kernels and paged KV cache.
+
+vLLM loads ``StudioWorker`` as a worker extension (``worker_extension_cls``), so this module
+is imported in every worker process, also under tensor parallelism. Each rank runs the same
+loop (``engine.decode``) in lockstep: the target's logits are all-gathered, so every rank
+builds the same tree and takes the same path, and their collectives line up. The loop talks
+to vLLM through ``PagedTarget``, which gives a vLLM model the torch engine's ``Target``
+interface.
+
+vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
+is wrapped so that a verify pass can add a query-query bias (``qq_bias``, a parameter the
+kernel still has from vLLM's removed tree-attention backend). Nothing else is patched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import vllm
+import vllm.v1.attention.backends.triton_attn as triton_attn
+from vllm.distributed import tensor_model_parallel_all_gather
+from vllm.distributed.parallel_state import graph_capture
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+import ddtree
+from engine.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.drafter import load_drafter
+from engine.errors import EngineError
+from engine.target import Target, _stop_ids
+
+MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
+BIAS_PAD_ROWS = 16
+MAX_PATH = 32  # accepted-path moves one compaction graph covers (a block of 16 needs 15)
+
+
+class _QueryBias:
+    """The bias the next attention call adds among its queries; ``None`` outside a tree verify."""
+
+    current: torch.Tensor | None = None
+
+
+def _unified_attention_with_tree(*args, **kwargs):
+    if _QueryBias.current is not None:
+        kwargs["qq_bias"] = _QueryBias.current
+    return _unified_attention(*args, **kwargs)
+
+
+_unified_attention = triton_attn.unified_attention
+triton_attn.unified_attention = _unified_attention_with_tree
+
+
+@dataclass
+class PagedCache:
+    """One request's rows in vLLM's paged KV cache; the block table is the identity."""
+
+    length: int = 0  # rows written so far
+
+
+class _Forward:
+    """One verify shape: static inputs, attention metadata and (once captured) a CUDA graph."""
+
+    def __init__(self, target: "PagedTarget", size: int, tree: bool):
+        device = target.device
+        self.target, self.size = target, size
+        self.ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slots = torch.zeros(size, dtype=torch.long, device=device)
+        self.offsets = torch.arange(size, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        # the kernel loads the bias a whole query tile at a time (up to 16 rows), rows past the
+        # last query included: back the [size, size] view with memory for them
+        self.bias = torch.zeros(size + BIAS_PAD_ROWS, size, dtype=torch.float32, device=device)[:size] if tree else None
+        self.metadata = target.attention_metadata(size, self.slots, self.seq_lens)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def load(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: int, bias: torch.Tensor | None) -> None:
+        self.ids.copy_(input_ids)
+        self.positions.copy_(position_ids)
+        self.slots.copy_(self.offsets + past)
+        self.seq_lens.fill_(past + self.size)
+        if self.bias is not None:
+            self.bias.copy_(bias, non_blocking=True)
+
+    def run(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.outputs
+        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias)
+
+    @torch.inference_mode()
+    def capture(self, pool) -> None:
+        """Record the pass as a CUDA graph (after one eager run on the loaded inputs)."""
+        self.run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(device=self.target.device) as context:
+            with torch.cuda.graph(graph, pool=pool, stream=context.stream):
+                self.outputs = self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias)
+        self.graph = graph
+
+
+class PagedTarget(Target):
+    """``Target`` over a vLLM worker's model: forward, tree bias and commit on the paged cache."""
+
+    def __init__(self, runner, tokenizer, name: str, use_cuda_graphs: bool = True):
+        model = runner.get_model()
+        super().__init__(model=model, tokenizer=tokenizer, name=name,
+                         stop_ids=_stop_ids(tokenizer, runner.model_config.hf_text_config))
+        self.runner, self.vllm_config = runner, runner.vllm_config
+        groups = [group for groups in runner.attn_groups for group in groups]
+        if len(groups) != 1 or groups[0].backend.get_name() != "TRITON_ATTN":
+            raise EngineError("the vLLM engine verifies trees with the Triton attention backend on "
+                              "pure-attention targets; this target needs another backend")
+        self.group = groups[0]
+        self.builder = self.group.metadata_builders[0]
+        forward_layers = self.vllm_config.compilation_config.static_forward_context
+        self.kv_caches = [forward_layers[name].kv_cache for name in self.group.layer_names]
+        if self.kv_caches[0].shape[1] != 2:
+            raise EngineError(f"unexpected KV cache layout {tuple(self.kv_caches[0].shape)} for vLLM {vllm.__version__}")
+        self.block_size = self.kv_caches[0].shape[2]
+        self.capacity = self.kv_caches[0].shape[0] * self.block_size
+        blocks = self.kv_caches[0].shape[0]
+        self.block_table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
+        self._embedding = _full_vocab(model.model.embed_tokens.weight, self.config.vocab_size)
+        head = model.model.embed_tokens if self.config.tie_word_embeddings else model.lm_head
+        self._lm_head = _full_vocab(head.weight, self.config.vocab_size)
+        self.use_cuda_graphs = use_cuda_graphs
+        self.forwards: dict[tuple[int, bool], _Forward] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
+        self.compaction = _Compaction(self, moves=MAX_PATH)
+
+    @property
+    def config(self):
+        return self.runner.model_config.hf_text_config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.model_config.dtype
+
+    @property
+    def context_length(self) -> int:
+        return min(self.runner.model_config.max_model_len, self.capacity - 1)  # the last row is scratch
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return self._embedding
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self._lm_head
+
+    def tap_layers(self, hidden_state_indices: list[int]) -> None:
+        """Return these HF ``hidden_states`` indices from every pass, keyed the same way.
+
+        vLLM records the residual stream *entering* layer ``k`` as aux index ``k`` (0: the
+        embeddings), which is exactly HF's ``hidden_states[k]``: no offset to add here.
+        """
+        self.taps = sorted(set(hidden_state_indices))
+        self.model.model.aux_hidden_state_layers = tuple(self.taps)
+
+    def new_cache(self) -> PagedCache:
+        return PagedCache()
+
+    def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor:
+        return ddtree.query_bias(visible)
+
+    def attention_metadata(self, size: int, slots: torch.Tensor, seq_lens: torch.Tensor):
+        query_start = torch.tensor([0, size], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start.to(self.device), query_start_loc_cpu=query_start,
+            seq_lens=seq_lens, num_reqs=1, num_actual_tokens=size, max_query_len=size,
+            max_seq_len=self.context_length, block_table_tensor=self.block_table, slot_mapping=slots,
+        )
+        return self.builder.build(0, common)
+
+    def run_model(self, ids, positions, metadata, slots, bias) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        names = self.group.layer_names
+        _QueryBias.current = bias
+        try:
+            with set_forward_context({name: metadata for name in names}, self.vllm_config,
+                                     num_tokens=ids.numel(), slot_mapping={name: slots for name in names}):
+                out = self.model(input_ids=ids, positions=positions, intermediate_tensors=None)
+                hidden, taps = out if isinstance(out, tuple) else (out, [])
+                return self.model.compute_logits(hidden), taps
+        finally:
+            _QueryBias.current = None
+
+    def forward(self, input_ids, position_ids, cache: PagedCache, attention_bias=None, hidden_states=False):
+        size = input_ids.shape[1]
+        if cache.length + size > self.capacity:
+            raise EngineError(f"the vLLM KV cache holds {self.capacity} tokens; this pass needs {cache.length + size}")
+        forward = self._forward_for(size, attention_bias is not None, prefill=cache.length == 0)
+        forward.load(input_ids[0], position_ids[0], cache.length, attention_bias)
+        logits, taps = forward.run()
+        cache.length += size  # like a DynamicCache: every pass appends; ``commit`` then trims to the path
+        hidden = {layer: tap[None] for layer, tap in zip(self.taps, taps)} if hidden_states else None
+        return logits, hidden
+
+    def _forward_for(self, size: int, tree: bool, prefill: bool) -> _Forward:
+        key = (size, tree)
+        if prefill or key not in self.forwards and len(self.forwards) >= MAX_GRAPHS:
+            return _Forward(self, size, tree)
+        if key not in self.forwards:
+            self.forwards[key] = _Forward(self, size, tree)
+        return self.forwards[key]
+
+    def capture_pending(self) -> None:
+        """Turn the verify shapes seen so far (inputs already loaded) into CUDA graphs."""
+        if self.use_cuda_graphs:
+            for forward in self.forwards.values():
+                if forward.graph is None:
+                    forward.capture(self.graph_pool)
+
+    def commit(self, cache: PagedCache, past_length: int, accepted: list[int]) -> None:
+        sources, targets = ddtree.compaction_moves(past_length, accepted)
+        if sources.numel():
+            self.compaction(sources, targets)
+        cache.length = past_length + len(accepted)
+
+    def move_rows(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        for kv in self.kv_caches:
+            ddtree.move_rows(kv, sources, targets, self.block_size)
+
+
+class _Compaction:
+    """KV compaction for every layer (~120 small kernels) as one CUDA graph over a fixed number
+    of moves; unused moves copy the cache's last row, which no request reaches, onto itself."""
+
+    def __init__(self, target: PagedTarget, moves: int):
+        self.target, self.moves, self.scratch = target, moves, target.capacity - 1
+        self.sources = torch.full((moves,), self.scratch, dtype=torch.long, device=target.device)
+        self.targets = torch.full((moves,), self.scratch, dtype=torch.long, device=target.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        count = sources.numel()
+        if not self.target.use_cuda_graphs or count > self.moves:
+            self.target.move_rows(sources.to(self.target.device), targets.to(self.target.device))
+            return
+        self.sources.fill_(self.scratch)
+        self.targets.fill_(self.scratch)
+        self.sources[:count].copy_(sources)
+        self.targets[:count].copy_(targets)
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self.target.move_rows(self.sources, self.targets)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records without running: this commit's moves ran just above
+            self.target.move_rows(self.sources, self.targets)
+        self.graph = graph
+
+
+def _full_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A vocab-parallel weight gathered across tensor-parallel ranks, padding rows dropped."""
+    return tensor_model_parallel_all_gather(weight.contiguous(), dim=0)[:vocab_size]
+
+
+class StudioWorker:
+    """Methods vLLM adds to its worker class; the driver calls them through ``collective_rpc``."""
+
+    def studio_load(self, name: str, drafter_path: str | None, drafter_name: str, use_cuda_graphs: bool) -> dict:
+        from transformers import AutoTokenizer
+
+        runner = self.model_runner
+        tokenizer = AutoTokenizer.from_pretrained(runner.model_config.tokenizer)
+        target = PagedTarget(runner, tokenizer, name, use_cuda_graphs)
+        drafter = None
+        if drafter_path is not None:
+            drafter = load_drafter(drafter_path).to(device=target.device, dtype=target.dtype).eval()
+            target.tap_layers(drafter.hidden_state_indices)
+        else:
+            target.tap_layers([])
+        self.studio = Decoder(target, drafter, DrafterInfo(drafter_name, trained=drafter is not None), engine="vllm",
+                              cuda_graphs=use_cuda_graphs)
+        return {"context_length": target.context_length, "kv_capacity": target.capacity,
+                "block_size": drafter.block_size if drafter is not None else None}
+
+    def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict) -> str:
+        """One generation; returns the trace as JSON (rank 0's is the one the driver reads)."""
+        decoder: Decoder = self.studio
+        trace = decoder.run(prompt, DecodeSettings(**settings), prompt_ids=prompt_ids)
+        if decoder.target.use_cuda_graphs and any(f.graph is None for f in decoder.target.forwards.values()):
+            decoder.target.capture_pending()
+        return trace.to_json()

@@ -1,0 +1,92 @@
+"""The vLLM engine's pure parts on CPU: tree -> attention metadata, compaction index math, layer taps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree
+from tests.tiny import tiny_decoder
+
+
+def random_tree(seed: int, budget: int = 12, depth: int = 5, vocab: int = 7) -> ddtree.DraftTree:
+    generator = torch.Generator().manual_seed(seed)
+    log_probs = torch.log_softmax(torch.randn(depth, vocab, generator=generator) * 2, dim=-1)
+    return ddtree.build_tree(log_probs, budget)
+
+
+def paged_attention(q, k, v, past: int, bias: torch.Tensor) -> torch.Tensor:
+    """What the Triton kernel computes for one sequence: causal over cache rows, plus ``qq_bias``
+    on the block's own keys."""
+    n = q.shape[0]
+    scores = q @ k.T
+    causal = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    scores = scores.masked_fill(~causal, float("-inf"))
+    scores[:, past:] += bias
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_query_bias_plus_row_causality_is_the_tree_mask(seed):
+    tree = random_tree(seed)
+    visible = ddtree.ancestor_mask(tree.parents)
+    bias = ddtree.query_bias(visible)
+    assert bias.dtype == torch.float32 and bias.shape == visible.shape
+    assert torch.equal(bias == 0, visible) and torch.isneginf(bias[~visible]).all()
+    past, n, dim = 5, tree.size + 1, 8
+    generator = torch.Generator().manual_seed(100 + seed)
+    q, k, v = (torch.randn(rows, dim, generator=generator, dtype=torch.float64) for rows in (n, past + n, past + n))
+    dense = torch.softmax(q @ k.T + ddtree.attention_bias(visible, past, torch.float64)[0, 0], dim=-1) @ v
+    torch.testing.assert_close(paged_attention(q, k, v, past, bias.double()), dense, rtol=0, atol=1e-12)
+
+
+def test_a_sibling_is_invisible_through_the_bias():
+    tree = ddtree.DraftTree(tokens=torch.tensor([5, 6]), parents=torch.tensor([0, 0]), depths=torch.tensor([1, 1]),
+                            log_probs=torch.zeros(2), path_log_probs=torch.zeros(2), ranks=torch.tensor([0, 1]))
+    bias = ddtree.query_bias(ddtree.ancestor_mask(tree.parents))
+    assert bias[2, 1] == float("-inf") and bias[2, 0] == 0 and bias[1, 0] == 0
+
+
+@pytest.mark.parametrize("past, accepted, expected", [
+    (10, [0], ([], [])),
+    (10, [0, 1, 2], ([], [])),
+    (10, [0, 2], ([12], [11])),
+    (4, [0, 1, 5, 9], ([9, 13], [6, 7])),
+])
+def test_compaction_moves_only_rows_out_of_place(past, accepted, expected):
+    sources, targets = ddtree.compaction_moves(past, accepted)
+    assert (sources.tolist(), targets.tolist()) == expected
+
+
+@pytest.mark.parametrize("accepted", [[0, 1, 3, 4, 7], [0, 2, 3, 5], [0, 6], [0, 1, 2]])
+def test_paged_compaction_equals_dense_compaction(accepted):
+    block_size, blocks, heads, dim, past, nodes = 4, 6, 2, 3, 5, 9
+    generator = torch.Generator().manual_seed(len(accepted))
+    dense = torch.randn(2, past + nodes, heads, dim, generator=generator)  # [K/V, rows, ...]
+    paged = torch.zeros(blocks, 2, block_size, heads, dim)
+    rows = torch.arange(past + nodes)
+    paged[rows // block_size, :, rows % block_size] = dense.transpose(0, 1)
+    sources, targets = ddtree.compaction_moves(past, accepted)
+    ddtree.move_rows(paged, sources, targets, block_size)
+    expected = ddtree.compact_rows(dense.clone(), past, accepted, dim=1)
+    kept = torch.arange(past + len(accepted))
+    assert torch.equal(paged[kept // block_size, :, kept % block_size].transpose(0, 1), expected)
+
+
+def test_tapped_hidden_state_indices_are_the_tapped_layers_outputs():
+    """z-lab's target_layer_ids name decoder layers; the drafter must read those layers' outputs
+    (an off-by-one here is the "~1% acceptance" deployment bug), on either engine."""
+    decoder = tiny_decoder()
+    model, layer_ids = decoder.target.model, decoder.drafter.config.target_layer_ids
+    outputs = {}
+    hooks = [model.model.layers[i].register_forward_hook(
+        lambda module, args, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in layer_ids]
+    try:
+        with torch.no_grad():
+            hidden = model(torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True).hidden_states
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for layer, index in zip(layer_ids, decoder.drafter.hidden_state_indices):
+        torch.testing.assert_close(hidden[index], outputs[layer], rtol=0, atol=0)
