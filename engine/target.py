@@ -160,10 +160,10 @@ def load_target(name: str | None = None, device: str = "cpu", dtype: str = "floa
     except ValueError as exc:
         raise EngineError(f"could not load model {name!r}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval()
-    return Target(model=model, tokenizer=tokenizer, name=name, stop_ids=_stop_ids(tokenizer, model.config))
+    return Target(model=model, tokenizer=tokenizer, name=name, stop_ids=stop_token_ids(tokenizer, model.config))
 
 
-def _stop_ids(tokenizer, config) -> list[int]:
+def stop_token_ids(tokenizer, config) -> list[int]:
     """EOS from the config and the tokenizer, plus the chat end-of-turn token if it has one."""
     ids: set[int] = set()
     for source in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):

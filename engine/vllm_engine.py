@@ -22,7 +22,7 @@ import torch
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import load_drafter
 from engine.errors import EngineError
-from engine.target import BUNDLED_MODEL, Target, _stop_ids, bundled_gguf, resolve_dtype
+from engine.target import BUNDLED_MODEL, Target, bundled_gguf, resolve_dtype, stop_token_ids
 from engine.trace import Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
@@ -79,7 +79,7 @@ class ClientTarget(Target):
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         self._config = AutoConfig.from_pretrained(folder)
-        super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=_stop_ids(tokenizer, self._config))
+        super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=stop_token_ids(tokenizer, self._config))
         self._dtype, self._context_length = dtype, context_length
 
     device = property(lambda self: torch.device("cuda"))

@@ -28,10 +28,10 @@ import ddtree
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import load_drafter
 from engine.errors import EngineError
-from engine.target import Target, _stop_ids
+from engine.target import Target, stop_token_ids
 
 MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
-BIAS_PAD_ROWS = 16
+BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
 MAX_PATH = 32  # accepted-path moves one compaction graph covers (a block of 16 needs 15)
 
 
@@ -108,7 +108,7 @@ class PagedTarget(Target):
     def __init__(self, runner, tokenizer, name: str, use_cuda_graphs: bool = True):
         model = runner.get_model()
         super().__init__(model=model, tokenizer=tokenizer, name=name,
-                         stop_ids=_stop_ids(tokenizer, runner.model_config.hf_text_config))
+                         stop_ids=stop_token_ids(tokenizer, runner.model_config.hf_text_config))
         self.runner, self.vllm_config = runner, runner.vllm_config
         groups = [group for groups in runner.attn_groups for group in groups]
         if len(groups) != 1 or groups[0].backend.get_name() != "TRITON_ATTN":
@@ -276,13 +276,11 @@ class StudioWorker:
             target.tap_layers([])
         self.studio = Decoder(target, drafter, DrafterInfo(drafter_name, trained=drafter is not None), engine="vllm",
                               cuda_graphs=use_cuda_graphs)
-        return {"context_length": target.context_length, "kv_capacity": target.capacity,
-                "block_size": drafter.block_size if drafter is not None else None}
+        return {"context_length": target.context_length}
 
     def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict) -> str:
         """One generation; returns the trace as JSON (rank 0's is the one the driver reads)."""
         decoder: Decoder = self.studio
         trace = decoder.run(prompt, DecodeSettings(**settings), prompt_ids=prompt_ids)
-        if decoder.target.use_cuda_graphs and any(f.graph is None for f in decoder.target.forwards.values()):
-            decoder.target.capture_pending()
+        decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on
         return trace.to_json()

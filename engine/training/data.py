@@ -313,11 +313,11 @@ def tokenizer_only_target(folder: str) -> Target:
     """Tokenizer and stop ids without weights: vLLM holds the model."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.target import _stop_ids
+    from engine.target import stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return Target(model=None, tokenizer=tokenizer, name=folder,
-                  stop_ids=_stop_ids(tokenizer, AutoConfig.from_pretrained(folder)))
+                  stop_ids=stop_token_ids(tokenizer, AutoConfig.from_pretrained(folder)))
 
 
 def open_generator(args) -> tuple[Generator, Target]:
