@@ -264,3 +264,29 @@ def test_visible_whitespace():
     assert visible(" a\nb\t") == "·a⏎b⇥"
     assert visible("") == "∅"
     assert visible("\x80") == "\\x80"
+
+
+# ---------------------------------------------------------------- traces from the vLLM engine
+
+VLLM_SAMPLE = "assets/traces/h200-vllm-heldout-f664308deb20.json"  # recorded on an H200 (engine.bench --traces)
+
+
+def test_vllm_engine_traces_open_in_the_inspector_unchanged():
+    from app import read_traces
+
+    traces = read_traces(VLLM_SAMPLE)  # what the app's upload does
+    assert [t.config.method for t in traces] == ["ar", "dflash", "ddtree"] and {t.config.engine for t in traces} == {"vllm"}
+    text = pieces_token_text(traces)
+    for trace in traces:
+        for step in trace.steps:
+            tree = ddtree.DraftTree(tokens=torch.tensor(step.tree_tokens, dtype=torch.long),
+                                    parents=torch.tensor(step.tree_parents, dtype=torch.long),
+                                    depths=torch.tensor(step.tree_depths, dtype=torch.long),
+                                    log_probs=torch.tensor(step.tree_node_probs).log(),
+                                    path_log_probs=torch.tensor(step.tree_path_probs).log(),
+                                    ranks=torch.tensor(step.tree_ranks, dtype=torch.long))
+            # the GPU walk agrees with the pure one on the recorded tree and target tokens
+            assert ddtree.follow_tree(tree, step.target_tokens) == (step.accepted, step.bonus_token)
+            assert drawn_nodes(tree_figure(step, text)) == list(range(step.tree_size + 2))
+        assert trace.summary.new_tokens == len(trace.output_ids)
+    assert max(len(step.tree_tokens) for step in traces[2].steps) == traces[2].config.tree_budget
