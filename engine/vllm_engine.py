@@ -11,6 +11,7 @@ imports vLLM.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -55,19 +56,27 @@ def require_vllm():
     return vllm
 
 
-def model_folder(name: str | None) -> str:
-    """An HF folder or id vLLM can load; the bundled GGUF (or any .gguf) is converted once, in float32."""
+def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
+    """An HF folder or id vLLM can load. The bundled GGUF (or any .gguf) is converted once, in
+    float32, and given attention heads that split over ``tensor_parallel_size`` GPUs if its own
+    do not (an equivalent model: ``engine.training.convert.tensor_parallel_copy``)."""
     name = name or BUNDLED_MODEL
     if name != BUNDLED_MODEL and not name.endswith(".gguf"):
         return name
+    from engine.training.convert import convert, tensor_parallel_copy
+
     gguf = bundled_gguf() if name == BUNDLED_MODEL else Path(name)
     if not gguf.is_file():
         raise EngineError(f"GGUF file {name!r} does not exist")
     folder = CONVERTED / f"{gguf.stem}-float32"
     if not (folder / "config.json").is_file():
-        from engine.training.convert import convert
-
         convert(gguf, folder, torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    if config["num_attention_heads"] % tensor_parallel_size or config["num_key_value_heads"] % tensor_parallel_size:
+        split = folder.with_name(f"{folder.name}-tp{tensor_parallel_size}")
+        if not (split / "config.json").is_file():
+            tensor_parallel_copy(folder, split, tensor_parallel_size)
+        folder = split
     return str(folder)
 
 
@@ -94,7 +103,7 @@ class VllmDecoder(Decoder):
     def __init__(self, model: str | None, drafter_path: str | None, drafter_info: DrafterInfo,
                  dtype: str = "bfloat16", seed: int = 0, options: VllmOptions = VllmOptions()):
         vllm = require_vllm()
-        folder = model_folder(model)
+        folder = model_folder(model, options.tensor_parallel_size)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.options, self.drafter_path = options, drafter_path
         self.llm = vllm.LLM(
@@ -161,7 +170,7 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
     speculative = None
     if drafter is not None:
         speculative = {"method": "dflash", "model": drafter, "num_speculative_tokens": num_speculative_tokens}
-    return vllm.LLM(model=model_folder(model), dtype=dtype, seed=seed,
+    return vllm.LLM(model=model_folder(model, options.tensor_parallel_size), dtype=dtype, seed=seed,
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager)

@@ -90,3 +90,27 @@ def test_tapped_hidden_state_indices_are_the_tapped_layers_outputs():
             hook.remove()
     for layer, index in zip(layer_ids, decoder.drafter.hidden_state_indices):
         torch.testing.assert_close(hidden[index], outputs[layer], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tensor_parallel_size, heads, kv_heads", [(2, 12, 6), (4, 12, 12), (3, 9, 3)])
+def test_tensor_parallel_copy_splits_the_heads_and_keeps_every_logit(tmp_path, tensor_parallel_size, heads, kv_heads):
+    """SmolLM2's 9 query / 3 KV heads do not split over 2 GPUs; the rewritten copy does, and is the same model."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from engine.target import bundled_gguf
+    from engine.training.convert import tensor_parallel_copy
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=8, initializer_range=0.3)
+    model = LlamaForCausalLM(config).double().eval()
+    model.save_pretrained(tmp_path / "source")
+    gguf = bundled_gguf()
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp_path / "source")
+    tensor_parallel_copy(tmp_path / "source", tmp_path / "split", tensor_parallel_size)
+    split = LlamaForCausalLM.from_pretrained(tmp_path / "split").double().eval()
+    assert (split.config.num_attention_heads, split.config.num_key_value_heads) == (heads, kv_heads)
+    assert heads % tensor_parallel_size == 0 and kv_heads % tensor_parallel_size == 0
+    ids = torch.tensor([[5, 900, 31, 7, 2048, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids).logits, model(ids).logits, rtol=0, atol=1e-10)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -37,6 +38,50 @@ def convert(gguf: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     tokenizer.save_pretrained(str(out))
     print(f"convert: {len(state)} tensors ({DTYPE_NAMES[dtype]}) and the tokenizer written to {out}")
+
+
+def tensor_parallel_copy(source: Path, out: Path, tensor_parallel_size: int) -> None:
+    """The same model with attention heads that split over ``tensor_parallel_size`` GPUs.
+
+    vLLM shards query and KV heads evenly; SmolLM2's 9 query / 3 KV heads do not split over 2.
+    Each KV head is copied ``c = tp / gcd(kv, tp)`` times and each query group is padded with
+    zero heads to a multiple of ``c``: the copies hold the same keys, and a zero head's output
+    projection is zero, so every logit is unchanged (up to float summation order).
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    config = json.loads((source / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    group, copies = heads // kv_heads, tensor_parallel_size // math.gcd(kv_heads, tensor_parallel_size)
+    padded = -(-group // copies) * copies
+
+    def pad_queries(w: torch.Tensor, dim: int) -> torch.Tensor:  # dim: where the heads sit in w
+        shape = list(w.shape)
+        grouped = w.reshape(shape[:dim] + [kv_heads, group, head_dim] + shape[dim + 1:])
+        zeros_shape = list(grouped.shape)
+        zeros_shape[dim + 1] = padded - group
+        grouped = torch.cat([grouped, grouped.new_zeros(zeros_shape)], dim + 1)
+        return grouped.reshape(shape[:dim] + [-1] + shape[dim + 1:]).contiguous()
+
+    def copy_kv(w: torch.Tensor) -> torch.Tensor:
+        per_head = w.reshape(kv_heads, 1, head_dim, *w.shape[1:])
+        return per_head.expand(kv_heads, copies, *per_head.shape[2:]).reshape(-1, *w.shape[1:]).contiguous()
+
+    state = load_file(str(source / "model.safetensors"))
+    for name, w in state.items():
+        if ".q_proj." in name:
+            state[name] = pad_queries(w, 0)
+        elif ".k_proj." in name or ".v_proj." in name:
+            state[name] = copy_kv(w)
+        elif name.endswith("o_proj.weight"):
+            state[name] = pad_queries(w, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.update(num_attention_heads=kv_heads * padded, num_key_value_heads=kv_heads * copies, head_dim=head_dim)
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(out))
 
 
 def main(argv=None) -> None:
