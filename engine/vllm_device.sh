@@ -9,7 +9,7 @@
 #   ../shared/device/stage.sh /tmp/vllm-trim.tar.xz ../shared/device/vllm-0.23.0/INSTALL.sh \
 #       "$(python -c 'from engine.target import bundled_gguf; print(bundled_gguf())')" \
 #       assets/drafters/smollm2-135m-dflash-b16/model.safetensors
-# then, e.g.:
+# then, e.g. (on nvidia-h200-x2 the same pytest command also runs the tensor-parallel test):
 #   bash engine/vllm_device.sh python3 -m pytest -q -m gpu tests/test_vllm_engine.py
 #   bash engine/vllm_device.sh python3 -m engine.bench --engine vllm --native --model '$DDTREE_VLLM_MODEL' ...
 set -uo pipefail
