@@ -163,22 +163,26 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
     return runs, notes
 
 
-def benchmark_native(decoder, prompts: list[dict], args: argparse.Namespace, dtype: str,
-                     progress: bool = True) -> tuple[list[dict], list[Job]]:
-    """vLLM as it ships (CUDA graphs on): its AR and, with a drafter, its DFlash, on the same prompts."""
+def plan_native_jobs(spec: str) -> list[Job]:
+    """``--native ar,dflash``: which of vLLM's own decoders to time beside ours."""
+    wanted = {m.strip() for m in spec.split(",") if m.strip()}
+    if wanted - {"ar", "dflash"}:
+        raise EngineError(f"--native takes ar and/or dflash, got {spec!r}")
+    return [Job(label, method, None) for label, method in ((NATIVE_AR, "ar"), (NATIVE_DFLASH, "dflash"))
+            if method in wanted]
+
+
+def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argparse.Namespace, dtype: str,
+                     progress: bool = True) -> list[dict]:
+    """vLLM as it ships (CUDA graphs on): its AR and/or its DFlash with our drafter, on the same prompts."""
     from engine.vllm_engine import native_acceptance, native_generate, native_llm
 
-    wanted = {m.strip() for m in args.native.split(",") if m.strip()}
-    if wanted - {"ar", "dflash"} or ("dflash" in wanted and decoder.drafter is None):
-        raise EngineError(f"--native takes ar and/or dflash (dflash needs a drafter), got {args.native!r}")
-    jobs = [Job(label, method, None) for label, method in ((NATIVE_AR, "ar"), (NATIVE_DFLASH, "dflash"))
-            if method in wanted]
+    prompt_ids = [decoder.target.chat_ids(p["prompt"]) for p in prompts]
     runs: list[dict] = []
     for job in jobs:
         drafter = decoder.drafter_path if job.method == "dflash" else None
         llm = native_llm(args.model, dtype, drafter, decoder.drafter.block_size - 1 if drafter else 0,
                          seed=args.seed, options=decoder.options)
-        prompt_ids = [decoder.target.chat_ids(p["prompt"]) for p in prompts]
         native_generate(llm, prompt_ids[0], 8, decoder.target.stop_ids)  # warm-up, untimed
         for prompt, ids in tqdm(list(zip(prompts, prompt_ids)), desc=job.label, disable=not progress):
             before = native_acceptance(llm)
@@ -196,7 +200,7 @@ def benchmark_native(decoder, prompts: list[dict], args: argparse.Namespace, dty
             runs.append(record)
         del llm
         torch.cuda.empty_cache()
-    return runs, jobs
+    return runs
 
 
 def compare_to_native_ar(runs: list[dict]) -> list[str]:
@@ -285,19 +289,22 @@ def _main(args: argparse.Namespace) -> int:
     jobs = plan_jobs(args.methods, args.tree_budget)
     if args.native and args.engine != "vllm":
         raise EngineError("--native times vLLM's own decoding: it needs --engine vllm")
+    native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench
     gpu = args.engine == "vllm" or args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     started = time.perf_counter()
     decoder = _load(args, dtype)
+    if any(job.method == "dflash" for job in native_jobs) and decoder.drafter is None:
+        raise EngineError("--native dflash needs a drafter: pass --drafter")
     base = DecodeSettings("ar", max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           block_size=args.block_size, tree_budget=32)
     traces_dir = Path(args.traces) if args.traces else None
     if traces_dir is not None:
         traces_dir.mkdir(parents=True, exist_ok=True)
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
-    if args.native:
-        native_runs, native_jobs = benchmark_native(decoder, prompts, args, dtype, progress=not args.no_progress)
-        runs, jobs = runs + native_runs, jobs + native_jobs
+    if native_jobs:
+        runs += benchmark_native(decoder, prompts, native_jobs, args, dtype, progress=not args.no_progress)
+        jobs = jobs + native_jobs
         notes += compare_to_native_ar(runs)
     summary = summarize_runs(runs, jobs)
     config = {

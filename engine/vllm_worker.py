@@ -121,8 +121,8 @@ class PagedTarget(Target):
         if self.kv_caches[0].shape[1] != 2:
             raise EngineError(f"unexpected KV cache layout {tuple(self.kv_caches[0].shape)} for vLLM {vllm.__version__}")
         self.block_size = self.kv_caches[0].shape[2]
-        self.capacity = self.kv_caches[0].shape[0] * self.block_size
         blocks = self.kv_caches[0].shape[0]
+        self.capacity = blocks * self.block_size
         self.block_table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
         self._embedding = _full_vocab(model.model.embed_tokens.weight, self.config.vocab_size)
         head = model.model.embed_tokens if self.config.tie_word_embeddings else model.lm_head
