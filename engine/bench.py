@@ -154,7 +154,7 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
                 record["divergence"] = divergence(trace, ar_trace)
                 if record["divergence"] and base.temperature == 0:
                     notes.append(_divergence_note(prompt["id"], job.label, record["divergence"]))
-            notes += [f"{prompt['id']} {job.label}: {n}" for n in trace.config.notes]
+            notes += [note for note in (f"{job.label}: {n}" for n in trace.config.notes) if note not in notes]
             runs.append(record)
             if traces_dir is not None:
                 trace.save(traces_dir / f"{prompt['id']}.{job.label}.json")
@@ -173,16 +173,22 @@ def plan_native_jobs(spec: str) -> list[Job]:
 
 
 def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argparse.Namespace, dtype: str,
-                     progress: bool = True) -> list[dict]:
-    """vLLM as it ships (CUDA graphs on): its AR and/or its DFlash with our drafter, on the same prompts."""
+                     progress: bool = True) -> tuple[list[dict], list[str]]:
+    """vLLM as it ships (CUDA graphs on): its AR and/or its DFlash with our drafter, on the same
+    prompts. A baseline vLLM refuses to start is reported in the notes; the runs already made stay."""
     from engine.vllm_engine import native_acceptance, native_generate, native_llm
 
     prompt_ids = [decoder.target.chat_ids(p["prompt"]) for p in prompts]
     runs: list[dict] = []
+    notes: list[str] = []
     for job in jobs:
         drafter = decoder.drafter_path if job.method == "dflash" else None
-        llm = native_llm(args.model, dtype, drafter, decoder.drafter.block_size - 1 if drafter else 0,
-                         seed=args.seed, options=decoder.options)
+        try:
+            llm = native_llm(args.model, dtype, drafter, decoder.drafter.block_size - 1 if drafter else 0,
+                             seed=args.seed, options=decoder.options)
+        except Exception as exc:  # vLLM's own checks raise pydantic, value and runtime errors alike
+            notes.append(f"{job.label} not timed: vLLM did not start it: {' '.join(str(exc).split())}")
+            continue
         native_generate(llm, prompt_ids[0], 8, decoder.target.stop_ids)  # warm-up, untimed
         for prompt, ids in tqdm(list(zip(prompts, prompt_ids)), desc=job.label, disable=not progress):
             before = native_acceptance(llm)
@@ -200,7 +206,7 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
             runs.append(record)
         del llm
         torch.cuda.empty_cache()
-    return runs
+    return runs, notes
 
 
 def compare_to_native_ar(runs: list[dict]) -> list[str]:
@@ -303,9 +309,11 @@ def _main(args: argparse.Namespace) -> int:
         traces_dir.mkdir(parents=True, exist_ok=True)
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
     if native_jobs:
-        runs += benchmark_native(decoder, prompts, native_jobs, args, dtype, progress=not args.no_progress)
-        jobs = jobs + native_jobs
-        notes += compare_to_native_ar(runs)
+        native_runs, native_notes = benchmark_native(decoder, prompts, native_jobs, args, dtype,
+                                                     progress=not args.no_progress)
+        runs += native_runs
+        jobs = jobs + [job for job in native_jobs if any(run["label"] == job.label for run in native_runs)]
+        notes += native_notes + compare_to_native_ar(runs)
     summary = summarize_runs(runs, jobs)
     config = {
         "command": "python -m engine.bench " + " ".join(sys.argv[1:]),

@@ -11,8 +11,10 @@ imports vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,25 +61,50 @@ def require_vllm():
 def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
     """An HF folder or id vLLM can load. The bundled GGUF (or any .gguf) is converted once, in
     float32, and given attention heads that split over ``tensor_parallel_size`` GPUs if its own
-    do not (an equivalent model: ``engine.training.convert.tensor_parallel_copy``)."""
+    do not (``split_heads_folder``)."""
     name = name or BUNDLED_MODEL
     if name != BUNDLED_MODEL and not name.endswith(".gguf"):
         return name
-    from engine.training.convert import convert, tensor_parallel_copy
+    from engine.training.convert import convert
 
     gguf = bundled_gguf() if name == BUNDLED_MODEL else Path(name)
     if not gguf.is_file():
         raise EngineError(f"GGUF file {name!r} does not exist")
     folder = CONVERTED / f"{gguf.stem}-float32"
-    if not (folder / "config.json").is_file():
-        convert(gguf, folder, torch.float32)
+    _write_once(folder, lambda out: convert(gguf, out, torch.float32))
+    return split_heads_folder(folder, tensor_parallel_size)
+
+
+def split_heads_folder(folder: str | Path, tensor_parallel_size: int) -> str:
+    """``folder`` itself, or (once converted, in the cache) its equivalent copy whose attention
+    heads split over ``tensor_parallel_size`` GPUs: ``engine.training.convert.tensor_parallel_copy``.
+    Used for the bundled target and for the drafter vLLM's own DFlash loads (ours is replicated)."""
+    folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    if config["num_attention_heads"] % tensor_parallel_size or config["num_key_value_heads"] % tensor_parallel_size:
-        split = folder.with_name(f"{folder.name}-tp{tensor_parallel_size}")
-        if not (split / "config.json").is_file():
-            tensor_parallel_copy(folder, split, tensor_parallel_size)
-        folder = split
-    return str(folder)
+    if not (config["num_attention_heads"] % tensor_parallel_size or config["num_key_value_heads"] % tensor_parallel_size):
+        return str(folder)
+    from engine.training.convert import tensor_parallel_copy
+
+    weights = sorted(folder.glob("*.safetensors"))
+    source = f"{folder.resolve()}|" + "|".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
+    split = CONVERTED / f"{folder.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}-tp{tensor_parallel_size}"
+    _write_once(split, lambda out: tensor_parallel_copy(folder, out, tensor_parallel_size))
+    return str(split)
+
+
+def _write_once(folder: Path, write: Callable[[Path], None]) -> None:
+    """Make a cached folder unless it exists; written aside and renamed, so an interrupted
+    conversion never leaves a half folder that looks done."""
+    if (folder / "config.json").is_file():
+        return
+    shutil.rmtree(folder, ignore_errors=True)  # left half-written by an older version
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    write(partial)
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 class ClientTarget(Target):
@@ -169,7 +196,8 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
     vllm = require_vllm()
     speculative = None
     if drafter is not None:
-        speculative = {"method": "dflash", "model": drafter, "num_speculative_tokens": num_speculative_tokens}
+        speculative = {"method": "dflash", "model": split_heads_folder(drafter, options.tensor_parallel_size),
+                       "num_speculative_tokens": num_speculative_tokens}
     return vllm.LLM(model=model_folder(model, options.tensor_parallel_size), dtype=dtype, seed=seed,
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,

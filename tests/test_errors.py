@@ -130,3 +130,25 @@ def test_the_app_and_the_torch_engine_never_import_vllm():
     code = "import sys, app, engine.bench, engine.models; assert 'vllm' not in sys.modules, 'vllm imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_baseline_vllm_refuses_to_start_becomes_a_note(decoder, monkeypatch):
+    """The bench times vLLM's own decoders after ours: one vLLM will not start must not lose the rest."""
+    import argparse
+
+    import engine.vllm_engine
+    from engine.bench import benchmark_native, plan_native_jobs
+
+    def refuse(*args, **kwargs):
+        raise ValueError("1 validation error for SpeculativeConfig\n  Value error, heads (9) must divide by 2")
+
+    monkeypatch.setattr(engine.vllm_engine, "native_llm", refuse)
+    monkeypatch.setattr(decoder, "drafter_path", "drafter", raising=False)
+    monkeypatch.setattr(decoder, "options", None, raising=False)
+    args = argparse.Namespace(model=None, seed=0, max_new_tokens=4)
+    prompts = [{"id": "p", "prompt": "hello"}]
+    runs, notes = benchmark_native(decoder, prompts, plan_native_jobs("ar,dflash"), args, "float32", progress=False)
+    assert runs == []
+    assert notes == [f"{label} not timed: vLLM did not start it: "
+                     "1 validation error for SpeculativeConfig Value error, heads (9) must divide by 2"
+                     for label in ("vllm-ar", "vllm-dflash")]

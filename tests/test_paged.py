@@ -114,3 +114,29 @@ def test_tensor_parallel_copy_splits_the_heads_and_keeps_every_logit(tmp_path, t
     ids = torch.tensor([[5, 900, 31, 7, 2048, 11]])
     with torch.no_grad():
         torch.testing.assert_close(split(ids).logits, model(ids).logits, rtol=0, atol=1e-10)
+
+
+def test_a_split_heads_drafter_drafts_the_same_block(tmp_path, monkeypatch):
+    """vLLM's own DFlash shards its drafter too: at tensor parallel 2 it loads the split copy of
+    our 9-head drafter, which must compute the same hidden states; a folder that splits already
+    is used as it is."""
+    import engine.vllm_engine as vllm_engine
+    from engine.drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
+
+    monkeypatch.setattr(vllm_engine, "CONVERTED", tmp_path / "cache")
+    config = DrafterConfig(hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=8, vocab_size=64, num_target_layers=4,
+                           target_layer_ids=[0, 2], mask_token_id=1, block_size=4)
+    save_drafter(DFlashDrafter(config).initialize(0), tmp_path / "drafter")
+    assert vllm_engine.split_heads_folder(tmp_path / "drafter", 3) == str(tmp_path / "drafter")
+    split_folder = vllm_engine.split_heads_folder(tmp_path / "drafter", 2)
+    assert vllm_engine.split_heads_folder(tmp_path / "drafter", 2) == split_folder  # made once, then reused
+    drafter, split = (load_drafter(folder).double().eval() for folder in (tmp_path / "drafter", split_folder))
+    assert (split.config.num_attention_heads, split.config.num_key_value_heads) == (12, 6)
+    generator = torch.Generator().manual_seed(0)
+    embeddings = torch.randn(1, 4, 72, generator=generator, dtype=torch.float64)
+    features = torch.randn(1, 6, 2 * 72, generator=generator, dtype=torch.float64)
+    with torch.no_grad():
+        expected, got = (model(embeddings, features, torch.arange(6, 10)[None], torch.arange(6)[None])
+                         for model in (drafter, split))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)

@@ -141,3 +141,14 @@ def test_native_vllm_rows_add_the_comparison_columns(results_path, tmp_path):
     assert "| vLLM's own AR | 1.00 |" in table and table.count("| baseline |") == 2
     dflash = next(line for line in table.splitlines() if "| DFlash |" in line)
     assert dflash.endswith("| 0/1 |") and data["summary"]["ar"]["speedup_vs_vllm_ar"] == pytest.approx(2.0)
+
+
+def test_a_tensor_parallel_setting_says_how_many_gpus(results_path, tmp_path):
+    results = json.loads(results_path.read_text())
+    results["config"] |= {"engine": "vllm", "tensor_parallel_size": 2, "host": {"gpu": "NVIDIA H200"}}
+    path = tmp_path / "tp2.json"
+    path.write_text(json.dumps(results))
+    assert load_setting(path).title == "2× NVIDIA H200, tensor parallel · vllm engine · float64 · inline prompts"
+    results["config"]["tensor_parallel_size"] = 1
+    path.write_text(json.dumps(results))
+    assert load_setting(path).title == "NVIDIA H200 · vllm engine · float64 · inline prompts"

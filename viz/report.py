@@ -61,6 +61,8 @@ class Setting:
     def title(self) -> str:
         config = self.config
         where = config.get("host", {}).get("gpu") or str(config.get("device", "unknown device"))
+        if (config.get("tensor_parallel_size") or 1) > 1:
+            where = f"{config['tensor_parallel_size']}× {where}, tensor parallel"
         prompts = Path(str(config.get("prompts", "?"))).stem
         return f"{where} · {config.get('engine', '?')} engine · {config.get('dtype', '?')} · {prompts} prompts"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -46,10 +47,10 @@ def tensor_parallel_copy(source: Path, out: Path, tensor_parallel_size: int) -> 
     vLLM shards query and KV heads evenly; SmolLM2's 9 query / 3 KV heads do not split over 2.
     Each KV head is copied ``c = tp / gcd(kv, tp)`` times and each query group is padded with
     zero heads to a multiple of ``c``: the copies hold the same keys, and a zero head's output
-    projection is zero, so every logit is unchanged (up to float summation order).
+    projection is zero, so every logit is unchanged (up to float summation order). Works on
+    a target or a DFlash drafter folder; its other files (tokenizer, ...) are copied as they are.
     """
     from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
 
     config = json.loads((source / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -69,7 +70,8 @@ def tensor_parallel_copy(source: Path, out: Path, tensor_parallel_size: int) -> 
         per_head = w.reshape(kv_heads, 1, head_dim, *w.shape[1:])
         return per_head.expand(kv_heads, copies, *per_head.shape[2:]).reshape(-1, *w.shape[1:]).contiguous()
 
-    state = load_file(str(source / "model.safetensors"))
+    weight_files = sorted(source.glob("*.safetensors"))
+    state = {name: w for path in weight_files for name, w in load_file(str(path)).items()}
     for name, w in state.items():
         if ".q_proj." in name:
             state[name] = pad_queries(w, 0)
@@ -81,7 +83,10 @@ def tensor_parallel_copy(source: Path, out: Path, tensor_parallel_size: int) -> 
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.update(num_attention_heads=kv_heads * padded, num_key_value_heads=kv_heads * copies, head_dim=head_dim)
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(out))
+    for path in source.iterdir():  # the weights were merged into one file above
+        if path.is_file() and path.name != "config.json" and path not in weight_files \
+                and not path.name.endswith(".safetensors.index.json"):
+            shutil.copy2(path, out / path.name)
 
 
 def main(argv=None) -> None:
