@@ -30,12 +30,13 @@ from pathlib import Path
 
 import gradio as gr
 
+from engine.calibration import BudgetChoice, choose_budget
 from engine.decode import DecodeSettings, Decoder
 from engine.errors import EngineError
 from engine.models import load_decoder
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
-from viz.figures import acceptance_histogram, empty_figure, explain_stop, probability_figure, race_chart, \
-    stage_figure, sweep_figure
+from viz.figures import acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop, \
+    probability_figure, race_chart, stage_figure, sweep_figure, trace_economics
 from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
 from viz.tokens import TokenText, pieces_token_text
 from viz.tree_figure import tree_figure
@@ -65,6 +66,7 @@ class Studio:
     decoding: a torch model with caches is not safe to drive from two threads."""
 
     decoder: Decoder
+    budget: BudgetChoice  # the DDTree budget the page starts with, and why
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @functools.cached_property
@@ -270,7 +272,7 @@ class StudioApp:
                    f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
                    "near 1; the machinery is real, the speed-up is not")
         return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
-                f"{decoder.engine} engine) · drafter {drafter}")
+                f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget.sentence()}")
 
     def _build_run_view(self) -> None:
         with gr.Row():
@@ -281,12 +283,13 @@ class StudioApp:
                 self.methods = gr.CheckboxGroup([(METHOD_NAMES[m], m) for m in METHODS], value=list(METHODS),
                                                 label="Methods (each runs alone, one after another)", elem_id="methods")
                 with gr.Row():
-                    self.max_new_tokens = gr.Number(32, label="Max new tokens", precision=0,
+                    self.max_new_tokens = gr.Number(64, label="Max new tokens", precision=0,
                                                     elem_id="max-new-tokens")
                     self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)")
                 with gr.Row():
                     self.seed = gr.Number(0, label="Seed", precision=0)
-                    self.budget = gr.Number(32, label="DDTree budget (nodes, 1–1024)", precision=0, elem_id="budget")
+                    self.budget = gr.Number(self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
+                                            precision=0, elem_id="budget")
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
@@ -295,6 +298,12 @@ class StudioApp:
         with gr.Row(equal_height=False):
             self.columns = {method: gr.HTML(column_html(method, None), elem_id=f"column-{method}")
                             for method in METHODS}
+        with gr.Row(equal_height=False):
+            self.economics_plot = gr.Plot(economics_figure([]), label="Step economics", show_label=False,
+                                          elem_id="economics-plot", scale=3)
+            self.economics_text = gr.Markdown("A method is faster than AR when the tokens it commits per step (τ) "
+                                              "exceed what a step costs, counted in AR steps.",
+                                              elem_id="economics-text")
         with gr.Accordion("Replay race (all methods on one clock, from the recorded step times)", open=True):
             with gr.Row():
                 self.speed = gr.Radio(REPLAY_SPEEDS, value=0.5, label="Replay speed", scale=3)
@@ -340,8 +349,7 @@ class StudioApp:
             self.sweep_stop = gr.Button("Stop", variant="stop", scale=0)
         self.sweep_status = gr.Markdown("")
         self.sweep_plot = gr.Plot(sweep_figure([]), label="Budget sweep")
-        self.sweep_table = gr.Dataframe(headers=["budget", "τ", "tokens/s", "speed-up vs AR", "tokens", "steps"],
-                                        label="Sweep results", interactive=False)
+        self.sweep_table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
 
     def _wire(self) -> None:
         run_inputs = [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budget, self.methods,
@@ -370,6 +378,14 @@ class StudioApp:
             concurrency_limit=4, show_progress="minimal")
         self.sweep_stop.click(self.request_stop, self.control, self.sweep_status, api_visibility="private",
                               queue=False)
+        gr.api(self.info, api_name="info", queue=False)
+
+    def info(self) -> dict:
+        """What the page runs on and the DDTree budget it starts with, and why."""
+        decoder, choice = self.studio.decoder, self.studio.budget
+        return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
+                "drafter": decoder.drafter_info.name, "tree_budget": choice.budget, "why": choice.sentence(),
+                "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}}
 
     @property
     def run_outputs(self) -> list:
@@ -377,7 +393,7 @@ class StudioApp:
         (``self.traces`` is state and not part of the API)."""
         return [self.status, *self.columns.values(), self.summary, self.download, self.race, self.inspect_method,
                 self.step, self.tree, self.probs, self.why, self.step_stages, self.run_stages, self.histogram,
-                self.traces]
+                self.economics_plot, self.economics_text, self.traces]
 
     # -- handlers
 
@@ -505,6 +521,8 @@ class StudioApp:
             self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
                                           "Time per stage, whole run"),
             self.histogram: acceptance_histogram(runs),
+            self.economics_plot: economics_figure(runs),
+            self.economics_text: economics_text(runs),
             self.traces: traces,
         }
         return outputs | self.select_method(traces, first)
@@ -581,20 +599,30 @@ def last_step(traces: dict[str, Trace], method: str | None) -> int:
 
 
 def run_summary(traces: dict[str, Trace]) -> dict:
-    """The API-friendly digest of a run: text and headline numbers per method."""
+    """The API-friendly digest of a run: text, headline numbers and step economics per method
+    (``step_cost_vs_ar`` and ``predicted_speedup`` need AR in the run; the prediction leaves the
+    prefill out, the measured ``speedup_vs_ar`` is whole wall times)."""
     ar = traces.get("ar")
+    entries = trace_economics(ordered(traces))
     summary = {}
     for method, trace in traces.items():
         stats = run_stats(trace)
+        entry = entries[trace.config.label]
         summary[method] = {
             "text": trace.text, "tokens": stats.tokens, "steps": stats.steps, "tau": round(stats.tau, 4),
             "tokens_per_s": round(stats.tokens_per_s, 3), "wall_s": round(stats.elapsed_s, 4),
+            "step_cost_vs_ar": _rounded(entry.step_cost_vs_ar), "predicted_speedup": _rounded(entry.predicted_speedup),
+            "speedup_vs_ar": _rounded(entry.speedup_vs_ar),
             "identical_to_ar": identical_to(trace, ar) if ar is not None else None,
             "stop_reason": trace.summary.stop_reason,
             "drafter": trace.config.drafter, "drafter_trained": trace.config.drafter_trained,
             "tree_budget": trace.config.tree_budget, "notes": trace.config.notes,
         }
     return summary
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -610,15 +638,23 @@ def parse_budgets(text: str) -> list[int]:
     return budgets
 
 
+SWEEP_HEADERS = ["budget", "τ", "step cost (AR steps)", "predicted τ ÷ cost", "measured speed-up", "tokens/s",
+                 "tokens", "steps"]
+
+
 def sweep_rows(runs: list[Trace], baseline: Trace | None) -> list[list]:
-    reference = run_stats(baseline).tokens_per_s if baseline is not None else 0.0
+    entries = trace_economics(runs, baseline)
     rows = []
     for trace in sorted(runs, key=lambda t: t.config.tree_budget):
-        stats = run_stats(trace)
-        speedup = f"{stats.tokens_per_s / reference:.2f}×" if reference > 0 else "–"
-        rows.append([trace.config.tree_budget, round(stats.tau, 3), round(stats.tokens_per_s, 2), speedup,
-                     stats.tokens, stats.steps])
+        stats, entry = run_stats(trace), entries[trace.config.label]
+        rows.append([trace.config.tree_budget, round(stats.tau, 3), _shown(entry.step_cost_vs_ar, ""),
+                     _shown(entry.predicted_speedup, "×"), _shown(entry.speedup_vs_ar, "×"),
+                     round(stats.tokens_per_s, 2), stats.tokens, stats.steps])
     return rows
+
+
+def _shown(value: float | None, unit: str) -> str:
+    return "–" if value is None else f"{value:.2f}{unit}"
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:
@@ -653,17 +689,28 @@ def main() -> None:
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"],
                         help="torch (any machine) or vllm (CUDA GPU + requirements-gpu.txt)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="the DDTree budget the page starts with (default: the fastest here, timed at start-up)")
     args = parser.parse_args()
+    if args.tree_budget is not None and args.tree_budget < 1:
+        raise SystemExit(f"error: --tree-budget must be at least 1, got {args.tree_budget}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
     started = time.perf_counter()
     try:
-        studio = Studio(load_studio_decoder(args))
+        decoder = load_studio_decoder(args)
     except EngineError as exc:
         raise SystemExit(f"error: {exc}") from None
-    log.info("loaded %s with drafter %s in %.1f s", studio.decoder.target.name, studio.decoder.drafter_info.name,
+    log.info("loaded %s with drafter %s in %.1f s", decoder.target.name, decoder.drafter_info.name,
              time.perf_counter() - started)
+    if args.tree_budget is None:
+        log.info("timing DDTree budgets on this machine…")
+        budget = choose_budget(decoder)
+    else:
+        budget = BudgetChoice(args.tree_budget, {}, "set with --tree-budget", 0.0)
+    log.info("%s", budget.sentence())
+    studio = Studio(decoder, budget)
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
         server_name=args.host, server_port=args.port, css=CSS)
 

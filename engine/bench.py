@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from engine.decode import DecodeSettings, Decoder
+from engine.economics import Timing, economics
 from engine.errors import EngineError
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, Trace
 
@@ -50,7 +51,8 @@ def read_prompts(path: str) -> list[dict]:
                               '{"id": ..., "prompt": ...} object per line') from exc
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
             raise EngineError(f'{path}:{number} has no "prompt" string')
-        prompts.append({"id": str(item.get("id", number)), "prompt": item["prompt"]})
+        category = item.get("category") or item.get("source")
+        prompts.append({"id": str(item.get("id", number)), "prompt": item["prompt"], "category": category})
     if not prompts:
         raise EngineError(f"prompts file {path!r} holds no prompts")
     return prompts
@@ -62,9 +64,11 @@ def plan_jobs(methods: str, budgets: str) -> list[Job]:
     if unknown or not names:
         raise EngineError(f"unknown method(s) {unknown or methods!r}; choose from {', '.join(METHODS)}")
     try:
-        budget_values = [int(b) for b in budgets.split(",") if b.strip()]
+        budget_values = [int(b) for b in budgets.split(",")]
     except ValueError as exc:
-        raise EngineError(f"--tree-budget takes integers separated by commas, got {budgets!r}") from exc
+        raise EngineError(f"--tree-budget takes whole numbers separated by commas, got {budgets!r}") from exc
+    if any(b < 1 for b in budget_values):
+        raise EngineError(f"--tree-budget must be at least 1 (the number of drafted nodes per step), got {budgets!r}")
     jobs = []
     for name in names:
         if name == "ddtree":
@@ -98,7 +102,8 @@ def divergence(trace: Trace, reference: Trace) -> dict | None:
 def run_record(prompt: dict, job: Job, trace: Trace) -> dict:
     summary = trace.summary
     return {
-        "prompt_id": prompt["id"], "method": job.method, "label": job.label, "tree_budget": job.tree_budget,
+        "prompt_id": prompt["id"], "category": prompt.get("category"), "method": job.method, "label": job.label,
+        "tree_budget": job.tree_budget, "prefill_s": summary.time_to_first_token_s,
         "output_ids": trace.output_ids, "text": trace.text, "new_tokens": summary.new_tokens,
         "verify_steps": summary.steps, "acceptance_lengths": summary.acceptance_lengths, "tau": summary.tau,
         "wall_s": summary.wall_s, "tokens_per_s": summary.tokens_per_s, "stage_s": summary.stage_s,
@@ -108,6 +113,8 @@ def run_record(prompt: dict, job: Job, trace: Trace) -> dict:
 def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
     ar_wall = sum(r["wall_s"] for r in runs if r["label"] == "ar")
     vllm_ar_wall = sum(r["wall_s"] for r in runs if r["label"] == NATIVE_AR)
+    steps = economics({job.label: run_timing([r for r in runs if r["label"] == job.label]) for job in jobs
+                       if job.label not in (NATIVE_AR, NATIVE_DFLASH)})
     summary = {}
     for job in jobs:
         mine = [r for r in runs if r["label"] == job.label]
@@ -118,6 +125,12 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
             "tokens_per_s": sum(r["new_tokens"] for r in mine) / wall if wall else 0.0,
             "speedup_vs_ar": ar_wall / wall if ar_wall and wall else None,
         }
+        if job.label in steps:
+            entry |= {key: getattr(steps[job.label], key) for key in ("step_ms", "step_cost_vs_ar", "predicted_speedup")}
+        categories = sorted({r["category"] for r in mine if r.get("category")})
+        if categories:
+            entry["tau_by_category"] = {category: _tau([r for r in mine if r.get("category") == category])
+                                        for category in categories}
         if "drafts" in mine[0]:  # vLLM's own DFlash reports counters, not per-step lengths
             drafts = sum(r["drafts"] for r in mine)
             entry["tau"] = 1 + sum(r["accepted"] for r in mine) / drafts if drafts else 0.0
@@ -132,6 +145,25 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
             entry["identical_to_vllm_ar"] = f"{sum(compared)}/{len(compared)}"
         summary[job.label] = entry
     return summary
+
+
+def run_timing(runs: list[dict]) -> Timing:
+    return Timing(sum(r["wall_s"] for r in runs), sum(r.get("prefill_s") or 0.0 for r in runs),
+                  sum(r.get("verify_steps") or 0 for r in runs), sum(sum(r["acceptance_lengths"]) for r in runs))
+
+
+def _tau(runs: list[dict]) -> float:
+    lengths = [n for r in runs for n in r["acceptance_lengths"]]
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def best_budget(summary: dict) -> dict | None:
+    """The DDTree budget with the most tokens/s in this run (what the machine favours)."""
+    ddtree = {label: entry for label, entry in summary.items() if label.startswith("ddtree@")}
+    if not ddtree:
+        return None
+    label = max(ddtree, key=lambda name: ddtree[name]["tokens_per_s"])
+    return {"label": label, "tree_budget": int(label.split("@")[1]), **ddtree[label]}
 
 
 def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: DecodeSettings,
@@ -176,16 +208,17 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
                      progress: bool = True) -> tuple[list[dict], list[str]]:
     """vLLM as it ships (CUDA graphs on): its AR and/or its DFlash with our drafter, on the same
     prompts. A baseline vLLM refuses to start is reported in the notes; the runs already made stay."""
-    from engine.vllm_engine import native_acceptance, native_generate, native_llm
+    from engine.vllm_engine import VllmOptions, native_acceptance, native_generate, native_llm
 
     prompt_ids = [decoder.target.chat_ids(p["prompt"]) for p in prompts]
     runs: list[dict] = []
     notes: list[str] = []
+    options = getattr(decoder, "options", None) or VllmOptions()  # the torch engine on a GPU has none
     for job in jobs:
-        drafter = decoder.drafter_path if job.method == "dflash" else None
+        drafter = str(_drafter_folder(args)) if job.method == "dflash" else None
         try:
             llm = native_llm(args.model, dtype, drafter, decoder.drafter.block_size - 1 if drafter else 0,
-                             seed=args.seed, options=decoder.options)
+                             seed=args.seed, options=options)
         except Exception as exc:  # vLLM's own checks raise pydantic, value and runtime errors alike
             notes.append(f"{job.label} not timed: vLLM did not start it: {' '.join(str(exc).split())}")
             continue
@@ -230,7 +263,8 @@ def compare_to_native_ar(runs: list[dict]) -> list[str]:
 
 
 def _settings(base: DecodeSettings, job: Job, **overrides) -> DecodeSettings:
-    fields = {**base.__dict__, "method": job.method, "tree_budget": job.tree_budget or base.tree_budget, **overrides}
+    budget = job.tree_budget if job.tree_budget is not None else base.tree_budget
+    fields = {**base.__dict__, "method": job.method, "tree_budget": budget, **overrides}
     return DecodeSettings(**fields)
 
 
@@ -240,12 +274,16 @@ def _divergence_note(prompt_id: str, label: str, div: dict) -> str:
     return f"{prompt_id} {label}: diverges from AR at new token {div['index']}; AR top-2 logit gap {gap} ({verdict})"
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: dict, best: dict | None = None) -> str:
     native = any("speedup_vs_vllm_ar" in s for s in summary.values())
-    head = "| method | τ | tokens/s | speedup vs AR |" + (" vs vLLM AR | identical to vLLM AR |" if native else "")
-    rows = [head + " identical to AR |", "|---|---|---|---|" + ("---|---|" if native else "") + "---|"]
-    for label, s in summary.items():
-        cells = [label, f"{s['tau']:.2f}", f"{s['tokens_per_s']:.1f}", _times(s["speedup_vs_ar"])]
+    head = ("| method | τ | step cost (AR steps) | predicted τ ÷ cost | tokens/s | speedup vs AR |"
+            + (" vs vLLM AR | identical to vLLM AR |" if native else ""))
+    rows = [head + " identical to AR |", "|---|---|---|---|---|---|" + ("---|---|" if native else "") + "---|"]
+    shown = list(summary.items()) + ([(f"best: {best['label']}", best)] if best else [])
+    for label, s in shown:
+        cost = s.get("step_cost_vs_ar")
+        cells = [label, f"{s['tau']:.2f}", "–" if cost is None else f"{cost:.2f}", _times(s.get("predicted_speedup")),
+                 f"{s['tokens_per_s']:.1f}", _times(s["speedup_vs_ar"])]
         if native:
             cells += [_times(s.get("speedup_vs_vllm_ar")), s.get("identical_to_vllm_ar", "–")]
         rows.append("| " + " | ".join(cells + [s.get("identical_to_ar", "–")]) + " |")
@@ -276,6 +314,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="vllm engine: run the Studio's passes eagerly")
+    parser.add_argument("--fixed-step", action="store_true",
+                        help="torch engine: greedy DFlash/DDTree as fixed-shape device programs (CUDA graphs on a GPU)")
     parser.add_argument("--native", default="", metavar="ar,dflash",
                         help="vllm engine: also time vLLM's own AR and/or DFlash (CUDA graphs on) on the same prompts")
     return parser.parse_args(argv)
@@ -293,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)[: args.limit]
     jobs = plan_jobs(args.methods, args.tree_budget)
-    if args.native and args.engine != "vllm":
-        raise EngineError("--native times vLLM's own decoding: it needs --engine vllm")
+    if args.native and args.engine != "vllm" and not args.device.startswith("cuda"):
+        raise EngineError("--native times vLLM's own decoding: it needs --engine vllm (or --device cuda)")
     native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench
     gpu = args.engine == "vllm" or args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
@@ -315,23 +355,26 @@ def _main(args: argparse.Namespace) -> int:
         jobs = jobs + [job for job in native_jobs if any(run["label"] == job.label for run in native_runs)]
         notes += native_notes + compare_to_native_ar(runs)
     summary = summarize_runs(runs, jobs)
+    best = best_budget(summary)
     config = {
         "command": "python -m engine.bench " + " ".join(sys.argv[1:]),
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
+        "drafter_revision": _drafter_revision(args),
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
-        "cuda_graphs": (not args.no_cuda_graphs) if args.engine == "vllm" else None,
+        "cuda_graphs": (not args.no_cuda_graphs) if args.engine == "vllm" or args.fixed_step else None,
+        "fixed_step": args.fixed_step,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": [j.tree_budget for j in jobs if j.tree_budget],
         "prompts": args.prompts, "num_prompts": len(prompts), "host": _host(), "total_s": time.perf_counter() - started,
     }
-    result = {"config": config, "runs": runs, "summary": summary, "notes": notes}
+    result = {"config": config, "runs": runs, "summary": summary, "best": best, "notes": notes}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     for note in notes:
         print(note)
-    print(format_summary(summary))
+    print(format_summary(summary, best))
     return 0
 
 
@@ -343,7 +386,26 @@ def _load(args: argparse.Namespace, dtype: str):
         return load_vllm_decoder(args.model, args.drafter, dtype=dtype, seed=args.seed, options=options)
     from engine.models import load_decoder
 
-    return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed)
+    return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
+                        fixed_step=args.fixed_step, cuda_graphs=args.fixed_step and not args.no_cuda_graphs)
+
+
+def _drafter_folder(args: argparse.Namespace):
+    """The drafter folder the run uses: ``--drafter``, or the shipped one for the bundled model."""
+    from engine.models import RANDOM, shipped_drafter
+    from engine.target import BUNDLED_MODEL
+
+    if args.drafter == RANDOM:
+        return None
+    return args.drafter or (shipped_drafter() if args.model in (None, BUNDLED_MODEL) else None)
+
+
+def _drafter_revision(args: argparse.Namespace) -> str | None:
+    """The weights' fingerprint of the drafter folder the run used (none for a random drafter)."""
+    from engine.drafter import weights_digest
+
+    folder = _drafter_folder(args)
+    return weights_digest(folder) if folder else None
 
 
 def _host() -> dict:

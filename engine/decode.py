@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 import ddtree
+from engine import hybrid
 from engine.drafter import DFlashDrafter
 from engine.drafting import EagerDraft, GraphedDraft
 from engine.errors import EngineError
@@ -27,6 +28,7 @@ from engine.trace import METHODS, Prefill, RunConfig, Step, Trace, summarize
 
 MAX_TREE_BUDGET = 1024
 MAX_NEW_TOKENS = 4096
+FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,16 @@ class StageClock:
 
 class Decoder:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
-                 engine: str = "torch", cuda_graphs: bool = False):
+                 engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False):
         self.target = target
         self.drafter = drafter
         self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
         self.engine = engine
         self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
+        # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step
+        self.fixed_step = fixed_step
         self._graphed_drafts: dict[int, GraphedDraft] = {}
+        self._programs: dict[tuple, object] = {}
         if drafter is not None:
             self._check_drafter_fits(drafter)
 
@@ -128,6 +133,8 @@ class Decoder:
             if settings.tree_budget > MAX_TREE_BUDGET:
                 notes.append(f"tree budget {settings.tree_budget} capped to {MAX_TREE_BUDGET}")
                 settings = replace(settings, tree_budget=MAX_TREE_BUDGET)
+        if self.fixed_step and settings.method != "ar" and settings.temperature > 0:
+            notes.append("sampling runs the readable step: the fixed-shape step walks greedily")
         limit = self.target.context_length
         needed = prompt_length + settings.max_new_tokens + block_size
         if needed > limit:
@@ -154,7 +161,32 @@ class Decoder:
             temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
             prompt=prompt, prompt_ids=list(prompt_ids), notes=notes,
         )
+        if self.uses_fixed_step(settings):
+            from engine.fixed_step import FixedRun
+
+            program = self.fixed_program(settings, len(prompt_ids))
+            return FixedRun(self, settings, config, on_step, should_stop, program).execute()
         return _Run(self, settings, config, on_step, should_stop).execute()
+
+    def uses_fixed_step(self, settings: DecodeSettings) -> bool:
+        """Greedy DFlash / DDTree on a pure-attention Hugging Face target with a full-attention drafter."""
+        return (self.fixed_step and self.engine == "torch" and settings.method != "ar" and settings.temperature == 0
+                and self.drafter.full_attention and not hybrid.is_hybrid(self.target.config))
+
+    def fixed_program(self, settings: DecodeSettings, prompt_length: int):
+        """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
+        from engine.fixed_step import FixedProgram
+
+        budget = settings.tree_budget if settings.method == "ddtree" else None
+        # the last step may pass max_new_tokens by a block, and its tree's rows sit after that; one scratch row
+        nodes = budget if budget is not None else settings.block_size - 1
+        needed = prompt_length + settings.max_new_tokens + settings.block_size + nodes + 2
+        capacity = -(-needed // FIXED_CAPACITY_STEP) * FIXED_CAPACITY_STEP
+        key = (settings.method, budget, settings.block_size, capacity)
+        if key not in self._programs:
+            self._programs[key] = FixedProgram(self, settings.method, budget, settings.block_size, capacity,
+                                               graphs=self.cuda_graphs and self.target.device.type == "cuda")
+        return self._programs[key]
 
 
 @dataclass

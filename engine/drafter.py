@@ -13,6 +13,7 @@ Context keys and values never change once written, so inference keeps them in a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
+    # measured τ on prompts the drafter never saw: {"prompts", "max_new_tokens", "dflash", "ddtree": {budget: τ}}
+    acceptance: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.layer_types:
@@ -114,6 +117,7 @@ class DrafterConfig:
                 output_multiplier=float(get("output_multiplier", 1.0)),
                 final_logit_softcapping=get("final_logit_softcapping"),
                 input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                acceptance=dict(raw.get("acceptance") or {}),
             )
         except KeyError as exc:
             raise DrafterError(f"drafter config.json lacks required key {exc}") from exc
@@ -145,7 +149,7 @@ class DrafterConfig:
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": self.target_layer_ids,
             },
-        }
+        } | ({"acceptance": self.acceptance} if self.acceptance else {})
 
 
 class RMSNorm(nn.Module):
@@ -468,6 +472,14 @@ def load_drafter(folder: str | Path) -> DFlashDrafter:
         )
     drafter.load_state_dict({k: state[k] for k in expected})
     return drafter
+
+
+def weights_digest(folder: str | Path) -> str:
+    """A short fingerprint of a checkpoint's weight files: which drafter a result was measured with."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _strip_prefix(name: str) -> str:

@@ -14,7 +14,7 @@ from engine.trace import Trace
 
 # the /run (and /upload) outputs, in the order app.StudioApp.run_outputs lists them
 OUTPUTS = ["status", "ar", "dflash", "ddtree", "summary", "download", "race", "inspect_method", "step", "tree",
-           "probs", "why", "step_stages", "run_stages", "histogram"]
+           "probs", "why", "step_stages", "run_stages", "histogram", "economics_plot", "economics_text"]
 ALL_METHODS = ["ar", "dflash", "ddtree"]
 PROMPT = "Name three colors."
 
@@ -66,6 +66,18 @@ def test_run_gives_three_texts_and_trees(client, full_run):
     ddtree_first = traces["ddtree"].steps[0]
     assert 1 <= ddtree_first.tree_size <= 8
     assert tree_nodes(full_run["tree"]) == list(range(ddtree_first.tree_size + 2))
+
+
+def test_run_summary_explains_the_speed_with_tau_and_step_cost(full_run):
+    summary = full_run["summary"]
+    assert summary["ar"]["step_cost_vs_ar"] == 1.0 and summary["ar"]["predicted_speedup"] == 1.0
+    for method in ("dflash", "ddtree"):
+        entry = summary[method]
+        assert entry["step_cost_vs_ar"] > 0 and entry["speedup_vs_ar"] > 0
+        assert entry["predicted_speedup"] == pytest.approx(entry["tau"] / entry["step_cost_vs_ar"], rel=1e-3)
+    names = [bar["name"] for bar in plot_data(full_run["economics_plot"])]
+    assert names == ["τ: tokens per step", "step cost (AR steps)"]
+    assert "DFlash commits" in full_run["economics_text"] and "DDTree@8 commits" in full_run["economics_text"]
 
 
 def test_inspect_moves_through_steps(client, full_run):
@@ -173,7 +185,11 @@ def test_budget_sweep(client):
     status, plot, table = client.predict(PROMPT, 6, 0.0, 0, "2, 4", api_name="/sweep")
     assert "Sweep finished" in status
     assert [row[0] for row in table["data"]] == [2, 4]
-    assert [len(trace["x"]) for trace in plot_data(plot)[:2]] == [2, 2]
+    assert table["headers"][:5] == ["budget", "τ", "step cost (AR steps)", "predicted τ ÷ cost", "measured speed-up"]
+    assert all(row[2] != "–" and row[3].endswith("×") for row in table["data"])
+    names = [trace["name"] for trace in plot_data(plot)]
+    assert names[:4] == ["τ (tokens per step)", "step cost (AR steps)", "predicted τ ÷ cost", "measured"]
+    assert all(len(trace["x"]) == 2 for trace in plot_data(plot)[:4])
     bad = client.predict(PROMPT, 6, 0.0, 0, "4, many", api_name="/sweep")[0]
     assert "budgets must be whole numbers" in bad.lower()
 

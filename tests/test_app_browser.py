@@ -60,7 +60,9 @@ def test_run_shows_three_outputs_and_a_tree_and_the_slider_steps(browser, app_ur
     assert all(text.strip() for text in texts.values()), texts
     assert texts["ar"] == texts["dflash"] == texts["ddtree"]  # greedy: identical output
     assert page.locator(".ddt-verdict", has_text="identical to AR").count() == 2
-    trained = "untrained" not in page.locator("#model-banner").inner_text()
+    banner = page.locator("#model-banner").inner_text()
+    trained = "untrained" not in banner
+    assert "DDTree budget" in banner and "fastest here" in banner, banner
     assert page.locator("#column-ddtree", has_text="untrained").count() == (0 if trained else 1)
     page.locator("#tree-plot .js-plotly-plot").wait_for()
     assert page.locator("#tree-plot .js-plotly-plot .point").count() >= 3  # root, drafts, bonus
@@ -73,6 +75,12 @@ def test_run_shows_three_outputs_and_a_tree_and_the_slider_steps(browser, app_ur
     page.get_by_role("button", name="Next ▶").click()
     page.wait_for_function("document.querySelector('#tree-plot .gtitle')?.textContent.includes('Step 2')")
     assert "Step 2" in page.locator("#why-stopped").inner_text()
+    # the step economics: τ and step cost bars per method, and the sentence behind the speed-up
+    page.locator("#economics-plot .js-plotly-plot").wait_for()
+    assert "speed-up = τ ÷ step cost" in page.locator("#economics-plot .gtitle").text_content()
+    assert page.locator("#economics-plot .legendtext", has_text="step cost (AR steps)").count() == 1
+    assert page.locator("#economics-plot .annotation-text", has_text="τ ÷ cost").count() == 3
+    assert "tokens per step and a step costs" in page.locator("#economics-text").inner_text()
     page.screenshot(path=str(SCREENSHOT), full_page=True)
 
 

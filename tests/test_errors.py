@@ -115,10 +115,20 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("budgets", ["0", "-4", "8,0", "x", "8,,"])
+def test_a_tree_budget_below_one_or_not_a_number_is_one_clear_line(budgets):
+    result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl",
+                             "--tree-budget", budgets], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --tree-budget"), result.stderr
+    assert budgets in lines[0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 @pytest.mark.parametrize("extra, message", [
     (["--engine", "vllm"], "error: the vLLM engine needs a CUDA GPU; on this machine use --engine torch"),
-    (["--native", "ar"], "error: --native times vLLM's own decoding: it needs --engine vllm"),
+    (["--native", "ar"], "error: --native times vLLM's own decoding: it needs --engine vllm (or --device cuda)"),
 ])
 def test_vllm_engine_without_a_gpu_is_a_clear_error(extra, message):
     result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl", *extra],
@@ -143,9 +153,7 @@ def test_a_baseline_vllm_refuses_to_start_becomes_a_note(decoder, monkeypatch):
         raise ValueError("1 validation error for SpeculativeConfig\n  Value error, heads (9) must divide by 2")
 
     monkeypatch.setattr(engine.vllm_engine, "native_llm", refuse)
-    monkeypatch.setattr(decoder, "drafter_path", "drafter", raising=False)
-    monkeypatch.setattr(decoder, "options", None, raising=False)
-    args = argparse.Namespace(model=None, seed=0, max_new_tokens=4)
+    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4)
     prompts = [{"id": "p", "prompt": "hello"}]
     runs, notes = benchmark_native(decoder, prompts, plan_native_jobs("ar,dflash"), args, "float32", progress=False)
     assert runs == []

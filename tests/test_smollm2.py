@@ -34,6 +34,21 @@ def test_random_drafter_outputs_equal_ar_in_float32(decoder, prompt):
         assert decoder.run(prompt, settings).output_ids == ar.output_ids
 
 
+def test_the_fixed_step_with_the_shipped_drafter_equals_ar_in_float32():
+    from engine.decode import Decoder
+
+    shipped = load_decoder()
+    assert shipped.drafter_info.trained, "the shipped drafter"
+    fixed = Decoder(shipped.target, shipped.drafter, shipped.drafter_info, fixed_step=True)
+    for prompt in ("Write a Python function that adds two numbers.", "Why do cats purr?"):
+        ar = shipped.run(prompt, DecodeSettings("ar", max_new_tokens=32))
+        for settings in (DecodeSettings("dflash", max_new_tokens=32), DecodeSettings("ddtree", max_new_tokens=32,
+                                                                                      tree_budget=16)):
+            trace = fixed.run(prompt, settings)
+            assert trace.output_ids == ar.output_ids
+            assert trace.summary.tau > 1.5, "a trained drafter is accepted through the fixed step too"
+
+
 def test_bench_cli_on_default_model(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "colours", "prompt": "Name three colours."}) + "\n")

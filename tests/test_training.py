@@ -185,6 +185,22 @@ def test_a_resumed_run_continues_exactly_where_it_stopped(tmp_path):
         torch.testing.assert_close(a, b)
 
 
+def test_training_can_start_from_an_exported_drafter(tmp_path):
+    from engine.training.train import parse_args, start
+
+    target = tiny_target()
+    drafter = tiny_drafter(target, seed=3, layers=2)
+    export_drafter(drafter, tmp_path / "drafter", shard_mb=None)
+    args = parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "drafter"),
+                       "--num-layers", "4", "--schedule-steps", "10"])
+    started, settings, progress, optimizer_state = start(args, target)
+    assert started.config.num_hidden_layers == 2, "the checkpoint's shape, not --num-layers"
+    assert optimizer_state is None and progress.step == 0 and progress.schedule_steps == 10
+    for name, value in started.state_dict().items():
+        assert value.dtype == torch.float32, "trained in float32 whatever the export's dtype"
+        torch.testing.assert_close(value, drafter.state_dict()[name].to(torch.bfloat16).float())
+
+
 def test_export_splits_weights_into_small_bf16_shards_that_load_back(tmp_path):
     target = tiny_target()
     drafter = tiny_drafter(target, layers=2)
@@ -231,21 +247,24 @@ class TextTokenizer:
 def test_data_pipeline_writes_split_prompts_and_replies_that_load(tmp_path):
     tiny = tiny_target(seed=1, dtype=torch.float32)
     chat = Target(model=tiny.model, tokenizer=TextTokenizer(), name="tiny", stop_ids=[STOP])
-    settings = DataSettings(num_prompts=40, min_heldout=4, max_new_tokens=12, prompt_max_tokens=16,
-                            min_prompt_chars=4, chunk_prompts=16, min_response_tokens=2)
+    settings = DataSettings(num_prompts=120, min_heldout=4, max_new_tokens=12, prompt_max_tokens=16,
+                            min_prompt_chars=4, chunk_prompts=64, min_response_tokens=2)
     generator = TransformersGenerator(chat, batch_size=16)
     stats = data_module.run(generator, chat, tmp_path, settings, log=lambda line: None)
     train_prompts = data_module.read_prompts(tmp_path / "prompts.jsonl")
     heldout = data_module.read_prompts(tmp_path / "heldout.jsonl")
     assert len(heldout) >= 4 and not {p.text for p in heldout} & {p.text for p in train_prompts}
-    assert {"self", "general", "code", "math"} <= {p.source for p in train_prompts}
+    assert {"self", "general", "code", "polyglot", "math", "passage", "function"} <= {p.source for p in train_prompts}
+    assert stats["overlap"]["checked"] == len(train_prompts) + len(heldout) + stats["overlap"]["removed"]
     ranges = [tuple(torch.load(p)["prompt_range"]) for p in sorted(tmp_path.glob("responses-*.pt"))]
-    assert ranges[0] == (0, 4) and ranges[-1][1] == len(train_prompts), "a quarter-size first chunk, then all"
+    assert ranges[0] == (0, 16) and ranges[-1][1] == len(train_prompts), "a quarter-size first chunk, then all"
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     data = SequenceData.load(tmp_path)
     assert len(data) == stats["sequences"] > 0
     first = data.tokens[: data.lengths[0]].tolist()
-    assert first[: data.response_starts[0]] == chat.chat_ids(train_prompts[0].text)
+    by_id = {data_module.prompt_id(p.text): p for p in train_prompts}
+    first_prompt = by_id[torch.load(tmp_path / "responses-00000.pt")["prompt_ids"][0]]
+    assert first[: data.response_starts[0]] == chat.chat_ids(first_prompt.text)
     # a second run reuses everything on disk
     assert data_module.run(generator, chat, tmp_path, settings, log=lambda line: None)["sequences"] == len(data)
 
@@ -304,6 +323,96 @@ def test_user_turn_ids_stop_where_the_users_text_begins():
     text = chat.tokenizer.decode(ids, skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\nTell me")
     assert chat.chat_ids("Tell me about bees")[: len(ids)] == ids, "the same tokens as the app's encoding"
+
+
+def test_a_follow_up_turn_continues_the_conversation_token_for_token():
+    chat = smollm2_chat()
+    first = chat.chat_ids("Name a fruit.")
+    reply = chat.tokenizer("A pear.", add_special_tokens=False)["input_ids"] + [2]  # 2: <|im_end|>
+    ids = first + reply + data_module.next_turn_ids(chat, "And a vegetable?", stop_id=2)
+    whole = chat.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A pear."},
+         {"role": "user", "content": "And a vegetable?"}], add_generation_prompt=True, tokenize=True)
+    assert ids == list(whole["input_ids"] if hasattr(whole, "keys") else whole)
+
+
+class RecordingGenerator:
+    """Replies with 30 distinct words (so replies can be re-read as passages) and records how it was asked."""
+
+    def __init__(self, chat: Target):
+        words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa " \
+                "quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue white"
+        self.reply = chat.tokenizer(words, add_special_tokens=False)["input_ids"] + [2]
+        self.calls: list[tuple[int, Sampling]] = []
+
+    def complete(self, prompts, sampling):
+        self.calls.append((len(prompts), sampling))
+        return [as_completion(list(self.reply), [2]) for _ in prompts]
+
+    def close(self):
+        pass
+
+
+def test_replies_are_partly_sampled_and_a_second_round_follows_up_or_rereads(tmp_path):
+    chat = smollm2_chat()
+    prompts = [data_module.Prompt(f"Tell me about the number {i}.", "general") for i in range(400)]
+    settings = DataSettings(chunk_prompts=1600, sampled_fraction=0.25, follow_up_fraction=0.1, reread_fraction=0.05)
+    generator = RecordingGenerator(chat)
+    data_module.generate_responses(generator, chat, prompts, settings, tmp_path, log=lambda line: None)
+    (greedy_count, greedy), (sampled_count, sampled), (again_count, again) = generator.calls
+    assert greedy.temperature == 0 and sampled.temperature == settings.reply_temperature and again.temperature == 0
+    assert greedy_count + sampled_count == 400 and 60 <= sampled_count <= 140, "about a quarter sampled"
+    counts = torch.load(tmp_path / "responses-00000.pt")["counts"]
+    assert counts["sampled"] == sampled_count
+    assert counts["follow_ups"] + counts["rereads"] == again_count and 20 <= counts["follow_ups"] <= 60
+    assert 5 <= counts["rereads"] <= 40
+    data = SequenceData.load(tmp_path)
+    sequences = [data.tokens[o: o + n].tolist() for o, n in zip(data.offsets, data.lengths)]
+    follow_ups = [(seq, start) for seq, start in zip(sequences, data.response_starts.tolist())
+                  if seq[:start].count(2) >= 3]  # system and user turn ends, then the first reply's
+    assert len(follow_ups) == counts["follow_ups"]
+    for seq, start in follow_ups:
+        context = chat.tokenizer.decode(seq[:start], skip_special_tokens=False)
+        assert context.count("<|im_start|>user") == 2 and context.endswith("<|im_start|>assistant\n")
+        assert seq[start:] == generator.reply, "only the second reply is trained on"
+    rereads = [seq for seq, start in zip(sequences, data.response_starts.tolist())
+               if seq[:start].count(2) < 3 and "whiskey xray yankee" in chat.tokenizer.decode(seq[:start])]
+    assert len(rereads) == counts["rereads"]
+
+
+def test_near_duplicates_of_evaluation_prompts_are_removed_and_reported():
+    from engine.training.overlap import OverlapIndex
+
+    index = OverlapIndex({"fresh": ["Why do cats purr?", "Write a Python function that returns the second largest "
+                                                         "number in a list."],
+                          "heldout": ["Explain photosynthesis in simple terms. Keep it brief."]})
+    prompts = [data_module.Prompt(text, "x") for text in [
+        "why do cats purr",  # the same words
+        "Write a Python function to find the second largest number in a list. Use type hints.",  # a sibling
+        "explain photosynthesis in simple terms - keep it brief!",  # a copy of an in-distribution prompt
+        "Explain photosynthesis in simple terms.",  # its sibling: held-out prompts are template siblings by design
+        "Why do dogs bark at night?", "Write a Python function that reverses a string.", "Explain gravity simply.",
+    ]]
+    kept, report = index.filter(prompts)
+    assert kept == prompts[3:]
+    assert report.removed == 3 and report.checked == 7
+    assert report.eval_prompts_hit == {"fresh": [0, 1], "heldout": [0]}
+    twice = report.merge(index.filter(prompts[:2])[1])
+    assert twice.eval_prompts_hit == {"fresh": [0, 1], "heldout": [0]}, "the same prompts hit twice count once"
+    assert twice.removed == 5 and twice.train_removed_by_set == {"fresh": 4, "heldout": 1}
+    assert report.train_removed_by_set == {"fresh": 2, "heldout": 1}
+    assert any("fresh (50% shared either way): 2/2 evaluation prompts" in line for line in report.lines())
+
+
+def test_stdlib_harvest_gives_prose_paragraphs_and_functions():
+    from engine.training.stdlib_text import harvest, prose_paragraphs
+
+    found = harvest()
+    assert len(found.passages) > 500 and len(found.functions) > 2000
+    assert all(">>>" not in p and len(p) >= 160 for p in found.passages)
+    assert all(f.source.lstrip().startswith(("def ", "async def ", "@")) for f in found.functions)
+    assert all(f.source.startswith(f.head.rstrip("\n")) for f in found.functions[:500])
+    assert prose_paragraphs("Short.\n\n>>> f(1)\n2") == []
 
 
 # ---- run planning ----------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import ddtree
 from engine.decode import DecodeSettings
 from engine.trace import Step, Trace
 from tests.tiny import tiny_decoder
-from viz.figures import acceptance_histogram, draft_rank, explain_stop, probability_figure, race_chart, \
-    stage_figure, sweep_figure
+from viz.figures import acceptance_histogram, draft_rank, economics_figure, economics_text, explain_stop, \
+    probability_figure, race_chart, stage_figure, sweep_figure
 from viz.text_view import column_html, run_stats, tokens_html
 from viz.tokens import committed_origins, pieces_token_text, visible
 from viz.tree_figure import NODE_STYLES, tidy_layout, tree_figure, tree_height
@@ -229,6 +229,16 @@ def test_stage_and_run_figures(traces):
     assert [line.y[-1] for line in race.data] == [t.summary.new_tokens for t in runs]
     sweep = sweep_figure([traces["ddtree"]], traces["ar"])
     assert list(sweep.data[0].y) == [traces["ddtree"].summary.tau]
+    ar_step = (traces["ar"].summary.wall_s - traces["ar"].summary.time_to_first_token_s) / traces["ar"].summary.steps
+    tree = traces["ddtree"].summary
+    cost = (tree.wall_s - tree.time_to_first_token_s) / tree.steps / ar_step
+    assert list(sweep.data[1].y) == [pytest.approx(cost)] and list(sweep.data[2].y) == [pytest.approx(tree.tau / cost)]
+    bars = economics_figure(runs)
+    assert [bar.name for bar in bars.data] == ["τ: tokens per step", "step cost (AR steps)"]
+    assert list(bars.data[1].y)[0] == pytest.approx(1.0), "AR costs one AR step"
+    assert list(bars.data[1].y)[2] == pytest.approx(cost)
+    assert "faster than AR" in economics_text(runs) or "slower than AR" in economics_text(runs)
+    assert "AR steps" in economics_figure([traces["ddtree"]]).layout.annotations[0].text
 
 
 # ---------------------------------------------------------------- text, stats, token text

@@ -10,6 +10,7 @@ from collections import Counter
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.economics import Economics, Timing, economics, explain
 from engine.trace import STAGES, Step, Trace
 from viz.tokens import TokenText, shown
 
@@ -181,22 +182,82 @@ def acceptance_histogram(traces: list[Trace]) -> go.Figure:
     return fig
 
 
+def trace_economics(traces: list[Trace], baseline: Trace | None = None) -> dict[str, Economics]:
+    """Each finished trace's economics (keyed by label), in AR steps of ``baseline`` (or the AR trace)."""
+    runs = [t for t in traces if t.summary is not None]
+    reference = baseline or next((t for t in runs if t.config.method == "ar"), None)
+    timings = {t.config.label: Timing.of([t.summary]) for t in runs}
+    if reference is not None and reference.summary is not None:
+        timings["ar"] = Timing.of([reference.summary])
+    return economics(timings)
+
+
+def economics_figure(traces: list[Trace]) -> go.Figure:
+    """Per method, τ beside the step cost in AR steps: speed-up is one over the other."""
+    runs = [t for t in traces if t.summary is not None]
+    if not any(t.config.method == "ar" for t in runs):
+        return empty_figure("Run AR with the others: a step's cost is measured in AR steps.")
+    entries = trace_economics(runs)
+    labels = [t.config.label for t in runs]
+    names = [_display(label) for label in labels]
+    taus = [entries[label].tau or 0.0 for label in labels]
+    costs = [entries[label].step_cost_vs_ar or 0.0 for label in labels]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=names, y=taus, name="τ: tokens per step", marker_color=ACCEPTED_COLOUR,
+                         text=[f"{v:.2f}" for v in taus], textposition="outside"))
+    fig.add_trace(go.Bar(x=names, y=costs, name="step cost (AR steps)", marker_color=TARGET_COLOUR,
+                         text=[f"{v:.2f}" for v in costs], textposition="outside"))
+    for name, label in zip(names, labels):
+        entry = entries[label]
+        if entry.predicted_speedup is not None and entry.speedup_vs_ar is not None:
+            fig.add_annotation(x=name, y=max(entry.tau or 0, entry.step_cost_vs_ar or 0) * 1.18 + 0.2, showarrow=False,
+                               text=f"τ ÷ cost = <b>{entry.predicted_speedup:.2f}×</b><br>measured {entry.speedup_vs_ar:.2f}×")
+    top = max(taus + costs + [1.0])
+    fig.update_layout(template="plotly_white", barmode="group", height=340, yaxis=dict(range=[0, top * 1.45]),
+                      title=dict(text="Why it is fast or slow: speed-up = τ ÷ step cost", font=dict(size=14)),
+                      margin=dict(l=10, r=10, t=50, b=30), legend=dict(orientation="h", y=-0.15))
+    return fig
+
+
+def economics_text(traces: list[Trace]) -> str:
+    """One plain sentence per drafting method (Markdown)."""
+    entries = trace_economics(traces)
+    lines = [explain(_display(label), entry) for label, entry in entries.items() if label != "ar"]
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def _display(label: str) -> str:
+    method, _, budget = label.partition("@")
+    name = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}.get(method, method)
+    return f"{name}@{budget}" if budget else name
+
+
 def sweep_figure(traces: list[Trace], baseline: Trace | None = None) -> go.Figure:
-    """τ and tokens/s against the DDTree budget; AR's tokens/s as a reference line."""
-    if not traces:
-        return empty_figure("Run a sweep to compare budgets.")
+    """Against the DDTree budget: τ and the step cost (in AR steps) rising together, and the
+    speed-up τ ÷ cost (predicted) beside the measured one; AR is 1×."""
     runs = sorted((t for t in traces if t.summary is not None), key=lambda t: t.config.tree_budget)
+    if not runs:
+        return empty_figure("Run a sweep to compare budgets.")
     budgets = [t.config.tree_budget for t in runs]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("τ (mean acceptance length)", "tokens / s"))
-    fig.add_trace(go.Scatter(x=budgets, y=[t.summary.tau for t in runs], mode="lines+markers", name="τ",
-                             marker_color=METHOD_COLOURS["ddtree"]), row=1, col=1)
-    fig.add_trace(go.Scatter(x=budgets, y=[t.summary.tokens_per_s for t in runs], mode="lines+markers",
-                             name="DDTree tokens/s", marker_color=METHOD_COLOURS["ddtree"]), row=1, col=2)
-    if baseline is not None and baseline.summary is not None:
-        fig.add_hline(y=baseline.summary.tokens_per_s, line=dict(dash="dash", color=METHOD_COLOURS["ar"]),
-                      annotation_text="AR", row=1, col=2)
+    entries = trace_economics(runs, baseline)
+    rows = [entries[t.config.label] for t in runs]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("τ and step cost", "speed-up vs AR"))
+    fig.add_trace(go.Scatter(x=budgets, y=[e.tau for e in rows], mode="lines+markers", name="τ (tokens per step)",
+                             marker_color=ACCEPTED_COLOUR), row=1, col=1)
+    if baseline is not None:
+        fig.add_trace(go.Scatter(x=budgets, y=[e.step_cost_vs_ar for e in rows], mode="lines+markers",
+                                 name="step cost (AR steps)", marker_color=TARGET_COLOUR), row=1, col=1)
+        fig.add_trace(go.Scatter(x=budgets, y=[e.predicted_speedup for e in rows], mode="lines+markers",
+                                 name="predicted τ ÷ cost", marker_color=METHOD_COLOURS["ddtree"]), row=1, col=2)
+        fig.add_trace(go.Scatter(x=budgets, y=[e.speedup_vs_ar for e in rows], mode="markers", name="measured",
+                                 marker=dict(color=METHOD_COLOURS["ddtree"], symbol="x", size=10)), row=1, col=2)
+        fig.add_hline(y=1.0, line=dict(dash="dash", color=METHOD_COLOURS["ar"]), annotation_text="AR", row=1, col=2)
+        best = max(range(len(rows)), key=lambda i: rows[i].predicted_speedup or 0.0)
+        fig.add_annotation(x=budgets[best], y=rows[best].predicted_speedup or 0, text=f"best: {budgets[best]}",
+                           showarrow=True, arrowhead=2, row=1, col=2)
     fig.update_xaxes(type="log", title="tree budget (nodes)", tickvals=budgets)
-    fig.update_layout(template="plotly_white", height=360, margin=dict(l=10, r=10, t=50, b=40), showlegend=False)
+    fig.update_layout(template="plotly_white", height=380, margin=dict(l=10, r=10, t=50, b=40),
+                      legend=dict(orientation="h", y=-0.25))
     return fig
 
 

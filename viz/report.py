@@ -56,6 +56,7 @@ class Setting:
     runs: list[dict]
     summary: dict
     notes: list[str]
+    best: dict | None = None  # the bench's best DDTree budget (tokens/s)
 
     @property
     def title(self) -> str:
@@ -135,7 +136,7 @@ def load_setting(path: str | Path) -> Setting:
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path} is not valid JSON: {exc}") from exc
     _check_results(path, data)
-    return Setting(path, data["config"], data["runs"], data["summary"], list(data.get("notes", [])))
+    return Setting(path, data["config"], data["runs"], data["summary"], list(data.get("notes", [])), data.get("best"))
 
 
 def _check_results(path: Path, data) -> None:
@@ -251,6 +252,34 @@ def stage_table(setting: Setting) -> str | None:
     return _table(["Method", *STAGES, "rest", "wall per step (ms)"], rows)
 
 
+def economics_table(setting: Setting) -> str | None:
+    """τ against what a step costs in AR steps: the prediction τ ÷ cost next to the measured speed-up."""
+    rows = []
+    for label in setting.labels:
+        entry = setting.summary[label]
+        if entry.get("step_cost_vs_ar") is None:
+            continue
+        rows.append([display_label(label), f"{entry['tau']:.2f}", f"{entry['step_ms']:.1f}",
+                     f"{entry['step_cost_vs_ar']:.2f}", _speedup(entry.get("predicted_speedup")),
+                     _speedup(entry.get("speedup_vs_ar"))])
+    if not rows:
+        return None
+    return _table(["Method", "τ", "ms per step", "step cost (AR steps)", "predicted τ ÷ cost",
+                   "measured speedup"], rows)
+
+
+def category_table(setting: Setting) -> str | None:
+    """τ per prompt category (the prompts file's ``category`` field), one row per drafting method."""
+    labels = [label for label in setting.drafting_labels() if setting.summary[label].get("tau_by_category")]
+    if not labels:
+        return None
+    categories = sorted({c for label in labels for c in setting.summary[label]["tau_by_category"]})
+    counts = {c: len({r.get("prompt_id") for r in setting.runs if r.get("category") == c}) for c in categories}
+    rows = [[display_label(label), *(f"{setting.summary[label]['tau_by_category'].get(c, 0.0):.2f}" for c in categories)]
+            for label in labels]
+    return _table(["Method", *(f"{c} ({counts[c]})" for c in categories)], rows)
+
+
 def measurement_lines(setting: Setting) -> list[str]:
     """Where and how the numbers were measured, from the results' own config."""
     config, host = setting.config, setting.config.get("host", {})
@@ -266,6 +295,9 @@ def measurement_lines(setting: Setting) -> list[str]:
     drafter = str(config.get("drafter", "?"))
     if config.get("drafter_trained") is False and "untrained" not in drafter.lower():
         drafter += " (untrained)"
+    revision = config.get("drafter_revision")
+    if config.get("drafter_trained"):
+        drafter += f" (weights {revision})" if revision else " (weights not fingerprinted: the 4-layer drafter of 2026-11-30 morning)"
     lines.append(f"Target model: {config.get('model', '?')}; drafter: {drafter}")
     prompts = f"`{config['prompts']}`" if config.get("prompts") else "?"
     count = config.get("num_prompts") or len({run.get("prompt_id") for run in setting.runs})
@@ -408,6 +440,18 @@ def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, comm
 def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path) -> list[str]:
     parts = [f"## {setting.title}", "Measured:\n" + "\n".join(f"- {line}" for line in measurement_lines(setting)),
              method_table(setting)]
+    economics = economics_table(setting)
+    if economics is not None:
+        parts += ["### Step economics\n\nSpeed-up = τ ÷ step cost: a step commits τ tokens and costs this many AR "
+                  "steps (mean step wall time, prefill excluded, over AR's in the same run). The measured speed-up "
+                  "includes the prefill.", economics]
+    best = setting.best
+    if best is not None:
+        parts.append(f"Best DDTree budget in this run: **{best['tree_budget']}** ({best['tokens_per_s']:.1f} tokens/s, "
+                     f"τ {best['tau']:.2f}).")
+    categories = category_table(setting)
+    if categories is not None:
+        parts += ["### τ by prompt category\n\nThe number of prompts per category is in brackets.", categories]
     stages = stage_table(setting)
     if stages is not None:
         parts += ["### Where the time goes\n\nMilliseconds per verify step, from the engine's stage timers "

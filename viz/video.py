@@ -22,7 +22,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-import imageio_ffmpeg
 from PIL import Image, ImageDraw, ImageFont
 
 from engine.trace import METHODS, Step, Trace, TraceError
@@ -804,6 +803,10 @@ def render_video(traces: list[Trace], out_path: str | Path, preset: str = "1080p
         raise VideoError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if fps < 1 or slowdown <= 0:
         raise VideoError("fps must be at least 1 and slowdown above 0")
+    try:
+        import imageio_ffmpeg  # only here: the app runs without it where no video is made
+    except ImportError as exc:
+        raise VideoError("making a video needs imageio-ffmpeg: pip install imageio-ffmpeg") from exc
     scene = Scene(traces, PRESETS[preset], slowdown)
     timeline = Timeline(scene.race_s, fps, slowdown)
     out = Path(out_path)

@@ -1,18 +1,22 @@
-"""Self-distilled training data: prompts -> the target's own greedy replies -> token files.
+"""Self-distilled training data: prompts -> the target's own replies -> token files.
 
-Prompts come from templates (``prompts``) and from the target itself, which finishes
-user turns that start with a short opener (sampled, so they vary). Replies are
-greedy, encoded with the app's chat template (``Target.chat_ids``), so the drafter
-trains on exactly the sequences it will see when the app decodes greedily.
+Prompts come from the target itself, which finishes user turns that start with a
+persona and a request (sampled, so they vary), from requests about real text and
+code (Python's standard library), and from templates (``prompts``). Near-duplicates
+of the evaluation prompts are removed by word n-gram overlap (``overlap``). Replies
+are encoded with the app's chat template (``Target.chat_ids``): most greedy, as the app
+decodes by default, a share sampled at a moderate temperature. After each chunk a
+second round adds follow-up turns to some conversations and hands some replies back
+as text to rewrite or summarise.
 
-Files written to the output folder:
+Files written to the output folder (or to ``part-K/`` folders, one per worker):
   prompts.jsonl          training prompts  {"id", "prompt", "source"}
   heldout.jsonl          held-out prompts (never trained on), same fields, for the bench
   responses-NNNNN.pt     one shard per chunk of prompts: flat token ids + per-sequence
-                         lengths and the offset where the reply begins
-  data-stats.json        counts and timings; its presence marks the stage as done
+                         lengths and the offset where the trained reply begins
+  data-stats.json        counts, the overlap report and timings; marks the stage as done
 
-    python -m engine.training.data --model /tmp/smol-hf --out /tmp/dflash --backend vllm
+    python -m engine.training.data --model /tmp/smol-hf --out /tmp/dflash --backend vllm --workers 3
 """
 
 from __future__ import annotations
@@ -21,37 +25,58 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.target import Target, load_target
-from engine.training.generation import (Generator, Sampling, TransformersGenerator, VllmGenerator, VllmSettings,
-                                       device_and_dtype)
-from engine.training.prompts import (Prompt, code_prompts, general_prompts, math_prompts, self_written_openers,
-                                     stub_prompts)
+from engine.training.generation import (Completion, Generator, Sampling, TransformersGenerator, VllmGenerator,
+                                       VllmSettings, device_and_dtype)
+from engine.training.overlap import OverlapIndex, OverlapReport
+from engine.training.prompts import (FOLLOW_UPS, FORMATS, Prompt, arithmetic_prompts, code_prompts, function_prompts,
+                                     general_prompts, math_prompts, passage_prompts, polyglot_prompts,
+                                     self_written_openers)
+from engine.training.stdlib_text import harvest
+
+REPO = Path(__file__).resolve().parent.parent.parent
 
 STATS_FILE = "data-stats.json"
+OVERLAP_FILE = "overlap.json"
+SHARED_KV_CACHE_GIB = 16  # per engine when several share the GPU: ~700k tokens of SmolLM2-135M KV
 MIN_CHUNK_PROMPTS = 64  # fewer than this left in the budget: stop
 SHARD_PATTERN = "responses-*.pt"
-# per shard: replies that ended their turn (untrimmed), were cut at a loop, were too short; tokens
-COUNTS = ("stopped", "trimmed", "dropped", "generated_tokens", "reply_tokens")
+PART_PATTERN = "part-*"
+# per shard: replies that ended their turn (untrimmed), were cut at a loop, were too short; tokens;
+# kept sequences that were sampled, second turns, and replies re-read as passages
+COUNTS = ("stopped", "trimmed", "dropped", "generated_tokens", "reply_tokens", "sampled", "follow_ups", "rereads")
 
 
 @dataclass
 class DataSettings:
     num_prompts: int = 50_000
-    self_written_fraction: float = 0.30
-    code_fraction: float = 0.20
-    math_fraction: float = 0.15
-    stub_fraction: float = 0.02  # HumanEval-style stubs (a few hundred exist); general topics get the rest
-    heldout_fraction: float = 0.02
-    min_heldout: int = 200
-    max_new_tokens: int = 384
+    # the mix, as fractions of num_prompts; general topic x task templates get the rest
+    self_written_fraction: float = 0.36
+    code_fraction: float = 0.07
+    polyglot_fraction: float = 0.08
+    math_fraction: float = 0.07
+    arithmetic_fraction: float = 0.03
+    passage_fraction: float = 0.10
+    function_fraction: float = 0.10
+    heldout_fraction: float = 0.01
+    min_heldout: int = 50
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 1536  # longer requests are skipped (vLLM's context is 2048)
+    sampled_fraction: float = 0.25  # replies sampled at reply_temperature; the rest are greedy
+    reply_temperature: float = 0.7
+    follow_up_fraction: float = 0.10  # finished conversations that get a second user turn
+    reread_fraction: float = 0.05  # replies handed back as a passage to rewrite or summarise
     prompt_max_tokens: int = 64
     prompt_temperature: float = 1.0
     prompt_top_p: float = 0.95
@@ -61,6 +86,7 @@ class DataSettings:
     ngram: int = 8
     max_ngram_repeats: int = 4
     min_response_tokens: int = 8
+    eval_prompts: str = str(REPO / "assets" / "prompts" / "*.jsonl")  # kept out of training (overlap)
     seed: int = 0
 
 
@@ -86,30 +112,38 @@ def user_turn_ids(chat: Target, opener: str) -> list[int]:
 
 def self_written_prompts(generator: Generator, chat: Target, count: int, settings: DataSettings,
                          rng: random.Random) -> list[Prompt]:
-    """User turns the target writes itself, sampled from openers that seed the topic."""
+    """User turns the target writes itself, sampled from openers; now and then a format request is added."""
     if count == 0:
         return []
     openers = self_written_openers(count, rng)
     sampling = Sampling(settings.prompt_max_tokens, settings.prompt_temperature, settings.prompt_top_p)
     completions = generator.complete([user_turn_ids(chat, o) for o in openers], sampling)
-    texts = [(opener + chat.decode(c.token_ids)).strip() for opener, c in zip(openers, completions)]
-    return [Prompt(t, "self") for t in texts if len(t) >= settings.min_prompt_chars]
+    prompts = []
+    for opener, completion in zip(openers, completions):
+        text = (opener + chat.decode(completion.token_ids)).strip()
+        if len(text) >= settings.min_prompt_chars:  # a turn cut at prompt_max_tokens gets no format request
+            prompts.append(Prompt(text + (rng.choice(FORMATS) if completion.stopped else ""), "self"))
+    return prompts
 
 
 def build_prompts(generator: Generator, chat: Target, settings: DataSettings) -> list[Prompt]:
     """All sources, deduplicated, in a seeded random order."""
     rng = random.Random(settings.seed)
     n = settings.num_prompts
-    counts = {name: round(n * fraction) for name, fraction in
-              [("self", settings.self_written_fraction), ("code", settings.code_fraction),
-               ("math", settings.math_fraction), ("stub", settings.stub_fraction)]}
+    fractions = {"self": settings.self_written_fraction, "code": settings.code_fraction,
+                 "polyglot": settings.polyglot_fraction, "math": settings.math_fraction,
+                 "arithmetic": settings.arithmetic_fraction, "passage": settings.passage_fraction,
+                 "function": settings.function_fraction}
+    counts = {name: round(n * fraction) for name, fraction in fractions.items()}
     counts["general"] = max(0, n - sum(counts.values()))
-    stubs = stub_prompts()
+    stdlib = harvest()
     # a quarter more self-written ones than needed: some are too short or repeat
     written = self_written_prompts(generator, chat, math.ceil(counts["self"] * 1.25), settings, rng)
     prompts = deduplicated(deduplicated(written)[: counts["self"]] + general_prompts(counts["general"], rng)
-                           + code_prompts(counts["code"], rng) + math_prompts(counts["math"], rng)
-                           + rng.sample(stubs, min(counts["stub"], len(stubs))))
+                           + code_prompts(counts["code"], rng) + polyglot_prompts(counts["polyglot"], rng)
+                           + math_prompts(counts["math"], rng) + arithmetic_prompts(counts["arithmetic"], rng)
+                           + passage_prompts(list(stdlib.passages), counts["passage"], rng)
+                           + function_prompts(list(stdlib.functions), counts["function"], rng))
     rng.shuffle(prompts)
     return prompts
 
@@ -163,6 +197,16 @@ def repetition_cut(ids: list[int], n: int, max_repeats: int) -> int:
 
 
 @dataclass
+class Request:
+    """One reply to generate: its prompt (text and family), the token ids it continues, how to sample."""
+
+    prompt: Prompt
+    ids: list[int]
+    sampled: bool = False
+    kind: str = "single"  # "single" | "follow_up" (a second user turn) | "reread" (a reply handed back)
+
+
+@dataclass
 class ShardBuilder:
     """Accumulates kept sequences of one chunk and writes them as one torch file."""
 
@@ -172,20 +216,24 @@ class ShardBuilder:
     prompt_ids: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
 
-    def add(self, prompt: Prompt, prompt_ids: list[int], reply: list[int], stopped: bool, settings: DataSettings):
+    def add(self, request: Request, completion: Completion, settings: DataSettings):
+        reply = completion.token_ids
         self.counts["generated_tokens"] += len(reply)
         keep = repetition_cut(reply, settings.ngram, settings.max_ngram_repeats)
         if keep < settings.min_response_tokens:
             self.counts["dropped"] += 1
             return
         self.counts["trimmed"] += keep < len(reply)
-        self.counts["stopped"] += stopped and keep == len(reply)
+        self.counts["stopped"] += completion.stopped and keep == len(reply)
         self.counts["reply_tokens"] += keep
-        sequence = prompt_ids + reply[:keep]
+        self.counts["sampled"] += request.sampled
+        self.counts["follow_ups"] += request.kind == "follow_up"
+        self.counts["rereads"] += request.kind == "reread"
+        sequence = request.ids + reply[:keep]
         self.tokens.append(torch.tensor(sequence, dtype=torch.int32))
         self.lengths.append(len(sequence))
-        self.response_starts.append(len(prompt_ids))
-        self.prompt_ids.append(prompt_id(prompt.text))
+        self.response_starts.append(len(request.ids))
+        self.prompt_ids.append(prompt_id(request.prompt.text))
 
     def save(self, path: Path, prompt_range: tuple[int, int], seconds: float) -> None:
         torch.save({
@@ -199,33 +247,86 @@ class ShardBuilder:
         }, path)
 
 
+def answer(generator: Generator, requests: list[Request], settings: DataSettings) -> list[Completion]:
+    """Every request's reply: greedy ones in one batch, sampled ones in another."""
+    completions: list[Completion | None] = [None] * len(requests)
+    for sampled, sampling in ((False, Sampling(settings.max_new_tokens)),
+                              (True, Sampling(settings.max_new_tokens, settings.reply_temperature))):
+        chosen = [i for i, request in enumerate(requests) if request.sampled == sampled]
+        if chosen:
+            for i, completion in zip(chosen, generator.complete([requests[i].ids for i in chosen], sampling)):
+                completions[i] = completion
+    return completions
+
+
+def next_turn_ids(chat: Target, text: str, stop_id: int) -> list[int]:
+    """What follows an assistant reply that ended with ``stop_id``: the template's turn break, a
+    user turn saying ``text`` and the start of the next reply (so ids can be concatenated)."""
+    marker = "\x00REPLY\x00"
+    rendered = chat.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "."}, {"role": "assistant", "content": marker}, {"role": "user", "content": text}],
+        tokenize=False, add_generation_prompt=True)
+    after = rendered[rendered.index(marker) + len(marker):].removeprefix(chat.tokenizer.convert_ids_to_tokens(stop_id))
+    return chat.tokenizer(after, add_special_tokens=False)["input_ids"]
+
+
+def second_round(chat: Target, answered: list[tuple[Request, Completion]], settings: DataSettings,
+                 rng: random.Random, keep_out: OverlapIndex | None) -> list[Request]:
+    """Follow-up turns for some finished conversations (the first reply stays as context; only
+    the second is trained on), and some replies handed back as a passage to rewrite."""
+    requests = []
+    for request, completion in answered:
+        roll = rng.random()
+        if request.kind != "single" or not completion.stopped:
+            continue
+        if roll < settings.follow_up_fraction and chat.tokenizer.chat_template is not None:
+            text = rng.choice(FOLLOW_UPS)
+            ids = request.ids + completion.token_ids + next_turn_ids(chat, text, completion.token_ids[-1])
+            requests.append(Request(Prompt(f"{request.prompt.text}\n\n{text}", "follow_up"), ids, kind="follow_up"))
+        elif roll < settings.follow_up_fraction + settings.reread_fraction:
+            passage = chat.decode(completion.token_ids).strip()
+            if 20 <= len(passage.split()) <= 200:
+                prompt = passage_prompts([passage], 1, rng, source="reread")[0]
+                if keep_out is None or keep_out.match(prompt.text) is None:
+                    requests.append(Request(prompt, chat.chat_ids(prompt.text), kind="reread"))
+    return requests
+
+
 def generate_responses(generator: Generator, chat: Target, prompts: list[Prompt], settings: DataSettings,
-                       folder: Path, deadline: float = math.inf, log=print) -> None:
-    """Greedy replies, one shard per chunk of prompts, continuing after the shards already on
-    disk. The first chunk (a quarter size) measures the speed; later chunks are sized so they
-    end before ``deadline`` (``time.monotonic()`` seconds): a chunk cannot be cut short."""
-    sampling = Sampling(settings.max_new_tokens)
+                       folder: Path, deadline: float = math.inf, log=print, keep_out: OverlapIndex | None = None) -> None:
+    """Replies, one shard per chunk of prompts (its second round included), continuing after the
+    shards already on disk. The first chunk (a quarter size) measures the speed; later chunks are
+    sized so they end before ``deadline`` (``time.monotonic()`` seconds): a chunk cannot be cut short."""
     start, index = answered_so_far(folder)
     done, busy_seconds = 0, 0.0
     while start < len(prompts):
-        size = chunk_size(settings, done / busy_seconds if done else None, deadline - time.monotonic())
+        size = min(chunk_size(settings, done / busy_seconds if done else None, deadline - time.monotonic()),
+                   len(prompts) - start)
         if size == 0:
             log(f"replies: time budget reached; prompts {start}..{len(prompts)} left without replies")
             return
         chunk_began = time.monotonic()
-        chunk = prompts[start:start + size]
-        encoded = [chat.chat_ids(p.text) for p in chunk]
+        rng = random.Random(f"{settings.seed}-{index}")  # a chunk's choices do not depend on earlier runs
+        requests = [Request(p, chat.chat_ids(p.text), sampled=rng.random() < settings.sampled_fraction)
+                    for p in prompts[start:start + size]]
+        requests = [r for r in requests if len(r.ids) <= settings.max_prompt_tokens]
+        answered = list(zip(requests, answer(generator, requests, settings)))
+        again = [r for r in second_round(chat, answered, settings, rng, keep_out)
+                 if len(r.ids) <= settings.max_prompt_tokens]
+        answered += zip(again, answer(generator, again, settings))
         shard = ShardBuilder()
-        for prompt, ids, completion in zip(chunk, encoded, generator.complete(encoded, sampling)):
-            shard.add(prompt, ids, completion.token_ids, completion.stopped, settings)
+        for request, completion in answered:
+            shard.add(request, completion, settings)
         seconds = time.monotonic() - chunk_began
-        shard.save(folder / f"responses-{index:05d}.pt", (start, start + len(chunk)), seconds)
-        generated = shard.counts["generated_tokens"]
-        log(f"replies: chunk {index} (prompts {start}..{start + len(chunk)}): {generated} tokens generated in "
-            f"{seconds:.1f} s ({generated / max(seconds, 1e-9):.0f} tok/s); kept {len(shard.lengths)} replies, "
-            f"{shard.counts['reply_tokens']} tokens")
-        start, index = start + len(chunk), index + 1
-        done, busy_seconds = done + len(chunk), busy_seconds + seconds
+        shard.save(folder / f"responses-{index:05d}.pt", (start, start + size), seconds)
+        counts = shard.counts
+        log(f"replies: chunk {index} (prompts {start}..{start + size}, +{len(again)} second-round): "
+            f"{counts['generated_tokens']} tokens generated in {seconds:.1f} s "
+            f"({counts['generated_tokens'] / max(seconds, 1e-9):.0f} tok/s); kept {len(shard.lengths)} replies, "
+            f"{counts['reply_tokens']} tokens ({counts['sampled']} sampled, {counts['follow_ups']} follow-ups, "
+            f"{counts['rereads']} re-read)")
+        start, index = start + size, index + 1
+        done, busy_seconds = done + size, busy_seconds + seconds
 
 
 def chunk_size(settings: DataSettings, prompts_per_second: float | None, seconds_left: float) -> int:
@@ -273,7 +374,7 @@ class SequenceData:
 
     @staticmethod
     def load(folder: str | Path) -> "SequenceData":
-        shards = [torch.load(p) for p in sorted(Path(folder).glob(SHARD_PATTERN))]
+        shards = [torch.load(p) for p in shard_paths(Path(folder))]
         if not shards:
             raise FileNotFoundError(f"no {SHARD_PATTERN} in {folder}: run the data stage first")
         lengths = torch.cat([s["lengths"] for s in shards])
@@ -288,8 +389,14 @@ class SequenceData:
         return SequenceData(*(t.to(device) for t in (self.tokens, self.offsets, self.lengths, self.response_starts)))
 
 
-def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timings: dict[str, float]) -> dict:
-    shards = [torch.load(p) for p in sorted(folder.glob(SHARD_PATTERN))]
+def shard_paths(folder: Path) -> list[Path]:
+    """The folder's shards, and its workers' (``part-K/``)."""
+    return sorted(folder.glob(SHARD_PATTERN)) + sorted(folder.glob(f"{PART_PATTERN}/{SHARD_PATTERN}"))
+
+
+def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timings: dict[str, float],
+               overlap: OverlapReport) -> dict:
+    shards = [torch.load(p) for p in shard_paths(folder)]
     counts = {key: sum(s["counts"][key] for s in shards) for key in COUNTS}
     sequences = sum(len(s["lengths"]) for s in shards)
     reply_seconds = sum(s["seconds"] for s in shards)
@@ -303,6 +410,7 @@ def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timin
         "tokens": int(sum(int(s["lengths"].sum()) for s in shards)),
         "mean_reply_tokens": counts["reply_tokens"] / max(sequences, 1),
         "reply_seconds": reply_seconds, "generated_tokens_per_s": counts["generated_tokens"] / max(reply_seconds, 1e-9),
+        "overlap": asdict(overlap),
         **{f"{stage}_seconds": seconds for stage, seconds in timings.items()},
     }
 
@@ -320,15 +428,6 @@ def tokenizer_only_target(folder: str) -> Target:
                   stop_ids=stop_token_ids(tokenizer, AutoConfig.from_pretrained(folder)))
 
 
-def open_generator(args) -> tuple[Generator, Target]:
-    if args.backend == "vllm":
-        chat = tokenizer_only_target(args.model)
-        vllm = VllmSettings(max_num_seqs=args.vllm_max_num_seqs, enforce_eager=args.vllm_eager)
-        return VllmGenerator(args.model, chat.stop_ids, args.seed, vllm), chat
-    target = load_target(args.model, *device_and_dtype(args.device, args.dtype))
-    return TransformersGenerator(target, args.batch_size, args.seed), target
-
-
 def run(generator: Generator, chat: Target, folder: Path, settings: DataSettings, log=print,
         began: float | None = None) -> dict:
     """Prompts (reused if written before), then replies (missing shards only), then stats.
@@ -337,20 +436,56 @@ def run(generator: Generator, chat: Target, folder: Path, settings: DataSettings
     began = time.monotonic() if began is None else began
     deadline = began + settings.max_minutes * 60 if settings.max_minutes is not None else math.inf
     timings = {}
+    keep_out = OverlapIndex.from_files(settings.eval_prompts)
     train_path, heldout_path = folder / "prompts.jsonl", folder / "heldout.jsonl"
     if train_path.exists() and heldout_path.exists():
         prompts, heldout = read_prompts(train_path), read_prompts(heldout_path)
+        overlap = OverlapReport(**json.loads((folder / OVERLAP_FILE).read_text()))
         log(f"prompts: reusing {len(prompts)} training + {len(heldout)} held-out prompts from {folder}")
     else:
         prompts_began = time.monotonic()
-        prompts, heldout = split_heldout(build_prompts(generator, chat, settings), settings)
+        prompts, overlap = keep_out.filter(build_prompts(generator, chat, settings))
+        prompts, heldout = split_heldout(prompts, settings)
         write_prompts(train_path, prompts)
         write_prompts(heldout_path, heldout)
+        (folder / OVERLAP_FILE).write_text(json.dumps(asdict(overlap), indent=1) + "\n")
         timings["prompts"] = time.monotonic() - prompts_began
         log(f"prompts: {len(prompts)} training + {len(heldout)} held-out in {timings['prompts']:.1f} s")
-    generate_responses(generator, chat, prompts, settings, folder, deadline, log)
-    stats = data_stats(folder, prompts, heldout, timings)
+        for line in overlap.lines():
+            log(line)
+    generate_responses(generator, chat, prompts, settings, folder, deadline, log, keep_out)
+    stats = data_stats(folder, prompts, heldout, timings, overlap)
     (folder / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
+    log("data: " + json.dumps(stats))
+    return stats
+
+
+def run_workers(argv: list[str], out: Path, workers: int, log=print) -> dict:
+    """The data stage as ``workers`` processes sharing the GPU, each with its own prompts (another
+    seed) in ``out/part-K``: a small target leaves vLLM bound by its host-side scheduling, so
+    several engines side by side generate several times faster than one. Then merged stats."""
+    children = []
+    for part in range(workers):
+        env = os.environ | {"VLLM_CACHE_ROOT": os.path.join(os.environ.get("VLLM_CACHE_ROOT", "/tmp/vcache"), f"part-{part}")}
+        command = [sys.executable, "-m", "engine.training.data", *argv, "--part", str(part)]
+        children.append(subprocess.Popen(command, env=env))
+    failed = [part for part, child in enumerate(children) if child.wait() != 0]
+    parts = sorted(p for p in out.glob(PART_PATTERN) if (p / STATS_FILE).exists())
+    if not parts:
+        raise SystemExit(f"data: every worker failed ({failed})")
+    if failed:
+        log(f"data: workers {failed} failed; keeping the other {len(parts)}")
+    prompts = [p for part in parts for p in read_prompts(part / "prompts.jsonl")]
+    heldout = [p for part in parts for p in read_prompts(part / "heldout.jsonl")]
+    write_prompts(out / "heldout.jsonl", heldout)
+    overlap = OverlapReport()
+    for part in parts:
+        overlap = overlap.merge(OverlapReport(**json.loads((part / OVERLAP_FILE).read_text())))
+    timings = {"prompts": max(json.loads((part / STATS_FILE).read_text()).get("prompts_seconds", 0) for part in parts)}
+    stats = data_stats(out, prompts, heldout, timings, overlap) | {"workers": len(parts)}
+    (out / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")
+    for line in overlap.lines():
+        log(line)
     log("data: " + json.dumps(stats))
     return stats
 
@@ -362,6 +497,8 @@ def parse_args(argv=None):
                                                       "or nothing for the bundled SmolLM2")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--backend", choices=["vllm", "transformers"], default="vllm")
+    parser.add_argument("--workers", type=int, default=1, help="processes generating side by side (vLLM)")
+    parser.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)  # set by run_workers
     parser.add_argument("--device", default="auto", help="transformers backend only")
     parser.add_argument("--dtype", default=None, help="transformers backend only (default: bf16 on CUDA, else fp32)")
     parser.add_argument("--batch-size", type=int, default=32, help="transformers backend only")
@@ -375,9 +512,28 @@ def parse_args(argv=None):
     return args, settings
 
 
+def open_generator(args) -> tuple[Generator, Target]:
+    if args.backend == "vllm":
+        chat = tokenizer_only_target(args.model)
+        shared = args.workers > 1  # engines side by side: a fixed share each
+        vllm = VllmSettings(max_num_seqs=args.vllm_max_num_seqs, enforce_eager=args.vllm_eager,
+                            gpu_memory_utilization=0.8 / args.workers if shared else VllmSettings.gpu_memory_utilization,
+                            kv_cache_gib=SHARED_KV_CACHE_GIB if shared else None)
+        return VllmGenerator(args.model, chat.stop_ids, args.seed, vllm), chat
+    target = load_target(args.model, *device_and_dtype(args.device, args.dtype))
+    return TransformersGenerator(target, args.batch_size, args.seed), target
+
+
 def main(argv=None) -> None:
     began = time.monotonic()  # the budget includes starting the engine
+    argv = sys.argv[1:] if argv is None else argv
     args, settings = parse_args(argv)
+    if args.workers > 1 and args.part is None:
+        run_workers(argv, args.out, args.workers)
+        return
+    if args.part is not None:
+        args.out = args.out / f"part-{args.part}"
+        settings = replace(settings, seed=settings.seed * 1000 + args.part)
     generator, chat = open_generator(args)
     try:
         run(generator, chat, args.out, settings, began=began)

@@ -4,13 +4,16 @@
 #   call A: install vLLM, convert the GGUF, generate the data, train until the deadline
 #   call B: resume training until the deadline
 # Every call ends by DEADLINE_MIN minutes after it starts and leaves in $OUT:
-#   drafter/       config.json + bf16 safetensors shards (<= 15 MiB each): load_drafter() reads it
-#   heldout.jsonl  {"id", "prompt", "source"} prompts never trained on, for the bench
-#   run.log        everything printed: stage timings, data stats, training log lines
+#   drafter/          config.json + bf16 safetensors shards (<= 15 MiB each): load_drafter() reads it
+#   data-stats.json   the corpus: prompts by family, replies, tokens, the evaluation-overlap report
+#   train-log.jsonl   one line per 50 training steps (loss, per-slot accuracy, tau~)
+#   run.log           everything printed: stage timings, data stats, training log lines
 # Needs in /tmp/stage (staged with ../shared/device/stage.sh): vllm-trim.tar.xz, INSTALL.sh and
 # the SmolLM2 GGUF. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training planned
-# for call B, read by call A only), NUM_PROMPTS (50000). Extra arguments go to
-# engine.training.run and from there to engine.training.train (e.g. --num-layers 5).
+# for call B, read by call A only), NUM_PROMPTS (150000), WORKERS (3 vLLM engines side by side),
+# DATA_MIN (6: the data stage's budget), SEED (0: another seed writes other prompts). Extra
+# arguments go to engine.training.run and from there to engine.training.train (e.g.
+# --init-from DRAFTER_FOLDER to continue a drafter brought back from an earlier session).
 #     bash engine/training/device.sh
 set -uo pipefail
 started=$(date +%s)
@@ -45,7 +48,8 @@ prepare() {
 {
   say "call started $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
   prepare && python3 -m engine.training.run --model "$MODEL" --out "$WORK" --started-at "$started" \
-    --deadline-minutes "${DEADLINE_MIN:-9}" --later-minutes "${LATER_MIN:-8.3}" --num-prompts "${NUM_PROMPTS:-50000}" "$@"
+    --deadline-minutes "${DEADLINE_MIN:-9}" --later-minutes "${LATER_MIN:-8.3}" --num-prompts "${NUM_PROMPTS:-150000}" \
+    --data-workers "${WORKERS:-3}" --data-minutes "${DATA_MIN:-6}" --data-flags "--seed ${SEED:-0}" "$@"
   status=$?
   echo "$status" > "$WORK/status"
   say "pipeline exit status $status"
@@ -54,7 +58,7 @@ prepare() {
 # Whatever happened, bring back what exists (at most 8 files of 16 MiB each come back).
 mkdir -p "$OUT/drafter"
 cp "$WORK"/train/drafter/* "$OUT/drafter/" 2>/dev/null || echo "no drafter exported yet" | tee -a "$log"
-cp "$WORK/heldout.jsonl" "$OUT/" 2>/dev/null
+cp "$WORK/data-stats.json" "$WORK/train/train-log.jsonl" "$OUT/" 2>/dev/null
 ls -l "$OUT" "$OUT/drafter" | tee -a "$log"
 cp "$log" "$OUT/run.log"
 exit "$(cat "$WORK/status" 2>/dev/null || echo 1)"

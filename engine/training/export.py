@@ -60,3 +60,46 @@ def split_safetensors(path: Path, max_bytes: int) -> list[Path]:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path.parent / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
     return files
+
+
+def main(argv=None) -> None:
+    """Re-export a drafter folder, e.g. shards brought back from the GPU machine as the one
+    ``model.safetensors`` the repository ships:
+
+        python -m engine.training.export OUT/drafter assets/drafters/NAME --shard-mb 0
+    """
+    import argparse
+
+    from engine.drafter import ARCHITECTURE, load_drafter
+
+    parser = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", type=Path)
+    parser.add_argument("destination", type=Path)
+    parser.add_argument("--shard-mb", type=float, default=0.0, help="max MiB per weight file; 0: one file")
+    parser.add_argument("--acceptance", type=Path, default=None,
+                        help="an engine.bench results file on prompts the drafter never saw: its τ per method goes "
+                             "into config.json (the app's start-up budget calibration reads it)")
+    args = parser.parse_args(argv)
+    raw = json.loads((args.source / "config.json").read_text())
+    drafter = load_drafter(args.source)
+    extra = {key: value for key, value in raw.items() if key not in drafter.config.to_json()}
+    if args.acceptance is not None:
+        drafter.config.acceptance = acceptance_record(json.loads(args.acceptance.read_text()))
+    export_drafter(drafter, args.destination, shard_mb=args.shard_mb or None,
+                   extra=extra if raw.get("architectures") == [ARCHITECTURE] else None)
+
+
+def acceptance_record(results: dict) -> dict:
+    """τ per method from an ``engine.bench`` results file, as ``DrafterConfig.acceptance`` holds it."""
+    summary, config = results["summary"], results["config"]
+    ddtree = {label.split("@")[1]: round(entry["tau"], 3) for label, entry in summary.items()
+              if label.startswith("ddtree@")}
+    record = {"prompts": config.get("prompts"), "max_new_tokens": config.get("max_new_tokens"),
+              "dtype": config.get("dtype"), "ddtree": ddtree}
+    if "dflash" in summary:
+        record["dflash"] = round(summary["dflash"]["tau"], 3)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -88,6 +88,9 @@ class VllmSettings:
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 1024  # a 135M model is overhead-bound: many sequences per step pay for it
     enforce_eager: bool = False  # CUDA graphs: ~60 s to start, several times faster per step
+    # a fixed KV cache size skips vLLM's memory profiling, which fails when engines sharing the GPU
+    # start together (each sees the others' memory come and go); None: profile, fill the utilization
+    kv_cache_gib: float | None = None
 
 
 class VllmGenerator:
@@ -100,7 +103,8 @@ class VllmGenerator:
         self.llm = LLM(model=model_folder, dtype="bfloat16", seed=seed, skip_tokenizer_init=True,
                        max_model_len=settings.max_model_len, gpu_memory_utilization=settings.gpu_memory_utilization,
                        max_num_seqs=settings.max_num_seqs, enforce_eager=settings.enforce_eager,
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True,
+                       kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30) if settings.kv_cache_gib else None)
 
     def complete(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         from vllm import SamplingParams

@@ -1,10 +1,12 @@
 """Prompt sources written here, so no dataset has to be downloaded.
 
-Four template families (general topics x tasks, coding tasks, HumanEval-style
-function stubs, math word problems with random numbers) and the openers that seed
-the target's own user turns (``data.self_written_prompts``). Every family samples
-without replacement from a product of lists, so prompts rarely repeat; ``data``
-deduplicates what remains.
+Template families (general topics x tasks, Python coding tasks, code in other
+languages, math word problems and arithmetic with random numbers), requests about real
+text and real code from Python's standard library (``stdlib_text``), follow-up turns,
+and the openers that seed the target's own user turns (``data.self_written_prompts``):
+persona x request x format, so the target writes questions nobody templated. Families
+sample without replacement from a product of lists where they can; ``data`` removes
+duplicates and near-duplicates of the evaluation prompts.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    source: str  # "general" | "code" | "stub" | "math" | "self"
+    source: str  # the family: "self", "general", "code", "polyglot", "math", "passage", "function", ...
 
 
 GENERAL_TOPICS = [
@@ -221,296 +223,10 @@ CODE_MODIFIERS = ["", " Use type hints.", " Make it efficient.", " Add comments 
                   " Include a few test cases.", " Handle edge cases.", " Keep it short.",
                   " Do not use any libraries."]
 
-# HumanEval-style stubs: (imports, signature, description, [(call, result), ...]).
-FUNCTION_SPECS = [
-    ("from typing import List\n\n\n", "def below_zero(operations: List[int]) -> bool:",
-     "You're given a list of deposit and withdrawal operations on a bank account that starts with\n"
-     "zero balance. Return True if at any point the balance falls below zero, otherwise False.",
-     [("below_zero([1, 2, 3])", "False"), ("below_zero([1, 2, -4, 5])", "True")]),
-    ("from typing import List\n\n\n", "def mean_absolute_deviation(numbers: List[float]) -> float:",
-     "Return the mean absolute deviation of the numbers around their mean.",
-     [("mean_absolute_deviation([1.0, 2.0, 3.0, 4.0])", "1.0")]),
-    ("", "def truncate_number(number: float) -> float:",
-     "Given a positive floating point number, return its decimal part.",
-     [("truncate_number(3.5)", "0.5")]),
-    ("from typing import List\n\n\n", "def filter_by_prefix(strings: List[str], prefix: str) -> List[str]:",
-     "Filter an input list of strings only for ones that start with a given prefix.",
-     [("filter_by_prefix([], 'a')", "[]"), ("filter_by_prefix(['abc', 'bcd', 'array'], 'a')", "['abc', 'array']")]),
-    ("", "def count_distinct_characters(string: str) -> int:",
-     "Given a string, find out how many distinct characters (regardless of case) it consists of.",
-     [("count_distinct_characters('xyzXYZ')", "3"), ("count_distinct_characters('Jerry')", "4")]),
-    ("", "def is_palindrome(text: str) -> bool:",
-     "Checks if the given string is a palindrome.",
-     [("is_palindrome('')", "True"), ("is_palindrome('aba')", "True"), ("is_palindrome('zbcd')", "False")]),
-    ("", "def greatest_common_divisor(a: int, b: int) -> int:",
-     "Return the greatest common divisor of two integers a and b.",
-     [("greatest_common_divisor(3, 5)", "1"), ("greatest_common_divisor(25, 15)", "5")]),
-    ("from typing import List\n\n\n", "def all_prefixes(string: str) -> List[str]:",
-     "Return a list of all prefixes of the input string, from shortest to longest.",
-     [("all_prefixes('abc')", "['a', 'ab', 'abc']")]),
-    ("", "def string_sequence(n: int) -> str:",
-     "Return a string containing space-delimited numbers starting from 0 up to n inclusive.",
-     [("string_sequence(0)", "'0'"), ("string_sequence(5)", "'0 1 2 3 4 5'")]),
-    ("from typing import List\n\n\n", "def remove_duplicates(numbers: List[int]) -> List[int]:",
-     "From a list of integers, remove all elements that occur more than once.\n"
-     "Keep the order of the remaining elements the same as in the input.",
-     [("remove_duplicates([1, 2, 3, 2, 4])", "[1, 3, 4]")]),
-    ("", "def flip_case(string: str) -> str:",
-     "For a given string, flip lowercase characters to uppercase and uppercase to lowercase.",
-     [("flip_case('Hello')", "'hELLO'")]),
-    ("from typing import List\n\n\n", "def concatenate(strings: List[str]) -> str:",
-     "Concatenate a list of strings into a single string.",
-     [("concatenate([])", "''"), ("concatenate(['a', 'b', 'c'])", "'abc'")]),
-    ("", "def get_positive(l: list):",
-     "Return only the positive numbers in the list.",
-     [("get_positive([-1, 2, -4, 5, 6])", "[2, 5, 6]")]),
-    ("", "def is_prime(n: int) -> bool:",
-     "Return True if a given number is prime, and False otherwise.",
-     [("is_prime(6)", "False"), ("is_prime(101)", "True"), ("is_prime(1)", "False")]),
-    ("", "def unique(l: list):",
-     "Return the sorted unique elements of a list.",
-     [("unique([5, 3, 5, 2, 3, 3, 9, 0, 123])", "[0, 2, 3, 5, 9, 123]")]),
-    ("", "def max_element(l: list):",
-     "Return the maximum element in the list.",
-     [("max_element([1, 2, 3])", "3"), ("max_element([5, 3, -5, 2, -3, 3, 9, 0, 123, 1, -10])", "123")]),
-    ("", "def fizz_buzz(n: int) -> int:",
-     "Return the number of times the digit 7 appears in integers less than n which are divisible by 11 or 13.",
-     [("fizz_buzz(50)", "0"), ("fizz_buzz(78)", "2")]),
-    ("", "def sum_to_n(n: int) -> int:",
-     "sum_to_n is a function that sums numbers from 1 to n.",
-     [("sum_to_n(5)", "15"), ("sum_to_n(10)", "55"), ("sum_to_n(1)", "1")]),
-    ("", "def correct_bracketing(brackets: str) -> bool:",
-     "brackets is a string of '(' and ')'.\nReturn True if every opening bracket has a corresponding closing bracket.",
-     [("correct_bracketing('(')", "False"), ("correct_bracketing('(()())')", "True"),
-      ("correct_bracketing(')(()')", "False")]),
-    ("", "def fib(n: int) -> int:",
-     "Return the n-th Fibonacci number.",
-     [("fib(10)", "55"), ("fib(1)", "1"), ("fib(8)", "21")]),
-    ("", "def vowels_count(s: str) -> int:",
-     "Write a function which takes a string representing a word as input and returns the number of vowels\n"
-     "in the string. Vowels are 'a', 'e', 'i', 'o', 'u'.",
-     [("vowels_count('abcde')", "2")]),
-    ("", "def digit_sum(s: str) -> int:",
-     "Write a function that takes a string as input and returns the sum of the ASCII codes of its\n"
-     "upper case characters only.",
-     [("digit_sum('')", "0"), ("digit_sum('abAB')", "131")]),
-    ("", "def largest_divisor(n: int) -> int:",
-     "For a given number n, find the largest number that divides n evenly, smaller than n.",
-     [("largest_divisor(15)", "5")]),
-    ("from typing import List\n\n\n", "def factorize(n: int) -> List[int]:",
-     "Return the list of prime factors of a given integer in order from smallest to largest.\n"
-     "Each factor is listed the number of times it appears in the factorization.",
-     [("factorize(8)", "[2, 2, 2]"), ("factorize(70)", "[2, 5, 7]")]),
-    ("", "def strlen(string: str) -> int:",
-     "Return the length of the given string.",
-     [("strlen('')", "0"), ("strlen('abc')", "3")]),
-    ("from typing import List\n\n\n", "def rescale_to_unit(numbers: List[float]) -> List[float]:",
-     "Given a list of at least two numbers, apply a linear transform so that the smallest number\n"
-     "becomes 0 and the largest becomes 1.",
-     [("rescale_to_unit([1.0, 2.0, 3.0, 4.0, 5.0])", "[0.0, 0.25, 0.5, 0.75, 1.0]")]),
-    ("from typing import List, Tuple\n\n\n", "def sum_product(numbers: List[int]) -> Tuple[int, int]:",
-     "For a given list of integers, return a tuple of the sum and the product of all the integers.\n"
-     "An empty sum is 0 and an empty product is 1.",
-     [("sum_product([])", "(0, 1)"), ("sum_product([1, 2, 3, 4])", "(10, 24)")]),
-    ("from typing import List\n\n\n", "def rolling_max(numbers: List[int]) -> List[int]:",
-     "From a given list of integers, generate a list of the rolling maximum element found until\n"
-     "the given moment in the sequence.",
-     [("rolling_max([1, 2, 3, 2, 3, 4, 2])", "[1, 2, 3, 3, 3, 4, 4]")]),
-    ("from typing import List\n\n\n", "def intersperse(numbers: List[int], delimeter: int) -> List[int]:",
-     "Insert a number 'delimeter' between every two consecutive elements of the input list.",
-     [("intersperse([], 4)", "[]"), ("intersperse([1, 2, 3], 4)", "[1, 4, 2, 4, 3]")]),
-    ("from typing import List, Optional\n\n\n", "def longest(strings: List[str]) -> Optional[str]:",
-     "Out of a list of strings, return the longest one. Return the first one in case of multiple\n"
-     "strings of the same length. Return None if the input list is empty.",
-     [("longest([])", "None"), ("longest(['a', 'bb', 'ccc'])", "'ccc'")]),
-    ("", "def how_many_times(string: str, substring: str) -> int:",
-     "Find how many times a given substring can be found in the original string. Count overlapping cases.",
-     [("how_many_times('aaa', 'a')", "3"), ("how_many_times('aaaa', 'aa')", "3")]),
-    ("from typing import List\n\n\n", "def sort_numbers(numbers: str) -> str:",
-     "Input is a space-delimited string of numerals from 'zero' to 'nine'.\n"
-     "Return the string with numbers sorted from smallest to largest.",
-     [("sort_numbers('three one five')", "'one three five'")]),
-    ("from typing import List, Tuple\n\n\n", "def find_closest_elements(numbers: List[float]) -> Tuple[float, float]:",
-     "From a list of numbers (of length at least two), select and return the two that are closest to\n"
-     "each other, in order (smaller number, larger number).",
-     [("find_closest_elements([1.0, 2.0, 3.0, 4.0, 5.0, 2.2])", "(2.0, 2.2)")]),
-    ("", "def change_base(x: int, base: int) -> str:",
-     "Change the numerical base of input number x to base and return the string representation.\n"
-     "Base numbers are less than 10.",
-     [("change_base(8, 3)", "'22'"), ("change_base(8, 2)", "'1000'")]),
-    ("", "def triangle_area(a: float, h: float) -> float:",
-     "Given the length of a side and the height, return the area of a triangle.",
-     [("triangle_area(5, 3)", "7.5")]),
-    ("", "def median(l: list):",
-     "Return the median of the elements in the list l.",
-     [("median([3, 1, 2, 4, 5])", "3")]),
-    ("", "def modp(n: int, p: int) -> int:",
-     "Return 2^n modulo p (be aware of numerics).",
-     [("modp(3, 5)", "3"), ("modp(0, 101)", "1")]),
-    ("", "def remove_vowels(text: str) -> str:",
-     "remove_vowels is a function that takes a string and returns the string without vowels.",
-     [("remove_vowels('abcdef')", "'bcdf'"), ("remove_vowels('aaBAA')", "'B'")]),
-    ("", "def below_threshold(l: list, t: int) -> bool:",
-     "Return True if all numbers in the list l are below threshold t.",
-     [("below_threshold([1, 2, 4, 10], 100)", "True"), ("below_threshold([1, 20, 4, 10], 5)", "False")]),
-    ("", "def same_chars(s0: str, s1: str) -> bool:",
-     "Check if two words have the same characters.",
-     [("same_chars('abcd', 'dddddddabc')", "True"), ("same_chars('abcd', 'dddddddabce')", "False")]),
-    ("", "def monotonic(l: list) -> bool:",
-     "Return True if the list elements are monotonically increasing or decreasing.",
-     [("monotonic([1, 2, 4, 20])", "True"), ("monotonic([1, 20, 4, 10])", "False")]),
-    ("", "def common(l1: list, l2: list) -> list:",
-     "Return the sorted unique common elements of two lists.",
-     [("common([5, 3, 2, 8], [3, 2])", "[2, 3]")]),
-    ("", "def derivative(xs: list) -> list:",
-     "xs are the coefficients of a polynomial: xs[0] + xs[1] * x + xs[2] * x^2 + ...\n"
-     "Return the derivative of this polynomial in the same form.",
-     [("derivative([3, 1, 2, 4, 5])", "[1, 4, 12, 20]"), ("derivative([1, 2, 3])", "[2, 6]")]),
-    ("", "def circular_shift(x: int, shift: int) -> str:",
-     "Circular shift the digits of the integer x right by shift and return the result as a string.\n"
-     "If shift is greater than the number of digits, return the digits reversed.",
-     [("circular_shift(12, 1)", "'21'"), ("circular_shift(12, 2)", "'12'")]),
-    ("", "def count_upper(s: str) -> int:",
-     "Given a string s, count the number of uppercase vowels in even indices.",
-     [("count_upper('aBCdEf')", "1"), ("count_upper('abcdefg')", "0")]),
-    ("", "def closest_integer(value: str) -> int:",
-     "Create a function that takes a value (string) representing a number and returns the closest\n"
-     "integer to it. If the number is equidistant from two integers, round it away from zero.",
-     [("closest_integer('10')", "10"), ("closest_integer('15.3')", "15")]),
-    ("", "def words_string(s: str) -> list:",
-     "You will be given a string of words separated by commas or spaces. Split the string into\n"
-     "words and return a list of the words.",
-     [("words_string('Hi, my name is John')", "['Hi', 'my', 'name', 'is', 'John']")]),
-    ("", "def choose_num(x: int, y: int) -> int:",
-     "This function takes two positive numbers x and y and returns the biggest even integer number\n"
-     "in the range [x, y] inclusive. If there is no such number, return -1.",
-     [("choose_num(12, 15)", "14"), ("choose_num(13, 12)", "-1")]),
-    ("", "def add(x: int, y: int) -> int:",
-     "Add two numbers x and y.",
-     [("add(2, 3)", "5"), ("add(5, 7)", "12")]),
-    ("", "def encrypt(s: str) -> str:",
-     "Create a function that takes a string and returns it encrypted with the alphabet rotated so\n"
-     "that each letter shifts down by four places.",
-     [("encrypt('hi')", "'lm'"), ("encrypt('et')", "'ix'")]),
-    ("", "def next_smallest(lst: list):",
-     "You are given a list of integers. Return the second smallest element of the list,\n"
-     "or None if there is no such element.",
-     [("next_smallest([1, 2, 3, 4, 5])", "2"), ("next_smallest([])", "None"), ("next_smallest([1, 1])", "None")]),
-    ("", "def any_int(x, y, z) -> bool:",
-     "Create a function that takes 3 numbers. Returns True if one of the numbers is equal to the sum\n"
-     "of the other two, and all numbers are integers. Returns False in any other case.",
-     [("any_int(5, 2, 7)", "True"), ("any_int(3, 2, 2)", "False")]),
-    ("", "def is_nested(string: str) -> bool:",
-     "Create a function that takes a string containing only square brackets and returns True if\n"
-     "there is a valid subsequence of brackets where at least one bracket is nested.",
-     [("is_nested('[[]]')", "True"), ("is_nested('[]]]]]]][[[[[]')", "False")]),
-    ("", "def sum_squares(lst: list) -> int:",
-     "You are given a list of numbers. Return the sum of the squared numbers in the list,\n"
-     "rounding each element up to the next integer first.",
-     [("sum_squares([1, 2, 3])", "14"), ("sum_squares([1.4, 4.2, 0])", "29")]),
-    ("", "def check_if_last_char_is_a_letter(txt: str) -> bool:",
-     "Return True if the last character of a given string is an alphabetical character and is not\n"
-     "a part of a word, and False otherwise.",
-     [("check_if_last_char_is_a_letter('apple pie')", "False"),
-      ("check_if_last_char_is_a_letter('apple pi e')", "True")]),
-    ("", "def largest_smallest_integers(lst: list) -> tuple:",
-     "Return a tuple (a, b), where a is the largest negative integer and b is the smallest positive\n"
-     "integer in the list. If there are no negative or positive integers, return None for them.",
-     [("largest_smallest_integers([2, 4, 1, 3, 5, 7])", "(None, 1)"),
-      ("largest_smallest_integers([])", "(None, None)")]),
-    ("", "def special_factorial(n: int) -> int:",
-     "The Brazilian factorial is defined as n! * (n-1)! * (n-2)! * ... * 1!, where n > 0.\n"
-     "Return the Brazilian factorial of n.",
-     [("special_factorial(4)", "288")]),
-    ("", "def fix_spaces(text: str) -> str:",
-     "Given a string text, replace all spaces in it with underscores, and if a string has more than\n"
-     "2 consecutive spaces, then replace all consecutive spaces with '-'.",
-     [("fix_spaces('Example')", "'Example'"), ("fix_spaces('Example 1')", "'Example_1'")]),
-    ("", "def x_or_y(n: int, x, y):",
-     "A simple program which should return the value of x if n is a prime number and should\n"
-     "return the value of y otherwise.",
-     [("x_or_y(7, 34, 12)", "34"), ("x_or_y(15, 8, 5)", "5")]),
-    ("", "def even_odd_count(num: int) -> tuple:",
-     "Given an integer, return a tuple that has the number of even and odd digits respectively.",
-     [("even_odd_count(-12)", "(1, 1)"), ("even_odd_count(123)", "(1, 2)")]),
-    ("", "def right_angle_triangle(a: float, b: float, c: float) -> bool:",
-     "Given the lengths of the three sides of a triangle, return True if the three sides form a\n"
-     "right-angled triangle, False otherwise.",
-     [("right_angle_triangle(3, 4, 5)", "True"), ("right_angle_triangle(1, 2, 3)", "False")]),
-    ("", "def find_max(words: list) -> str:",
-     "Write a function that accepts a list of strings and returns the word with the maximum number\n"
-     "of unique characters. If several words have it, return the first in lexicographical order.",
-     [("find_max(['name', 'of', 'string'])", "'string'"), ("find_max(['name', 'enam', 'game'])", "'enam'")]),
-    ("", "def string_to_md5(text: str):",
-     "Given a string text, return its md5 hash equivalent string. If text is an empty string, return None.",
-     []),
-    ("", "def generate_integers(a: int, b: int) -> list:",
-     "Given two positive integers a and b, return the even digits between a and b, in ascending order.",
-     [("generate_integers(2, 8)", "[2, 4, 6, 8]"), ("generate_integers(8, 2)", "[2, 4, 6, 8]")]),
-    ("from typing import List\n\n\n", "def below_average(numbers: List[float]) -> List[float]:",
-     "Return the numbers that are strictly below the average of the list, in their original order.",
-     [("below_average([1.0, 2.0, 3.0, 4.0])", "[1.0, 2.0]")]),
-    ("", "def count_words(sentence: str) -> int:",
-     "Return the number of words in the sentence. Words are separated by one or more spaces.",
-     [("count_words('hello world')", "2"), ("count_words('  a  b c ')", "3")]),
-    ("", "def celsius_to_fahrenheit(c: float) -> float:",
-     "Convert a temperature from degrees Celsius to degrees Fahrenheit.",
-     [("celsius_to_fahrenheit(0)", "32.0"), ("celsius_to_fahrenheit(100)", "212.0")]),
-    ("from typing import Dict, List\n\n\n", "def char_frequency(text: str) -> Dict[str, int]:",
-     "Return a dictionary mapping each character of text to the number of times it occurs.",
-     [("char_frequency('abca')", "{'a': 2, 'b': 1, 'c': 1}")]),
-    ("from typing import List\n\n\n", "def running_sum(numbers: List[int]) -> List[int]:",
-     "Return the list of running sums: the i-th element is the sum of numbers[0..i].",
-     [("running_sum([1, 2, 3, 4])", "[1, 3, 6, 10]")]),
-    ("", "def is_leap_year(year: int) -> bool:",
-     "Return True if year is a leap year in the Gregorian calendar.",
-     [("is_leap_year(2000)", "True"), ("is_leap_year(1900)", "False"), ("is_leap_year(2024)", "True")]),
-    ("from typing import List\n\n\n", "def second_largest(numbers: List[int]) -> int:",
-     "Return the second largest distinct value in the list. The list has at least two distinct values.",
-     [("second_largest([4, 1, 3, 4])", "3")]),
-    ("", "def reverse_words(sentence: str) -> str:",
-     "Return the sentence with the order of its words reversed.",
-     [("reverse_words('the quick fox')", "'fox quick the'")]),
-    ("from typing import List\n\n\n", "def chunk(items: List[int], size: int) -> List[List[int]]:",
-     "Split items into consecutive chunks of the given size; the last chunk may be shorter.",
-     [("chunk([1, 2, 3, 4, 5], 2)", "[[1, 2], [3, 4], [5]]")]),
-    ("", "def to_binary(n: int) -> str:",
-     "Return the binary representation of a non-negative integer n, without the '0b' prefix.",
-     [("to_binary(0)", "'0'"), ("to_binary(10)", "'1010'")]),
-]
-
-STUB_FRAMINGS = [
-    "{stub}",
-    "Complete the following Python function:\n\n```python\n{stub}```",
-    "Complete this Python code.\n\n{stub}",
-    "Implement the function below.\n\n```python\n{stub}```",
-    "Write the body of this function:\n{stub}",
-    "Finish the implementation and explain it briefly:\n```python\n{stub}```",
-    "{stub}\n# Complete the function above.",
-]
-
 NAMES = ["Alice", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kate", "Liam",
          "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Will", "Yuki", "Zoe"]
 ITEMS = ["apples", "books", "marbles", "pencils", "stickers", "cookies", "cards", "coins", "flowers", "toy cars",
          "eggs", "oranges", "stamps", "shells", "candies"]
-
-# Starts of user turns that the target finishes itself (data.self_written_prompts).
-TOPIC_OPENERS = [
-    "Tell me about {topic}", "I'm curious about {topic}.", "Can you help me with {topic}?",
-    "I have a question about {topic}:", "Explain {topic}", "Write something about {topic}",
-    "My teacher asked us about {topic}.", "What's the deal with {topic}?", "I'm writing an essay on {topic}.",
-    "Quick question on {topic}:", "I want to learn about {topic}.", "How does {topic}", "Why is {topic}",
-    "Give me ideas related to {topic}", "As a beginner in {topic},",
-]
-TASK_OPENERS = ["How do I {task}", "Write code to {task}", "I'm trying to {task}", "In Python, how can I {task}",
-                "Write a program that can {task}", "What's the fastest way to {task}"]
-OPEN_OPENERS = [
-    "Write a Python", "Write a function", "How do I", "What is", "Can you write", "Explain how", "Why do",
-    "Write a poem", "Write a story", "Solve", "Help me", "I need", "Give me", "List", "Summarize",
-    "Compare", "What are", "How can I", "Create a", "Translate", "Describe", "Can you explain", "Is it true that",
-    "Write an email", "Calculate", "",
-]
-
 
 def _sample_product(sizes: list[int], count: int, rng: random.Random) -> list[tuple[int, ...]]:
     """``count`` distinct index tuples from the product of ``sizes`` (all of them if fewer)."""
@@ -543,21 +259,6 @@ def code_prompts(count: int, rng: random.Random) -> list[Prompt]:
     sizes = [len(CODE_TASKS), len(CODE_TEMPLATES), len(CODE_MODIFIERS)]
     return [Prompt(CODE_TEMPLATES[template].format(task=CODE_TASKS[task]) + CODE_MODIFIERS[modifier], "code")
             for task, template, modifier in _sample_product(sizes, count, rng)]
-
-
-def render_stub(imports: str, signature: str, description: str, examples: list[tuple[str, str]]) -> str:
-    """A function stub the way HumanEval presents one: signature, docstring, doctest examples."""
-    lines = [f"    {line}" if line else "" for line in description.split("\n")]
-    for call, result in examples:
-        lines += [f"    >>> {call}", f"    {result}"]
-    body = "\n".join(lines).removeprefix("    ")
-    return f'{imports}{signature}\n    """ {body}\n    """\n'
-
-
-def stub_prompts() -> list[Prompt]:
-    """Every spec under every framing (a few hundred prompts): the HumanEval prompt shape."""
-    stubs = [render_stub(*spec) for spec in FUNCTION_SPECS]
-    return [Prompt(framing.format(stub=stub), "stub") for stub in stubs for framing in STUB_FRAMINGS]
 
 
 def _math_problem(rng: random.Random) -> str:
@@ -611,15 +312,209 @@ def math_prompts(count: int, rng: random.Random) -> list[Prompt]:
     return [Prompt(_math_problem(rng), "math") for _ in range(count)]
 
 
+# ---- the target's own user turns ----------------------------------------------------------------
+
+PERSONAS = [
+    "", "", "", "I'm a nurse and", "As a small business owner,", "My 8-year-old asked me", "I'm a retired teacher.",
+    "I'm a college student and", "As a software engineer,", "I'm new to programming.", "My boss wants me to",
+    "I'm planning a trip and", "I'm a parent of two teenagers.", "As a beginner cook,", "I work night shifts and",
+    "I'm learning English.", "I'm writing a novel and", "My grandmother", "I just moved to a new city and",
+    "I'm a data analyst.", "As a freelance designer,", "I'm training for a 10k run.", "My landlord",
+    "I run a small bakery.", "I'm a high school history teacher.", "I'm preparing for an exam and",
+    "My friend and I had an argument about", "I have a job interview next week.", "I'm a farmer.",
+    "As a manager of a small team,", "I'm a musician.", "I keep forgetting", "I'm on a tight budget.",
+]
+REQUEST_STARTS = [
+    "What", "How", "Why", "Can you", "Could you", "Please", "I need", "Help me", "Write", "Explain", "Tell me",
+    "Give me", "Is it", "Do you", "Should I", "Which", "When", "Where", "Who", "Create", "Make", "List",
+    "Describe", "Compare", "Suggest", "Recommend", "Summarize", "Rewrite", "Translate", "Fix", "Plan", "Draft",
+    "What's the best way to", "Is there a way to", "What are some", "How do I", "How can I", "What happens if",
+    "I'm trying to", "I want to", "Can I", "Would you", "Show me", "Teach me", "Calculate", "Solve",
+    "Write a poem", "Write a story", "Write an email", "Write a letter", "Is it true that", "Brainstorm",
+]
+# Appended to a finished self-written turn now and then: how the answer should look.
+FORMATS = ["", "", "", "", "", "", " Answer in three sentences.", " Please use a list.", " Explain step by step.",
+           " Include an example.", " Keep it brief.", " Go into detail.", " Use a table if it helps.",
+           " Write for a beginner.", " Use plain English.", " Give pros and cons."]
+# Starts of user turns that name a topic or a coding task (a third of the openers).
+TOPIC_OPENERS = [
+    "Tell me about {topic}", "I'm curious about {topic}.", "Can you help me with {topic}?",
+    "I have a question about {topic}:", "Explain {topic}", "Write something about {topic}",
+    "My teacher asked us about {topic}.", "What's the deal with {topic}?", "I'm writing an essay on {topic}.",
+    "Quick question on {topic}:", "I want to learn about {topic}.", "How does {topic}", "Why is {topic}",
+    "Give me ideas related to {topic}", "As a beginner in {topic},",
+]
+TASK_OPENERS = ["How do I {task}", "Write code to {task}", "I'm trying to {task}", "In Python, how can I {task}",
+                "Write a program that can {task}", "What's the fastest way to {task}"]
+
+
 def self_written_openers(count: int, rng: random.Random) -> list[str]:
-    """Starts of user turns for the target to finish: 40% name a topic, 20% a coding task, 40% are open."""
+    """Starts of user turns for the target to finish (sampled, so each is written anew):
+    two thirds are persona + request start, a sixth name a topic, a sixth a coding task,
+    a few are empty (a free turn)."""
     openers = []
     for _ in range(count):
         roll = rng.random()
-        if roll < 0.4:
+        if roll < 0.17:
             openers.append(rng.choice(TOPIC_OPENERS).format(topic=rng.choice(GENERAL_TOPICS)))
-        elif roll < 0.6:
+        elif roll < 0.34:
             openers.append(rng.choice(TASK_OPENERS).format(task=rng.choice(CODE_TASKS)))
+        elif roll < 0.37:
+            openers.append("")
         else:
-            openers.append(rng.choice(OPEN_OPENERS))
+            persona, start = rng.choice(PERSONAS), rng.choice(REQUEST_STARTS)
+            if persona and not persona.endswith((".", ":")) and not start.startswith(("I ", "I'")):
+                start = start[0].lower() + start[1:]
+            opener = f"{persona} {start}".strip()
+            openers.append(opener[0].upper() + opener[1:])
     return openers
+
+
+# ---- code in other languages ---------------------------------------------------------------------
+
+LANGUAGES = ["JavaScript", "TypeScript", "Java", "C", "C++", "C#", "Go", "Rust", "Ruby", "PHP", "Kotlin", "Swift"]
+POLYGLOT_TEMPLATES = [
+    "Write a {lang} function to {task}.", "How do I {task} in {lang}?", "Show me {lang} code that can {task}.",
+    "In {lang}, {task}. Explain the code.", "Write a short {lang} program to {task}.",
+]
+POLYGLOT_MODIFIERS = ["", "", "", " Make it efficient.", " Add comments.", " Include a usage example.",
+                      " Handle edge cases.", " Keep it short."]
+SQL_TABLES = [
+    ("customers(id, name, city)", "orders(id, customer_id, amount, created_at)"),
+    ("employees(id, name, department_id, salary, hired_on)", "departments(id, name)"),
+    ("students(id, name, grade)", "enrollments(student_id, course_id, score)"),
+    ("products(id, name, price, category)", "sales(id, product_id, quantity, sold_at)"),
+    ("books(id, title, author_id, year)", "authors(id, name, country)"),
+    ("users(id, email, signed_up_at)", "logins(user_id, logged_in_at)"),
+]
+SQL_TASKS = [
+    "find the ten rows with the largest totals", "count rows per group and sort by the count",
+    "find records that have no match in the second table", "compute a running total by date",
+    "find duplicates", "show the average per group, only for groups with more than five rows",
+    "find the second highest value", "list everything from the last 30 days", "join the two tables and filter",
+    "rank rows within each group", "compute month-by-month totals", "delete duplicate rows keeping one",
+]
+SHELL_TASKS = [
+    "find all files bigger than 50 MB", "rename every .txt file in a folder to .md", "count lines in all Python files",
+    "show the ten largest folders", "print the most frequent IP addresses in an access log",
+    "back up a folder into a dated tar.gz archive", "replace a word in every file of a folder",
+    "watch a log file and print lines with ERROR", "list processes using the most memory",
+    "download a list of URLs from a file", "check whether a website is up every minute",
+    "delete files older than 30 days", "convert all PNG images to JPEG", "show disk usage per user",
+    "split a big CSV file into smaller ones", "compare two folders and list the differences",
+]
+WEB_TASKS = [
+    "a responsive navigation bar", "a centered login form", "a card layout with three columns", "a dark mode toggle",
+    "a simple image gallery", "a sticky footer", "a button with a hover animation", "a contact form with validation",
+    "a pricing table", "a progress bar",
+]
+
+
+def polyglot_prompts(count: int, rng: random.Random) -> list[Prompt]:
+    """Code requests beyond Python: a dozen languages, SQL over small schemas, shell, HTML and CSS."""
+    prompts = []
+    for _ in range(count):
+        roll = rng.random()
+        if roll < 0.55:
+            text = rng.choice(POLYGLOT_TEMPLATES).format(lang=rng.choice(LANGUAGES), task=rng.choice(CODE_TASKS))
+        elif roll < 0.75:
+            tables = " and ".join(rng.choice(SQL_TABLES))
+            text = f"Given the tables {tables}, write a SQL query to {rng.choice(SQL_TASKS)}."
+        elif roll < 0.9:
+            text = rng.choice(["Write a bash script to {t}.", "How do I {t} from the Linux command line?",
+                               "Give me a shell one-liner to {t}."]).format(t=rng.choice(SHELL_TASKS))
+        else:
+            text = rng.choice(["Write HTML and CSS for {t}.", "How do I make {t} with CSS?"]).format(
+                t=rng.choice(WEB_TASKS))
+        prompts.append(Prompt(text + rng.choice(POLYGLOT_MODIFIERS), "polyglot"))
+    return prompts
+
+
+# ---- requests about given text and given code -----------------------------------------------------
+
+PASSAGE_TASKS = [
+    "Summarize this in one sentence:\n\n{text}", "Summarize the following text:\n\n{text}",
+    "Rewrite this paragraph in simpler words:\n\n{text}", "Explain this to a beginner:\n\n{text}",
+    "Turn this into a bulleted list:\n\n{text}", "Make this shorter without losing information:\n\n{text}",
+    "Translate this into French:\n\n{text}", "Translate this into Spanish:\n\n{text}",
+    "Translate this into German:\n\n{text}", "Fix any grammar mistakes in this text:\n\n{text}",
+    "Write a title for this text:\n\n{text}", "What are the key points of this passage?\n\n{text}",
+    "Rewrite this in a more formal tone:\n\n{text}", "Rewrite this so it sounds friendlier:\n\n{text}",
+    "Write two questions a reader might ask about this text, and answer them:\n\n{text}",
+    "{text}\n\nWhat does this mean?", "Paraphrase the following:\n\n{text}",
+    "Here is a paragraph:\n\n{text}\n\nCan you explain it in plain English?",
+    "{text}\n\nRewrite the text above for a ten-year-old.", "Give this paragraph a one-line headline:\n\n{text}",
+    "Proofread this:\n\n{text}", "Expand this into a longer paragraph with an example:\n\n{text}",
+]
+FUNCTION_TASKS = [
+    "Explain what this Python function does:\n\n```python\n{code}```",
+    "Add type hints to this function:\n\n```python\n{code}```",
+    "Write unit tests for this function with pytest:\n\n```python\n{code}```",
+    "Can this function be simplified? Show an improved version.\n\n```python\n{code}```",
+    "Rewrite this Python function in JavaScript:\n\n```python\n{code}```",
+    "Is there a bug in this code?\n\n{code}", "Add comments to this code:\n\n{code}",
+    "{code}\nWhat does this function return? Explain step by step.",
+    "Review this code and suggest improvements:\n\n```python\n{code}```",
+    "Write a docstring for this function:\n\n```python\n{code}```",
+]
+COMPLETION_TASKS = [
+    "Complete this Python function:\n\n```python\n{code}```", "{code}", "Finish the implementation:\n\n{code}",
+    "Implement the function below.\n\n```python\n{code}```", "Write the body of this function:\n{code}",
+]
+
+
+def passage_prompts(passages: list[str], count: int, rng: random.Random, source: str = "passage") -> list[Prompt]:
+    """Rewrite / summarise / translate / explain requests about given paragraphs."""
+    if not passages:
+        return []
+    sizes = [len(passages), len(PASSAGE_TASKS)]
+    return [Prompt(PASSAGE_TASKS[task].format(text=passages[text]), source)
+            for text, task in _sample_product(sizes, count, rng)]
+
+
+def function_prompts(functions: list, count: int, rng: random.Random) -> list[Prompt]:
+    """Explain / test / port / review real functions, or complete one from its signature and docstring."""
+    if not functions:
+        return []
+    prompts = []
+    for index in rng.sample(range(len(functions)), min(count, len(functions))) * (1 + count // len(functions)):
+        function = functions[index]
+        if rng.random() < 0.3 and function.head != function.source:
+            prompts.append(Prompt(rng.choice(COMPLETION_TASKS).format(code=function.head), "function"))
+        else:
+            prompts.append(Prompt(rng.choice(FUNCTION_TASKS).format(code=function.source), "function"))
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def arithmetic_prompts(count: int, rng: random.Random) -> list[Prompt]:
+    """Bare arithmetic and unit questions, phrased as people type them."""
+    prompts = []
+    for _ in range(count):
+        a, b = rng.randint(2, 999), rng.randint(2, 99)
+        text = rng.choice([
+            f"what is {a} * {b}", f"{a} + {b * 7} = ?", f"Calculate {a} divided by {b}.", f"What's {b}% of {a}?",
+            f"Is {a} divisible by {b % 9 + 2}?", f"How much is {a} minus {b * 3}?", f"{a}/{b} as a decimal?",
+            f"Convert {a} grams to kilograms.", f"How many minutes are in {b} hours?", f"What is {b} squared?",
+            f"Convert {a} km to miles.", f"What is {a} in binary?", f"Round {a / b:.4f} to two decimal places.",
+            f"If I earn ${a} a week, how much is that per year?", f"{b} feet in meters?",
+        ])
+        prompts.append(Prompt(text, "math"))
+    return prompts
+
+
+# ---- second turns --------------------------------------------------------------------------------
+
+FOLLOW_UPS = [
+    "Can you make that shorter?", "Thanks! Can you give me an example?", "Explain that like I'm five.",
+    "Can you put that in a table?", "What about the downsides?", "Can you say more about the first point?",
+    "Now write it as a bulleted list.", "Can you make it more formal?", "Is there another way to do it?",
+    "Why is that?", "Could you translate that into Spanish?", "Summarize your answer in one sentence.",
+    "Can you add comments to the code?", "What would you change to make it faster?", "Give me three more ideas.",
+    "That's too complicated. Can you simplify it?", "Can you write a test for it?", "Are you sure? Please check.",
+    "Rewrite it for a professional audience.", "What are common mistakes people make with this?",
+    "Make it funnier.", "Can you continue?", "How would this work in practice?", "What should I do first?",
+    "Can you explain the last part again?", "Please give me a step-by-step version.", "What is a good source to learn more?",
+    "Can you turn that into an email?", "OK. And what if I don't have much time?", "Can you give a real-world example?",
+]

@@ -112,7 +112,8 @@ def make_data(args, plan: Plan, elapsed) -> None:
 
 def data_command(args, backend: str, minutes: float) -> list[str]:
     command = [sys.executable, "-m", "engine.training.data", "--out", str(args.out), "--backend", backend,
-               "--num-prompts", str(args.num_prompts), "--max-minutes", f"{minutes:.2f}"]
+               "--num-prompts", str(args.num_prompts), "--max-minutes", f"{minutes:.2f}",
+               "--workers", str(args.data_workers if backend == "vllm" else 1)]
     if args.model:
         command += ["--model", args.model]
     return command + shlex.split(args.data_flags)
@@ -137,6 +138,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--backend", choices=["vllm", "transformers"], default="vllm")
     parser.add_argument("--num-prompts", type=int, default=50_000)
+    parser.add_argument("--data-workers", type=int, default=1, help="vLLM engines generating side by side")
     parser.add_argument("--deadline-minutes", type=float, default=9.0, help="this call ends by then")
     parser.add_argument("--started-at", type=float, default=None,
                         help="unix time the call started (default: now); the deadline counts from it")

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from engine.drafter import DFlashDrafter, DrafterConfig, fresh_config, parameter_count
+from engine.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, parameter_count
 from engine.target import Target, load_target
 from engine.training.data import SequenceData
 from engine.training.export import export_drafter
@@ -53,7 +53,7 @@ EXPORT_FOLDER = "drafter"
 class TrainSettings:
     batch_size: int = 64  # sequences per step
     blocks_per_sequence: int = 32
-    max_length: int = 640  # longer sequences are cut (prompt + 384 reply tokens fits)
+    max_length: int = 768  # longer sequences are cut (most prompts + a 256-token reply fit)
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     warmup_fraction: float = 0.03
@@ -439,9 +439,12 @@ def parse_args(argv=None):
     parser.add_argument("--data", required=True, type=Path, help="folder with responses-*.pt (engine.training.data)")
     parser.add_argument("--out", required=True, type=Path, help=f"gets {STATE_FILE}, {EXPORT_FOLDER}/, {LOG_FILE}")
     parser.add_argument("--resume", type=Path, help=f"a {STATE_FILE} to continue (its settings are kept)")
+    parser.add_argument("--init-from", type=Path,
+                        help="an exported drafter folder to start from (a new optimizer and schedule): how training "
+                             "carries over GPU sessions, whose checkpoints must come back small")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="target dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-layers", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-taps", type=int, default=5)
     parser.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
@@ -468,9 +471,13 @@ def start(args, target: Target) -> tuple[DFlashDrafter, TrainSettings, Progress,
             progress.schedule_seconds, progress.schedule_steps = args.schedule_minutes * 60, None
         return drafter, settings, progress, state["optimizer"]
     settings = TrainSettings(**{name: getattr(args, name) for name in asdict(TrainSettings())})
-    config = fresh_config(target.config, num_layers=args.num_layers, mask_token_id=args.mask_token_id,
-                          block_size=args.block_size, num_taps=args.num_taps, target_layer_ids=args.target_layer_ids)
-    drafter = DFlashDrafter(config).initialize(settings.seed).to(target.device)
+    if args.init_from:
+        drafter = load_drafter(args.init_from).float().to(target.device)
+    else:
+        config = fresh_config(target.config, num_layers=args.num_layers, mask_token_id=args.mask_token_id,
+                              block_size=args.block_size, num_taps=args.num_taps,
+                              target_layer_ids=args.target_layer_ids)
+        drafter = DFlashDrafter(config).initialize(settings.seed).to(target.device)
     schedule_minutes = args.schedule_minutes or args.max_minutes
     if not (args.schedule_steps or schedule_minutes):
         raise SystemExit("give --max-minutes, --schedule-minutes or --schedule-steps: the schedule needs a length")
@@ -490,9 +497,10 @@ def main(argv=None) -> None:
     if optimizer_state is not None:
         trainer.optimizer.load_state_dict(optimizer_state)
     config = drafter.config
+    origin = f"resuming at step {progress.step}" if args.resume else f"from {args.init_from}" if args.init_from else "fresh"
     print(f"train: {len(data)} sequences, {int(data.lengths.sum())} tokens; "
           f"drafter {parameter_count(drafter) / 1e6:.2f}M params, {config.num_hidden_layers} layers, "
-          f"taps {config.target_layer_ids}; {'resuming at step ' + str(progress.step) if args.resume else 'fresh'}; "
+          f"taps {config.target_layer_ids}; {origin}; "
           f"schedule {progress.fraction():.0%} done; {json.dumps(asdict(settings))}", flush=True)
     shard_mb = args.shard_mb or None
     # time already spent loading counts against this run's budget

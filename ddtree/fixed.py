@@ -1,0 +1,132 @@
+"""DDTree's stages as fixed-shape tensor programs: no host reads, no data-dependent shapes.
+
+The same tree, mask and walk as ``build_tree``, ``ancestor_mask`` and ``follow_tree``, written
+so that a whole decoding step can be captured once and replayed as a CUDA graph: every loop
+runs a fixed number of times (the block depth, or its logarithm) and every tensor has a
+shape fixed by the budget. The readable versions stay the reference; tests hold these to them.
+
+- ``beam_tree``: per depth, expand the best ``budget`` partial paths by their best
+  ``budget`` tokens and keep the best ``budget``; then the global best ``budget`` nodes.
+  A node of the best-first tree has fewer than ``budget`` better nodes in all, so fewer
+  at its own depth: the beam holds it, and the global cut finds exactly the heap's nodes
+  (ties aside). Nodes come parents first: by depth, then by path probability.
+- ``ancestor_closure``: the ancestors-and-self mask by repeated squaring of the parent relation.
+- ``accepted_path``: the walk, by pointer jumping: a node is on the path when it and all its
+  ancestors hold the target's choice after their parents (siblings hold distinct tokens, so
+  these nodes form one chain); the deepest of them is the accepted leaf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class FixedTree:
+    """``budget`` draft nodes (node 0, the root, is implicit), parents first. ``valid`` is False
+    for padding nodes, which exist only when the block cannot hold ``budget`` nodes."""
+
+    tokens: torch.Tensor  # [B] long
+    parents: torch.Tensor  # [B] long, 0 = root, else 1 + index of the parent
+    depths: torch.Tensor  # [B] long, 1-based
+    log_probs: torch.Tensor  # [B] float32
+    path_log_probs: torch.Tensor  # [B] float32
+    ranks: torch.Tensor  # [B] long
+    valid: torch.Tensor  # [B] bool
+
+
+def beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
+    """The ``budget`` most probable nodes below the root, from per-depth ``log_probs [D, V]``."""
+    depth_limit, vocab = log_probs.shape
+    device = log_probs.device
+    width = min(budget, vocab)
+    top_lp, top_tokens = torch.topk(log_probs.float(), width, dim=-1)  # [D, K]
+    # depth 1: the beam is the depth's best tokens themselves
+    beam_lp, beam_rank = [], []
+    beam_parent = []  # index into the previous depth's beam (-1: the root)
+    path = top_lp[0, :width]
+    rank = torch.arange(width, device=device)
+    parent = torch.full((width,), -1, dtype=torch.long, device=device)
+    path, rank, parent = _pad(path, budget), _pad(rank, budget, 0), _pad(parent, budget, -1)
+    beam_lp.append(path), beam_rank.append(rank), beam_parent.append(parent)
+    for depth in range(1, depth_limit):
+        candidates = (path[:, None] + top_lp[depth][None, :]).reshape(-1)  # [B * K]
+        path, flat = torch.topk(candidates, budget)
+        parent, rank = flat // width, flat % width
+        beam_lp.append(path), beam_rank.append(rank), beam_parent.append(parent)
+    all_lp = torch.stack(beam_lp)  # [D, B]
+    # the global cut; stable sorts keep a parent ahead of a child with the same path probability
+    depth_of = torch.arange(depth_limit, device=device)[:, None].expand(-1, budget).reshape(-1)
+    order = torch.sort(all_lp.reshape(-1), descending=True, stable=True).indices[:budget]
+    order = order[torch.sort(depth_of[order], stable=True).indices]  # parents first: by depth, then probability
+    depth_index, beam_index = order // budget, order % budget
+    node_of = torch.full((depth_limit, budget), -1, dtype=torch.long, device=device)
+    node_of[depth_index, beam_index] = torch.arange(1, budget + 1, device=device)
+    parent_beam = torch.stack(beam_parent)[depth_index, beam_index]
+    parents = torch.where(depth_index == 0, 0, node_of[(depth_index - 1).clamp(min=0), parent_beam.clamp(min=0)])
+    ranks = torch.stack(beam_rank)[depth_index, beam_index]
+    tokens = top_tokens[depth_index, ranks]
+    path_lp = all_lp[depth_index, beam_index]
+    return FixedTree(tokens=tokens, parents=parents.clamp(min=0), depths=depth_index + 1,
+                     log_probs=top_lp[depth_index, ranks], path_log_probs=path_lp, ranks=ranks,
+                     valid=path_lp > NEG_INF)
+
+
+def chain(log_probs: torch.Tensor) -> FixedTree:
+    """DFlash's draft, as ``chain_tree``: the most probable token at every depth, one branch."""
+    depth_limit = log_probs.shape[0]
+    device = log_probs.device
+    top_lp, tokens = log_probs.float().max(dim=-1)
+    nodes = torch.arange(depth_limit, device=device)
+    return FixedTree(tokens=tokens, parents=nodes, depths=nodes + 1, log_probs=top_lp,
+                     path_log_probs=torch.cumsum(top_lp, 0), ranks=torch.zeros_like(nodes),
+                     valid=torch.ones(depth_limit, dtype=torch.bool, device=device))
+
+
+def _pad(values: torch.Tensor, size: int, fill=NEG_INF) -> torch.Tensor:
+    if values.numel() >= size:
+        return values[:size]
+    return torch.cat([values, values.new_full((size - values.numel(),), fill)])
+
+
+def ancestor_closure(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[n+1, n+1]`` bool, as ``ancestor_mask``: row i sees column j iff j is i or an ancestor."""
+    n = parents.numel()
+    device = parents.device
+    step = torch.zeros(n + 1, n + 1, device=device)
+    step[torch.arange(1, n + 1, device=device), parents] = 1.0  # child -> parent
+    reach = step + torch.eye(n + 1, device=device)
+    for _ in range(max(1, max_depth - 1).bit_length()):  # paths of up to 2^r edges after r squarings
+        reach = (reach @ reach).clamp(max=1.0)
+    return reach > 0
+
+
+def accepted_path(tree: FixedTree, target_tokens: torch.Tensor, max_depth: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walk of ``follow_tree`` without a host read. ``target_tokens [n+1]``: the target's
+    choice after each node, root first. Returns ``(path [max_depth+1], length, bonus)``: the
+    accepted node indices root first (padded with the leaf), how many there are, and the
+    target's choice at the leaf."""
+    device = target_tokens.device
+    parent_of = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.parents])
+    holds = torch.cat([torch.ones(1, dtype=torch.bool, device=device),
+                       (tree.tokens == target_tokens[tree.parents]) & tree.valid])
+    ancestor = parent_of
+    for _ in range(max(1, max_depth).bit_length()):  # after r rounds holds[i] covers i and 2^r - 1 ancestors
+        holds = holds & holds[ancestor]
+        ancestor = ancestor[ancestor]
+    depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths])
+    leaf = torch.argmax(torch.where(holds, depth, -1))
+    length = depth[leaf] + 1
+    # climb from the leaf: row k of the path is the ancestor at depth k
+    path = torch.full((max_depth + 1,), 0, dtype=torch.long, device=device)
+    node = leaf
+    for k in range(max_depth, -1, -1):
+        on_path = depth[node] == k
+        path[k] = torch.where(on_path, node, leaf)
+        node = torch.where(on_path, parent_of[node], node)
+    return path, length, target_tokens[leaf]

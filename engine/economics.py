@@ -1,0 +1,81 @@
+"""Why a method is fast or slow: tokens per step (τ) against what a step costs.
+
+A verify step of DFlash or DDTree commits τ tokens on average but costs more than an AR
+step (the draft pass, a wider verify, the walk). In AR steps, that cost is
+``step_cost_vs_ar``, so the speed-up over AR is predicted by ``τ ÷ step_cost_vs_ar``. The
+prediction leaves out what is not a step: the prefill (the same prompt for every method,
+but DFlash and DDTree also read the prompt's hidden states into the drafter) and, with
+few steps, timing noise; the measured speed-up (AR's wall time ÷ the method's) includes
+them. Both come from the same runs, so they agree up to the prefill's share of the time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+from engine.trace import Summary
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A method's runs, summed: wall time, the prefill's part of it, verify steps and the
+    tokens those steps committed (the prefill's first token apart)."""
+
+    wall_s: float
+    prefill_s: float
+    steps: int
+    committed: int
+
+    @staticmethod
+    def of(summaries: Iterable[Summary]) -> "Timing":
+        summaries = list(summaries)
+        return Timing(sum(s.wall_s for s in summaries), sum(s.time_to_first_token_s for s in summaries),
+                      sum(s.steps for s in summaries), sum(sum(s.acceptance_lengths) for s in summaries))
+
+    @property
+    def step_s(self) -> float | None:
+        """Mean wall time of one verify step, the prefill left out."""
+        return (self.wall_s - self.prefill_s) / self.steps if self.steps else None
+
+    @property
+    def tau(self) -> float | None:
+        return self.committed / self.steps if self.steps else None
+
+
+@dataclass(frozen=True)
+class Economics:
+    tau: float | None
+    step_ms: float | None
+    step_cost_vs_ar: float | None  # a step's wall time in AR steps
+    predicted_speedup: float | None  # tau / step_cost_vs_ar
+    speedup_vs_ar: float | None  # measured: AR's wall time / the method's
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def economics(timings: dict[str, Timing], baseline: str = "ar") -> dict[str, Economics]:
+    """Each method's τ, step cost in ``baseline`` steps, predicted and measured speed-up over it."""
+    reference = timings.get(baseline)
+    ar_step = reference.step_s if reference else None
+    result = {}
+    for label, timing in timings.items():
+        step, tau = timing.step_s, timing.tau
+        cost = step / ar_step if step is not None and ar_step else None
+        result[label] = Economics(
+            tau=tau, step_ms=1000 * step if step is not None else None, step_cost_vs_ar=cost,
+            predicted_speedup=tau / cost if tau is not None and cost else None,
+            speedup_vs_ar=reference.wall_s / timing.wall_s if reference and timing.wall_s > 0 else None,
+        )
+    return result
+
+
+def explain(label: str, entry: Economics) -> str:
+    """One plain sentence: where the speed-up (or slow-down) comes from."""
+    if entry.tau is None or entry.step_cost_vs_ar is None or entry.predicted_speedup is None:
+        return f"{label}: no verify steps to measure."
+    verdict = "faster" if entry.predicted_speedup >= 1 else "slower"
+    measured = f", measured {entry.speedup_vs_ar:.2f}×" if entry.speedup_vs_ar is not None else ""
+    return (f"{label} commits {entry.tau:.2f} tokens per step and a step costs {entry.step_cost_vs_ar:.2f} AR steps: "
+            f"{entry.tau:.2f} ÷ {entry.step_cost_vs_ar:.2f} = {entry.predicted_speedup:.2f}× ({verdict} than AR{measured}).")

@@ -1,0 +1,49 @@
+"""The start-up choice of the DDTree budget: τ from the drafter's curve, step cost timed here."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.calibration import BudgetChoice, choose_budget
+from engine.decode import Decoder
+from engine.economics import Economics
+from engine.training.export import acceptance_record
+from tests.tiny import tiny_decoder
+
+
+@pytest.fixture(scope="module")
+def decoder() -> Decoder:
+    return tiny_decoder(0)
+
+
+def test_the_chosen_budget_has_the_best_predicted_speedup_and_its_tau_is_the_drafters(decoder, monkeypatch):
+    curve = {"4": 1.5, "8": 2.5, "16": 2.9}
+    monkeypatch.setattr(decoder.drafter.config, "acceptance", {"ddtree": curve})
+    choice = choose_budget(decoder, budgets=(4, 8, 16), prompt="howdoesitwork", tokens=8)
+    assert set(choice.table) == {4, 8, 16} and choice.tau_source == "the drafter's acceptance curve"
+    for budget, entry in choice.table.items():
+        assert entry.tau == curve[str(budget)]
+        assert entry.step_cost_vs_ar > 0 and entry.predicted_speedup == pytest.approx(entry.tau / entry.step_cost_vs_ar)
+    assert choice.budget == max(choice.table, key=lambda b: choice.table[b].predicted_speedup)
+    assert f"DDTree budget {choice.budget} is the fastest here" in choice.sentence()
+
+
+def test_without_a_curve_the_calibration_runs_give_tau(decoder, monkeypatch):
+    monkeypatch.setattr(decoder.drafter.config, "acceptance", {})
+    choice = choose_budget(decoder, budgets=(2, 8), prompt="howdoesitwork", tokens=8)
+    assert choice.tau_source == "the calibration runs" and all(e.tau >= 1 for e in choice.table.values())
+
+
+def test_a_set_budget_says_where_it_came_from():
+    assert BudgetChoice(12, {}, "set with --tree-budget", 0.0).sentence() == "DDTree budget 12 (set with --tree-budget)."
+    entry = Economics(tau=3.0, step_ms=10.0, step_cost_vs_ar=1.5, predicted_speedup=2.0, speedup_vs_ar=1.9)
+    assert "τ 3.00 ÷ step cost 1.50 AR steps = 2.00×" in BudgetChoice(8, {8: entry}, "x", 1.0).sentence()
+
+
+def test_a_bench_result_becomes_the_drafters_recorded_curve():
+    results = {"config": {"prompts": "assets/prompts/fresh.jsonl", "max_new_tokens": 64, "dtype": "float32"},
+               "summary": {"ar": {"tau": 1.0}, "dflash": {"tau": 2.123}, "ddtree@8": {"tau": 2.91},
+                           "ddtree@32": {"tau": 3.4567}}}
+    record = acceptance_record(results)
+    assert record == {"prompts": "assets/prompts/fresh.jsonl", "max_new_tokens": 64, "dtype": "float32",
+                      "ddtree": {"8": 2.91, "32": 3.457}, "dflash": 2.123}

@@ -1,0 +1,64 @@
+"""Step economics: τ, step cost in AR steps, predicted (τ ÷ cost) and measured speed-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.bench import Job, best_budget, summarize_runs
+from engine.decode import DecodeSettings
+from engine.economics import Timing, economics, explain
+from engine.trace import Summary
+from tests.tiny import tiny_decoder
+
+
+def summary(wall: float, prefill: float, lengths: list[int]) -> Summary:
+    new = 1 + sum(lengths)
+    return Summary(new, len(lengths), lengths, sum(lengths) / len(lengths), wall, new / wall, prefill, "eos", {})
+
+
+def test_step_cost_is_the_mean_step_time_over_ars_and_predicts_the_speedup():
+    ar = Timing.of([summary(1.1, 0.1, [1] * 10)])  # 0.1 s a step
+    tree = Timing.of([summary(0.5, 0.1, [3, 2]), summary(0.5, 0.1, [2, 3])])  # 0.2 s a step, 2.5 tokens a step
+    result = economics({"ar": ar, "ddtree@8": tree})
+    assert result["ar"].step_cost_vs_ar == pytest.approx(1.0) and result["ar"].predicted_speedup == pytest.approx(1.0)
+    entry = result["ddtree@8"]
+    assert entry.tau == pytest.approx(2.5) and entry.step_ms == pytest.approx(200.0)
+    assert entry.step_cost_vs_ar == pytest.approx(2.0) and entry.predicted_speedup == pytest.approx(1.25)
+    assert entry.speedup_vs_ar == pytest.approx(1.1 / 1.0), "measured on whole wall times, prefill included"
+    assert "2.50 tokens per step" in explain("DDTree@8", entry) and "faster than AR" in explain("DDTree@8", entry)
+
+
+def test_without_an_ar_run_there_is_no_cost_to_compare():
+    result = economics({"dflash": Timing.of([summary(1.0, 0.2, [2, 2])])})
+    assert result["dflash"].tau == 2 and result["dflash"].step_cost_vs_ar is None
+    assert result["dflash"].predicted_speedup is None and "no verify steps" in explain("DFlash", result["dflash"])
+
+
+def test_on_identical_outputs_the_prediction_is_the_decode_time_speedup():
+    """τ ÷ cost is AR's decode time over the method's when both commit the same tokens:
+    the prediction is the measured speed-up with the prefill left out, nothing else."""
+    decoder = tiny_decoder(0)
+    prompt = [5, 9, 14, 3]
+    ar = decoder.run(prompt_ids=prompt, settings=DecodeSettings("ar", max_new_tokens=24))
+    tree = decoder.run(prompt_ids=prompt, settings=DecodeSettings("ddtree", max_new_tokens=24, tree_budget=8))
+    assert tree.output_ids == ar.output_ids
+    entry = economics({"ar": Timing.of([ar.summary]), "ddtree": Timing.of([tree.summary])})["ddtree"]
+    decode = lambda s: s.wall_s - s.time_to_first_token_s  # noqa: E731
+    assert entry.predicted_speedup == pytest.approx(decode(ar.summary) / decode(tree.summary), rel=1e-9)
+
+
+def test_the_bench_summary_carries_the_economics_categories_and_the_best_budget():
+    def record(label, method, budget, category, wall, lengths):
+        return {"prompt_id": category, "category": category, "method": method, "label": label, "tree_budget": budget,
+                "prefill_s": 0.1, "new_tokens": 1 + sum(lengths), "verify_steps": len(lengths),
+                "acceptance_lengths": lengths, "wall_s": wall, "stage_s": {}}
+
+    runs = [record("ar", "ar", None, "math", 1.1, [1] * 10), record("ar", "ar", None, "code", 1.1, [1] * 10)]
+    runs += [record("ddtree@8", "ddtree", 8, "math", 0.5, [4, 6]), record("ddtree@8", "ddtree", 8, "code", 0.5, [2, 3])]
+    runs += [record("ddtree@32", "ddtree", 32, "math", 0.7, [5, 6]), record("ddtree@32", "ddtree", 32, "code", 0.7, [3, 3])]
+    jobs = [Job("ar", "ar", None), Job("ddtree@8", "ddtree", 8), Job("ddtree@32", "ddtree", 32)]
+    summary = summarize_runs(runs, jobs)
+    assert summary["ddtree@8"]["tau_by_category"] == {"code": 2.5, "math": 5.0}
+    assert summary["ddtree@8"]["step_cost_vs_ar"] == pytest.approx(2.0)
+    assert summary["ddtree@8"]["predicted_speedup"] == pytest.approx(3.75 / 2.0)
+    assert best_budget(summary)["label"] == "ddtree@8" and best_budget(summary)["tree_budget"] == 8
