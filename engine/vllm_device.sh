@@ -10,8 +10,19 @@
 #       "$(python -c 'from engine.target import bundled_gguf; print(bundled_gguf())')" \
 #       assets/drafters/smollm2-135m-dflash-b16/model.safetensors
 # then, e.g. (on nvidia-h200-x2 the same pytest command also runs the tensor-parallel test):
-#   bash engine/vllm_device.sh python3 -m pytest -q -m gpu tests/test_vllm_engine.py
+#   bash engine/vllm_device.sh python3 -m pytest -q -m gpu tests/test_vllm_engine.py tests/test_fixed_step_gpu.py
 #   bash engine/vllm_device.sh python3 -m engine.bench --engine vllm --native --model '$DDTREE_VLLM_MODEL' ...
+#   # the fixed-shape step as CUDA graphs on the torch engine, against vLLM's own AR in the same run:
+#   bash engine/vllm_device.sh python3 -m engine.bench --device cuda --dtype bfloat16 --fixed-step --native ar \
+#       --prompts assets/prompts/fresh.jsonl --methods ar,dflash,ddtree --tree-budget 16,32,64 --max-new-tokens 128
+# The app on the GPU, driven through its API (gradio and what it needs beyond the vLLM bundle travel
+# as wheels: `.whl/`, made with the pip download line in the Notes of the device tool's README, for
+# gradio gradio_client brotli groovy hf-gradio orjson pydub python-multipart pytz safehttpx
+# semantic-version tomlkit uvicorn plotly at requirements.txt's versions; carry [".whl"]):
+#   bash engine/vllm_device.sh 'python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl && \
+#       python3 -m engine.app_check --launch "python3 app.py --engine vllm" --out $OUT/app-check.json'
+# It prints the page's start-up budget and why, and per prompt and method τ, step cost in AR
+# steps, predicted and measured speed-up, and the engine the traces came from.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"

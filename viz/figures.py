@@ -210,10 +210,12 @@ def economics_figure(traces: list[Trace]) -> go.Figure:
     for name, label in zip(names, labels):
         entry = entries[label]
         if entry.predicted_speedup is not None and entry.speedup_vs_ar is not None:
-            fig.add_annotation(x=name, y=max(entry.tau or 0, entry.step_cost_vs_ar or 0) * 1.18 + 0.2, showarrow=False,
+            # above the bars and their value labels
+            fig.add_annotation(x=name, y=max(entry.tau or 0, entry.step_cost_vs_ar or 0), yshift=22, yanchor="bottom",
+                               showarrow=False,
                                text=f"τ ÷ cost = <b>{entry.predicted_speedup:.2f}×</b><br>measured {entry.speedup_vs_ar:.2f}×")
     top = max(taus + costs + [1.0])
-    fig.update_layout(template="plotly_white", barmode="group", height=340, yaxis=dict(range=[0, top * 1.45]),
+    fig.update_layout(template="plotly_white", barmode="group", height=360, yaxis=dict(range=[0, top * 1.6]),
                       title=dict(text="Why it is fast or slow: speed-up = τ ÷ step cost", font=dict(size=14)),
                       margin=dict(l=10, r=10, t=50, b=30), legend=dict(orientation="h", y=-0.15))
     return fig
