@@ -34,6 +34,7 @@ from engine.calibration import BudgetChoice, choose_budget
 from engine.decode import DecodeSettings, Decoder
 from engine.errors import EngineError
 from engine.models import load_decoder
+from engine.target import resolve_device
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
 from viz.figures import acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop, \
     probability_figure, race_chart, stage_figure, sweep_figure, trace_economics
@@ -673,8 +674,12 @@ def load_studio_decoder(args: argparse.Namespace) -> Decoder:
         from engine.vllm_engine import VllmOptions, load_vllm_decoder
 
         return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
-                                 options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size))
-    return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32")
+                                 options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
+                                                     fixed_step=args.step != "readable"))
+    # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.fixed_step)
+    fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
+    return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
+                        cuda_graphs=fixed)
 
 
 def main() -> None:
@@ -689,6 +694,8 @@ def main() -> None:
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"],
                         help="torch (any machine) or vllm (CUDA GPU + requirements-gpu.txt)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
+    parser.add_argument("--step", choices=["fixed", "readable"], default=None,
+                        help="greedy steps as fixed-shape device programs (default on a GPU) or the readable loop")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="the DDTree budget the page starts with (default: the fastest here, timed at start-up)")
     args = parser.parse_args()

@@ -15,7 +15,7 @@ from ddtree.verify import (
     sample_tokens,
 )
 from ddtree.cache import compact_rows, kept_rows
-from ddtree.paged import compaction_moves, move_rows, query_bias
+from ddtree.paged import compaction_moves, move_rows, paged_slots, query_bias
 
 __all__ = [
     "DraftTree",
@@ -30,6 +30,7 @@ __all__ = [
     "follow_tree",
     "kept_rows",
     "move_rows",
+    "paged_slots",
     "query_bias",
     "sample_tokens",
 ]

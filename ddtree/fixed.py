@@ -11,9 +11,10 @@ shape fixed by the budget. The readable versions stay the reference; tests hold 
   at its own depth: the beam holds it, and the global cut finds exactly the heap's nodes
   (ties aside). Nodes come parents first: by depth, then by path probability.
 - ``ancestor_closure``: the ancestors-and-self mask by repeated squaring of the parent relation.
-- ``accepted_path``: the walk, by pointer jumping: a node is on the path when it and all its
-  ancestors hold the target's choice after their parents (siblings hold distinct tokens, so
-  these nodes form one chain); the deepest of them is the accepted leaf.
+- ``accepted_path``: the walk, from the ancestor closure: a node is on the path when it and
+  all its ancestors hold the target's choice after their parents; the deepest is the leaf.
+- ``compaction_rows``: the KV rows that move so the accepted path follows the past, as a
+  fixed number of (source, target) pairs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ class FixedTree:
     ranks: torch.Tensor  # [B] long
     valid: torch.Tensor  # [B] bool
 
+    @staticmethod
+    def empty(device: torch.device) -> "FixedTree":
+        """AR's tree: the root alone."""
+        long = torch.empty(0, dtype=torch.long, device=device)
+        real = torch.empty(0, dtype=torch.float32, device=device)
+        return FixedTree(long, long, long, real, real, long, torch.empty(0, dtype=torch.bool, device=device))
+
 
 def beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
     """The ``budget`` most probable nodes below the root, from per-depth ``log_probs [D, V]``."""
@@ -45,20 +53,17 @@ def beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
     device = log_probs.device
     width = min(budget, vocab)
     top_lp, top_tokens = torch.topk(log_probs.float(), width, dim=-1)  # [D, K]
-    # depth 1: the beam is the depth's best tokens themselves
-    beam_lp, beam_rank = [], []
-    beam_parent = []  # index into the previous depth's beam (-1: the root)
-    path = top_lp[0, :width]
-    rank = torch.arange(width, device=device)
-    parent = torch.full((width,), -1, dtype=torch.long, device=device)
-    path, rank, parent = _pad(path, budget), _pad(rank, budget, 0), _pad(parent, budget, -1)
-    beam_lp.append(path), beam_rank.append(rank), beam_parent.append(parent)
+    # flat index parent * width + rank per beam entry, decoded once for all depths below;
+    # depth 1's parent is the root (its entries decode to parent 0, unused)
+    path = _pad(top_lp[0, :width], budget)
+    beam_lp, beam_flat = [path], [_pad(torch.arange(width, device=device), budget, 0)]
     for depth in range(1, depth_limit):
         candidates = (path[:, None] + top_lp[depth][None, :]).reshape(-1)  # [B * K]
         path, flat = torch.topk(candidates, budget)
-        parent, rank = flat // width, flat % width
-        beam_lp.append(path), beam_rank.append(rank), beam_parent.append(parent)
+        beam_lp.append(path), beam_flat.append(flat)
     all_lp = torch.stack(beam_lp)  # [D, B]
+    flat = torch.stack(beam_flat)
+    beam_parent, beam_rank = flat // width, flat % width
     # the global cut; stable sorts keep a parent ahead of a child with the same path probability
     depth_of = torch.arange(depth_limit, device=device)[:, None].expand(-1, budget).reshape(-1)
     order = torch.sort(all_lp.reshape(-1), descending=True, stable=True).indices[:budget]
@@ -66,9 +71,9 @@ def beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
     depth_index, beam_index = order // budget, order % budget
     node_of = torch.full((depth_limit, budget), -1, dtype=torch.long, device=device)
     node_of[depth_index, beam_index] = torch.arange(1, budget + 1, device=device)
-    parent_beam = torch.stack(beam_parent)[depth_index, beam_index]
-    parents = torch.where(depth_index == 0, 0, node_of[(depth_index - 1).clamp(min=0), parent_beam.clamp(min=0)])
-    ranks = torch.stack(beam_rank)[depth_index, beam_index]
+    parent_beam = beam_parent[depth_index, beam_index]
+    parents = torch.where(depth_index == 0, 0, node_of[(depth_index - 1).clamp(min=0), parent_beam])
+    ranks = beam_rank[depth_index, beam_index]
     tokens = top_tokens[depth_index, ranks]
     path_lp = all_lp[depth_index, beam_index]
     return FixedTree(tokens=tokens, parents=parents.clamp(min=0), depths=depth_index + 1,
@@ -98,35 +103,44 @@ def ancestor_closure(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     n = parents.numel()
     device = parents.device
     step = torch.zeros(n + 1, n + 1, device=device)
-    step[torch.arange(1, n + 1, device=device), parents] = 1.0  # child -> parent
+    # child -> parent; the ones are a device tensor: a Python scalar here would be a host copy
+    step.index_put_((torch.arange(1, n + 1, device=device), parents), torch.ones(n, device=device))
     reach = step + torch.eye(n + 1, device=device)
     for _ in range(max(1, max_depth - 1).bit_length()):  # paths of up to 2^r edges after r squarings
         reach = (reach @ reach).clamp(max=1.0)
     return reach > 0
 
 
-def accepted_path(tree: FixedTree, target_tokens: torch.Tensor, max_depth: int
+def accepted_path(tree: FixedTree, target_tokens: torch.Tensor, visible: torch.Tensor, max_depth: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The walk of ``follow_tree`` without a host read. ``target_tokens [n+1]``: the target's
-    choice after each node, root first. Returns ``(path [max_depth+1], length, bonus)``: the
-    accepted node indices root first (padded with the leaf), how many there are, and the
-    target's choice at the leaf."""
+    """The walk of ``follow_tree`` without a host read, in a few whole-tree operations.
+    ``target_tokens [n+1]``: the target's choice after each node, root first; ``visible``: the
+    tree's ``ancestor_closure``. A node is accepted when it and every ancestor hold the target's
+    choice after their parents (siblings hold distinct tokens, so these nodes form one chain);
+    the deepest is the leaf, and its row of ``visible`` is the path. Returns ``(path
+    [max_depth+1], length, bonus)``: the accepted node indices root first (padded with the
+    leaf), how many there are, and the target's choice at the leaf."""
     device = target_tokens.device
-    parent_of = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.parents])
     holds = torch.cat([torch.ones(1, dtype=torch.bool, device=device),
                        (tree.tokens == target_tokens[tree.parents]) & tree.valid])
-    ancestor = parent_of
-    for _ in range(max(1, max_depth).bit_length()):  # after r rounds holds[i] covers i and 2^r - 1 ancestors
-        holds = holds & holds[ancestor]
-        ancestor = ancestor[ancestor]
+    accepted = ~(visible & ~holds[None, :]).any(dim=1)
     depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths])
-    leaf = torch.argmax(torch.where(holds, depth, -1))
-    length = depth[leaf] + 1
-    # climb from the leaf: row k of the path is the ancestor at depth k
-    path = torch.full((max_depth + 1,), 0, dtype=torch.long, device=device)
-    node = leaf
-    for k in range(max_depth, -1, -1):
-        on_path = depth[node] == k
-        path[k] = torch.where(on_path, node, leaf)
-        node = torch.where(on_path, parent_of[node], node)
-    return path, length, target_tokens[leaf]
+    # one-element index tensors throughout: indexing by a 0-dim tensor reads it on the host
+    leaf = torch.argmax(torch.where(accepted, depth, -1)).reshape(1)
+    on_path = visible.index_select(0, leaf)[0]
+    # node i of the path goes to row depth[i]; every other node to a spare last row
+    rows = torch.where(on_path, depth, max_depth + 1)
+    nodes = torch.arange(depth.numel(), device=device)
+    path = torch.zeros(max_depth + 2, dtype=torch.long, device=device).scatter_(0, rows, nodes)[: max_depth + 1]
+    length = depth.index_select(0, leaf).reshape(()) + 1
+    path = torch.where(torch.arange(max_depth + 1, device=device) < length, path, leaf)
+    return path, length, target_tokens.index_select(0, leaf).reshape(())
+
+
+def compaction_rows(past: torch.Tensor, path: torch.Tensor, length: torch.Tensor, scratch: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sources, targets)``, one pair per row of ``path``: accepted node k moves from
+    ``past + path[k]`` to ``past + k``; the padding rows past ``length`` go to the ``scratch``
+    row, which no request reads. Copy all sources before writing any target."""
+    slots = torch.arange(path.numel(), device=path.device)
+    return past + path, torch.where(slots < length, past + slots, scratch)

@@ -15,7 +15,7 @@ import torch
 def query_bias(visible: torch.Tensor) -> torch.Tensor:
     """Additive ``[q, q]`` float32 bias among a verify block's queries: 0 where ``visible``
     (the tree's ancestors-and-self mask), -inf elsewhere."""
-    bias = torch.full(visible.shape, float("-inf"), dtype=torch.float32)
+    bias = torch.full(visible.shape, float("-inf"), dtype=torch.float32, device=visible.device)
     return bias.masked_fill_(visible, 0.0)
 
 
@@ -32,8 +32,14 @@ def compaction_moves(past_length: int, accepted: list[int]) -> tuple[torch.Tenso
     return past_length + path[moved], past_length + target[moved]
 
 
-def move_rows(cache: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, block_size: int) -> None:
-    """Copy rows of a paged cache laid out ``[blocks, 2 (K, V), block_size, ...]`` whose block
-    table is the identity (row r lives in block r // block_size). Gathers before it writes."""
-    rows = cache[sources // block_size, :, sources % block_size]
-    cache[targets // block_size, :, targets % block_size] = rows
+def paged_slots(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block, offset)`` of each cache row when the block table is the identity (row r lives
+    in block r // block_size); computed once for all layers of a compaction."""
+    return rows // block_size, rows % block_size
+
+
+def move_rows(cache: torch.Tensor, sources: tuple[torch.Tensor, torch.Tensor],
+              targets: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Copy rows (``paged_slots``) of a paged cache laid out ``[blocks, 2 (K, V), block_size, ...]``.
+    Gathers before it writes."""
+    cache[targets[0], :, targets[1]] = cache[sources[0], :, sources[1]]

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from engine.decode import DecodeSettings, Decoder
 from engine.economics import Timing, economics
 from engine.errors import EngineError
-from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, Trace
+from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
 
@@ -33,6 +33,14 @@ class Job:
     label: str
     method: str
     tree_budget: int | None
+    trace_detail: str = "full"
+
+
+def with_reduced_traces(jobs: list[Job]) -> list[Job]:
+    """Every job twice: with the full per-step trace (what the app shows), then with a trace of
+    the committed tokens only, so the bench shows what recording costs."""
+    return [twin for job in jobs
+            for twin in (job, Job(job.label + TOKENS_ONLY, job.method, job.tree_budget, trace_detail="tokens"))]
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -159,11 +167,12 @@ def _tau(runs: list[dict]) -> float:
 
 def best_budget(summary: dict) -> dict | None:
     """The DDTree budget with the most tokens/s in this run (what the machine favours)."""
-    ddtree = {label: entry for label, entry in summary.items() if label.startswith("ddtree@")}
+    ddtree = {label: entry for label, entry in summary.items()
+              if label.startswith("ddtree@") and not label.endswith(TOKENS_ONLY)}
     if not ddtree:
         return None
     label = max(ddtree, key=lambda name: ddtree[name]["tokens_per_s"])
-    return {"label": label, "tree_budget": int(label.split("@")[1]), **ddtree[label]}
+    return {"label": label, "tree_budget": int(label.removeprefix("ddtree@")), **ddtree[label]}
 
 
 def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: DecodeSettings,
@@ -264,7 +273,7 @@ def compare_to_native_ar(runs: list[dict]) -> list[str]:
 
 def _settings(base: DecodeSettings, job: Job, **overrides) -> DecodeSettings:
     budget = job.tree_budget if job.tree_budget is not None else base.tree_budget
-    fields = {**base.__dict__, "method": job.method, "tree_budget": budget, **overrides}
+    fields = {**base.__dict__, "method": job.method, "tree_budget": budget, "trace_detail": job.trace_detail, **overrides}
     return DecodeSettings(**fields)
 
 
@@ -313,9 +322,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="results JSON path")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="vllm engine: run the Studio's passes eagerly")
-    parser.add_argument("--fixed-step", action="store_true",
-                        help="torch engine: greedy DFlash/DDTree as fixed-shape device programs (CUDA graphs on a GPU)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="GPU: run the Studio's passes eagerly")
+    parser.add_argument("--step", choices=["fixed", "readable"], default=None,
+                        help="greedy steps as fixed-shape device programs (default on a GPU; CUDA graphs unless "
+                             "--no-cuda-graphs) or the readable loop (default on the CPU)")
+    parser.add_argument("--compile-draft", action="store_true",
+                        help="fixed step: the draft pass through torch.compile (fused kernels; compiles at first use)")
+    parser.add_argument("--reduced-traces", action="store_true",
+                        help="also time every method with traces kept to the committed tokens (label suffix :tokens)")
+    parser.add_argument("--count-kernels", action="store_true",
+                        help="CUDA: count kernels per step by stage (profiler, one run of the first prompt per method)")
     parser.add_argument("--native", default="", metavar="ar,dflash",
                         help="vllm engine: also time vLLM's own AR and/or DFlash (CUDA graphs on) on the same prompts")
     return parser.parse_args(argv)
@@ -333,10 +349,15 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)[: args.limit]
     jobs = plan_jobs(args.methods, args.tree_budget)
-    if args.native and args.engine != "vllm" and not args.device.startswith("cuda"):
-        raise EngineError("--native times vLLM's own decoding: it needs --engine vllm (or --device cuda)")
-    native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench
+    if args.reduced_traces:
+        jobs = with_reduced_traces(jobs)
     gpu = args.engine == "vllm" or args.device.startswith("cuda")
+    if args.native and not gpu:
+        raise EngineError("--native times vLLM's own decoding: it needs --engine vllm (or --device cuda)")
+    if args.count_kernels and not gpu:
+        raise EngineError("--count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda")
+    native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench
+    args.step = args.step or ("fixed" if gpu else "readable")
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     started = time.perf_counter()
     decoder = _load(args, dtype)
@@ -348,6 +369,7 @@ def _main(args: argparse.Namespace) -> int:
     if traces_dir is not None:
         traces_dir.mkdir(parents=True, exist_ok=True)
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
+    kernels = count_kernels(decoder, prompts[0], jobs, base) if args.count_kernels else {}
     if native_jobs:
         native_runs, native_notes = benchmark_native(decoder, prompts, native_jobs, args, dtype,
                                                      progress=not args.no_progress)
@@ -355,6 +377,8 @@ def _main(args: argparse.Namespace) -> int:
         jobs = jobs + [job for job in native_jobs if any(run["label"] == job.label for run in native_runs)]
         notes += native_notes + compare_to_native_ar(runs)
     summary = summarize_runs(runs, jobs)
+    for label, counts in kernels.items():
+        summary[label]["kernels_per_step"] = counts
     best = best_budget(summary)
     config = {
         "command": "python -m engine.bench " + " ".join(sys.argv[1:]),
@@ -362,10 +386,10 @@ def _main(args: argparse.Namespace) -> int:
         "drafter_revision": _drafter_revision(args),
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
-        "cuda_graphs": (not args.no_cuda_graphs) if args.engine == "vllm" or args.fixed_step else None,
-        "fixed_step": args.fixed_step,
+        "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_draft": args.compile_draft,
+        "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if native_jobs else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "seed": args.seed, "tree_budgets": [j.tree_budget for j in jobs if j.tree_budget],
+        "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
         "prompts": args.prompts, "num_prompts": len(prompts), "host": _host(), "total_s": time.perf_counter() - started,
     }
     result = {"config": config, "runs": runs, "summary": summary, "best": best, "notes": notes}
@@ -375,19 +399,39 @@ def _main(args: argparse.Namespace) -> int:
     for note in notes:
         print(note)
     print(format_summary(summary, best))
+    if kernels:
+        print(format_kernels(kernels))
     return 0
+
+
+def count_kernels(decoder, prompt: dict, jobs: list[Job], base: DecodeSettings) -> dict[str, dict[str, float]]:
+    """Kernels per step by stage for every full-trace job, on one run of ``prompt`` each."""
+    prompt_ids = decoder.target.chat_ids(prompt["prompt"])
+    return {job.label: decoder.kernels_per_step(prompt_ids, _settings(base, job)) for job in jobs
+            if job.trace_detail == "full"}
+
+
+def format_kernels(kernels: dict[str, dict[str, float]]) -> str:
+    stages = [stage for stage in STAGES if any(stage in counts for counts in kernels.values())]
+    rows = ["| method | " + " | ".join(stages) + " | step |", "|---|" + "---|" * (len(stages) + 1)]
+    for label, counts in kernels.items():
+        cells = [f"{counts[stage]:.0f}" if stage in counts else "–" for stage in stages]
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {sum(counts.values()):.0f} |")
+    return "kernels per step, by stage\n" + "\n".join(rows)
 
 
 def _load(args: argparse.Namespace, dtype: str):
     if args.engine == "vllm":
         from engine.vllm_engine import VllmOptions, load_vllm_decoder
 
-        options = VllmOptions(tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.no_cuda_graphs)
+        options = VllmOptions(tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.no_cuda_graphs,
+                              fixed_step=args.step == "fixed", compile_draft=args.compile_draft)
         return load_vllm_decoder(args.model, args.drafter, dtype=dtype, seed=args.seed, options=options)
     from engine.models import load_decoder
 
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
-                        fixed_step=args.fixed_step, cuda_graphs=args.fixed_step and not args.no_cuda_graphs)
+                        fixed_step=args.step == "fixed", cuda_graphs=args.step == "fixed" and not args.no_cuda_graphs,
+                        compile_draft=args.compile_draft)
 
 
 def _drafter_folder(args: argparse.Namespace):

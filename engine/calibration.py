@@ -53,12 +53,14 @@ def choose_budget(decoder: Decoder, budgets: tuple[int, ...] = CANDIDATE_BUDGETS
     ids = decoder.target.chat_ids(prompt)
     settings = [DecodeSettings("ar", max_new_tokens=tokens)]
     settings += [DecodeSettings("ddtree", max_new_tokens=tokens, tree_budget=budget) for budget in budgets]
-    # the first run of a method or shape pays one-time costs (allocation; on the vLLM engine, graph
-    # capture): run each once untimed, DFlash too, so the page's first runs are warm as well
-    decoder.run(prompt_ids=ids, settings=DecodeSettings("dflash", max_new_tokens=4))
+    # the first run of a method or shape pays one-time costs (allocation; on a GPU, CUDA graph
+    # capture, which a step's draft meets only from the second step on): run each once untimed,
+    # DFlash too, so the page's first runs are warm as well; on the CPU a few tokens do
+    warm_tokens = tokens if decoder.target.device.type == "cuda" else 4
+    decoder.run(prompt_ids=ids, settings=DecodeSettings("dflash", max_new_tokens=warm_tokens))
     timings = {}
     for setting in settings:
-        decoder.run(prompt_ids=ids, settings=DecodeSettings(**{**setting.__dict__, "max_new_tokens": 4}))
+        decoder.run(prompt_ids=ids, settings=DecodeSettings(**{**setting.__dict__, "max_new_tokens": warm_tokens}))
         summary = decoder.run(prompt_ids=ids, settings=setting).summary
         timings[setting.tree_budget if setting.method == "ddtree" else "ar"] = Timing.of([summary])
     curve = acceptance_curve(decoder)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -23,12 +23,14 @@ from engine import hybrid
 from engine.drafter import DFlashDrafter
 from engine.drafting import EagerDraft, GraphedDraft
 from engine.errors import EngineError
+from engine.kernels import STAGE_MARK
 from engine.target import Target
 from engine.trace import METHODS, Prefill, RunConfig, Step, Trace, summarize
 
 MAX_TREE_BUDGET = 1024
 MAX_NEW_TOKENS = 4096
 FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
+TRACE_DETAILS = ("full", "tokens")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class DecodeSettings:
     block_size: int | None = None  # None: the drafter's own
     tree_budget: int = 32
     record_top_k: int = 8
+    trace_detail: str = "full"  # "tokens": steps keep what they commit, not the tree (timing a lean loop)
 
 
 @dataclass
@@ -64,9 +67,12 @@ class StageClock:
 
     @contextmanager
     def stage(self, name: str):
+        marked = torch.autograd.profiler.record_function(STAGE_MARK + name) if torch.autograd._profiler_enabled() else None
         begin = self.now()
-        yield
-        self.times[name] = self.times.get(name, 0.0) + self.now() - begin
+        with marked or nullcontext():
+            yield
+            end = self.now()
+        self.times[name] = self.times.get(name, 0.0) + end - begin
 
     def take(self) -> dict[str, float]:
         times, self.times = self.times, {}
@@ -75,7 +81,8 @@ class StageClock:
 
 class Decoder:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
-                 engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False):
+                 engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False,
+                 compile_draft: bool = False):
         self.target = target
         self.drafter = drafter
         self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
@@ -83,6 +90,7 @@ class Decoder:
         self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
         # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step
         self.fixed_step = fixed_step
+        self.compile_draft = compile_draft  # the fixed step's draft pass through torch.compile
         self._graphed_drafts: dict[int, GraphedDraft] = {}
         self._programs: dict[tuple, object] = {}
         if drafter is not None:
@@ -116,6 +124,8 @@ class Decoder:
             raise EngineError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, got {settings.max_new_tokens}")
         if settings.temperature < 0:
             raise EngineError(f"temperature must be >= 0, got {settings.temperature}")
+        if settings.trace_detail not in TRACE_DETAILS:
+            raise EngineError(f"trace detail must be one of {', '.join(TRACE_DETAILS)}, got {settings.trace_detail!r}")
         if prompt_length == 0:
             raise EngineError("the prompt is empty: type a message for the model to answer")
         block_size = 1
@@ -133,7 +143,7 @@ class Decoder:
             if settings.tree_budget > MAX_TREE_BUDGET:
                 notes.append(f"tree budget {settings.tree_budget} capped to {MAX_TREE_BUDGET}")
                 settings = replace(settings, tree_budget=MAX_TREE_BUDGET)
-        if self.fixed_step and settings.method != "ar" and settings.temperature > 0:
+        if self.fixed_step and settings.temperature > 0:
             notes.append("sampling runs the readable step: the fixed-shape step walks greedily")
         limit = self.target.context_length
         needed = prompt_length + settings.max_new_tokens + block_size
@@ -168,10 +178,16 @@ class Decoder:
             return FixedRun(self, settings, config, on_step, should_stop, program).execute()
         return _Run(self, settings, config, on_step, should_stop).execute()
 
+    def kernels_per_step(self, prompt_ids: list[int], settings: DecodeSettings) -> dict[str, float]:
+        """Kernels per verify step by stage for one generation (``engine.kernels``; CUDA only)."""
+        from engine.kernels import kernels_per_step
+
+        return kernels_per_step(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
+
     def uses_fixed_step(self, settings: DecodeSettings) -> bool:
-        """Greedy DFlash / DDTree on a pure-attention Hugging Face target with a full-attention drafter."""
-        return (self.fixed_step and self.engine == "torch" and settings.method != "ar" and settings.temperature == 0
-                and self.drafter.full_attention and not hybrid.is_hybrid(self.target.config))
+        """Greedy decoding on a pure-attention target (with a full-attention drafter if it drafts)."""
+        return (self.fixed_step and settings.temperature == 0 and not hybrid.is_hybrid(self.target.config)
+                and (settings.method == "ar" or self.drafter.full_attention))
 
     def fixed_program(self, settings: DecodeSettings, prompt_length: int):
         """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
@@ -182,10 +198,12 @@ class Decoder:
         nodes = budget if budget is not None else settings.block_size - 1
         needed = prompt_length + settings.max_new_tokens + settings.block_size + nodes + 2
         capacity = -(-needed // FIXED_CAPACITY_STEP) * FIXED_CAPACITY_STEP
-        key = (settings.method, budget, settings.block_size, capacity)
+        key = (settings.method, budget, settings.block_size, capacity, settings.record_top_k)
         if key not in self._programs:
             self._programs[key] = FixedProgram(self, settings.method, budget, settings.block_size, capacity,
-                                               graphs=self.cuda_graphs and self.target.device.type == "cuda")
+                                               settings.record_top_k,
+                                               graphs=self.cuda_graphs and self.target.device.type == "cuda",
+                                               compile_draft=self.compile_draft)
         return self._programs[key]
 
 
@@ -295,7 +313,9 @@ class _Run:
                                pieces=[self.text.push(token) for token in committed], margins=margins[: len(committed)])
             self.start += len(accepted)
             self.root = bonus
-        return self.record(index, t_start, root, log_probs, outcome)
+        full = self.settings.trace_detail == "full"
+        return self.record(index, t_start, root, _draft_top(log_probs, self.settings.record_top_k) if full else ([], []),
+                           outcome)
 
     def clip(self, tokens: list[int]) -> list[int]:
         """Cut at the first stop token (kept) and at the new-token limit."""
@@ -306,24 +326,30 @@ class _Run:
                 return tokens[: i + 1]
         return tokens
 
-    def record(self, index: int, t_start: float, root: int, log_probs: torch.Tensor | None, outcome: "_Outcome") -> Step:
-        tree = outcome.tree
-        top_tokens: list[list[int]] = []
-        top_probs: list[list[float]] = []
-        if log_probs is not None:
-            k = min(self.settings.record_top_k, log_probs.shape[-1])
-            values, tokens = log_probs.topk(k, dim=-1)
-            top_tokens, top_probs = tokens.tolist(), values.exp().tolist()
+    def record(self, index: int, t_start: float, root: int, draft_top: tuple[list[list[int]], list[list[float]]],
+               outcome: "_Outcome") -> Step:
+        """The step as the trace keeps it: all of it, or (trace detail "tokens") what it committed."""
+        full = self.settings.trace_detail == "full"
+        tree = outcome.tree if full else ddtree.DraftTree.empty()
+        top_tokens, top_probs = draft_top
         return Step(
             index=index, t_start=t_start, t_end=self.clock.now() - self.t0, stage_s=self.clock.take(),
             root_token=root,
             draft_top_tokens=top_tokens, draft_top_probs=top_probs,
             tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),
             tree_node_probs=tree.log_probs.exp().tolist(), tree_path_probs=tree.path_log_probs.exp().tolist(),
-            tree_ranks=tree.ranks.tolist(), target_tokens=[int(t) for t in outcome.target_tokens],
+            tree_ranks=tree.ranks.tolist(), target_tokens=[int(t) for t in outcome.target_tokens] if full else [],
             accepted=outcome.accepted, bonus_token=int(outcome.bonus), committed_ids=outcome.committed,
             committed_text=outcome.pieces, committed_margins=outcome.margins,
         )
+
+
+def _draft_top(log_probs: torch.Tensor | None, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The drafter's ``k`` most probable tokens per depth, and their probabilities."""
+    if log_probs is None:
+        return [], []
+    values, tokens = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+    return tokens.tolist(), values.exp().tolist()
 
 
 def _margins(logits: torch.Tensor) -> list[float]:

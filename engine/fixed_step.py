@@ -1,29 +1,33 @@
-"""DFlash and DDTree steps as fixed-shape programs: the device holds the loop's state and the
-host reads one small tensor per step (the committed tokens and their count).
+"""AR, DFlash and DDTree steps as fixed-shape programs: the device holds the loop's state and the
+host reads one small tensor per step.
 
 A step is two programs over buffers that never change shape:
 
-- ``draft``: the drafter's pass over ``StaticDraftContext``, fed the previous step's accepted
-  rows (padded to the block) and their count;
-- ``advance``: the tree (``ddtree.fixed``: beam tree or chain, ancestor closure), one verify
-  pass of the target over a KV cache in fixed buffers whose write cursor is a device tensor
-  (``StaticKV``), the pointer-jumping walk, the KV compaction of the accepted path and the
-  drafter's next context, all in place.
+- ``draft`` (DFlash, DDTree): the drafter's pass over ``StaticDraftContext``, fed the previous
+  step's accepted rows (padded to the block) and their count;
+- ``advance``: the tree (``ddtree.fixed``: beam tree, chain, or none for AR), the ancestor
+  closure, one verify pass of the target over a KV cache whose write cursor is a device tensor,
+  the pointer-jumping walk, the KV compaction of the accepted path and the drafter's next
+  context, all in place; it ends by packing what the step decided into one tensor
+  (``StepLayout``), so the host reads once.
 
-Nothing in them depends on a host value, so on CUDA each is captured once and replayed as a
-CUDA graph (``graphs=True``); on the CPU they run as written. ``FixedRun`` is ``engine.decode``'s
-loop with this step (greedy only: a sampled walk needs per-node draws, which stay in the readable
-loop), and tests hold its output to AR's, token for token.
+The KV cache is the engine's: ``StaticKV`` (a Hugging Face model; transformers' ``StaticCache``)
+or the vLLM engine's ``PagedKV`` (``engine.vllm_worker``); both have ``verify`` and ``compact``.
+Nothing in the programs depends on a host value, so on CUDA each is captured once and replayed
+as a CUDA graph (``graphs=True``); on the CPU they run as written. ``FixedRun`` is
+``engine.decode``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
+stay in the readable loop), and tests hold its output to the readable loop's, token for token.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 import ddtree
-from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain
+from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain, compaction_rows
 from engine.decode import _Outcome, _Run
 from engine.drafter import StaticDraftContext
 from engine.drafting import _log_probs
@@ -42,6 +46,17 @@ class StaticKV:
         self.cache = StaticCache(config=target.config, max_cache_len=capacity)
         self.rows = torch.arange(capacity, device=target.device)
 
+    def prefill_cache(self):
+        """The cache a run's prefill writes the prompt into (stale rows are overwritten or masked)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.zero_()
+        return self.cache
+
+    def capturing(self):
+        """The context a CUDA graph of these passes is captured in; yields the capture stream."""
+        return contextlib.nullcontext(None)
+
     def verify(self, ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor):
         n = ids.shape[0]
         for layer in self.cache.layers:
@@ -55,59 +70,76 @@ class StaticKV:
         return self.target.forward(ids[None], positions[None], self.cache, bias[None, None], hidden_states=True)
 
     def compact(self, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:
-        slots = torch.arange(path.numel(), device=path.device)
-        sources = past + path
-        targets = torch.where(slots < length, past + slots, self.capacity - 1)
+        sources, targets = compaction_rows(past, path, length, self.capacity - 1)
         for layer in self.cache.layers:
             for cache in (layer.keys, layer.values):
                 cache.index_copy_(2, targets, cache.index_select(2, sources))
-            layer.cumulative_length.copy_(past + length)
 
 
-@dataclass
-class StepOutput:
-    """One step's results, on the device; the host reads ``length`` and ``committed`` to go on,
-    the rest when it records the step."""
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each part of a step's packed record sits. The record is float64 (token ids are
+    exact in it); the parts a reduced trace needs come first, so it reads a prefix."""
 
-    log_probs: torch.Tensor  # [D, vocab] the draft's per-depth distributions
-    tree: FixedTree
-    target_tokens: torch.Tensor  # [n + 1] the target's choice after each node, root first
-    path: torch.Tensor  # [D + 1] accepted node indices, root first, padded with the leaf
-    length: torch.Tensor  # [] accepted nodes, root included = tokens committed
-    committed: torch.Tensor  # [D + 1] accepted draft tokens, then the bonus
-    margins: torch.Tensor  # [D + 1] the target's top-1 minus top-2 logit along the path
+    depth: int  # D: draft depths (0 for AR)
+    nodes: int  # n: tree nodes below the root
+    top_k: int  # draft top-k kept per depth
+
+    @property
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        d1, n, dk = self.depth + 1, self.nodes, self.depth * self.top_k
+        return (("length", 1), ("committed", d1), ("path", d1), ("margins", d1), ("target_tokens", n + 1),
+                ("tree_tokens", n), ("tree_parents", n), ("tree_depths", n), ("tree_ranks", n), ("tree_valid", n),
+                ("top_tokens", dk), ("tree_log_probs", n), ("tree_path_log_probs", n), ("top_log_probs", dk))
+
+    @property
+    def reduced_size(self) -> int:
+        return 1 + 3 * (self.depth + 1)
+
+    def unpack(self, values: list[float]) -> dict[str, list[float]]:
+        out, at = {}, 0
+        for name, size in self.parts:
+            out[name] = values[at: at + size]
+            at += size
+        return out
 
 
 class FixedProgram:
-    """The buffers and the two programs of one (method, budget, block size) for one decoder."""
+    """The buffers and the two programs of one (method, budget, block size, capacity) for one decoder."""
 
-    def __init__(self, decoder, method: str, budget: int, block_size: int, capacity: int, graphs: bool = False):
-        target, drafter = decoder.target, decoder.drafter
+    def __init__(self, decoder, method: str, budget: int | None, block_size: int, capacity: int, top_k: int,
+                 graphs: bool = False, compile_draft: bool = False):
+        target = decoder.target
         device, dtype = target.device, target.dtype
-        self.target, self.drafter, self.method, self.budget = target, drafter, method, budget
+        self.target, self.method, self.budget, self.graphs = target, method, budget, graphs
+        self.drafter = decoder.drafter if method != "ar" else None
         self.depth = block_size - 1
-        self.capacity, self.graphs = capacity, graphs
-        width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-        self.context = StaticDraftContext(drafter.config, capacity + block_size, device, dtype)
-        self.kv = StaticKV(target, capacity)
+        nodes = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
+        self.layout = StepLayout(self.depth, nodes, min(top_k, target.config.vocab_size) if self.drafter else 0)
+        self.kv = target.fixed_kv(capacity)
         long = dict(dtype=torch.long, device=device)
         self.root = torch.zeros(1, **long)
         self.past = torch.zeros((), **long)
-        self.block = torch.full((1, block_size), drafter.mask_token_id, **long)
-        self.block_offsets = torch.arange(block_size, **long)
-        self.block_positions = torch.zeros(1, block_size, **long)
-        self.features = torch.zeros(1, block_size, width, dtype=dtype, device=device)
-        self.feature_positions = torch.zeros(1, block_size, **long)
-        self.feature_count = torch.zeros((), **long)
-        self.log_probs = torch.zeros(self.depth, drafter.config.vocab_size, device=device)  # the draft, for advance
+        self.slots = torch.arange(self.depth + 1, **long)
+        if self.drafter is not None:
+            config = self.drafter.config
+            self.context = StaticDraftContext(config, capacity + block_size, device, dtype)
+            self.block = torch.full((1, block_size), self.drafter.mask_token_id, **long)
+            self.block_positions = torch.zeros(1, block_size, **long)
+            self.features = torch.zeros(1, block_size, len(config.target_layer_ids) * config.hidden_size,
+                                        dtype=dtype, device=device)
+            self.feature_positions = torch.zeros(1, block_size, **long)
+            self.feature_count = torch.zeros((), **long)
+            self.log_probs = torch.zeros(self.depth, config.vocab_size, device=device)  # the draft, for advance
+        # the per-step draft has fixed shapes: inductor can fuse its few hundred small kernels
+        self._draft_pass = torch.compile(_log_probs, dynamic=False) if compile_draft else _log_probs
         self._graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
 
-    def reset(self) -> None:
-        """Before a run's prefill: empty caches (the stale rows are overwritten or masked)."""
-        self.context.length.zero_()
-        for layer in self.kv.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.zero_()
+    def prefill_cache(self):
+        """Before a run's prefill: the target cache to write the prompt into; the drafter's emptied."""
+        if self.drafter is not None:
+            self.context.length.zero_()
+        return self.kv.prefill_cache()
 
     def start(self, root: int, past: int) -> None:
         """After the prefill: the first committed token and its position."""
@@ -116,53 +148,66 @@ class FixedProgram:
 
     # -- the draft
 
-    def first_draft(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def first_draft(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         """After the prefill the new context is the whole prompt, longer than a block: eagerly."""
-        self._place_block()
-        return self.log_probs.copy_(_log_probs(self.drafter, self.target.embedding, self.target.lm_head, self.block,
-                                               self.block_positions, features, positions, self.context,
-                                               features.shape[1]))
+        self._draft_from(_log_probs, features, positions, features.shape[1])
 
-    def draft(self) -> torch.Tensor:
-        return self._run("draft", self._draft)
+    def draft(self) -> None:
+        self._run("draft", lambda: self._draft_from(self._draft_pass, self.features, self.feature_positions,
+                                                    self.feature_count))
 
-    def _draft(self) -> torch.Tensor:
-        self._place_block()
-        return self.log_probs.copy_(_log_probs(self.drafter, self.target.embedding, self.target.lm_head, self.block,
-                                               self.block_positions, self.features, self.feature_positions,
-                                               self.context, self.feature_count))
-
-    def _place_block(self) -> None:
+    def _draft_from(self, draft_pass, features, positions, count) -> torch.Tensor:
         self.block[0, :1].copy_(self.root)
-        torch.add(self.block_offsets, self.past, out=self.block_positions[0])
+        torch.add(self.slots, self.past, out=self.block_positions[0])
+        return self.log_probs.copy_(draft_pass(self.drafter, self.target.embedding, self.target.lm_head, self.block,
+                                               self.block_positions, features, positions, self.context, count))
 
     # -- tree, verify, walk, commit
 
-    def advance(self) -> StepOutput:
-        """The step after its draft (in ``self.log_probs``)."""
+    def advance(self) -> torch.Tensor:
+        """The step after its draft (in ``self.log_probs``); returns its packed record."""
         return self._run("advance", self._advance)
 
-    def _advance(self) -> StepOutput:
-        log_probs = self.log_probs
-        tree = chain(log_probs) if self.method == "dflash" else beam_tree(log_probs, self.budget)
+    def _tree(self) -> FixedTree:
+        if self.method == "ar":
+            return FixedTree.empty(self.root.device)
+        return chain(self.log_probs) if self.method == "dflash" else beam_tree(self.log_probs, self.budget)
+
+    def _advance(self) -> torch.Tensor:
+        tree = self._tree()
         ids = torch.cat([self.root, tree.tokens])
         positions = self.past + torch.cat([torch.zeros_like(self.root), tree.depths])
         visible = ancestor_closure(tree.parents, self.depth)
         logits, hidden = self.kv.verify(ids, positions, self.past, visible)
         target_tokens = logits.argmax(dim=-1)
-        path, length, bonus = accepted_path(tree, target_tokens, self.depth)
-        self.kv.compact(self.past, path, length)
-        features = self.drafter.context_features(hidden)[0]
-        self.features[0].copy_(features.index_select(0, path))
-        torch.add(self.block_offsets, self.past, out=self.feature_positions[0])
-        self.feature_count.copy_(length)
-        slots = torch.arange(self.depth + 1, device=ids.device)
+        path, length, bonus = accepted_path(tree, target_tokens, visible, self.depth)
+        if self.drafter is not None:  # AR's path is its root, already in place
+            self.kv.compact(self.past, path, length)
+            features = self.drafter.context_features(hidden)[0]
+            self.features[0].copy_(features.index_select(0, path))
+            torch.add(self.slots, self.past, out=self.feature_positions[0])
+            self.feature_count.copy_(length)
         along = ids.index_select(0, torch.cat([path[1:], path[-1:]]))
-        committed = torch.where(slots < length - 1, along, bonus)
+        committed = torch.where(self.slots < length - 1, along, bonus)
         top2 = logits.index_select(0, path).float().topk(2, dim=-1).values
+        record = self._pack(length, committed, path, top2[:, 0] - top2[:, 1], target_tokens, tree)
         self.past.add_(length)
         self.root.copy_(bonus[None])
-        return StepOutput(log_probs, tree, target_tokens, path, length, committed, top2[:, 0] - top2[:, 1])
+        return record
+
+    def _pack(self, length, committed, path, margins, target_tokens, tree: FixedTree) -> torch.Tensor:
+        """The step's record in ``StepLayout`` order, as float64, in a few kernels (integers together,
+        reals together): one tensor for the host to read."""
+        if self.layout.top_k:
+            top_log_probs, top_tokens = self.log_probs.topk(self.layout.top_k, dim=-1)
+        else:
+            top_log_probs, top_tokens = (torch.empty(0, device=path.device),
+                                         torch.empty(0, dtype=torch.long, device=path.device))
+        head = torch.cat([length[None], committed, path])
+        tail = torch.cat([target_tokens, tree.tokens, tree.parents, tree.depths, tree.ranks, tree.valid.long(),
+                          top_tokens.reshape(-1)])
+        reals = torch.cat([tree.log_probs, tree.path_log_probs, top_log_probs.reshape(-1)])
+        return torch.cat([head.double(), margins.double(), tail.double(), reals.double()])
 
     def _run(self, name: str, program):
         """``program()`` eagerly, or (``graphs``) replayed from the CUDA graph captured at its first call."""
@@ -170,8 +215,9 @@ class FixedProgram:
             return program()
         if name not in self._graphs:
             out = program()  # this call's result is the eager run; the capture below only records
+            torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with self.kv.capturing() as stream, torch.cuda.graph(graph, stream=stream):
                 captured = program()
             self._graphs[name] = (graph, captured)
             return out
@@ -180,27 +226,20 @@ class FixedProgram:
         return captured
 
 
-def as_draft_tree(tree: FixedTree) -> ddtree.DraftTree:
-    """The fixed tree's real nodes as the readable ``DraftTree`` (what a trace records)."""
-    keep = tree.valid
-    return ddtree.DraftTree(tree.tokens[keep].cpu(), tree.parents[keep].cpu(), tree.depths[keep].cpu(),
-                            tree.log_probs[keep].cpu(), tree.path_log_probs[keep].cpu(), tree.ranks[keep].cpu())
-
-
 class FixedRun(_Run):
     """``engine.decode``'s loop with the fixed-shape step. The draft and the rest of the step
-    are two device programs; the host reads the committed tokens once per step, and the tree,
-    path and target choices only to record the trace. Stage times: ``draft``, ``verify`` (the
-    tree, the verify pass, the walk and the compaction: one program) and ``commit`` (the read)."""
+    are two device programs; the host reads the step's packed record once (only its committed
+    tokens, margins and path when the trace keeps tokens only). Stage times: ``draft``,
+    ``verify`` (the tree, the verify pass, the walk and the compaction: one program) and
+    ``commit`` (the read and the bookkeeping)."""
 
     def __init__(self, decoder, settings, config, on_step, should_stop, program: FixedProgram):
         super().__init__(decoder, settings, config, on_step, should_stop)
         self.program = program
-        self.cache = program.kv.cache  # the prefill writes the prompt into the fixed buffers
+        self.cache = program.prefill_cache()
         self.draft_pass = None
 
     def prefill(self):
-        self.program.reset()
         prefill = super().prefill()
         self.program.start(self.root, self.start)
         return prefill
@@ -208,21 +247,46 @@ class FixedRun(_Run):
     def step(self, index: int):
         t_start = self.clock.now() - self.t0
         root = self.root
-        with self.clock.stage("draft"):
-            log_probs = (self.program.first_draft(self.new_context, self.new_context_positions) if index == 0
-                         else self.program.draft())
+        if self.drafts:
+            with self.clock.stage("draft"):
+                if index == 0:
+                    self.program.first_draft(self.new_context, self.new_context_positions)
+                else:
+                    self.program.draft()
         with self.clock.stage("verify"):
-            out = self.program.advance()
+            record = self.program.advance()
         with self.clock.stage("commit"):
-            length = int(out.length)  # the one read the loop needs
-            accepted = out.path[:length].tolist()
-            tokens = out.committed[:length].tolist()
-            tree = as_draft_tree(out.tree)
+            layout, full = self.program.layout, self.settings.trace_detail == "full"
+            step = layout.unpack((record if full else record[: layout.reduced_size]).tolist())
+            length = int(step["length"][0])
+            tokens = [int(t) for t in step["committed"][:length]]
             committed = self.clip(tokens)
             self.output_ids.extend(committed)
-            outcome = _Outcome(tree, out.target_tokens[: tree.size + 1].tolist(), accepted, tokens[-1], committed,
-                               pieces=[self.text.push(token) for token in committed],
-                               margins=out.margins[: len(committed)].tolist())
+            tree = _draft_tree(step) if full else ddtree.DraftTree.empty()
+            outcome = _Outcome(tree, [int(t) for t in step["target_tokens"]], [int(i) for i in step["path"][:length]],
+                               tokens[-1], committed, pieces=[self.text.push(token) for token in committed],
+                               margins=step["margins"][: len(committed)])
             self.start += length
             self.root = tokens[-1]
-        return self.record(index, t_start, root, log_probs, outcome)
+        return self.record(index, t_start, root, _draft_top(step, layout) if full else ([], []), outcome)
+
+
+def _draft_tree(step: dict[str, list[float]]) -> ddtree.DraftTree:
+    """The record's real tree nodes as the readable ``DraftTree`` (what a trace records)."""
+    keep = torch.tensor(step["tree_valid"], dtype=torch.bool)
+
+    def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(step[name], dtype=dtype)[keep]
+
+    return ddtree.DraftTree(column("tree_tokens", torch.long), column("tree_parents", torch.long),
+                            column("tree_depths", torch.long), column("tree_log_probs", torch.float32),
+                            column("tree_path_log_probs", torch.float32), column("tree_ranks", torch.long))
+
+
+def _draft_top(step: dict[str, list[float]], layout: StepLayout) -> tuple[list[list[int]], list[list[float]]]:
+    k = layout.top_k
+    if not k:
+        return [], []
+    tokens = [int(t) for t in step["top_tokens"]]
+    probs = torch.tensor(step["top_log_probs"]).exp().tolist()
+    return [tokens[i: i + k] for i in range(0, len(tokens), k)], [probs[i: i + k] for i in range(0, len(probs), k)]

@@ -27,10 +27,11 @@ def random_drafter(target, seed: int = 0, block_size: int = 16) -> DFlashDrafter
 
 
 def load_decoder(model: str | None = None, drafter: str | None = None, device: str = "cpu",
-                 dtype: str = "float32", seed: int = 0, fixed_step: bool = False, cuda_graphs: bool = False) -> Decoder:
+                 dtype: str = "float32", seed: int = 0, fixed_step: bool = False, cuda_graphs: bool = False,
+                 compile_draft: bool = False) -> Decoder:
     """``drafter``: a checkpoint folder, ``random`` (seeded, untrained), or ``None`` for
-    the shipped drafter when running the bundled model (random otherwise). ``fixed_step`` and
-    ``cuda_graphs``: see ``Decoder``."""
+    the shipped drafter when running the bundled model (random otherwise). ``fixed_step``,
+    ``cuda_graphs`` and ``compile_draft``: see ``Decoder``."""
     checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast, before the slow target load
     target = load_target(model, device=device, dtype=dtype)
     if checkpoint is None and drafter is None and target.name == BUNDLED_MODEL and shipped_drafter() is not None:
@@ -40,7 +41,7 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
     else:
         draft_model, info = checkpoint, DrafterInfo(display_name(drafter), trained=True)
     draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
-    return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs)
+    return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_draft=compile_draft)
 
 
 def display_name(path: str) -> str:

@@ -101,6 +101,12 @@ class Target:
             return hybrid.TreeCache(self.config)
         return DynamicCache(config=self.config)
 
+    def fixed_kv(self, capacity: int):
+        """The KV cache of the fixed-shape step (``engine.fixed_step``): ``capacity`` rows in fixed buffers."""
+        from engine.fixed_step import StaticKV
+
+        return StaticKV(self, capacity)
+
     def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor:
         """What ``forward`` takes as ``attention_bias`` for a tree block after ``past_length`` cached tokens."""
         return ddtree.attention_bias(visible.to(self.device), past_length, self.dtype)

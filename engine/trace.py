@@ -15,6 +15,7 @@ from pathlib import Path
 SCHEMA_VERSION = 1
 METHODS = ("ar", "dflash", "ddtree")
 NATIVE_AR, NATIVE_DFLASH = "vllm-ar", "vllm-dflash"  # bench labels of vLLM's own decoding (--native)
+TOKENS_ONLY = ":tokens"  # bench label suffix of a run whose trace keeps only the committed tokens
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
 
 

@@ -4,23 +4,27 @@
 # $OUT/log.txt. Files staged in /tmp/stage with ../shared/device/stage.sh (one call each,
 # back to back: the machine keeps /tmp for 30 s after a call):
 #   cat ../shared/device/vllm-0.23.0/vllm-trim.tar.xz.part-* > /tmp/vllm-trim.tar.xz
-#   git rm -q --cached assets/drafters/smollm2-135m-dflash-b16/model.safetensors  # (restore after:
-#   git reset -q -- assets/drafters)  a tracked 32 MB file would travel with every call
+#   mkdir -p ../hold && mv assets/drafters/smollm2-135m-dflash-b16/model.safetensors ../hold/
+#   #   (the 39 MB weights would travel with every call; move them back after the device work)
 #   ../shared/device/stage.sh /tmp/vllm-trim.tar.xz ../shared/device/vllm-0.23.0/INSTALL.sh \
-#       "$(python -c 'from engine.target import bundled_gguf; print(bundled_gguf())')" \
-#       assets/drafters/smollm2-135m-dflash-b16/model.safetensors
-# then, e.g. (on nvidia-h200-x2 the same pytest command also runs the tensor-parallel test):
-#   bash engine/vllm_device.sh python3 -m pytest -q -m gpu tests/test_vllm_engine.py tests/test_fixed_step_gpu.py
-#   bash engine/vllm_device.sh python3 -m engine.bench --engine vllm --native --model '$DDTREE_VLLM_MODEL' ...
-#   # the fixed-shape step as CUDA graphs on the torch engine, against vLLM's own AR in the same run:
-#   bash engine/vllm_device.sh python3 -m engine.bench --device cuda --dtype bfloat16 --fixed-step --native ar \
-#       --prompts assets/prompts/fresh.jsonl --methods ar,dflash,ddtree --tree-budget 16,32,64 --max-new-tokens 128
+#       "$(python -c 'from engine.target import bundled_gguf; print(bundled_gguf())')" ../hold/model.safetensors
+# (5 calls: the first also starts the machine; make them back to back and chain the real command
+# onto the last, since the machine goes back 30 s after a call)
+# then, e.g. (on nvidia-h200-x2 the same pytest command also runs the tensor-parallel test; vLLM's
+# shutdown logging floods the tail of the output, so keep results in files under $OUT):
+#   bash engine/vllm_device.sh 'python3 -m pytest -q -rfE -m gpu tests/test_vllm_engine.py \
+#       tests/test_fixed_step_gpu.py > $OUT/pytest.txt 2>&1; grep -E "passed|failed|^FAILED" $OUT/pytest.txt'
+#   bash engine/vllm_device.sh 'python3 -m engine.bench --engine vllm $MODELS --native ar,dflash \
+#       --prompts assets/prompts/fresh.jsonl --methods ar,dflash,ddtree --tree-budget 16,32,64,128 \
+#       --max-new-tokens 128 --reduced-traces --count-kernels --out $OUT/gpu-vllm-fresh.json'
+#   ($MODELS names the staged target and drafter; add --step readable for the readable loop)
 # The app on the GPU, driven through its API (gradio and what it needs beyond the vLLM bundle travel
 # as wheels: `.whl/`, made with the pip download line in the Notes of the device tool's README, for
 # gradio gradio_client brotli groovy hf-gradio orjson pydub python-multipart pytz safehttpx
 # semantic-version tomlkit uvicorn plotly at requirements.txt's versions; carry [".whl"]):
-#   bash engine/vllm_device.sh 'python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl && \
-#       python3 -m engine.app_check --launch "python3 app.py --engine vllm" --out $OUT/app-check.json'
+#   bash engine/vllm_device.sh 'python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+#       --target $SITE .whl/*.whl && python3 -m engine.app_check --launch "python3 app.py --engine vllm $MODELS" \
+#       --out $OUT/app-check.json > $OUT/app-check.txt 2>&1; tail -40 $OUT/app-check.txt'
 # It prints the page's start-up budget and why, and per prompt and method τ, step cost in AR
 # steps, predicted and measured speed-up, and the engine the traces came from.
 set -uo pipefail
@@ -46,6 +50,7 @@ if [ -z "${DDTREE_VLLM_DRAFTER:-}" ]; then
 fi
 export DDTREE_VLLM_DRAFTER
 export DDTREE_VLLM_MODEL=${DDTREE_VLLM_MODEL:-$(ls "$STAGE"/*.gguf | head -n 1)}
+export MODELS="--model $DDTREE_VLLM_MODEL --drafter $DDTREE_VLLM_DRAFTER"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 eval "$@" 2>&1 | tee -a "$OUT/log.txt"
 exit "${PIPESTATUS[0]}"

@@ -37,6 +37,8 @@ CONVERTED = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree
 class VllmOptions:
     tensor_parallel_size: int = 1
     cuda_graphs: bool = True  # the Studio's own graphs: vLLM itself runs eager (see module doc)
+    fixed_step: bool = True  # greedy runs as fixed-shape device programs (engine.fixed_step)
+    compile_draft: bool = False  # their draft pass through torch.compile
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
 
@@ -140,7 +142,8 @@ class VllmDecoder(Decoder):
             worker_extension_cls="engine.vllm_worker.StudioWorker",
         )
         loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
-                                                              drafter_info.name, options.cuda_graphs))[0]
+                                                              drafter_info.name, options.cuda_graphs,
+                                                              options.fixed_step, options.compile_draft))[0]
         target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"])
         drafter = load_drafter(drafter_path) if drafter_path is not None else None
         super().__init__(target, drafter, drafter_info, engine="vllm")
@@ -160,11 +163,16 @@ class VllmDecoder(Decoder):
         raw = self.llm.collective_rpc("studio_run", args=(prompt, list(prompt_ids), asdict(settings)))[0]
         trace = Trace.from_json(raw)
         trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
-                                  f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}")
+                                  f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}, "
+                                  f"{'fixed-shape' if self.options.fixed_step else 'readable'} step")
         if on_step is not None:
             for step in trace.steps:
                 on_step(trace, step)
         return trace
+
+    def kernels_per_step(self, prompt_ids: list[int], settings: DecodeSettings) -> dict[str, float]:
+        self.prepare(settings, len(prompt_ids))
+        return self.llm.collective_rpc("studio_kernels", args=(list(prompt_ids), asdict(settings)))[0]
 
 
 def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,
@@ -192,7 +200,8 @@ class NativeRun:
 def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_speculative_tokens: int = 15,
                seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False):
     """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, or its DFlash with our
-    drafter when ``drafter`` is given."""
+    drafter when ``drafter`` is given. AR runs with async scheduling, its fastest single-request
+    setting that keeps the outputs (FULL graph mode is faster and changes them)."""
     vllm = require_vllm()
     speculative = None
     if drafter is not None:
@@ -201,7 +210,8 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
     return vllm.LLM(model=model_folder(model, options.tensor_parallel_size), dtype=dtype, seed=seed,
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
-                    speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager)
+                    speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
+                    async_scheduling=speculative is None)
 
 
 def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],

@@ -14,6 +14,7 @@ kernel still has from vLLM's removed tree-attention backend). Nothing else is pa
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 import ddtree
+from ddtree.fixed import compaction_rows
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import load_drafter
 from engine.errors import EngineError
@@ -76,7 +78,9 @@ class _Forward:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
-    def load(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: int, bias: torch.Tensor | None) -> None:
+    def load(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: int | torch.Tensor,
+             bias: torch.Tensor | None) -> None:
+        """The pass's inputs; ``past`` (rows before it) may be a device tensor: nothing is read back."""
         self.ids.copy_(input_ids)
         self.positions.copy_(position_ids)
         self.slots.copy_(self.offsets + past)
@@ -196,8 +200,14 @@ class PagedTarget(Target):
         forward.load(input_ids[0], position_ids[0], cache.length, attention_bias)
         logits, taps = forward.run()
         cache.length += size  # like a DynamicCache: every pass appends; ``commit`` then trims to the path
-        hidden = {layer: tap[None] for layer, tap in zip(self.taps, taps)} if hidden_states else None
-        return logits, hidden
+        return logits, self.tapped(taps) if hidden_states else None
+
+    def tapped(self, taps: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """A pass's tapped layers keyed as HF's ``hidden_states``, each ``[1, q, hidden]``."""
+        return {layer: tap[None] for layer, tap in zip(self.taps, taps)}
+
+    def fixed_kv(self, capacity: int) -> "PagedKV":
+        return PagedKV(self)  # the paged cache is vLLM's, of its own capacity
 
     def _forward_for(self, size: int, tree: bool, prefill: bool) -> _Forward:
         key = (size, tree)
@@ -221,8 +231,9 @@ class PagedTarget(Target):
         cache.length = past_length + len(accepted)
 
     def move_rows(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        sources, targets = ddtree.paged_slots(sources, self.block_size), ddtree.paged_slots(targets, self.block_size)
         for kv in self.kv_caches:
-            ddtree.move_rows(kv, sources, targets, self.block_size)
+            ddtree.move_rows(kv, sources, targets)
 
 
 class _Compaction:
@@ -254,6 +265,39 @@ class _Compaction:
         self.graph = graph
 
 
+class PagedKV:
+    """The fixed-shape step's view of the paged cache (``engine.fixed_step``): a verify pass whose
+    slots, sequence length and tree bias are computed on the device from the write cursor
+    ``past``, so the caller records it into its own CUDA graph; the compaction moves the rows
+    ``ddtree.fixed.compaction_rows`` names, the cache's last row taking the padding moves."""
+
+    def __init__(self, target: PagedTarget):
+        self.target = target
+        self.forwards: dict[int, _Forward] = {}  # static inputs and attention metadata per verify size
+
+    def prefill_cache(self) -> PagedCache:
+        return PagedCache()
+
+    @contextmanager
+    def capturing(self):
+        """vLLM's capture context (its custom all-reduce records into the graph under tensor parallelism)."""
+        with graph_capture(device=self.target.device) as context:
+            yield context.stream
+
+    def verify(self, ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor):
+        size = ids.numel()
+        if size not in self.forwards:
+            self.forwards[size] = _Forward(self.target, size, tree=size > 1)
+        forward = self.forwards[size]
+        forward.load(ids, positions, past, ddtree.query_bias(visible) if size > 1 else None)
+        logits, taps = self.target.run_model(forward.ids, forward.positions, forward.metadata, forward.slots,
+                                             forward.bias)
+        return logits, self.target.tapped(taps)
+
+    def compact(self, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:
+        self.target.move_rows(*compaction_rows(past, path, length, self.target.capacity - 1))
+
+
 def _full_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """A vocab-parallel weight gathered across tensor-parallel ranks, padding rows dropped."""
     return tensor_model_parallel_all_gather(weight.contiguous(), dim=0)[:vocab_size]
@@ -262,7 +306,8 @@ def _full_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class StudioWorker:
     """Methods vLLM adds to its worker class; the driver calls them through ``collective_rpc``."""
 
-    def studio_load(self, name: str, drafter_path: str | None, drafter_name: str, use_cuda_graphs: bool) -> dict:
+    def studio_load(self, name: str, drafter_path: str | None, drafter_name: str, use_cuda_graphs: bool,
+                    fixed_step: bool, compile_draft: bool) -> dict:
         from transformers import AutoTokenizer
 
         runner = self.model_runner
@@ -275,7 +320,7 @@ class StudioWorker:
         else:
             target.tap_layers([])
         self.studio = Decoder(target, drafter, DrafterInfo(drafter_name, trained=drafter is not None), engine="vllm",
-                              cuda_graphs=use_cuda_graphs)
+                              cuda_graphs=use_cuda_graphs, fixed_step=fixed_step, compile_draft=compile_draft)
         return {"context_length": target.context_length}
 
     def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict) -> str:
@@ -284,3 +329,7 @@ class StudioWorker:
         trace = decoder.run(prompt, DecodeSettings(**settings), prompt_ids=prompt_ids)
         decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on
         return trace.to_json()
+
+    def studio_kernels(self, prompt_ids: list[int], settings: dict) -> dict[str, float]:
+        """Kernels per step by stage for one generation (``engine.kernels``)."""
+        return self.studio.kernels_per_step(prompt_ids, DecodeSettings(**settings))

@@ -7,7 +7,7 @@ import pytest
 from engine.bench import Job, best_budget, summarize_runs
 from engine.decode import DecodeSettings
 from engine.economics import Timing, economics, explain
-from engine.trace import Summary
+from engine.trace import Summary, Trace
 from tests.tiny import tiny_decoder
 
 
@@ -62,3 +62,24 @@ def test_the_bench_summary_carries_the_economics_categories_and_the_best_budget(
     assert summary["ddtree@8"]["step_cost_vs_ar"] == pytest.approx(2.0)
     assert summary["ddtree@8"]["predicted_speedup"] == pytest.approx(3.75 / 2.0)
     assert best_budget(summary)["label"] == "ddtree@8" and best_budget(summary)["tree_budget"] == 8
+
+
+def test_reduced_traces_time_the_same_decoding_and_the_best_budget_keeps_full_traces(tmp_path):
+    from engine.bench import benchmark, plan_jobs, with_reduced_traces
+
+    decoder = tiny_decoder(0)
+    jobs = with_reduced_traces(plan_jobs("ar,ddtree", "4,8"))
+    assert [job.label for job in jobs] == ["ar", "ar:tokens", "ddtree@4", "ddtree@4:tokens", "ddtree@8",
+                                           "ddtree@8:tokens"]
+    prompts = [{"id": "p", "prompt": "ABCDEFG", "category": None}]
+    runs, _ = benchmark(decoder, prompts, jobs, DecodeSettings("ar", max_new_tokens=12), tmp_path, progress=False)
+    by_label = {run["label"]: run for run in runs}
+    for label in ("ar", "ddtree@4", "ddtree@8"):
+        assert by_label[label + ":tokens"]["output_ids"] == by_label[label]["output_ids"]
+        assert by_label[label + ":tokens"]["acceptance_lengths"] == by_label[label]["acceptance_lengths"]
+    lean = Trace.load(tmp_path / "p.ddtree@8:tokens.json")
+    assert all(step.tree_size == 0 for step in lean.steps)
+    assert any(step.tree_size for step in Trace.load(tmp_path / "p.ddtree@8.json").steps)
+    summary = summarize_runs(runs, jobs)
+    summary["ddtree@4:tokens"]["tokens_per_s"] = 1e9  # a faster lean row is not the app's best budget
+    assert best_budget(summary)["label"] in ("ddtree@4", "ddtree@8")

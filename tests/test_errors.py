@@ -129,6 +129,7 @@ def test_a_tree_budget_below_one_or_not_a_number_is_one_clear_line(budgets):
 @pytest.mark.parametrize("extra, message", [
     (["--engine", "vllm"], "error: the vLLM engine needs a CUDA GPU; on this machine use --engine torch"),
     (["--native", "ar"], "error: --native times vLLM's own decoding: it needs --engine vllm (or --device cuda)"),
+    (["--count-kernels"], "error: --count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda"),
 ])
 def test_vllm_engine_without_a_gpu_is_a_clear_error(extra, message):
     result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl", *extra],

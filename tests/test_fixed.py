@@ -77,7 +77,7 @@ def test_the_closure_is_the_ancestor_mask(budget, seed):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_the_pointer_jumping_walk_is_the_walk(seed):
+def test_the_fixed_walk_is_the_walk(seed):
     generator = torch.Generator().manual_seed(seed)
     log_probs = random_log_probs(15, 40, seed, peaked=1.5)
     fixed = beam_tree(log_probs, 48)
@@ -90,7 +90,7 @@ def test_the_pointer_jumping_walk_is_the_walk(seed):
         target[parent] = tree.tokens[node - 1]
         node = parent
     expected_path, expected_bonus = ddtree.follow_tree(tree, target.tolist())
-    path, length, bonus = accepted_path(fixed, target, max_depth=15)
+    path, length, bonus = accepted_path(fixed, target, ancestor_closure(fixed.parents, 15), max_depth=15)
     assert int(length) == len(expected_path) and int(bonus) == expected_bonus
     assert path[: int(length)].tolist() == expected_path
     assert set(path[int(length):].tolist()) <= {expected_path[-1]}, "padding repeats the leaf"
@@ -101,5 +101,5 @@ def test_the_walk_ignores_padding_nodes():
     tree = beam_tree(log_probs, 16)
     assert int(tree.valid.sum()) == 12
     target = torch.zeros(17, dtype=torch.long)
-    path, length, _ = accepted_path(tree, target, max_depth=2)
+    path, length, _ = accepted_path(tree, target, ancestor_closure(tree.parents, 2), max_depth=2)
     assert all(bool(tree.valid[i - 1]) for i in path[1: int(length)].tolist())

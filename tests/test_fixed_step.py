@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.decode import DecodeSettings, Decoder
 from tests.test_fixed import token_paths
@@ -32,7 +34,42 @@ def test_the_fixed_step_decodes_what_ar_decodes_and_what_the_readable_step_draft
                                                                                     reference.tree_parents)
             assert mine.committed_ids == reference.committed_ids and mine.bonus_token == reference.bonus_token
             assert mine.committed_margins == pytest.approx(reference.committed_margins, abs=1e-9)
+            assert mine.draft_top_tokens == reference.draft_top_tokens
+            assert sum(mine.draft_top_probs, []) == pytest.approx(sum(reference.draft_top_probs, []), abs=1e-9)
+            assert mine.target_tokens[0] == reference.target_tokens[0] and len(mine.target_tokens) == mine.tree_size + 1
         assert set(ours.steps[1].stage_s) == {"draft", "verify", "commit"}
+
+
+def test_ar_through_the_fixed_step_is_the_readable_ar(decoders):
+    readable, fixed = decoders
+    for prompt in PROMPTS:
+        ours = fixed.run(prompt_ids=prompt, settings=DecodeSettings("ar", max_new_tokens=20))
+        theirs = readable.run(prompt_ids=prompt, settings=DecodeSettings("ar", max_new_tokens=20))
+        assert ours.output_ids == theirs.output_ids
+        assert sum((s.committed_margins for s in ours.steps), []) == pytest.approx(
+            sum((s.committed_margins for s in theirs.steps), []))
+        assert all(s.tree_size == 0 and s.accepted == [0] for s in ours.steps)
+        assert set(ours.steps[0].stage_s) == {"verify", "commit"}
+
+
+@pytest.mark.parametrize("fixed_step", [False, True])
+def test_a_tokens_only_trace_keeps_the_output_and_drops_the_tree(decoders, fixed_step):
+    decoder = decoders[fixed_step]
+    full = decoder.run(prompt_ids=PROMPTS[1], settings=DecodeSettings("ddtree", max_new_tokens=30, tree_budget=6))
+    lean = decoder.run(prompt_ids=PROMPTS[1], settings=DecodeSettings("ddtree", max_new_tokens=30, tree_budget=6,
+                                                                     trace_detail="tokens"))
+    assert lean.output_ids == full.output_ids
+    assert [s.accepted for s in lean.steps] == [s.accepted for s in full.steps]
+    assert [s.committed_margins for s in lean.steps] == [s.committed_margins for s in full.steps]
+    assert all(s.tree_size == 0 and s.draft_top_tokens == [] and s.target_tokens == [] for s in lean.steps)
+    assert any(s.tree_size for s in full.steps)
+
+
+def test_an_unknown_trace_detail_is_refused(decoders):
+    from engine.errors import EngineError
+
+    with pytest.raises(EngineError, match="trace detail must be one of full, tokens, got 'some'"):
+        decoders[0].run(prompt_ids=PROMPTS[0], settings=DecodeSettings("ar", trace_detail="some"))
 
 
 def test_a_trained_drafter_goes_deep_through_the_fixed_step(decoders):
@@ -55,3 +92,36 @@ def test_sampling_keeps_the_readable_step_and_says_so(decoders):
     trace = fixed.run(prompt_ids=PROMPTS[0], settings=DecodeSettings("ddtree", max_new_tokens=8, temperature=0.8))
     assert "sampling runs the readable step" in " ".join(trace.config.notes)
     assert "tree_build" in trace.steps[0].stage_s
+
+
+class _HostWork(TorchDispatchMode):
+    """Records what a CUDA graph cannot hold: host reads (``.item()``, ``.tolist()``),
+    data-dependent shapes, and Python scalars written by index (copied from the host)."""
+
+    HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+                  torch.ops.aten.is_nonzero.default, torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default}
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.HOST_READS:
+            self.found.append(str(func))
+        if func.overloadpacket in (torch.ops.aten.index_put_, torch.ops.aten.index_put) and args[2].dim() == 0:
+            self.found.append(f"{func} of a scalar")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method, budget", [("ar", None), ("dflash", None), ("ddtree", 12)])
+def test_the_step_programs_do_nothing_a_cuda_graph_cannot_replay(decoders, method, budget):
+    readable, fixed = decoders
+    run = fixed.run(prompt_ids=PROMPTS[0], settings=DecodeSettings(method, max_new_tokens=12, tree_budget=budget or 32))
+    program = next(p for key, p in fixed._programs.items() if key[0] == method and key[1] == budget)
+    assert run.steps, "the run made the program"
+    with torch.inference_mode(), _HostWork() as host:
+        if program.drafter is not None:
+            program.draft()
+        program.advance()
+    assert host.found == []

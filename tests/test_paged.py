@@ -67,7 +67,7 @@ def test_paged_compaction_equals_dense_compaction(accepted):
     rows = torch.arange(past + nodes)
     paged[rows // block_size, :, rows % block_size] = dense.transpose(0, 1)
     sources, targets = ddtree.compaction_moves(past, accepted)
-    ddtree.move_rows(paged, sources, targets, block_size)
+    ddtree.move_rows(paged, ddtree.paged_slots(sources, block_size), ddtree.paged_slots(targets, block_size))
     expected = ddtree.compact_rows(dense.clone(), past, accepted, dim=1)
     kept = torch.arange(past + len(accepted))
     assert torch.equal(paged[kept // block_size, :, kept % block_size].transpose(0, 1), expected)

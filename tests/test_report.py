@@ -152,3 +152,25 @@ def test_a_tensor_parallel_setting_says_how_many_gpus(results_path, tmp_path):
     results["config"]["tensor_parallel_size"] = 1
     path.write_text(json.dumps(results))
     assert load_setting(path).title == "NVIDIA H200 · vllm engine · float64 · inline prompts"
+
+
+def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_path, tmp_path):
+    from engine.bench import with_reduced_traces
+    from viz.report import build_report
+
+    data = json.loads(results_path.read_text())
+    data["config"] |= {"engine": "vllm", "step": "fixed", "host": {"gpu": "NVIDIA H200"}}
+    lean = [dict(run, label=run["label"] + ":tokens") for run in data["runs"]]
+    data["runs"] += lean
+    jobs = with_reduced_traces(plan_jobs("ar,dflash,ddtree", "4,16"))
+    data["summary"] = summarize_runs(data["runs"], jobs)
+    data["summary"]["ddtree@16"]["kernels_per_step"] = {"draft": 41.0, "verify": 380.0, "commit": 0.0}
+    path = tmp_path / "gpu-fixed.json"
+    path.write_text(json.dumps(data))
+    setting = load_setting(path)
+    assert setting.title == "NVIDIA H200 · vllm engine · fixed-shape step · float64 · inline prompts"
+    markdown = build_report([setting], tmp_path / "B.md", tmp_path / "assets", "test")
+    assert "| DDTree (budget 16) | 41 | 380 | 0 | 421 |" in markdown
+    assert "| DDTree (budget 16), tokens-only trace |" in markdown
+    labels = setting.labels
+    assert labels.index("ddtree@16:tokens") == labels.index("ddtree@16") + 1

@@ -46,6 +46,15 @@ def studio():
 
 
 @pytest.fixture(scope="module")
+def readable(studio):
+    """The same engine with the readable step (host-side tree, walk and compaction)."""
+    from engine.vllm_engine import VllmOptions, load_vllm_decoder
+
+    return load_vllm_decoder(MODEL, DRAFTER, dtype="float32",
+                             options=VllmOptions(fixed_step=False, gpu_memory_utilization=0.2))
+
+
+@pytest.fixture(scope="module")
 def torch_engine(studio):
     """The torch engine on the same GPU, same float32 weights (the folder vLLM loaded)."""
     from engine.decode import Decoder
@@ -111,7 +120,7 @@ def test_tree_verify_and_compaction_match_the_torch_engine(studio, torch_engine)
         assert error.max() < 0.15 and error.mean() < 0.05, (error.max(), error.mean())
 
 
-def test_greedy_dflash_and_ddtree_equal_vllm_ar_in_float32(studio, torch_engine):
+def test_greedy_dflash_and_ddtree_equal_vllm_ar_in_float32(studio, readable, torch_engine):
     from engine.vllm_engine import native_generate, native_llm
 
     native = native_llm(MODEL, "float32", options=studio.options, enforce_eager=True)
@@ -119,12 +128,32 @@ def test_greedy_dflash_and_ddtree_equal_vllm_ar_in_float32(studio, torch_engine)
         prompt_ids = studio.target.chat_ids(prompt)
         reference = native_generate(native, prompt_ids, NEW_TOKENS, studio.target.stop_ids).output_ids
         for settings in (DecodeSettings("ar", NEW_TOKENS), DecodeSettings("dflash", NEW_TOKENS),
-                         DecodeSettings("ddtree", NEW_TOKENS, tree_budget=32)):
-            trace = studio.run(prompt, settings)
-            assert trace.output_ids == reference, f"{settings.method} left vLLM's AR output"
-            assert trace.config.engine == "vllm"
+                         DecodeSettings("ddtree", NEW_TOKENS, tree_budget=32),
+                         DecodeSettings("ddtree", NEW_TOKENS, tree_budget=64, trace_detail="tokens")):
+            for decoder in (studio, readable):
+                trace = decoder.run(prompt, settings)
+                step = "fixed-shape" if decoder is studio else "readable"
+                assert trace.output_ids == reference, f"{settings.method} ({step} step) left vLLM's AR output"
+                assert trace.config.engine == "vllm" and f"{step} step" in trace.config.notes[-1]
         assert torch_engine.run(prompt, DecodeSettings("ar", NEW_TOKENS)).output_ids == reference
     del native
+
+
+def test_the_fixed_step_accepts_what_the_readable_step_accepts(studio, readable):
+    for prompt in prompts(3):
+        settings = DecodeSettings("ddtree", NEW_TOKENS, tree_budget=32)
+        fixed, reference = studio.run(prompt, settings), readable.run(prompt, settings)
+        assert [len(s.accepted) for s in fixed.steps] == [len(s.accepted) for s in reference.steps]
+        assert [s.committed_ids for s in fixed.steps] == [s.committed_ids for s in reference.steps]
+        assert fixed.steps[1].tree_size == 32 and len(fixed.steps[1].target_tokens) == 33
+
+
+def test_kernels_are_counted_per_stage_in_the_workers(studio, readable):
+    prompt_ids = studio.target.chat_ids(prompts(1)[0])
+    settings = DecodeSettings("ddtree", 32, tree_budget=16)
+    fixed, before = (decoder.kernels_per_step(prompt_ids, settings) for decoder in (studio, readable))
+    assert set(fixed) == {"draft", "verify", "commit"} and set(before) >= {"draft", "tree_build", "verify", "commit"}
+    assert fixed["draft"] > 20 and fixed["verify"] > 100, fixed
 
 
 def test_dflash_acceptance_agrees_with_the_torch_engine(studio, torch_engine):
@@ -138,12 +167,13 @@ def test_dflash_acceptance_agrees_with_the_torch_engine(studio, torch_engine):
     assert abs(tau - reference) / reference < 0.05, (tau, reference)
 
 
-def test_the_trace_carries_what_the_inspector_reads(studio):
-    trace = studio.run(prompts(1)[0], DecodeSettings("ddtree", 24, tree_budget=16))
-    step = trace.steps[0]
-    assert len(step.tree_tokens) == 16 and len(step.draft_top_tokens) == studio.drafter.block_size - 1
-    assert step.accepted[0] == 0 and set(step.stage_s) >= {"draft", "tree_build", "verify", "commit"}
-    assert trace.summary.new_tokens == len(trace.output_ids)
+def test_the_trace_carries_what_the_inspector_reads(studio, readable):
+    for decoder, stages in ((studio, {"draft", "verify", "commit"}), (readable, {"draft", "tree_build", "verify"})):
+        trace = decoder.run(prompts(1)[0], DecodeSettings("ddtree", 24, tree_budget=16))
+        step = trace.steps[0]
+        assert len(step.tree_tokens) == 16 and len(step.draft_top_tokens) == decoder.drafter.block_size - 1
+        assert step.accepted[0] == 0 and set(step.stage_s) >= stages
+        assert trace.summary.new_tokens == len(trace.output_ids)
 
 
 def test_bad_settings_fail_in_the_driver_and_the_engine_keeps_serving(studio):

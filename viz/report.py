@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH
+from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY
 
 MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 16 drafts 15)
 METHOD_NAMES = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}
@@ -65,7 +65,8 @@ class Setting:
         if (config.get("tensor_parallel_size") or 1) > 1:
             where = f"{config['tensor_parallel_size']}× {where}, tensor parallel"
         prompts = Path(str(config.get("prompts", "?"))).stem
-        return f"{where} · {config.get('engine', '?')} engine · {config.get('dtype', '?')} · {prompts} prompts"
+        step = {"fixed": " · fixed-shape step", "readable": " · readable step"}.get(config.get("step"), "")
+        return f"{where} · {config.get('engine', '?')} engine{step} · {config.get('dtype', '?')} · {prompts} prompts"
 
     @property
     def labels(self) -> list[str]:
@@ -101,18 +102,18 @@ def _method_row(label: str, entry: dict) -> MethodRow:
 
 
 def label_method(label: str) -> str:
-    return label.split("@", 1)[0]
+    return label.removesuffix(TOKENS_ONLY).split("@", 1)[0]
 
 
 def label_budget(label: str) -> int | None:
-    _, _, budget = label.partition("@")
+    _, _, budget = label.removesuffix(TOKENS_ONLY).partition("@")
     return int(budget) if budget.isdigit() else None
 
 
-def label_order(label: str) -> tuple[int, int, str]:
+def label_order(label: str) -> tuple[int, int, bool, str]:
     method = label_method(label)
     rank = METHODS.index(method) if method in METHODS else len(METHODS)
-    return (rank, label_budget(label) or 0, label)
+    return (rank, label_budget(label) or 0, label.endswith(TOKENS_ONLY), label)
 
 
 def run_label(run: dict) -> str:
@@ -124,7 +125,8 @@ def run_label(run: dict) -> str:
 def display_label(label: str) -> str:
     budget = label_budget(label)
     name = METHOD_NAMES.get(label_method(label), NATIVE_NAMES.get(label, label))
-    return f"{name} (budget {budget})" if budget is not None else name
+    name = f"{name} (budget {budget})" if budget is not None else name
+    return f"{name}, tokens-only trace" if label.endswith(TOKENS_ONLY) else name
 
 
 def load_setting(path: str | Path) -> Setting:
@@ -231,9 +233,6 @@ def acceptance_table(setting: Setting) -> str:
     return _table(["Method", "steps", *(f"k={k}" for k in range(1, positions + 1))], rows)
 
 
-STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
-
-
 def stage_table(setting: Setting) -> str | None:
     """Milliseconds per verify step in each stage (the engine's stage timers), and the rest of
     the loop (detokenizing, recording the trace, Python); None when no run has stage timers."""
@@ -250,6 +249,18 @@ def stage_table(setting: Setting) -> str | None:
     if not rows:
         return None
     return _table(["Method", *STAGES, "rest", "wall per step (ms)"], rows)
+
+
+def kernel_table(setting: Setting) -> str | None:
+    """CUDA kernels per verify step in each stage (``engine.bench --count-kernels``)."""
+    counted = {label: setting.summary[label]["kernels_per_step"] for label in setting.labels
+               if "kernels_per_step" in setting.summary.get(label, {})}
+    if not counted:
+        return None
+    stages = [stage for stage in STAGES if any(stage in counts for counts in counted.values())]
+    rows = [[display_label(label), *(f"{counts[stage]:.0f}" if stage in counts else "–" for stage in stages),
+             f"{sum(counts.values()):.0f}"] for label, counts in counted.items()]
+    return _table(["Method", *stages, "kernels per step"], rows)
 
 
 def economics_table(setting: Setting) -> str | None:
@@ -456,6 +467,10 @@ def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path
     if stages is not None:
         parts += ["### Where the time goes\n\nMilliseconds per verify step, from the engine's stage timers "
                   "(wall time includes the prefill, spread over the steps).", stages]
+    kernels = kernel_table(setting)
+    if kernels is not None:
+        parts += ["### Kernels per step\n\nCUDA kernels each stage launches per verify step (profiler, one run of "
+                  "the first prompt per method; kernels a CUDA graph replays count one by one).", kernels]
     if setting.drafting_labels():
         parts += ["### Per-position acceptance\n\nShare of verify steps that accepted draft position k "
                   "(all prompts): a step accepts position k when its acceptance length exceeds k.",
