@@ -697,7 +697,8 @@ def main() -> None:
     parser.add_argument("--step", choices=["fixed", "readable"], default=None,
                         help="greedy steps as fixed-shape device programs (default on a GPU) or the readable loop")
     parser.add_argument("--tree-budget", type=int, default=None,
-                        help="the DDTree budget the page starts with (default: the fastest here, timed at start-up)")
+                        help="the DDTree budget the page starts with (default: the fastest here: the bench's, "
+                             "recorded in assets/budgets.json, else timed at start-up)")
     args = parser.parse_args()
     if args.tree_budget is not None and args.tree_budget < 1:
         raise SystemExit(f"error: --tree-budget must be at least 1, got {args.tree_budget}")

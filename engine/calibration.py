@@ -1,4 +1,9 @@
-"""Pick the DDTree budget that is fastest on this machine, at start-up, in a few seconds.
+"""Pick the DDTree budget that is fastest on this machine: measured by the bench, or timed at start-up.
+
+Where a bench run on this kind of machine (device, engine, dtype, step, drafter weights) has been
+recorded in ``assets/budgets.json`` (``python -m engine.calibration record RESULTS.json``), its
+best budget is the page's default: the app then starts with what the bench found fastest there.
+Otherwise the start-up timing below chooses.
 
 Speed-up = τ ÷ step cost. τ at each budget is the drafter's: its measured acceptance curve
 (``acceptance`` in the drafter's config.json, written from a bench run on prompts it never
@@ -11,8 +16,14 @@ so the page's first runs do not pay one-time costs.
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from engine.decode import DecodeSettings, Decoder
 from engine.economics import Economics, Timing, economics
@@ -21,6 +32,7 @@ CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
 CALIBRATION_PROMPT = "Explain briefly how a refrigerator keeps food cold."
 CALIBRATION_TOKENS = 16
 FALLBACK_BUDGET = 32  # no drafter to calibrate
+MEASURED_BUDGETS = Path(__file__).resolve().parent.parent / "assets" / "budgets.json"
 
 
 @dataclass(frozen=True)
@@ -29,8 +41,14 @@ class BudgetChoice:
     table: dict[int, Economics]  # per candidate budget: τ (the curve's), step cost, predicted speed-up
     tau_source: str
     seconds: float
+    measured: dict | None = None  # the bench's record for this machine, when it decided
 
     def sentence(self) -> str:
+        if self.measured is not None:
+            m = self.measured
+            return (f"DDTree budget {self.budget} is the fastest here: the bench on this machine measured "
+                    f"{m['tokens_per_s']:.0f} tokens/s at it, {m['speedup_vs_ar']:.2f}× AR (τ {m['tau']:.2f}; "
+                    f"{m['prompts']}, {m['results']}).")
         entry = self.table.get(self.budget)
         if entry is None or entry.predicted_speedup is None:
             return f"DDTree budget {self.budget} ({self.tau_source})."
@@ -73,4 +91,60 @@ def choose_budget(decoder: Decoder, budgets: tuple[int, ...] = CANDIDATE_BUDGETS
         table[budget] = Economics(tau, entry.step_ms, cost, tau / cost if tau and cost else None, entry.speedup_vs_ar)
     source = "the drafter's acceptance curve" if all(b in curve for b in budgets) else "the calibration runs"
     best = max(budgets, key=lambda b: table[b].predicted_speedup or 0.0)
+    measured = measured_budgets().get(machine_key(decoder))
+    if measured is not None and measured["drafter_revision"] == decoder.drafter_info.revision:
+        return BudgetChoice(measured["tree_budget"], table, source, time.perf_counter() - began, measured)
     return BudgetChoice(best, table, source, time.perf_counter() - began)
+
+
+def machine_key(decoder: Decoder) -> str:
+    """What a measured budget holds for: the device (GPU model, or CPU and its threads), engine,
+    dtype and step."""
+    return _key(torch.cuda.get_device_name(0) if decoder.target.device.type == "cuda" else None,
+                torch.get_num_threads(), decoder.engine, str(decoder.target.dtype).removeprefix("torch."),
+                decoder.step_kind)
+
+
+def _key(gpu: str | None, threads: int, engine: str, dtype: str, step: str) -> str:
+    return f"{gpu or f'CPU, {threads} threads'} | {engine} | {dtype} | {step} step"
+
+
+def measured_budgets(path: Path = MEASURED_BUDGETS) -> dict[str, dict]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def record_best(results_path: str, path: Path = MEASURED_BUDGETS) -> tuple[str, dict]:
+    """Add a bench run's best DDTree budget to the table, keyed by the machine it ran on."""
+    results = json.loads(Path(results_path).read_text())
+    config, best = results["config"], results.get("best")
+    if not best:
+        raise ValueError(f"{results_path} has no best DDTree budget: bench DDTree at one budget or more")
+    gpu = config["host"].get("gpu") if str(config["device"]).startswith("cuda") else None
+    step = config.get("step") or "readable"  # results from before --step ran the readable loop
+    key = _key(gpu, config["host"]["threads"], config["engine"], config["dtype"], step)
+    entry = {"tree_budget": best["tree_budget"], "tokens_per_s": round(best["tokens_per_s"], 1),
+             "speedup_vs_ar": round(best["speedup_vs_ar"], 3), "tau": round(best["tau"], 3),
+             "drafter_revision": config["drafter_revision"], "prompts": config["prompts"],
+             "results": str(results_path)}
+    table = measured_budgets(path) | {key: entry}
+    path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+    return key, entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.calibration",
+                                     description="record a bench run's best DDTree budget as its machine's default")
+    parser.add_argument("command", choices=["record"])
+    parser.add_argument("results", help="results JSON written by engine.bench (--out)")
+    args = parser.parse_args(argv)
+    try:
+        key, entry = record_best(args.results)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{key}: budget {entry['tree_budget']} ({entry['tokens_per_s']} tokens/s, {entry['speedup_vs_ar']}× AR)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -51,6 +51,7 @@ class DrafterInfo:
 
     name: str
     trained: bool
+    revision: str | None = None  # the weights' fingerprint (``engine.drafter.weights_digest``)
 
 
 class StageClock:
@@ -95,6 +96,11 @@ class Decoder:
         self._programs: dict[tuple, object] = {}
         if drafter is not None:
             self._check_drafter_fits(drafter)
+
+    @property
+    def step_kind(self) -> str:
+        """How greedy steps run: "fixed" (device programs, ``engine.fixed_step``) or "readable"."""
+        return "fixed" if self.fixed_step else "readable"
 
     def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
         if not (self.cuda_graphs and self.drafter.full_attention):

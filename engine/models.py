@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.decode import Decoder, DrafterInfo
-from engine.drafter import DFlashDrafter, fresh_config, load_drafter
+from engine.drafter import DFlashDrafter, fresh_config, load_drafter, weights_digest
 from engine.target import BUNDLED_MODEL, load_target
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -39,7 +39,7 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
     if checkpoint is None:
         draft_model, info = random_drafter(target, seed), DrafterInfo(f"random (untrained, seed {seed})", trained=False)
     else:
-        draft_model, info = checkpoint, DrafterInfo(display_name(drafter), trained=True)
+        draft_model, info = checkpoint, DrafterInfo(display_name(drafter), trained=True, revision=weights_digest(drafter))
     draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
     return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_draft=compile_draft)
 

@@ -146,7 +146,7 @@ class VllmDecoder(Decoder):
                                                               options.fixed_step, options.compile_draft))[0]
         target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"])
         drafter = load_drafter(drafter_path) if drafter_path is not None else None
-        super().__init__(target, drafter, drafter_info, engine="vllm")
+        super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step)
 
     def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
             prompt_ids: list[int] | None = None, on_step: Callable[[Trace, Step], None] | None = None,
@@ -178,13 +178,15 @@ class VllmDecoder(Decoder):
 def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,
                       options: VllmOptions = VllmOptions()) -> VllmDecoder:
     """The vLLM twin of ``engine.models.load_decoder`` (the shipped drafter for the bundled model)."""
+    from engine.drafter import weights_digest
     from engine.models import RANDOM, display_name, shipped_drafter
 
     if drafter == RANDOM:
         raise EngineError("the vLLM engine runs trained drafters only: pass a drafter folder")
     if drafter is None and (model or BUNDLED_MODEL) == BUNDLED_MODEL and shipped_drafter() is not None:
         drafter = str(shipped_drafter())
-    info = DrafterInfo(display_name(drafter), trained=True) if drafter else DrafterInfo("none", trained=False)
+    info = (DrafterInfo(display_name(drafter), trained=True, revision=weights_digest(drafter)) if drafter
+            else DrafterInfo("none", trained=False))
     return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
 
 

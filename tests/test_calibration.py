@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.calibration import BudgetChoice, choose_budget
-from engine.decode import Decoder
+from engine.decode import Decoder, DrafterInfo
 from engine.economics import Economics
 from engine.training.export import acceptance_record
 from tests.tiny import tiny_decoder
@@ -47,3 +48,39 @@ def test_a_bench_result_becomes_the_drafters_recorded_curve():
     record = acceptance_record(results)
     assert record == {"prompts": "assets/prompts/fresh.jsonl", "max_new_tokens": 64, "dtype": "float32",
                       "ddtree": {"8": 2.91, "32": 3.457}, "dflash": 2.123}
+
+
+def test_a_recorded_bench_best_is_the_default_on_its_machine_and_drafter(decoder, tmp_path, monkeypatch):
+    import json
+
+    import engine.calibration as calibration
+
+    results = tmp_path / "cpu-fresh.json"
+    results.write_text(json.dumps({
+        "config": {"device": "cpu", "engine": "torch", "dtype": "float64", "prompts": "fresh.jsonl",
+                   "drafter_revision": "abc123", "host": {"threads": torch.get_num_threads()}},
+        "best": {"label": "ddtree@6", "tree_budget": 6, "tokens_per_s": 21.26, "speedup_vs_ar": 1.2345, "tau": 2.6}}))
+    table = tmp_path / "budgets.json"
+    monkeypatch.setattr(calibration, "MEASURED_BUDGETS", table)
+    key, entry = calibration.record_best(str(results), table)
+    assert key == calibration.machine_key(decoder) == f"CPU, {torch.get_num_threads()} threads | torch | float64 | readable step"
+    monkeypatch.setattr(calibration, "measured_budgets", lambda: json.loads(table.read_text()))
+    monkeypatch.setattr(decoder, "drafter_info", DrafterInfo("shipped", trained=True, revision="abc123"))
+    choice = choose_budget(decoder, budgets=(2, 8), prompt="howdoesitwork", tokens=8)
+    assert choice.budget == 6 and set(choice.table) == {2, 8}, "the start-up timing still runs (and warms up)"
+    assert choice.sentence() == ("DDTree budget 6 is the fastest here: the bench on this machine measured 21 tokens/s "
+                                 f"at it, 1.23× AR (τ 2.60; fresh.jsonl, {results}).")
+    monkeypatch.setattr(decoder, "drafter_info", DrafterInfo("another", trained=True, revision="def456"))
+    assert choose_budget(decoder, budgets=(2, 8), prompt="howdoesitwork", tokens=8).measured is None, \
+        "a bench of other weights does not decide"
+
+
+def test_recording_a_result_without_a_best_budget_is_one_clear_line(tmp_path, capsys):
+    import json
+
+    from engine.calibration import main
+
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"config": {}, "best": None}))
+    assert main(["record", str(results)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {results} has no best DDTree budget: bench DDTree at one budget or more"
