@@ -37,7 +37,7 @@ from engine.models import load_decoder
 from engine.target import resolve_device
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
 from viz.figures import acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop, \
-    probability_figure, race_chart, stage_figure, sweep_figure, trace_economics
+    probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics
 from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
 from viz.tokens import TokenText, pieces_token_text
 from viz.tree_figure import tree_figure
@@ -520,7 +520,7 @@ class StudioApp:
             self.inspect_method: gr.Radio(choices=[(METHOD_NAMES[t.config.method], t.config.method) for t in runs],
                                           value=first),
             self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
-                                          "Time per stage, whole run"),
+                                          timing_title("Time per stage, whole run", runs)),
             self.histogram: acceptance_histogram(runs),
             self.economics_plot: economics_figure(runs),
             self.economics_text: economics_text(runs),
@@ -548,10 +548,11 @@ class StudioApp:
         token_text = self.studio.token_text_for(ordered(traces))
         label = trace.config.label
         return {
-            self.tree: tree_figure(step, token_text, label),
-            self.probs: probability_figure(step, token_text, label),
+            self.tree: tree_figure(step, token_text, trace.config.title_label),
+            self.probs: probability_figure(step, token_text, trace.config.title_label),
             self.why: explain_stop(step, token_text),
-            self.step_stages: stage_figure({label: step.stage_s}, f"Time per stage, step {step.index}"),
+            self.step_stages: stage_figure({label: step.stage_s},
+                                           timing_title(f"Time per stage, step {step.index}", [trace])),
         }
 
     def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, control: RunControl):

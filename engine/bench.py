@@ -332,6 +332,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time every method with traces kept to the committed tokens (label suffix :tokens)")
     parser.add_argument("--count-kernels", action="store_true",
                         help="CUDA: count kernels per step by stage (profiler, one run of the first prompt per method)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="--model and --drafter are config-only folders (assets/shapes/): random weights, "
+                             "timing only (runs ignore end-of-sequence and decode their full length)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                        help="vllm engine: share of GPU memory vLLM may take (large shapes need more)")
     parser.add_argument("--native", default="", metavar="ar,dflash",
                         help="vllm engine: also time vLLM's own AR and/or DFlash (CUDA graphs on) on the same prompts")
     return parser.parse_args(argv)
@@ -383,7 +388,8 @@ def _main(args: argparse.Namespace) -> int:
     config = {
         "command": "python -m engine.bench " + " ".join(sys.argv[1:]),
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
-        "drafter_revision": _drafter_revision(args),
+        "drafter_revision": None if args.random_weights else _drafter_revision(args),
+        "timing_only": args.random_weights,
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
         "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_draft": args.compile_draft,
@@ -425,13 +431,14 @@ def _load(args: argparse.Namespace, dtype: str):
         from engine.vllm_engine import VllmOptions, load_vllm_decoder
 
         options = VllmOptions(tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.no_cuda_graphs,
-                              fixed_step=args.step == "fixed", compile_draft=args.compile_draft)
+                              fixed_step=args.step == "fixed", compile_draft=args.compile_draft,
+                              random_weights=args.random_weights, gpu_memory_utilization=args.gpu_memory_utilization)
         return load_vllm_decoder(args.model, args.drafter, dtype=dtype, seed=args.seed, options=options)
     from engine.models import load_decoder
 
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
                         fixed_step=args.step == "fixed", cuda_graphs=args.step == "fixed" and not args.no_cuda_graphs,
-                        compile_draft=args.compile_draft)
+                        compile_draft=args.compile_draft, random_weights=args.random_weights)
 
 
 def _drafter_folder(args: argparse.Namespace):

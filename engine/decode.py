@@ -83,7 +83,7 @@ class StageClock:
 class Decoder:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
                  engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False,
-                 compile_draft: bool = False):
+                 compile_draft: bool = False, timing_only: bool = False):
         self.target = target
         self.drafter = drafter
         self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
@@ -92,6 +92,7 @@ class Decoder:
         # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step
         self.fixed_step = fixed_step
         self.compile_draft = compile_draft  # the fixed step's draft pass through torch.compile
+        self.timing_only = timing_only  # random weights at a real shape: traces say so
         self._graphed_drafts: dict[int, GraphedDraft] = {}
         self._programs: dict[tuple, object] = {}
         if drafter is not None:
@@ -175,7 +176,7 @@ class Decoder:
             device=str(device), dtype=str(target.dtype).removeprefix("torch."),
             block_size=settings.block_size, tree_budget=settings.tree_budget if settings.method == "ddtree" else None,
             temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
-            prompt=prompt, prompt_ids=list(prompt_ids), notes=notes,
+            prompt=prompt, prompt_ids=list(prompt_ids), notes=notes, timing_only=self.timing_only,
         )
         if self.uses_fixed_step(settings):
             from engine.fixed_step import FixedRun

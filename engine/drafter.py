@@ -435,8 +435,9 @@ def _rope_theta(target_config) -> float:
     return float(rope.get("rope_theta", getattr(target_config, "rope_theta", 1e4)))
 
 
-def load_drafter(folder: str | Path) -> DFlashDrafter:
-    """Load a DFlash checkpoint folder (``config.json`` + safetensors, sharded or not)."""
+def load_drafter(folder: str | Path, random_weights: bool = False) -> DFlashDrafter:
+    """Load a DFlash checkpoint folder (``config.json`` + safetensors, sharded or not); with
+    ``random_weights``, its ``config.json`` alone, initialised in place (timing only)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -451,6 +452,8 @@ def load_drafter(folder: str | Path) -> DFlashDrafter:
     except json.JSONDecodeError as exc:
         raise DrafterError(f"drafter config.json is not valid JSON: {exc}") from exc
     config = DrafterConfig.from_json(raw)
+    if random_weights:
+        return DFlashDrafter(config).initialize(0)
     weight_files = sorted(folder.glob("*.safetensors"))
     if not weight_files:
         raise DrafterError(f"drafter folder {str(folder)!r} has no .safetensors weights")
@@ -472,6 +475,14 @@ def load_drafter(folder: str | Path) -> DFlashDrafter:
         )
     drafter.load_state_dict({k: state[k] for k in expected})
     return drafter
+
+
+def drafter_shape(folder: str | Path) -> DFlashDrafter:
+    """A drafter's structure without weights (on the meta device): what a process that only
+    checks settings against it needs, at any size."""
+    config = DrafterConfig.from_json(json.loads(Path(folder, "config.json").read_text()))
+    with torch.device("meta"):
+        return DFlashDrafter(config)
 
 
 def weights_digest(folder: str | Path) -> str:

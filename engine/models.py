@@ -6,7 +6,9 @@ from pathlib import Path
 
 from engine.decode import Decoder, DrafterInfo
 from engine.drafter import DFlashDrafter, fresh_config, load_drafter, weights_digest
+from engine.errors import EngineError
 from engine.target import BUNDLED_MODEL, load_target
+from engine.trace import TIMING_ONLY
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafters" / "smollm2-135m-dflash-b16"
@@ -28,10 +30,19 @@ def random_drafter(target, seed: int = 0, block_size: int = 16) -> DFlashDrafter
 
 def load_decoder(model: str | None = None, drafter: str | None = None, device: str = "cpu",
                  dtype: str = "float32", seed: int = 0, fixed_step: bool = False, cuda_graphs: bool = False,
-                 compile_draft: bool = False) -> Decoder:
+                 compile_draft: bool = False, random_weights: bool = False) -> Decoder:
     """``drafter``: a checkpoint folder, ``random`` (seeded, untrained), or ``None`` for
     the shipped drafter when running the bundled model (random otherwise). ``fixed_step``,
-    ``cuda_graphs`` and ``compile_draft``: see ``Decoder``."""
+    ``cuda_graphs`` and ``compile_draft``: see ``Decoder``. ``random_weights``: ``model`` and
+    ``drafter`` are config-only folders (``assets/shapes/``), loaded with random weights: timing only."""
+    if random_weights:
+        if drafter in (None, RANDOM):
+            raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
+        checkpoint = load_drafter(drafter, random_weights=True)
+        target = load_target(model, device=device, dtype=dtype, random_weights=True)
+        info = DrafterInfo(f"{display_name(drafter)} ({TIMING_ONLY})", trained=False)
+        return Decoder(target, checkpoint.to(device=target.device, dtype=target.dtype).eval(), info,
+                       fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_draft=compile_draft, timing_only=True)
     checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast, before the slow target load
     target = load_target(model, device=device, dtype=dtype)
     if checkpoint is None and drafter is None and target.name == BUNDLED_MODEL and shipped_drafter() is not None:

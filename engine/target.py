@@ -136,11 +136,20 @@ def _cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
-def load_target(name: str | None = None, device: str = "cpu", dtype: str = "float32") -> Target:
-    """Load any HF causal LM (folder, hub id, or GGUF file); ``None``/``smollm2`` is the bundled model."""
+def load_target(name: str | None = None, device: str = "cpu", dtype: str = "float32",
+                random_weights: bool = False) -> Target:
+    """Load any HF causal LM (folder, hub id, or GGUF file); ``None``/``smollm2`` is the bundled model.
+    ``random_weights``: a folder's ``config.json`` alone, randomly initialised (timing only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
+    if random_weights:
+        config = shape_config(name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model.to(torch_device).eval()
+        return Target(model=model, tokenizer=shape_tokenizer(name), name=name, stop_ids=[])
     name = name or BUNDLED_MODEL
     kwargs: dict = {}
     if name == BUNDLED_MODEL:
@@ -167,6 +176,28 @@ def load_target(name: str | None = None, device: str = "cpu", dtype: str = "floa
         raise EngineError(f"could not load model {name!r}: {str(exc).splitlines()[0]}") from exc
     model.to(torch_device).eval()
     return Target(model=model, tokenizer=tokenizer, name=name, stop_ids=stop_token_ids(tokenizer, model.config))
+
+
+def shape_config(folder: str | None):
+    """The ``config.json`` of a model folder loaded with random weights (``--random-weights``)."""
+    from transformers import AutoConfig
+
+    if folder is None or not (Path(folder) / "config.json").is_file():
+        raise EngineError(f"--random-weights needs a model folder with a config.json, got {folder!r}")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"could not read {folder}/config.json: {str(exc).splitlines()[0]}") from exc
+
+
+def shape_tokenizer(folder: str):
+    """The folder's own tokenizer, or the bundled model's: any ids below its vocabulary are valid."""
+    from transformers import AutoTokenizer
+
+    if any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(folder)
+    gguf = bundled_gguf()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def stop_token_ids(tokenizer, config) -> list[int]:

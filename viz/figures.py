@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.economics import Economics, Timing, economics, explain
-from engine.trace import STAGES, Step, Trace
+from engine.trace import STAGES, TIMING_ONLY, Step, Trace
 from viz.tokens import TokenText, shown
 
 ACCEPTED_COLOUR = "#2ca02c"
@@ -19,6 +19,11 @@ TARGET_COLOUR = "#d9534f"
 METHOD_COLOURS = {"ar": "#7f7f7f", "dflash": "#ff7f0e", "ddtree": "#1f6fd1"}
 STAGE_COLOURS = {"draft": "#ff7f0e", "tree_build": "#9467bd", "tree_compile": "#8c564b", "verify": "#1f77b4",
                  "commit": "#2ca02c"}
+
+
+def timing_title(title: str, traces: list[Trace]) -> str:
+    """``title``, marked when a run's weights are random (a model shape timed, nothing decoded)."""
+    return f"{title} · {TIMING_ONLY}" if any(trace.config.timing_only for trace in traces) else title
 
 
 def empty_figure(message: str, height: int = 220) -> go.Figure:
@@ -172,7 +177,7 @@ def acceptance_histogram(traces: list[Trace]) -> go.Figure:
         fig.add_trace(go.Bar(x=lengths, y=[counts[n] for n in lengths], name=trace.config.label,
                              marker_color=METHOD_COLOURS.get(trace.config.method),
                              hovertemplate="length %{x}: %{y} steps<extra>%{fullData.name}</extra>"))
-    fig.update_layout(barmode="group", title=dict(text="Acceptance length per step (bonus included)", x=0,
+    fig.update_layout(barmode="group", title=dict(text=timing_title("Acceptance length per step (bonus included)", traces), x=0,
                                                   font=dict(size=14)),
                       template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),
                       # a few empty lengths on the right keep one-length runs from drawing slabs
@@ -216,7 +221,8 @@ def economics_figure(traces: list[Trace]) -> go.Figure:
                                text=f"τ ÷ cost = <b>{entry.predicted_speedup:.2f}×</b><br>measured {entry.speedup_vs_ar:.2f}×")
     top = max(taus + costs + [1.0])
     fig.update_layout(template="plotly_white", barmode="group", height=360, yaxis=dict(range=[0, top * 1.6]),
-                      title=dict(text="Why it is fast or slow: speed-up = τ ÷ step cost", font=dict(size=14)),
+                      title=dict(text=timing_title("Why it is fast or slow: speed-up = τ ÷ step cost", traces),
+                                font=dict(size=14)),
                       margin=dict(l=10, r=10, t=50, b=30), legend=dict(orientation="h", y=-0.15))
     return fig
 
@@ -259,7 +265,7 @@ def sweep_figure(traces: list[Trace], baseline: Trace | None = None) -> go.Figur
                            showarrow=True, arrowhead=2, row=1, col=2)
     fig.update_xaxes(type="log", title="tree budget (nodes)", tickvals=budgets)
     fig.update_layout(template="plotly_white", height=380, margin=dict(l=10, r=10, t=50, b=40),
-                      legend=dict(orientation="h", y=-0.25))
+                      legend=dict(orientation="h", y=-0.25), title=dict(text=timing_title("", runs), x=0))
     return fig
 
 
@@ -275,7 +281,8 @@ def race_chart(traces: list[Trace]) -> go.Figure:
             counts.append(counts[-1] + step.acceptance_length)
         fig.add_trace(go.Scatter(x=times, y=counts, mode="lines", line_shape="hv", name=trace.config.label,
                                  line=dict(color=METHOD_COLOURS.get(trace.config.method), width=2)))
-    fig.update_layout(title=dict(text="Tokens over time (each method ran alone)", x=0, font=dict(size=14)),
+    fig.update_layout(title=dict(text=timing_title("Tokens over time (each method ran alone)", traces), x=0,
+                                 font=dict(size=14)),
                       template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),
                       xaxis=dict(title="seconds since start"), yaxis=dict(title="tokens"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY
+from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TIMING_ONLY, TOKENS_ONLY
 
 MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 16 drafts 15)
 METHOD_NAMES = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}
@@ -66,7 +66,8 @@ class Setting:
             where = f"{config['tensor_parallel_size']}× {where}, tensor parallel"
         prompts = Path(str(config.get("prompts", "?"))).stem
         step = {"fixed": " · fixed-shape step", "readable": " · readable step"}.get(config.get("step"), "")
-        return f"{where} · {config.get('engine', '?')} engine{step} · {config.get('dtype', '?')} · {prompts} prompts"
+        title = f"{where} · {config.get('engine', '?')} engine{step} · {config.get('dtype', '?')} · {prompts} prompts"
+        return f"{Path(str(config.get('model'))).name} ({TIMING_ONLY}) · {title}" if config.get("timing_only") else title
 
     @property
     def labels(self) -> list[str]:

@@ -366,7 +366,7 @@ def drafter_name(trace: Trace) -> str | None:
 
 def drafter_lines(trace: Trace) -> list[str]:
     """How the column's models are named, longest first: narrow columns take a shorter form."""
-    drafter, model = drafter_name(trace), trace.config.model
+    drafter, model = drafter_name(trace), trace.config.model_label
     return [f"{model} + drafter {drafter}", f"{model} + {drafter}"] if drafter else [f"{model} · target only"]
 
 
@@ -592,7 +592,7 @@ class Scene:
         blocks = f" · draft block {', '.join(block_sizes)}" if block_sizes else ""
         return [
             "Methods: " + " · ".join(method_title(t) for t in traces),
-            "Target: " + ", ".join(_unique(t.config.model for t in traces)),
+            "Target: " + ", ".join(_unique(t.config.model_label for t in traces)),
             *(f"Drafter: {d}" for d in _unique(drafter_name(t) for t in traces) if d),
             *(f"Recorded on: {e}" for e in _unique(engine_line(t) for t in traces)),
             f"Decoding: {sampling} · up to {first.max_new_tokens} new tokens{blocks}",

@@ -1,0 +1,125 @@
+"""Model shapes with random weights (timing only): loading, labels, the bench, the projection."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from engine.decode import DecodeSettings
+from engine.drafter import drafter_shape
+from engine.errors import EngineError
+from engine.models import load_decoder
+from engine.projection import PAPER_QWEN3_8B, main as projection_main, project
+from engine.trace import TIMING_ONLY, Trace
+from viz.figures import economics_figure
+from viz.report import load_setting
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = ROOT / "assets" / "shapes"
+VOCAB = 49152  # the bundled tokenizer's ids must fit
+
+
+@pytest.fixture(scope="module")
+def shape(tmp_path_factory) -> tuple[Path, Path]:
+    """A small Qwen3-shaped target and its DFlash drafter, config files only."""
+    folder = tmp_path_factory.mktemp("shapes")
+    target = json.loads((SHAPES / "qwen3-8b" / "config.json").read_text())
+    target.update(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_window_layers=4)
+    drafter = json.loads((SHAPES / "qwen3-8b-dflash-b16" / "config.json").read_text())
+    drafter.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, num_target_layers=4, block_size=8,
+                   layer_types=["full_attention"], dflash_config={"mask_token_id": 16, "target_layer_ids": [1, 2]})
+    for name, config in (("target", target), ("drafter", drafter)):
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_text(json.dumps(config))
+    return folder / "target", folder / "drafter"
+
+
+@pytest.mark.parametrize("target, drafter", [("qwen3-8b", "qwen3-8b-dflash-b16"), ("dense-27b", "dense-27b-dflash-b16")])
+def test_the_shipped_shapes_pair_up(target, drafter):
+    config, draft = AutoConfig.from_pretrained(SHAPES / target), drafter_shape(SHAPES / drafter)
+    assert draft.config.hidden_size == config.hidden_size and draft.config.vocab_size == config.vocab_size
+    assert max(draft.config.target_layer_ids) < config.num_hidden_layers
+    assert draft.config.num_target_layers == config.num_hidden_layers and draft.block_size == 16
+    assert next(draft.parameters()).device.type == "meta", "a shape is checked without allocating its weights"
+
+
+def test_a_random_weights_run_is_labelled_decodes_its_full_length_and_stays_exact(shape):
+    target, drafter = shape
+    decoder = load_decoder(str(target), str(drafter), random_weights=True)
+    assert decoder.target.stop_ids == [] and TIMING_ONLY in decoder.drafter_info.name
+    ar = decoder.run("Hello there", DecodeSettings("ar", max_new_tokens=20))
+    tree = decoder.run("Hello there", DecodeSettings("ddtree", max_new_tokens=20, tree_budget=8))
+    assert len(ar.output_ids) == 20 and tree.output_ids == ar.output_ids
+    assert ar.config.timing_only and tree.config.model_label == f"{target} ({TIMING_ONLY})"
+    assert TIMING_ONLY in tree.config.title_label
+    assert TIMING_ONLY in economics_figure([ar, tree]).layout.title.text
+    assert Trace.from_json(tree.to_json()).config.timing_only
+
+
+def test_random_weights_need_config_folders():
+    with pytest.raises(EngineError, match="--random-weights needs a model folder with a config.json, got None"):
+        load_decoder(None, str(SHAPES / "qwen3-8b-dflash-b16"), random_weights=True)
+    with pytest.raises(EngineError, match="--random-weights takes a drafter config folder too"):
+        load_decoder(str(SHAPES / "qwen3-8b"), None, random_weights=True)
+
+
+def test_the_bench_times_a_shape_and_the_projection_reads_it(shape, tmp_path, capsys):
+    target, drafter = shape
+    out = tmp_path / "shape.json"
+    result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl",
+                             "--limit", "1", "--model", str(target), "--drafter", str(drafter), "--random-weights",
+                             "--methods", "ar,dflash,ddtree", "--tree-budget", "8,16", "--max-new-tokens", "16",
+                             "--no-progress", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())
+    assert results["config"]["timing_only"] and results["config"]["drafter_revision"] is None
+    assert all(run["new_tokens"] == 16 for run in results["runs"]), "end-of-sequence is ignored"
+    assert load_setting(out).title.startswith(f"target ({TIMING_ONLY}) · ")
+    assert projection_main([str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "baseline the Studio's AR" in printed and "Projection, not measurement" in printed
+    assert "| ddtree@8 |" in printed and "| ddtree@16 |" in printed
+
+
+def test_the_projection_divides_tau_by_the_step_cost():
+    results = {"config": {"model": "qwen3-8b", "timing_only": True},
+               "runs": [{"label": "vllm-ar", "wall_s": 1.0, "new_tokens": 100}],  # 10 ms per token
+               "summary": {"ar": {"step_ms": 9.0}, "dflash": {"step_ms": 15.0}, "ddtree@16": {"step_ms": 20.0},
+                           "ddtree@16:tokens": {"step_ms": 18.0}, "ddtree@512": {"step_ms": 40.0}}}
+    name, ar_ms, rows = project(results, {"dflash": 2.2, "ddtree": {"16": 2.9}})
+    assert name == "vLLM's own AR" and ar_ms == pytest.approx(10.0)
+    dflash, b16, b512 = rows
+    assert [row.label for row in rows] == ["dflash", "ddtree@16", "ddtree@512"]
+    assert dflash.cost == pytest.approx(1.5) and dflash.speedup_ours == pytest.approx(2.2 / 1.5)
+    assert b16.speedup_ours == pytest.approx(2.9 / 2.0) and b16.speedup_paper == pytest.approx(8.61 / 2.0)
+    assert b512.speedup_ours is None and b512.tau_paper == PAPER_QWEN3_8B["tau"][512]
+    assert b512.paper_speedup == PAPER_QWEN3_8B["speedup"][512]
+
+
+def test_a_projection_without_a_baseline_is_one_clear_line(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"config": {}, "runs": [], "summary": {"ddtree@16": {"step_ms": 2.0}}}))
+    assert projection_main([str(path)]) == 2
+    assert capsys.readouterr().err.strip() == ("error: the results hold no AR baseline: bench with --methods ar "
+                                               "(and --native ar on the vLLM engine)")
+
+
+def test_the_memory_estimate_counts_qwen3_8b_as_published():
+    from engine.projection import memory_plan, parameter_count
+
+    target = json.loads((SHAPES / "qwen3-8b" / "config.json").read_text())
+    drafter = json.loads((SHAPES / "qwen3-8b-dflash-b16" / "config.json").read_text())
+    assert parameter_count(target) == 8_190_735_360  # Qwen3-8B's published parameter count
+    plan = memory_plan(target, drafter, gpu_gib=141, utilization=0.9, budgets=(16, 1024))
+    assert plan.kv_bytes_per_token == 2 * (36 + 5) * 8 * 128 * 2
+    assert plan.context_tokens[16] > plan.context_tokens[1024] > plan.model_context == 40960
+    assert "the model's own context limit binds first" in plan.sentence()
+    tight = memory_plan(target, drafter, gpu_gib=24, utilization=0.9, budgets=(16,))
+    assert tight.context_tokens[16] < 40960 and "the KV cache (the context) runs out first" in tight.sentence()
