@@ -96,7 +96,7 @@ class Decoder:
         self._graphed_drafts: dict[int, GraphedDraft] = {}
         self._programs: dict[tuple, object] = {}
         if drafter is not None:
-            self._check_drafter_fits(drafter)
+            check_drafter_fits(drafter.config, target.config)
 
     @property
     def step_kind(self) -> str:
@@ -112,15 +112,6 @@ class Decoder:
         graphed = self._graphed_drafts[block_size]
         graphed.reset()
         return graphed
-
-    def _check_drafter_fits(self, drafter: DFlashDrafter) -> None:
-        cfg, tcfg = drafter.config, self.target.config
-        if cfg.hidden_size != tcfg.hidden_size:
-            raise EngineError(f"drafter hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}: "
-                              "it was trained for another model")
-        if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
-            raise EngineError(f"drafter taps target layers {cfg.target_layer_ids} but the target has "
-                              f"{tcfg.num_hidden_layers} layers: it was trained for another model")
 
     def prepare(self, settings: DecodeSettings, prompt_length: int) -> tuple[DecodeSettings, list[str]]:
         """Check settings against the models; return them adjusted, with notes saying how."""
@@ -212,6 +203,16 @@ class Decoder:
                                                graphs=self.cuda_graphs and self.target.device.type == "cuda",
                                                compile_draft=self.compile_draft)
         return self._programs[key]
+
+
+def check_drafter_fits(drafter_config, target_config) -> None:
+    """A drafter trained for another model (width, tapped layers) is refused before anything runs."""
+    if drafter_config.hidden_size != target_config.hidden_size:
+        raise EngineError(f"drafter hidden size {drafter_config.hidden_size} does not match the target's "
+                          f"{target_config.hidden_size}: it was trained for another model")
+    if max(drafter_config.target_layer_ids) >= target_config.num_hidden_layers:
+        raise EngineError(f"drafter taps target layers {drafter_config.target_layer_ids} but the target has "
+                          f"{target_config.num_hidden_layers} layers: it was trained for another model")
 
 
 @dataclass

@@ -178,16 +178,19 @@ def load_target(name: str | None = None, device: str = "cpu", dtype: str = "floa
     return Target(model=model, tokenizer=tokenizer, name=name, stop_ids=stop_token_ids(tokenizer, model.config))
 
 
-def shape_config(folder: str | None):
-    """The ``config.json`` of a model folder loaded with random weights (``--random-weights``)."""
+def shape_config(name: str | None):
+    """A model's ``config.json`` alone: a local folder's, or a hub id's (for checks before loading, and for
+    ``--random-weights``, where the config is all there is)."""
     from transformers import AutoConfig
 
-    if folder is None or not (Path(folder) / "config.json").is_file():
-        raise EngineError(f"--random-weights needs a model folder with a config.json, got {folder!r}")
+    if name is None or not (Path(name).exists() or "/" in name):
+        raise EngineError(f"--random-weights needs a model folder with a config.json, got {name!r}")
+    if Path(name).exists() and not (Path(name) / "config.json").is_file():
+        raise EngineError(f"model folder {name!r} has no config.json")
     try:
-        return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(name, local_files_only=os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"))
     except (OSError, ValueError) as exc:
-        raise EngineError(f"could not read {folder}/config.json: {str(exc).splitlines()[0]}") from exc
+        raise EngineError(f"could not read the config of {name!r}: {str(exc).splitlines()[0]}") from exc
 
 
 def shape_tokenizer(folder: str):

@@ -44,10 +44,14 @@ class VllmOptions:
     max_model_len: int = 4096
 
 
-def require_vllm():
-    """vLLM itself, or a clear error saying how to get it."""
+def require_cuda() -> None:
     if not torch.cuda.is_available():
         raise EngineError("the vLLM engine needs a CUDA GPU; on this machine use --engine torch")
+
+
+def require_vllm():
+    """vLLM itself, or a clear error saying how to get it."""
+    require_cuda()
     try:
         import vllm
     except ImportError as exc:
@@ -128,6 +132,20 @@ class ClientTarget(Target):
     context_length = property(lambda self: self._context_length)
 
 
+def preflight(folder: str, drafter_path: str | None) -> None:
+    """What can be checked before vLLM takes the GPU: the target's config, its family, and the
+    drafter's fit; each failure is one clear line."""
+    from engine.decode import check_drafter_fits
+    from engine.hybrid import is_hybrid
+
+    config = shape_config(folder)
+    if is_hybrid(config):
+        raise EngineError(f"{config.model_type} has linear-attention (Gated DeltaNet) layers: the vLLM engine verifies "
+                          "trees on pure-attention targets for now; use --engine torch, which runs hybrids exactly")
+    if drafter_path is not None:
+        check_drafter_fits(drafter_shape(drafter_path).config, getattr(config, "text_config", config))
+
+
 def tokenizer_folder(folder: str) -> str:
     """Where vLLM reads the tokenizer: the model folder, or (a config-only shape) the bundled model's."""
     if any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
@@ -140,10 +158,10 @@ class VllmDecoder(Decoder):
 
     def __init__(self, model: str | None, drafter_path: str | None, drafter_info: DrafterInfo,
                  dtype: str = "bfloat16", seed: int = 0, options: VllmOptions = VllmOptions()):
-        vllm = require_vllm()
+        require_cuda()
         folder = model_folder(model, options.tensor_parallel_size)
-        if options.random_weights:
-            shape_config(folder)  # a clear error for a folder without a config.json, before vLLM starts
+        preflight(folder, drafter_path)
+        vllm = require_vllm()
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.options, self.drafter_path = options, drafter_path
         self.llm = vllm.LLM(
@@ -204,7 +222,6 @@ def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bflo
     if options.random_weights:
         if drafter is None:
             raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
-        drafter_shape(drafter)  # a clear error for a bad drafter config, before vLLM starts
         info = DrafterInfo(f"{display_name(drafter)} ({TIMING_ONLY})", trained=False)
         return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
     if drafter is None and (model or BUNDLED_MODEL) == BUNDLED_MODEL and shipped_drafter() is not None:

@@ -30,7 +30,8 @@ def shape(tmp_path_factory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("shapes")
     target = json.loads((SHAPES / "qwen3-8b" / "config.json").read_text())
     target.update(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_window_layers=4)
+                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_window_layers=4, bos_token_id=None,
+                  eos_token_id=None)
     drafter = json.loads((SHAPES / "qwen3-8b-dflash-b16" / "config.json").read_text())
     drafter.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, num_target_layers=4, block_size=8,
@@ -123,3 +124,29 @@ def test_the_memory_estimate_counts_qwen3_8b_as_published():
     assert "the model's own context limit binds first" in plan.sentence()
     tight = memory_plan(target, drafter, gpu_gib=24, utilization=0.9, budgets=(16,))
     assert tight.context_tokens[16] < 40960 and "the KV cache (the context) runs out first" in tight.sentence()
+
+
+def test_the_vllm_engine_refuses_unfit_pairs_before_it_starts(shape, tmp_path, monkeypatch):
+    """Checked before vLLM is imported or the GPU used, so with CUDA said to be there this runs anywhere."""
+    import torch
+
+    from engine.vllm_engine import VllmOptions, load_vllm_decoder
+    from tests.hybrid_models import save_tiny_hybrid
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    timing = VllmOptions(random_weights=True)
+    with pytest.raises(EngineError, match="drafter hidden size 5120 does not match the target's 4096"):
+        load_vllm_decoder(str(SHAPES / "qwen3-8b"), str(SHAPES / "dense-27b-dflash-b16"), options=timing)
+    target, drafter = shape
+    deep = tmp_path / "deep-drafter"
+    deep.mkdir()
+    config = json.loads((drafter / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [1, 9]
+    (deep / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineError, match=r"drafter taps target layers \[1, 9\] but the target has 4 layers"):
+        load_vllm_decoder(str(target), str(deep), options=timing)
+    hybrid = save_tiny_hybrid(tmp_path / "hybrid", seed=1)
+    with pytest.raises(EngineError, match="qwen3_5_text has linear-attention .Gated DeltaNet. layers"):
+        load_vllm_decoder(str(hybrid), None)
+    with pytest.raises(EngineError, match="model folder '.*' has no config.json"):
+        load_vllm_decoder(str(tmp_path), None)
