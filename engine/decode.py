@@ -256,6 +256,10 @@ class _Run:
         trace.summary = summarize(self.config, trace.prefill, trace.steps, self.clock.now() - self.t0, stop_reason)
         return trace
 
+    def elapsed(self) -> float:
+        """Seconds since the run started (on CUDA, once the work so far is done)."""
+        return self.clock.now() - self.t0
+
     def stop_reason(self) -> str | None:
         if self.output_ids and self.output_ids[-1] in self.target.stop_ids:
             return "eos"
@@ -291,7 +295,7 @@ class _Run:
         return ddtree.build_tree(log_probs, self.settings.tree_budget)
 
     def step(self, index: int) -> Step:
-        t_start = self.clock.now() - self.t0
+        t_start = self.elapsed()
         root = self.root
         log_probs = None
         if self.drafts:
@@ -335,13 +339,14 @@ class _Run:
         return tokens
 
     def record(self, index: int, t_start: float, root: int, draft_top: tuple[list[list[int]], list[list[float]]],
-               outcome: "_Outcome") -> Step:
-        """The step as the trace keeps it: all of it, or (trace detail "tokens") what it committed."""
+               outcome: "_Outcome", stage_s: dict[str, float] | None = None) -> Step:
+        """The step as the trace keeps it: all of it, or (trace detail "tokens") what it committed.
+        ``stage_s``: the stage times, when the stage clock did not take them."""
         full = self.settings.trace_detail == "full"
         tree = outcome.tree if full else ddtree.DraftTree.empty()
         top_tokens, top_probs = draft_top
         return Step(
-            index=index, t_start=t_start, t_end=self.clock.now() - self.t0, stage_s=self.clock.take(),
+            index=index, t_start=t_start, t_end=self.elapsed(), stage_s=self.clock.take() if stage_s is None else stage_s,
             root_token=root,
             draft_top_tokens=top_tokens, draft_top_probs=top_probs,
             tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),

@@ -16,12 +16,15 @@ or the vLLM engine's ``PagedKV`` (``engine.vllm_worker``); both have ``verify`` 
 Nothing in the programs depends on a host value, so on CUDA each is captured once and replayed
 as a CUDA graph (``graphs=True``); on the CPU they run as written. ``FixedRun`` is
 ``engine.decode``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
-stay in the readable loop), and tests hold its output to the readable loop's, token for token.
+stay in the readable loop), pipelined: the host finishes a step (one read of its record, the
+detokenizing, the trace) while the device runs the next. Tests hold its output to the readable
+loop's, token for token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,8 @@ import torch
 import ddtree
 from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain, compaction_rows
 from engine.decode import _Outcome, _Run
+from engine.kernels import STAGE_MARK
+from engine.trace import Step, Trace, summarize
 from engine.drafter import StaticDraftContext
 from engine.drafting import _log_probs
 
@@ -91,6 +96,10 @@ class StepLayout:
         return (("length", 1), ("committed", d1), ("path", d1), ("margins", d1), ("target_tokens", n + 1),
                 ("tree_tokens", n), ("tree_parents", n), ("tree_depths", n), ("tree_ranks", n), ("tree_valid", n),
                 ("top_tokens", dk), ("tree_log_probs", n), ("tree_path_log_probs", n), ("top_log_probs", dk))
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, size in self.parts)
 
     @property
     def reduced_size(self) -> int:
@@ -226,49 +235,144 @@ class FixedProgram:
         return captured
 
 
+class StageMarks:
+    """Where a launched step's stages end, without waiting for them: CUDA events on the stream
+    (read once the step's record has arrived), or clock readings on the CPU, where work is
+    synchronous. Under the profiler each stage is also synchronised and marked, so that
+    ``engine.kernels`` can attribute its kernels."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.names, self.points = cuda, [], []
+        self._mark()
+
+    def _mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        profiled = torch.autograd._profiler_enabled()
+        if profiled and self.cuda:
+            torch.cuda.synchronize()
+        with torch.autograd.profiler.record_function(STAGE_MARK + name) if profiled else contextlib.nullcontext():
+            yield
+            if profiled and self.cuda:
+                torch.cuda.synchronize()
+        self.names.append(name)
+        self._mark()
+
+    def seconds(self) -> dict[str, float]:
+        spans = zip(self.points, self.points[1:])
+        if self.cuda:
+            return {name: begin.elapsed_time(end) / 1000 for name, (begin, end) in zip(self.names, spans)}
+        return {name: end - begin for name, (begin, end) in zip(self.names, spans)}
+
+
+@dataclass
+class _Launched:
+    """A step on its way: the device runs it while the host finishes the one before."""
+
+    index: int
+    t_start: float
+    marks: StageMarks
+    record: torch.Tensor  # host memory the step's record is copied into
+    arrived: torch.cuda.Event | None  # set once the copy is done (CUDA)
+
+
 class FixedRun(_Run):
-    """``engine.decode``'s loop with the fixed-shape step. The draft and the rest of the step
-    are two device programs; the host reads the step's packed record once (only its committed
-    tokens, margins and path when the trace keeps tokens only). Stage times: ``draft``,
-    ``verify`` (the tree, the verify pass, the walk and the compaction: one program) and
-    ``commit`` (the read and the bookkeeping)."""
+    """``engine.decode``'s loop with the fixed-shape step, pipelined: the host launches a step
+    (the draft and the advance programs, then an asynchronous copy of the step's packed record
+    into host memory) and, while the device runs it, finishes the step before: reads that
+    record once, detokenizes, records the trace. It stays one step ahead unless the step in
+    flight could reach the token limit; a step launched ahead of an end-of-sequence is run and
+    dropped. Stage times: ``draft`` and ``verify`` (the tree, the verify pass, the walk and the
+    compaction: one program) from the device's own clock, ``commit`` the host's finishing."""
 
     def __init__(self, decoder, settings, config, on_step, should_stop, program: FixedProgram):
         super().__init__(decoder, settings, config, on_step, should_stop)
         self.program = program
         self.cache = program.prefill_cache()
         self.draft_pass = None
+        self.cuda = self.device.type == "cuda"
+        layout = program.layout
+        size = layout.size if settings.trace_detail == "full" else layout.reduced_size
+        self.slots = [torch.empty(size, dtype=torch.float64, pin_memory=self.cuda) for _ in range(2)]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0  # no device sync: the device runs ahead of the host
 
     def prefill(self):
         prefill = super().prefill()
         self.program.start(self.root, self.start)
         return prefill
 
-    def step(self, index: int):
-        t_start = self.clock.now() - self.t0
-        root = self.root
+    def execute(self) -> Trace:
+        self.t0 = self.clock.now()
+        trace = Trace(config=self.config, prefill=self.prefill())
+        stop_reason = self.stop_reason()
+        launched = None if stop_reason is not None else self.launch(0)
+        while launched is not None:
+            ahead = self.launch(launched.index + 1) if self.may_run_ahead() else None
+            step = self.finish(launched)
+            trace.steps.append(step)
+            if self.on_step is not None:
+                self.on_step(trace, step)
+            stop_reason = self.stop_reason()
+            if stop_reason is not None:
+                break
+            launched = ahead if ahead is not None else self.launch(launched.index + 1)
+        if self.cuda:
+            torch.cuda.synchronize()  # a step launched ahead of the end is this run's cost, not the next one's
+        trace.summary = summarize(self.config, trace.prefill, trace.steps, self.elapsed(), stop_reason)
+        return trace
+
+    def may_run_ahead(self) -> bool:
+        """Whether the step in flight cannot reach the token limit, so launching the next one is not waste."""
+        return len(self.output_ids) + self.program.depth + 1 < self.settings.max_new_tokens
+
+    def launch(self, index: int) -> _Launched:
+        t_start = self.elapsed()
+        marks = StageMarks(self.cuda)
         if self.drafts:
-            with self.clock.stage("draft"):
+            with marks.stage("draft"):
                 if index == 0:
                     self.program.first_draft(self.new_context, self.new_context_positions)
                 else:
                     self.program.draft()
-        with self.clock.stage("verify"):
+        with marks.stage("verify"):
             record = self.program.advance()
-        with self.clock.stage("commit"):
-            layout, full = self.program.layout, self.settings.trace_detail == "full"
-            step = layout.unpack((record if full else record[: layout.reduced_size]).tolist())
-            length = int(step["length"][0])
-            tokens = [int(t) for t in step["committed"][:length]]
-            committed = self.clip(tokens)
-            self.output_ids.extend(committed)
-            tree = _draft_tree(step) if full else ddtree.DraftTree.empty()
-            outcome = _Outcome(tree, [int(t) for t in step["target_tokens"]], [int(i) for i in step["path"][:length]],
-                               tokens[-1], committed, pieces=[self.text.push(token) for token in committed],
-                               margins=step["margins"][: len(committed)])
-            self.start += length
-            self.root = tokens[-1]
-        return self.record(index, t_start, root, _draft_top(step, layout) if full else ([], []), outcome)
+        host = self.slots[index % 2]  # the step before reads the other one meanwhile
+        host.copy_(record[: host.numel()], non_blocking=self.cuda)
+        arrived = None
+        if self.cuda:
+            arrived = torch.cuda.Event()
+            arrived.record()
+        return _Launched(index, t_start, marks, host, arrived)
+
+    def finish(self, launched: _Launched) -> Step:
+        if launched.arrived is not None:
+            launched.arrived.synchronize()
+        began = time.perf_counter()
+        root = self.root
+        layout, full = self.program.layout, self.settings.trace_detail == "full"
+        step = layout.unpack(launched.record.tolist())
+        length = int(step["length"][0])
+        tokens = [int(t) for t in step["committed"][:length]]
+        committed = self.clip(tokens)
+        self.output_ids.extend(committed)
+        tree = _draft_tree(step) if full else ddtree.DraftTree.empty()
+        outcome = _Outcome(tree, [int(t) for t in step["target_tokens"]], [int(i) for i in step["path"][:length]],
+                           tokens[-1], committed, pieces=[self.text.push(token) for token in committed],
+                           margins=step["margins"][: len(committed)])
+        self.start += length
+        self.root = tokens[-1]
+        stage_s = launched.marks.seconds() | {"commit": time.perf_counter() - began}
+        return self.record(launched.index, launched.t_start, root, _draft_top(step, layout) if full else ([], []),
+                           outcome, stage_s)
 
 
 def _draft_tree(step: dict[str, list[float]]) -> ddtree.DraftTree:

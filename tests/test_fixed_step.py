@@ -125,3 +125,35 @@ def test_the_step_programs_do_nothing_a_cuda_graph_cannot_replay(decoders, metho
             program.draft()
         program.advance()
     assert host.found == []
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 17])
+def test_the_pipelined_loop_stops_where_the_readable_one_does_and_wastes_at_most_a_step(decoders, max_new_tokens,
+                                                                                      monkeypatch):
+    readable, fixed = decoders
+    settings = DecodeSettings("ddtree", max_new_tokens=max_new_tokens, tree_budget=6)
+    expected = readable.run(prompt_ids=PROMPTS[1], settings=settings)
+    fixed.run(prompt_ids=PROMPTS[1], settings=settings)  # makes the program
+    program = next(p for key, p in fixed._programs.items() if key[0] == "ddtree" and key[1] == 6)
+    launches = []
+    advance = program.advance
+    monkeypatch.setattr(program, "advance", lambda: launches.append(1) or advance())
+    trace = fixed.run(prompt_ids=PROMPTS[1], settings=settings)
+    assert trace.output_ids == expected.output_ids and len(trace.output_ids) == max_new_tokens
+    assert [s.committed_ids for s in trace.steps] == [s.committed_ids for s in expected.steps]
+    assert len(trace.steps) <= len(launches) <= len(trace.steps) + 1
+    assert [s.index for s in trace.steps] == list(range(len(trace.steps)))
+    assert all(s.t_end >= s.t_start for s in trace.steps)
+
+
+def test_under_the_profiler_each_stage_is_marked(decoders):
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.kernels import STAGE_MARK
+
+    _, fixed = decoders
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        trace = fixed.run(prompt_ids=PROMPTS[0], settings=DecodeSettings("ddtree", max_new_tokens=10, tree_budget=6))
+    marked = [event.name for event in profiler.events() if event.name.startswith(STAGE_MARK)]
+    launched = marked.count(STAGE_MARK + "verify")  # a step launched ahead of an end-of-sequence is dropped
+    assert launched == marked.count(STAGE_MARK + "draft") and len(trace.steps) <= launched <= len(trace.steps) + 1
