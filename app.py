@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,13 @@ TRACE_FILE_NAME = "ddtree-traces.json"
 
 # ---------------------------------------------------------------- models (shared)
 
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread every torch call of the app runs on (loading, calibration, runs): each thread
+    that runs torch on the CPU keeps its own OpenMP thread team, and on a few cores two teams take
+    turns with each other, so steps would cost more than the bench measures."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+
 @dataclass
 class Studio:
     """The loaded models, shared read-only by every session. ``lock`` serialises
@@ -69,6 +77,7 @@ class Studio:
     decoder: Decoder
     budget: BudgetChoice  # the DDTree budget the page starts with, and why
     lock: threading.Lock = field(default_factory=threading.Lock)
+    worker: ThreadPoolExecutor = field(default_factory=model_thread)
 
     @functools.cached_property
     def decode_token(self) -> TokenText:
@@ -155,15 +164,14 @@ def check_consistent(trace: Trace) -> None:
 # ---------------------------------------------------------------- running the model
 
 class LiveRun:
-    """One decoder run on a worker thread; the handler polls ``trace`` as it grows."""
+    """One decoder run on the model thread; the handler polls ``trace`` as it grows."""
 
     def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
                  control: RunControl):
         self.trace: Trace | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
-        threading.Thread(target=self._work, args=(studio.decoder, prompt, prompt_ids, settings, control),
-                         daemon=True).start()
+        studio.worker.submit(self._work, studio.decoder, prompt, prompt_ids, settings, control)
 
     def _work(self, decoder: Decoder, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
               control: RunControl) -> None:
@@ -707,19 +715,20 @@ def main() -> None:
     log.setLevel(logging.INFO)
     log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
     started = time.perf_counter()
+    worker = model_thread()
     try:
-        decoder = load_studio_decoder(args)
+        decoder = worker.submit(load_studio_decoder, args).result()
     except EngineError as exc:
         raise SystemExit(f"error: {exc}") from None
     log.info("loaded %s with drafter %s in %.1f s", decoder.target.name, decoder.drafter_info.name,
              time.perf_counter() - started)
     if args.tree_budget is None:
         log.info("timing DDTree budgets on this machine…")
-        budget = choose_budget(decoder)
+        budget = worker.submit(choose_budget, decoder).result()
     else:
         budget = BudgetChoice(args.tree_budget, {}, "set with --tree-budget", 0.0)
     log.info("%s", budget.sentence())
-    studio = Studio(decoder, budget)
+    studio = Studio(decoder, budget, worker=worker)
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
         server_name=args.host, server_port=args.port, css=CSS)
 
