@@ -10,7 +10,8 @@
 #       "$(python -c 'from engine.target import bundled_gguf; print(bundled_gguf())')" ../hold/model.safetensors
 # (5 calls: the first also starts the machine; make them back to back and chain the real command
 # onto the last, since the machine goes back 30 s after a call)
-# then, e.g. (on nvidia-h200-x2 the same pytest command also runs the tensor-parallel test; vLLM's
+# then the phases of engine/gpu_session.sh (check, fresh, humaneval, shape: one call each), or by hand,
+# e.g. (on nvidia-h200-x2 the same pytest command also runs the tensor-parallel test; vLLM's
 # shutdown logging floods the tail of the output, so keep results in files under $OUT):
 #   bash engine/vllm_device.sh 'python3 -m pytest -q -rfE -m gpu tests/test_vllm_engine.py \
 #       tests/test_fixed_step_gpu.py > $OUT/pytest.txt 2>&1; grep -E "passed|failed|^FAILED" $OUT/pytest.txt'

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device call per phase, each within the 10-minute cap, every result in a file under $OUT
+# (vLLM's shutdown logging floods a piped tail). Run through engine/vllm_device.sh after staging:
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh check'      # GPU tests + float32 exactness
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh fresh'      # bf16 speed on fresh, its best budget
+#       recorded (assets/budgets.json, brought back), then the app on it (carry [".whl"]: gradio's wheels)
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh humaneval'  # bf16 speed on HumanEval; compiled draft
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape'      # Qwen3-8B shape, random weights + projection
+# LIMIT (prompts per bench) and TOKENS override the defaults.
+set -uo pipefail
+phase=${1:?phase: check, fresh, humaneval or shape}
+TOKENS=${TOKENS:-128}
+bench() { python3 -m engine.bench --engine vllm --no-progress "$@"; }
+tables() { grep -E '^\||^kernels|NOT a near-tie|^error' "$1" | tail -n "${2:-40}"; }
+
+case "$phase" in
+check)
+  timeout 330 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
+      tests/test_vllm_engine.py > "$OUT/pytest.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest.txt" | tail -n 20
+  timeout 230 bench $MODELS --native ar --dtype float32 --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-40}" \
+      --methods ar,dflash,ddtree --tree-budget 32 --max-new-tokens "$TOKENS" \
+      --out "$OUT/gpu-vllm-fresh-float32.json" > "$OUT/bench-float32.txt" 2>&1
+  tables "$OUT/bench-float32.txt" 12 ;;
+fresh)
+  timeout 300 bench $MODELS --native ar,dflash --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-24}" \
+      --methods ar,dflash,ddtree --tree-budget 16,32,64,128 --max-new-tokens "$TOKENS" --reduced-traces \
+      --count-kernels --out "$OUT/gpu-vllm-fresh.json" > "$OUT/bench-fresh.txt" 2>&1
+  tables "$OUT/bench-fresh.txt"
+  python3 -m engine.calibration record "$OUT/gpu-vllm-fresh.json" && cp assets/budgets.json "$OUT/budgets.json"
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl > "$OUT/pip.txt" 2>&1
+  timeout 220 python3 -m engine.app_check --launch "python3 app.py --engine vllm $MODELS" --limit 5 \
+      --max-new-tokens 64 --out "$OUT/app-check.json" > "$OUT/app-check.txt" 2>&1
+  grep -E '^page|^default|engine vllm|^sweep|^  [0-9]' "$OUT/app-check.txt" | tail -n 25 ;;
+humaneval)
+  timeout 330 bench $MODELS --native ar,dflash --prompts assets/prompts/humaneval.jsonl --limit 20 \
+      --methods ar,dflash,ddtree --tree-budget 16,32,64,128 --max-new-tokens "$TOKENS" \
+      --out "$OUT/gpu-vllm-humaneval.json" > "$OUT/bench-humaneval.txt" 2>&1
+  tables "$OUT/bench-humaneval.txt" 20
+  timeout 220 bench $MODELS --compile-draft --prompts assets/prompts/fresh.jsonl --limit 12 \
+      --methods ar,dflash,ddtree --tree-budget 32,64 --max-new-tokens "$TOKENS" --count-kernels \
+      --out "$OUT/gpu-vllm-fresh-compiled.json" > "$OUT/bench-compiled.txt" 2>&1
+  tables "$OUT/bench-compiled.txt" 20 ;;
+shape)
+  timeout 420 bench --random-weights --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 \
+      --native ar --gpu-memory-utilization 0.4 --prompts assets/prompts/fresh.jsonl --limit 5 \
+      --methods ar,dflash,ddtree --tree-budget 16,32,64,128,256,512 --max-new-tokens "$TOKENS" \
+      --out "$OUT/gpu-qwen3-8b-random.json" > "$OUT/bench-shape.txt" 2>&1
+  tables "$OUT/bench-shape.txt" 15
+  python3 -m engine.projection "$OUT/gpu-qwen3-8b-random.json" | tee "$OUT/projection.txt" ;;
+*)
+  echo "unknown phase $phase: check, fresh, humaneval or shape" >&2; exit 2 ;;
+esac
