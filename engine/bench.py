@@ -326,8 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step", choices=["fixed", "readable"], default=None,
                         help="greedy steps as fixed-shape device programs (default on a GPU; CUDA graphs unless "
                              "--no-cuda-graphs) or the readable loop (default on the CPU)")
-    parser.add_argument("--compile-draft", action="store_true",
-                        help="fixed step: the draft pass through torch.compile (fused kernels; compiles at first use)")
+    parser.add_argument("--compile-step", action="store_true",
+                        help="fixed step: its draft pass, tree and walk through torch.compile (fused kernels; "
+                             "compiles at first use)")
     parser.add_argument("--reduced-traces", action="store_true",
                         help="also time every method with traces kept to the committed tokens (label suffix :tokens)")
     parser.add_argument("--count-kernels", action="store_true",
@@ -392,7 +393,7 @@ def _main(args: argparse.Namespace) -> int:
         "timing_only": args.random_weights,
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
-        "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_draft": args.compile_draft,
+        "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_step": args.compile_step,
         "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if native_jobs else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
@@ -431,14 +432,14 @@ def _load(args: argparse.Namespace, dtype: str):
         from engine.vllm_engine import VllmOptions, load_vllm_decoder
 
         options = VllmOptions(tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.no_cuda_graphs,
-                              fixed_step=args.step == "fixed", compile_draft=args.compile_draft,
+                              fixed_step=args.step == "fixed", compile_step=args.compile_step,
                               random_weights=args.random_weights, gpu_memory_utilization=args.gpu_memory_utilization)
         return load_vllm_decoder(args.model, args.drafter, dtype=dtype, seed=args.seed, options=options)
     from engine.models import load_decoder
 
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
                         fixed_step=args.step == "fixed", cuda_graphs=args.step == "fixed" and not args.no_cuda_graphs,
-                        compile_draft=args.compile_draft, random_weights=args.random_weights)
+                        compile_step=args.compile_step, random_weights=args.random_weights)
 
 
 def _drafter_folder(args: argparse.Namespace):

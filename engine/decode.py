@@ -83,7 +83,7 @@ class StageClock:
 class Decoder:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
                  engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False,
-                 compile_draft: bool = False, timing_only: bool = False):
+                 compile_step: bool = False, timing_only: bool = False):
         self.target = target
         self.drafter = drafter
         self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
@@ -91,7 +91,7 @@ class Decoder:
         self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
         # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step
         self.fixed_step = fixed_step
-        self.compile_draft = compile_draft  # the fixed step's draft pass through torch.compile
+        self.compile_step = compile_step  # the fixed step's own stages (draft, tree, walk) through torch.compile
         self.timing_only = timing_only  # random weights at a real shape: traces say so
         self._graphed_drafts: dict[int, GraphedDraft] = {}
         self._programs: dict[tuple, object] = {}
@@ -201,7 +201,7 @@ class Decoder:
             self._programs[key] = FixedProgram(self, settings.method, budget, settings.block_size, capacity,
                                                settings.record_top_k,
                                                graphs=self.cuda_graphs and self.target.device.type == "cuda",
-                                               compile_draft=self.compile_draft)
+                                               compile_step=self.compile_step)
         return self._programs[key]
 
 

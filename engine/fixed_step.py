@@ -117,7 +117,7 @@ class FixedProgram:
     """The buffers and the two programs of one (method, budget, block size, capacity) for one decoder."""
 
     def __init__(self, decoder, method: str, budget: int | None, block_size: int, capacity: int, top_k: int,
-                 graphs: bool = False, compile_draft: bool = False):
+                 graphs: bool = False, compile_step: bool = False):
         target = decoder.target
         device, dtype = target.device, target.dtype
         self.target, self.method, self.budget, self.graphs = target, method, budget, graphs
@@ -140,8 +140,10 @@ class FixedProgram:
             self.feature_positions = torch.zeros(1, block_size, **long)
             self.feature_count = torch.zeros((), **long)
             self.log_probs = torch.zeros(self.depth, config.vocab_size, device=device)  # the draft, for advance
-        # the per-step draft has fixed shapes: inductor can fuse its few hundred small kernels
-        self._draft_pass = torch.compile(_log_probs, dynamic=False) if compile_draft else _log_probs
+        # the step's own stages have fixed shapes: inductor can fuse their hundreds of small kernels
+        compiled = (lambda stage: torch.compile(stage, dynamic=False)) if compile_step else (lambda stage: stage)
+        self._draft_pass, self._plan, self._decide = compiled(_log_probs), compiled(self._plan_step), \
+            compiled(self._decide_step)
         self._graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def prefill_cache(self):
@@ -183,26 +185,34 @@ class FixedProgram:
         return chain(self.log_probs) if self.method == "dflash" else beam_tree(self.log_probs, self.budget)
 
     def _advance(self) -> torch.Tensor:
-        tree = self._tree()
-        ids = torch.cat([self.root, tree.tokens])
-        positions = self.past + torch.cat([torch.zeros_like(self.root), tree.depths])
-        visible = ancestor_closure(tree.parents, self.depth)
+        tree, ids, positions, visible = self._plan()
         logits, hidden = self.kv.verify(ids, positions, self.past, visible)
-        target_tokens = logits.argmax(dim=-1)
-        path, length, bonus = accepted_path(tree, target_tokens, visible, self.depth)
+        path, length, bonus, record = self._decide(tree, ids, visible, logits)
         if self.drafter is not None:  # AR's path is its root, already in place
             self.kv.compact(self.past, path, length)
             features = self.drafter.context_features(hidden)[0]
             self.features[0].copy_(features.index_select(0, path))
             torch.add(self.slots, self.past, out=self.feature_positions[0])
             self.feature_count.copy_(length)
-        along = ids.index_select(0, torch.cat([path[1:], path[-1:]]))
-        committed = torch.where(self.slots < length - 1, along, bonus)
-        top2 = logits.index_select(0, path).float().topk(2, dim=-1).values
-        record = self._pack(length, committed, path, top2[:, 0] - top2[:, 1], target_tokens, tree)
         self.past.add_(length)
         self.root.copy_(bonus[None])
         return record
+
+    def _plan_step(self):
+        """The tree below the root, and the verify pass's ids, positions and ancestor mask."""
+        tree = self._tree()
+        ids = torch.cat([self.root, tree.tokens])
+        positions = self.past + torch.cat([torch.zeros_like(self.root), tree.depths])
+        return tree, ids, positions, ancestor_closure(tree.parents, self.depth)
+
+    def _decide_step(self, tree: FixedTree, ids, visible, logits):
+        """The walk along the target's choices, what it commits, and the step's packed record."""
+        target_tokens = logits.argmax(dim=-1)
+        path, length, bonus = accepted_path(tree, target_tokens, visible, self.depth)
+        along = ids.index_select(0, torch.cat([path[1:], path[-1:]]))
+        committed = torch.where(self.slots < length - 1, along, bonus)
+        top2 = logits.index_select(0, path).float().topk(2, dim=-1).values
+        return path, length, bonus, self._pack(length, committed, path, top2[:, 0] - top2[:, 1], target_tokens, tree)
 
     def _pack(self, length, committed, path, margins, target_tokens, tree: FixedTree) -> torch.Tensor:
         """The step's record in ``StepLayout`` order, as float64, in a few kernels (integers together,

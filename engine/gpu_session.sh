@@ -4,7 +4,7 @@
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh check'      # GPU tests + float32 exactness
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh fresh'      # bf16 speed on fresh, its best budget
 #       recorded (assets/budgets.json, brought back), then the app on it (carry [".whl"]: gradio's wheels)
-#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh humaneval'  # bf16 speed on HumanEval; compiled draft
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh humaneval'  # bf16 speed on HumanEval; the compiled step
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape'      # Qwen3-8B shape, random weights + projection
 # LIMIT (prompts per bench) and TOKENS override the defaults.
 set -uo pipefail
@@ -37,7 +37,7 @@ humaneval)
       --methods ar,dflash,ddtree --tree-budget 16,32,64,128 --max-new-tokens "$TOKENS" \
       --out "$OUT/gpu-vllm-humaneval.json" > "$OUT/bench-humaneval.txt" 2>&1
   tables "$OUT/bench-humaneval.txt" 20
-  timeout 220 bench $MODELS --compile-draft --prompts assets/prompts/fresh.jsonl --limit 12 \
+  timeout 220 bench $MODELS --compile-step --prompts assets/prompts/fresh.jsonl --limit 12 \
       --methods ar,dflash,ddtree --tree-budget 32,64 --max-new-tokens "$TOKENS" --count-kernels \
       --out "$OUT/gpu-vllm-fresh-compiled.json" > "$OUT/bench-compiled.txt" 2>&1
   tables "$OUT/bench-compiled.txt" 20 ;;

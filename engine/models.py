@@ -30,10 +30,10 @@ def random_drafter(target, seed: int = 0, block_size: int = 16) -> DFlashDrafter
 
 def load_decoder(model: str | None = None, drafter: str | None = None, device: str = "cpu",
                  dtype: str = "float32", seed: int = 0, fixed_step: bool = False, cuda_graphs: bool = False,
-                 compile_draft: bool = False, random_weights: bool = False) -> Decoder:
+                 compile_step: bool = False, random_weights: bool = False) -> Decoder:
     """``drafter``: a checkpoint folder, ``random`` (seeded, untrained), or ``None`` for
     the shipped drafter when running the bundled model (random otherwise). ``fixed_step``,
-    ``cuda_graphs`` and ``compile_draft``: see ``Decoder``. ``random_weights``: ``model`` and
+    ``cuda_graphs`` and ``compile_step``: see ``Decoder``. ``random_weights``: ``model`` and
     ``drafter`` are config-only folders (``assets/shapes/``), loaded with random weights: timing only."""
     if random_weights:
         if drafter in (None, RANDOM):
@@ -42,7 +42,7 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
         target = load_target(model, device=device, dtype=dtype, random_weights=True)
         info = DrafterInfo(f"{display_name(drafter)} ({TIMING_ONLY})", trained=False)
         return Decoder(target, checkpoint.to(device=target.device, dtype=target.dtype).eval(), info,
-                       fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_draft=compile_draft, timing_only=True)
+                       fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step, timing_only=True)
     checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast, before the slow target load
     target = load_target(model, device=device, dtype=dtype)
     if checkpoint is None and drafter is None and target.name == BUNDLED_MODEL and shipped_drafter() is not None:
@@ -52,7 +52,7 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
     else:
         draft_model, info = checkpoint, DrafterInfo(display_name(drafter), trained=True, revision=weights_digest(drafter))
     draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
-    return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_draft=compile_draft)
+    return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step)
 
 
 def display_name(path: str) -> str:

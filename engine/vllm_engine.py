@@ -38,7 +38,7 @@ class VllmOptions:
     tensor_parallel_size: int = 1
     cuda_graphs: bool = True  # the Studio's own graphs: vLLM itself runs eager (see module doc)
     fixed_step: bool = True  # greedy runs as fixed-shape device programs (engine.fixed_step)
-    compile_draft: bool = False  # their draft pass through torch.compile
+    compile_step: bool = False  # their own stages (draft, tree, walk) through torch.compile
     random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
@@ -173,7 +173,7 @@ class VllmDecoder(Decoder):
         )
         loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
                                                               drafter_info.name, options.cuda_graphs,
-                                                              options.fixed_step, options.compile_draft,
+                                                              options.fixed_step, options.compile_step,
                                                               options.random_weights))[0]
         target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"],
                               timing_only=options.random_weights)

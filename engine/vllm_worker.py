@@ -307,7 +307,7 @@ class StudioWorker:
     """Methods vLLM adds to its worker class; the driver calls them through ``collective_rpc``."""
 
     def studio_load(self, name: str, drafter_path: str | None, drafter_name: str, use_cuda_graphs: bool,
-                    fixed_step: bool, compile_draft: bool, random_weights: bool) -> dict:
+                    fixed_step: bool, compile_step: bool, random_weights: bool) -> dict:
         from transformers import AutoTokenizer
 
         runner = self.model_runner
@@ -323,7 +323,7 @@ class StudioWorker:
             target.stop_ids = []  # timing runs decode their full length
         info = DrafterInfo(drafter_name, trained=drafter is not None and not random_weights)
         self.studio = Decoder(target, drafter, info, engine="vllm", cuda_graphs=use_cuda_graphs, fixed_step=fixed_step,
-                              compile_draft=compile_draft, timing_only=random_weights)
+                              compile_step=compile_step, timing_only=random_weights)
         return {"context_length": target.context_length}
 
     def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict) -> str:

@@ -157,3 +157,17 @@ def test_under_the_profiler_each_stage_is_marked(decoders):
     marked = [event.name for event in profiler.events() if event.name.startswith(STAGE_MARK)]
     launched = marked.count(STAGE_MARK + "verify")  # a step launched ahead of an end-of-sequence is dropped
     assert launched == marked.count(STAGE_MARK + "draft") and len(trace.steps) <= launched <= len(trace.steps) + 1
+
+
+def test_the_compiled_step_decodes_what_the_readable_step_decodes(decoders):
+    """``compile_step``: the draft pass, the tree and the walk through torch.compile (inductor on the CPU
+    here, Triton kernels on a GPU) change no token and no tree."""
+    readable, _ = decoders
+    compiled = Decoder(readable.target, readable.drafter, readable.drafter_info, fixed_step=True, compile_step=True)
+    settings = DecodeSettings("ddtree", max_new_tokens=24, tree_budget=6)
+    ours, theirs = (decoder.run(prompt_ids=PROMPTS[1], settings=settings) for decoder in (compiled, readable))
+    assert ours.output_ids == theirs.output_ids
+    for mine, reference in zip(ours.steps, theirs.steps):
+        assert token_paths(mine.tree_tokens, mine.tree_parents) == token_paths(reference.tree_tokens,
+                                                                                reference.tree_parents)
+        assert mine.committed_ids == reference.committed_ids
