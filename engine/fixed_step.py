@@ -124,7 +124,8 @@ class FixedProgram:
         self.drafter = decoder.drafter if method != "ar" else None
         self.depth = block_size - 1
         nodes = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
-        self.layout = StepLayout(self.depth, nodes, min(top_k, target.config.vocab_size) if self.drafter else 0)
+        top_k = min(top_k, target.config.vocab_size) if self.drafter is not None else 0
+        self.layout = StepLayout(self.depth, nodes, top_k)
         self.kv = target.fixed_kv(capacity)
         long = dict(dtype=torch.long, device=device)
         self.root = torch.zeros(1, **long)
