@@ -442,16 +442,7 @@ def load_drafter(folder: str | Path, random_weights: bool = False) -> DFlashDraf
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not folder.is_dir():
-        raise DrafterError(f"drafter folder {str(folder)!r} does not exist; pass a DFlash checkpoint folder or 'random'")
-    if not config_path.is_file():
-        raise DrafterError(f"drafter folder {str(folder)!r} has no config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DrafterError(f"drafter config.json is not valid JSON: {exc}") from exc
-    config = DrafterConfig.from_json(raw)
+    config = read_drafter_config(folder)
     if random_weights:
         return DFlashDrafter(config).initialize(0)
     weight_files = sorted(folder.glob("*.safetensors"))
@@ -477,10 +468,25 @@ def load_drafter(folder: str | Path, random_weights: bool = False) -> DFlashDraf
     return drafter
 
 
+def read_drafter_config(folder: str | Path) -> DrafterConfig:
+    """A DFlash checkpoint folder's ``config.json``, or a clear error saying what is wrong with it."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise DrafterError(f"drafter folder {str(folder)!r} does not exist; pass a DFlash checkpoint folder or 'random'")
+    if not config_path.is_file():
+        raise DrafterError(f"drafter folder {str(folder)!r} has no config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DrafterError(f"drafter config.json is not valid JSON: {exc}") from exc
+    return DrafterConfig.from_json(raw)
+
+
 def drafter_shape(folder: str | Path) -> DFlashDrafter:
     """A drafter's structure without weights (on the meta device): what a process that only
     checks settings against it needs, at any size."""
-    config = DrafterConfig.from_json(json.loads(Path(folder, "config.json").read_text()))
+    config = read_drafter_config(folder)
     with torch.device("meta"):
         return DFlashDrafter(config)
 

@@ -193,11 +193,16 @@ def shape_config(name: str | None):
         raise EngineError(f"could not read the config of {name!r}: {str(exc).splitlines()[0]}") from exc
 
 
+def has_tokenizer(folder: str) -> bool:
+    """Whether a model folder carries its own tokenizer (a config-only shape does not)."""
+    return any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def shape_tokenizer(folder: str):
     """The folder's own tokenizer, or the bundled model's: any ids below its vocabulary are valid."""
     from transformers import AutoTokenizer
 
-    if any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+    if has_tokenizer(folder):
         return AutoTokenizer.from_pretrained(folder)
     gguf = bundled_gguf()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -23,9 +23,10 @@ from typing import Callable
 import torch
 
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import drafter_shape, load_drafter
+from engine.drafter import DFlashDrafter, drafter_shape
 from engine.errors import EngineError
-from engine.target import BUNDLED_MODEL, Target, bundled_gguf, resolve_dtype, shape_config, shape_tokenizer, stop_token_ids
+from engine.target import (BUNDLED_MODEL, Target, bundled_gguf, has_tokenizer, resolve_dtype, shape_config,
+                           shape_tokenizer, stop_token_ids)
 from engine.trace import TIMING_ONLY, Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
@@ -132,7 +133,7 @@ class ClientTarget(Target):
     context_length = property(lambda self: self._context_length)
 
 
-def preflight(folder: str, drafter_path: str | None) -> None:
+def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
     """What can be checked before vLLM takes the GPU: the target's config, its family, and the
     drafter's fit; each failure is one clear line."""
     from engine.decode import check_drafter_fits
@@ -142,15 +143,13 @@ def preflight(folder: str, drafter_path: str | None) -> None:
     if is_hybrid(config):
         raise EngineError(f"{config.model_type} has linear-attention (Gated DeltaNet) layers: the vLLM engine verifies "
                           "trees on pure-attention targets for now; use --engine torch, which runs hybrids exactly")
-    if drafter_path is not None:
-        check_drafter_fits(drafter_shape(drafter_path).config, getattr(config, "text_config", config))
+    if drafter is not None:
+        check_drafter_fits(drafter.config, getattr(config, "text_config", config))
 
 
 def tokenizer_folder(folder: str) -> str:
     """Where vLLM reads the tokenizer: the model folder, or (a config-only shape) the bundled model's."""
-    if any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return folder
-    return model_folder(None)
+    return folder if has_tokenizer(folder) else model_folder(None)
 
 
 class VllmDecoder(Decoder):
@@ -160,7 +159,9 @@ class VllmDecoder(Decoder):
                  dtype: str = "bfloat16", seed: int = 0, options: VllmOptions = VllmOptions()):
         require_cuda()
         folder = model_folder(model, options.tensor_parallel_size)
-        preflight(folder, drafter_path)
+        # the driver only checks settings against the drafter: its shape, not its weights (the workers load those)
+        drafter = drafter_shape(drafter_path) if drafter_path is not None else None
+        preflight(folder, drafter)
         vllm = require_vllm()
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.options, self.drafter_path = options, drafter_path
@@ -177,10 +178,6 @@ class VllmDecoder(Decoder):
                                                               options.random_weights))[0]
         target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"],
                               timing_only=options.random_weights)
-        if drafter_path is None:
-            drafter = None
-        else:
-            drafter = drafter_shape(drafter_path) if options.random_weights else load_drafter(drafter_path)
         super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step,
                          timing_only=options.random_weights)
 
