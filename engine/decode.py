@@ -104,7 +104,7 @@ class Decoder:
         return "fixed" if self.fixed_step else "readable"
 
     def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
-        if not (self.cuda_graphs and self.drafter.full_attention):
+        if not (self.cuda_graphs and self.drafter.graphable):
             return EagerDraft(self.drafter, self.target.embedding, self.target.lm_head, block_size)
         if block_size not in self._graphed_drafts:
             self._graphed_drafts[block_size] = GraphedDraft(self.drafter, self.target.embedding, self.target.lm_head,
@@ -183,9 +183,11 @@ class Decoder:
         return kernels_per_step(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
 
     def uses_fixed_step(self, settings: DecodeSettings) -> bool:
-        """Greedy decoding on a pure-attention target (with a full-attention drafter if it drafts)."""
+        """Greedy decoding on a pure-attention target (with a full-attention drafter if it drafts,
+        one a CUDA graph can hold where graphs are on)."""
         return (self.fixed_step and settings.temperature == 0 and not hybrid.is_hybrid(self.target.config)
-                and (settings.method == "ar" or self.drafter.full_attention))
+                and (settings.method == "ar" or self.drafter.full_attention
+                     and (self.drafter.graphable or not self.cuda_graphs)))
 
     def fixed_program(self, settings: DecodeSettings, prompt_length: int):
         """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""

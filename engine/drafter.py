@@ -26,6 +26,7 @@ from torch import nn
 from engine.errors import EngineError
 
 ARCHITECTURE = "DFlashDraftModel"
+SCRIPT = "script.json"  # beside a drafter config: the known continuations of a ``ScriptedDrafter``
 
 
 class DrafterError(EngineError):
@@ -343,6 +344,11 @@ class DFlashDrafter(nn.Module):
         return all(not layer.self_attn.is_causal and layer.self_attn.sliding_window is None for layer in self.layers)
 
     @property
+    def graphable(self) -> bool:
+        """Whether its pass can be captured and replayed as a CUDA graph (``engine.drafting``)."""
+        return self.full_attention
+
+    @property
     def hidden_state_indices(self) -> list[int]:
         """Where the tapped layers sit in HF's ``output_hidden_states`` (index 0 is the embeddings,
         so layer ``i``'s output is ``i + 1``: z-lab's convention for ``target_layer_ids``)."""
@@ -407,6 +413,63 @@ class DFlashDrafter(nn.Module):
         return self
 
 
+class ScriptedDrafter(DFlashDrafter):
+    """A drafter that knows the answer: for debugging acceptance and testing exactness deep in trees.
+
+    ``sequences`` are token sequences the target itself produced (prompt + AR output). When a
+    block's root (token r at position p) sits in one (``s[p] == r``), slot j proposes the
+    sequence's next tokens ``s[p + 1 + j]`` with most of the mass and spreads the rest over
+    siblings (the tokens after it in the vocabulary), so a tree is accepted levels deep and
+    its branches are really walked. At every ``demote_every``-th position the true token
+    ranks third: a chain stops there, a wide enough tree goes on. Elsewhere it proposes
+    nothing in particular. A lossless decoder outputs the target's own tokens whatever a
+    drafter proposes; this one only decides how deep acceptance goes. Its network runs as
+    any drafter's (the cost is real), but the proposals come from the host, so it never
+    runs as a CUDA graph.
+    """
+
+    TRUE, SIBLINGS, DEMOTED = 20.0, (15.0, 14.0), (22.0, 21.0)  # logits; every other token 0
+    graphable = False
+
+    def __init__(self, config: DrafterConfig, sequences: list[list[int]], demote_every: int = 3):
+        super().__init__(config)
+        self.sequences, self.demote_every = [list(s) for s in sequences], demote_every
+        self.root: int | None = None
+        self.block_start = 0
+
+    def embed(self, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        self.root = int(ids[0, 0])
+        return super().embed(ids, embedding)
+
+    def forward(self, block_embeddings, context_features, block_positions, *args, **kwargs):
+        self.block_start = int(block_positions[0, 0])
+        return super().forward(block_embeddings, context_features, block_positions, *args, **kwargs)
+
+    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        vocab, slots = lm_head.shape[0], hidden.shape[-2]
+        logits = torch.zeros(slots, vocab, dtype=hidden.dtype)
+        start = self.block_start
+        known = next((s for s in self.sequences if len(s) > start and s[start] == self.root), [])
+        for slot, position in enumerate(range(start + 1, min(start + 1 + slots, len(known)))):
+            true = known[position]
+            demoted = position % self.demote_every == 0
+            logits[slot, true] = self.TRUE
+            for offset, value in enumerate(self.DEMOTED if demoted else self.SIBLINGS, start=1):
+                logits[slot, (true + offset) % vocab] = value
+        return logits.to(hidden.device).reshape(*hidden.shape[:-1], vocab)
+
+
+def write_scripted_drafter(folder: str | Path, config: DrafterConfig, sequences: list[list[int]],
+                           demote_every: int = 3) -> Path:
+    """A ``ScriptedDrafter`` folder that ``load_drafter`` (and so the app, the bench and the
+    vLLM engine's workers) loads like any drafter: its config and its continuations."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config.to_json(), indent=1))
+    (folder / SCRIPT).write_text(json.dumps({"sequences": sequences, "demote_every": demote_every}))
+    return folder
+
+
 def fresh_config(target_config, *, num_layers: int, mask_token_id: int, block_size: int = 16,
                  num_taps: int = 5, target_layer_ids: list[int] | None = None) -> DrafterConfig:
     """A drafter shaped like ``target_config`` (a transformers config)."""
@@ -443,6 +506,9 @@ def load_drafter(folder: str | Path, random_weights: bool = False) -> DFlashDraf
 
     folder = Path(folder)
     config = read_drafter_config(folder)
+    if (folder / SCRIPT).is_file():
+        script = json.loads((folder / SCRIPT).read_text())
+        return ScriptedDrafter(config, script["sequences"], script.get("demote_every", 3)).initialize(0)
     if random_weights:
         return DFlashDrafter(config).initialize(0)
     weight_files = sorted(folder.glob("*.safetensors"))
@@ -492,9 +558,10 @@ def drafter_shape(folder: str | Path) -> DFlashDrafter:
 
 
 def weights_digest(folder: str | Path) -> str:
-    """A short fingerprint of a checkpoint's weight files: which drafter a result was measured with."""
+    """A short fingerprint of a checkpoint's weight files (a scripted drafter's script too): which
+    drafter a result was measured with."""
     digest = hashlib.sha256()
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    for path in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob(SCRIPT)):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 

@@ -6,9 +6,12 @@
 #       recorded (assets/budgets.json, brought back), then the app on it (carry [".whl"]: gradio's wheels)
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh humaneval'  # bf16 speed on HumanEval; the compiled step
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape'      # Qwen3-8B shape, random weights + projection
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh hybrid'     # tiny Qwen3-Next: float32 exactness with a
+#       scripted drafter (deep acceptance), vLLM's GDN kernels under the tree tests, verify cost vs pure attention
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape27'    # Qwen3.6-27B hybrid shape, random weights
 # LIMIT (prompts per bench) and TOKENS override the defaults.
 set -uo pipefail
-phase=${1:?phase: check, fresh, humaneval or shape}
+phase=${1:?phase: check, fresh, humaneval, shape, hybrid or shape27}
 TOKENS=${TOKENS:-128}
 bench() { python3 -m engine.bench --engine vllm --no-progress "$@"; }
 tables() { grep -E '^\||^kernels|NOT a near-tie|^error' "$1" | tail -n "${2:-40}"; }
@@ -48,6 +51,32 @@ shape)
       --out "$OUT/gpu-qwen3-8b-random.json" > "$OUT/bench-shape.txt" 2>&1
   tables "$OUT/bench-shape.txt" 15
   python3 -m engine.projection "$OUT/gpu-qwen3-8b-random.json" | tee "$OUT/projection.txt" ;;
+hybrid)
+  hybrid=/tmp/tiny-qwen3-next attention=/tmp/tiny-qwen3-next-attention scripted=/tmp/tiny-qwen3-next-scripted
+  { python3 -m tests.hybrid_models "$hybrid" --family qwen3_next
+    python3 -m tests.hybrid_models "$attention" --family qwen3_next --attention-only
+    python3 -m tests.hybrid_models --scripted-drafter "$scripted" --model "$hybrid" \
+        --prompts assets/prompts/fresh.jsonl --limit 12 --max-new-tokens 64; } > "$OUT/hybrid-build.txt" 2>&1
+  tail -n 3 "$OUT/hybrid-build.txt"
+  timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_gdn_tree.py > "$OUT/pytest-gdn.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
+  timeout 200 bench --model "$hybrid" --drafter "$scripted" --dtype float32 --native ar --prompts \
+      assets/prompts/fresh.jsonl --limit 12 --methods ar,dflash,ddtree --tree-budget 16,64 --max-new-tokens 64 \
+      --out "$OUT/gpu-vllm-hybrid-float32.json" > "$OUT/bench-hybrid.txt" 2>&1
+  tables "$OUT/bench-hybrid.txt" 12
+  for model in "$hybrid" "$attention"; do  # verify cost vs tree size: the same shape, with and without DeltaNets
+    timeout 100 bench --model "$model" --drafter "$scripted" --prompts assets/prompts/fresh.jsonl --limit 3 \
+        --methods ar,ddtree --tree-budget 1,4,16,64,256 --max-new-tokens 64 \
+        --out "$OUT/gpu-vllm-$(basename "$model")-cost.json" > "$OUT/bench-$(basename "$model")-cost.txt" 2>&1
+    tables "$OUT/bench-$(basename "$model")-cost.txt" 8
+  done ;;
+shape27)
+  timeout 540 bench --random-weights --model assets/shapes/qwen3.6-27b --drafter assets/shapes/qwen3.6-27b-dflash-b16 \
+      --native ar --gpu-memory-utilization 0.85 --prompts assets/prompts/fresh.jsonl --limit 3 \
+      --methods ar,dflash,ddtree --tree-budget 16,64,256 --max-new-tokens 64 \
+      --out "$OUT/gpu-qwen3.6-27b-random.json" > "$OUT/bench-shape27.txt" 2>&1
+  tables "$OUT/bench-shape27.txt" 12
+  python3 -m engine.projection "$OUT/gpu-qwen3.6-27b-random.json" | tee "$OUT/projection27.txt" ;;
 *)
-  echo "unknown phase $phase: check, fresh, humaneval or shape" >&2; exit 2 ;;
+  echo "unknown phase $phase: check, fresh, humaneval, shape, hybrid or shape27" >&2; exit 2 ;;
 esac

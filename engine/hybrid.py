@@ -41,6 +41,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import ddtree
+from ddtree import forks
 from engine.errors import EngineError
 
 LINEAR = "linear_attention"
@@ -73,31 +74,28 @@ class TreePlan:
     windows: torch.Tensor  # [q + 1, width] long: per slot, the columns of its last `width` inputs
 
     @staticmethod
-    def from_parents(parents: torch.Tensor, width: int, device: torch.device | str = "cpu") -> "TreePlan":
-        """``parents[i]`` is node i's parent (``-1``: it hangs below the committed state); parents precede children."""
-        parents = parents.cpu()
-        q = int(parents.numel())
-        depths = torch.zeros(q, dtype=torch.long)
-        for node, parent in enumerate(parents.tolist()):
-            depths[node] = 0 if parent < 0 else int(depths[parent]) + 1
-        parent_slots = parents + 1
-        windows = torch.empty(q + 1, width, dtype=torch.long)
-        windows[0] = torch.arange(width)
-        groups = [torch.nonzero(depths == d).flatten() for d in range(int(depths.max()) + 1 if q else 0)]
-        for nodes in groups:  # a node's window is its parent's, shifted by one, plus its own input
-            windows[nodes + 1] = torch.cat([windows[parent_slots[nodes], 1:], (width + nodes)[:, None]], dim=1)
-        return TreePlan(parent_slots.to(device), [g.to(device) for g in groups], windows.to(device))
+    def from_tree(parents: torch.Tensor, visible: torch.Tensor, width: int,
+                  device: torch.device | str = "cpu") -> "TreePlan":
+        """``parents[i]`` is node i's parent (``-1``: it hangs below the committed state), parents
+        before children; ``visible`` the ancestors-and-self mask. A node's window is the last
+        ``width`` inputs of its path (``ddtree.forks``)."""
+        depth = forks.depths(visible)
+        table = forks.path_table(visible, int(depth.max()) + 1)
+        windows = torch.cat([torch.arange(width)[None], forks.window_columns(table, depth, width)])
+        groups = [torch.nonzero(depth == d).flatten() for d in range(int(depth.max()) + 1)]
+        return TreePlan((parents + 1).to(device), [g.to(device) for g in groups], windows.to(device))
 
 
-def parents_from_bias(attention_bias: torch.Tensor | None, q: int) -> torch.Tensor:
-    """Each verified node's parent, read off the additive tree mask (``None``: a causal chain).
+def tree_from_bias(attention_bias: torch.Tensor | None, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each verified node's parent and the ancestors-and-self mask, read off the additive tree
+    mask (``None``: a causal chain).
 
     Row i sees its ancestors and itself; parents precede children, so the parent is the
     last visible column before i. The mask must be exactly ancestor-closed (each row is
     its parent's row plus the diagonal), otherwise there is no tree to fork states along.
     """
     if attention_bias is None:
-        return torch.arange(q) - 1
+        return torch.arange(q) - 1, torch.ones(q, q, dtype=torch.bool).tril()
     block = attention_bias[0, 0, :, -q:]
     visible = (block > torch.finfo(block.dtype).min / 2).cpu()
     columns = torch.arange(q)
@@ -107,7 +105,7 @@ def parents_from_bias(attention_bias: torch.Tensor | None, q: int) -> torch.Tens
     if not torch.equal(visible, expected):
         raise EngineError("the attention mask is not a tree mask (each node must see exactly its ancestors and "
                           "itself): a hybrid target's linear-attention layers can only verify trees")
-    return parents
+    return parents, visible
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,12 +233,12 @@ def tree_forward(model, input_ids, position_ids, cache: TreeCache, attention_bia
     """
     decoder = model.get_decoder()
     q = input_ids.shape[1]
-    parents = parents_from_bias(attention_bias, q)
+    parents, visible = tree_from_bias(attention_bias, q)
     if attention_bias is None and q > 1:
         # the attention layers need the chain's causal mask explicitly: the past is not in the query block
         attention_bias = ddtree.attention_bias(ddtree.ancestor_mask(parents[1:].clamp(min=0)).to(input_ids.device),
                                                cache.get_seq_length(), model.dtype)
-    plan = TreePlan.from_parents(parents, _conv_width(cache), input_ids.device)
+    plan = TreePlan.from_tree(parents, visible, _conv_width(cache), input_ids.device)
     cache.pending = PendingTree(plan)
 
     hidden = decoder.embed_tokens(input_ids)

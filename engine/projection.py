@@ -119,57 +119,115 @@ class MemoryPlan:
     """An estimate from the shapes alone (bf16): what the weights take, what a token of context
     costs in KV cache (target and drafter), and so the longest context that fits beside a verify
     of ``budget`` nodes. The vLLM engine gives its KV cache what is left after the weights and
-    its activation reserve, so the context runs out long before the tree does."""
+    its activation reserve, so the context runs out long before the tree does. A hybrid's linear
+    layers and a drafter's sliding-window layers hold a fixed state per request, whatever the
+    context (``state_bytes``)."""
 
     weights_gib: float
     kv_bytes_per_token: int
     context_tokens: dict[int, int]  # budget -> longest context that fits in memory
     model_context: int  # the model's own limit (max_position_embeddings)
+    state_bytes: int = 0
 
     def sentence(self) -> str:
         fits = min(self.context_tokens.values())
         first = ("the model's own context limit binds first: memory holds more" if fits >= self.model_context
                  else "the KV cache (the context) runs out first; the tree's activations are small beside it")
+        state = (f", plus {self.state_bytes / 2**20:.0f} MiB of fixed state per request (linear layers' recurrent "
+                 "states, sliding windows)" if self.state_bytes else "")
         return (f"weights {self.weights_gib:.1f} GiB, KV cache {self.kv_bytes_per_token / 1024:.0f} KiB per token of "
-                "context (target + drafter); longest context beside a verify of B nodes: "
+                f"context (target + drafter){state}; longest context beside a verify of B nodes: "
                 + ", ".join(f"B={budget}: {tokens:,}" for budget, tokens in self.context_tokens.items())
                 + f" tokens (the model's limit: {self.model_context:,}); {first}.")
 
 
+def text_config(config: dict) -> dict:
+    """A multimodal checkpoint's language model (Qwen3.5 / 3.6 nest it in ``text_config``); the
+    vision tower, a few hundred million weights beside tens of billions, is left out."""
+    return config.get("text_config") or config
+
+
+def _layer_types(config: dict) -> list[str]:
+    return config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+
+
 def parameter_count(config: dict) -> int:
-    """Weights of a Llama/Qwen-style decoder from its config (embeddings, attention, MLP, norms)."""
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    """Weights of a Llama/Qwen-style decoder from its config (embeddings, attention, MLP, norms),
+    hybrids included: a Gated DeltaNet layer's projections, convolution and gates instead of attention."""
+    config = text_config(config)
+    hidden = config["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or hidden // heads
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    query_key_norms = 2 * head_dim if config.get("model_type") == "qwen3" else 0
+    gated = 2 if config.get("attn_output_gate") else 1  # a gated output doubles the query projection
+    attention = hidden * head_dim * ((1 + gated) * heads + 2 * kv_heads)
+    query_key_norms = 2 * head_dim if config.get("model_type") in ("qwen3", "qwen3_5_text", "qwen3_next") else 0
     mlp = 3 * hidden * config["intermediate_size"]
     embeddings = config["vocab_size"] * hidden * (1 if config.get("tie_word_embeddings") else 2)
-    return embeddings + layers * (attention + query_key_norms + mlp + 2 * hidden) + hidden
+    total = embeddings + hidden
+    for layer_type in _layer_types(config):
+        mixer = _linear_parameters(config) if layer_type == "linear_attention" else attention + query_key_norms
+        total += mixer + mlp + 2 * hidden
+    return total
+
+
+def _linear_parameters(config: dict) -> int:
+    hidden = config["hidden_size"]
+    key, value, value_heads = _linear_dims(config)
+    projections = hidden * (2 * key + 2 * value + 2 * value_heads)  # q, k, v, gate z; b and a per head
+    convolution = (2 * key + value) * config.get("linear_conv_kernel_dim", 4)
+    return projections + convolution + value * hidden + 2 * value_heads + config["linear_value_head_dim"]
+
+
+def _linear_dims(config: dict) -> tuple[int, int, int]:
+    """Key and value channels of a Gated DeltaNet layer, and its value heads."""
+    return (config["linear_num_key_heads"] * config["linear_key_head_dim"],
+            config["linear_num_value_heads"] * config["linear_value_head_dim"], config["linear_num_value_heads"])
 
 
 def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
+    """KV cache per token of context: the layers whose cache grows with it (full attention)."""
+    config = text_config(config)
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+    growing = sum(1 for layer_type in _layer_types(config) if layer_type == "full_attention")
+    return 2 * growing * config.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+
+
+def state_bytes(config: dict, dtype_bytes: int = 2) -> int:
+    """What a request holds whatever its context: a linear layer's convolution window and float32
+    recurrent state, a sliding-window layer's window of KV."""
+    config = text_config(config)
+    total = 0
+    for layer_type in _layer_types(config):
+        if layer_type == "linear_attention":
+            key, value, value_heads = _linear_dims(config)
+            conv = (2 * key + value) * (config.get("linear_conv_kernel_dim", 4) - 1) * dtype_bytes
+            total += conv + value_heads * config["linear_key_head_dim"] * config["linear_value_head_dim"] * 4
+        elif layer_type == "sliding_attention":
+            heads = config["num_attention_heads"]
+            head_dim = config.get("head_dim") or config["hidden_size"] // heads
+            total += 2 * config["sliding_window"] * config.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+    return total
 
 
 def memory_plan(target: dict, drafter: dict, gpu_gib: float, utilization: float,
                 budgets: tuple[int, ...] = (16, 64, 256, 512, 1024), dtype_bytes: int = 2) -> MemoryPlan:
     """The drafter shares the target's embeddings and head (z-lab): its own weights are its layers and
     the projection of the tapped features; its context cache holds a row per committed token too."""
+    target = text_config(target)
     drafter_layers = parameter_count({**drafter, "vocab_size": 0})
     taps = len((drafter.get("dflash_config") or {}).get("target_layer_ids") or drafter.get("target_layer_ids") or [])
     drafter_weights = drafter_layers + taps * drafter["hidden_size"] * drafter["hidden_size"]
     weights = (parameter_count(target) + drafter_weights) * dtype_bytes
     per_token = kv_bytes_per_token(target, dtype_bytes) + kv_bytes_per_token(drafter, dtype_bytes)
-    room = gpu_gib * 2**30 * utilization - weights
+    fixed = state_bytes(target, dtype_bytes) + state_bytes(drafter, dtype_bytes)
+    room = gpu_gib * 2**30 * utilization - weights - fixed
     context = {}
     for budget in budgets:
         # a verify's largest activations: float32 logits for every node, and the MLP's intermediate
         activations = (budget + 1) * (4 * target["vocab_size"] + 2 * dtype_bytes * target["intermediate_size"])
         context[budget] = max(0, int((room - activations) // per_token))
-    return MemoryPlan(weights / 2**30, per_token, context, target.get("max_position_embeddings", 0))
+    return MemoryPlan(weights / 2**30, per_token, context, target.get("max_position_embeddings", 0), fixed)
 
 
 def read_curve(folder: str | None) -> tuple[dict, str]:

@@ -133,6 +133,12 @@ class ClientTarget(Target):
     context_length = property(lambda self: self._context_length)
 
 
+# hybrid architectures whose Gated DeltaNet layers the vLLM engine forks (``engine.vllm_gdn``);
+# vLLM 0.23 serves Qwen3.5 / Qwen3.6 as their multimodal classes, never as text-only ones
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
+                        "Qwen3_5MoeForConditionalGeneration")
+
+
 def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
     """What can be checked before vLLM takes the GPU: the target's config, its family, and the
     drafter's fit; each failure is one clear line."""
@@ -140,11 +146,30 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
     from engine.hybrid import is_hybrid
 
     config = shape_config(folder)
-    if is_hybrid(config):
-        raise EngineError(f"{config.model_type} has linear-attention (Gated DeltaNet) layers: the vLLM engine verifies "
-                          "trees on pure-attention targets for now; use --engine torch, which runs hybrids exactly")
+    text = getattr(config, "text_config", config)
+    if is_hybrid(text):
+        architectures = getattr(config, "architectures", None) or [config.model_type]
+        if not set(architectures) & set(HYBRID_ARCHITECTURES):
+            raise EngineError(f"{', '.join(architectures)} is a hybrid (linear-attention) target the vLLM engine cannot "
+                              f"run: it forks Gated DeltaNet states for {', '.join(HYBRID_ARCHITECTURES)}; "
+                              "use --engine torch, which runs Qwen3.5 / Qwen3-Next hybrids exactly")
     if drafter is not None:
-        check_drafter_fits(drafter.config, getattr(config, "text_config", config))
+        check_drafter_fits(drafter.config, text)
+
+
+def hybrid_settings(folder: str) -> dict:
+    """``vllm.LLM`` settings a hybrid target needs: vLLM's own Triton kernels for the prompt's
+    Gated DeltaNet prefill (its FlashInfer one is JIT-built, and absent from the GPU bundle), and
+    for a multimodal checkpoint (Qwen3.5 / 3.6) its language model alone: the Studio sends text."""
+    from engine.hybrid import is_hybrid
+
+    config = shape_config(folder)
+    if not is_hybrid(getattr(config, "text_config", config)):
+        return {}
+    settings = {"additional_config": {"gdn_prefill_backend": "triton"}}
+    if hasattr(config, "text_config"):
+        settings["language_model_only"] = True
+    return settings
 
 
 def tokenizer_folder(folder: str) -> str:
@@ -170,7 +195,7 @@ class VllmDecoder(Decoder):
             enforce_eager=True, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
             gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
             worker_extension_cls="engine.vllm_worker.StudioWorker", tokenizer=tokenizer_folder(folder),
-            load_format="dummy" if options.random_weights else "auto",
+            load_format="dummy" if options.random_weights else "auto", **hybrid_settings(folder),
         )
         loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
                                                               drafter_info.name, options.cuda_graphs,
@@ -255,7 +280,7 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
-                    async_scheduling=speculative is None)
+                    async_scheduling=speculative is None, **hybrid_settings(folder))
 
 
 def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],

@@ -9,7 +9,8 @@ interface.
 
 vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
 is wrapped so that a verify pass can add a query-query bias (``qq_bias``, a parameter the
-kernel still has from vLLM's removed tree-attention backend). Nothing else is patched.
+kernel still has from vLLM's removed tree-attention backend). Hybrid targets (Gated DeltaNet
+layers) add one more, in ``engine.vllm_gdn``, imported only for them. Nothing else is patched.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ class PagedCache:
 class _Forward:
     """One verify shape: static inputs, attention metadata and (once captured) a CUDA graph."""
 
-    def __init__(self, target: "PagedTarget", size: int, tree: bool):
+    def __init__(self, target: "PagedTarget", size: int, tree: bool, prefill: bool = False):
         device = target.device
-        self.target, self.size = target, size
+        self.target, self.size, self.prefill = target, size, prefill
         self.ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
         self.slots = torch.zeros(size, dtype=torch.long, device=device)
@@ -74,9 +75,10 @@ class _Forward:
         # the kernel loads the bias a whole query tile at a time (up to 16 rows), rows past the
         # last query included: back the [size, size] view with memory for them
         self.bias = torch.zeros(size + BIAS_PAD_ROWS, size, dtype=torch.float32, device=device)[:size] if tree else None
-        self.metadata = target.attention_metadata(size, self.slots, self.seq_lens)
+        self.metadata = target.layer_metadata(size, self.slots, self.seq_lens, prefill)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.gdn_pass = None  # a hybrid target's tree pass as the graph recorded it
 
     def load(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: int | torch.Tensor,
              bias: torch.Tensor | None) -> None:
@@ -91,8 +93,10 @@ class _Forward:
     def run(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.graph is not None:
             self.graph.replay()
+            if self.gdn_pass is not None:
+                self.target.gdn.pending = self.gdn_pass  # the commit reads what this graph's layers kept
             return self.outputs
-        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias)
+        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias, self.prefill)
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
@@ -104,6 +108,8 @@ class _Forward:
             with torch.cuda.graph(graph, pool=pool, stream=context.stream):
                 self.outputs = self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias)
         self.graph = graph
+        if self.target.gdn is not None:
+            self.gdn_pass = self.target.gdn.pending
 
 
 class PagedTarget(Target):
@@ -115,21 +121,35 @@ class PagedTarget(Target):
                          stop_ids=stop_token_ids(tokenizer, runner.model_config.hf_text_config))
         self.runner, self.vllm_config = runner, runner.vllm_config
         groups = [group for groups in runner.attn_groups for group in groups]
-        if len(groups) != 1 or groups[0].backend.get_name() != "TRITON_ATTN":
-            raise EngineError("the vLLM engine verifies trees with the Triton attention backend on "
-                              "pure-attention targets; this target needs another backend")
-        self.group = groups[0]
-        self.builder = self.group.metadata_builders[0]
+        attention = [group for group in groups if group.backend.get_name() == "TRITON_ATTN"]
+        linear = [group for group in groups if group.backend.get_name() == "GDN_ATTN"]
+        if not attention or len(attention) + len(linear) != len(groups):
+            names = sorted({group.backend.get_name() for group in groups})
+            raise EngineError(f"the vLLM engine verifies trees with the Triton attention backend (plus Gated DeltaNet "
+                              f"layers on hybrids); this target's layers need {', '.join(names)}")
+        self.builder = attention[0].metadata_builders[0]
+        self.attention_names = [name for group in attention for name in group.layer_names]
         forward_layers = self.vllm_config.compilation_config.static_forward_context
-        self.kv_caches = [forward_layers[name].kv_cache for name in self.group.layer_names]
+        self.kv_caches = [forward_layers[name].kv_cache for name in self.attention_names]
         if self.kv_caches[0].shape[1] != 2:
             raise EngineError(f"unexpected KV cache layout {tuple(self.kv_caches[0].shape)} for vLLM {vllm.__version__}")
         self.block_size = self.kv_caches[0].shape[2]
         blocks = self.kv_caches[0].shape[0]
+        self.gdn = None
+        if linear:
+            from engine.vllm_gdn import GDNLayers
+
+            # a hybrid's attention and linear layers share each block's memory: the request's
+            # states take the last block, the attention rows the blocks before it
+            self.gdn = GDNLayers(linear, forward_layers, device=self.device)
+            blocks = min(blocks, self.gdn.slot)
         self.capacity = blocks * self.block_size
         self.block_table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
-        self._embedding = _full_vocab(model.model.embed_tokens.weight, self.config.vocab_size)
-        head = model.model.embed_tokens if self.config.tie_word_embeddings else model.lm_head
+        # a multimodal checkpoint (Qwen3.5 / 3.6) runs its language model alone: the Studio sends text
+        self.text_model = getattr(model, "language_model", model)
+        self.mrope = runner.model_config.uses_mrope
+        self._embedding = _full_vocab(self.text_model.model.embed_tokens.weight, self.config.vocab_size)
+        head = self.text_model.model.embed_tokens if self.config.tie_word_embeddings else self.text_model.lm_head
         self._lm_head = _full_vocab(head.weight, self.config.vocab_size)
         self.use_cuda_graphs = use_cuda_graphs
         self.forwards: dict[tuple[int, bool], _Forward] = {}
@@ -163,13 +183,24 @@ class PagedTarget(Target):
         embeddings), which is exactly HF's ``hidden_states[k]``: no offset to add here.
         """
         self.taps = sorted(set(hidden_state_indices))
-        self.model.model.aux_hidden_state_layers = tuple(self.taps)
+        self.text_model.model.aux_hidden_state_layers = tuple(self.taps)
 
     def new_cache(self) -> PagedCache:
         return PagedCache()
 
     def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor:
+        if self.gdn is not None and int(visible.sum(dim=1).max()) > MAX_PATH:
+            raise EngineError(f"a hybrid target verifies trees at most {MAX_PATH} tokens deep (blocks up to {MAX_PATH})")
         return ddtree.query_bias(visible)
+
+    def layer_metadata(self, size: int, slots: torch.Tensor, seq_lens: torch.Tensor, prefill: bool) -> dict:
+        """Each layer's attention metadata for a pass of ``size`` tokens; a hybrid's linear layers
+        get vLLM's for a prefill, and verify trees on their own otherwise (``engine.vllm_gdn``)."""
+        metadata = self.attention_metadata(size, slots, seq_lens)
+        layers = {name: metadata for name in self.attention_names}
+        if self.gdn is not None and prefill:
+            layers |= self.gdn.prefill_metadata(size, slots)
+        return layers
 
     def attention_metadata(self, size: int, slots: torch.Tensor, seq_lens: torch.Tensor):
         query_start = torch.tensor([0, size], dtype=torch.int32)
@@ -180,23 +211,32 @@ class PagedTarget(Target):
         )
         return self.builder.build(0, common)
 
-    def run_model(self, ids, positions, metadata, slots, bias) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        names = self.group.layer_names
+    def run_model(self, ids, positions, metadata: dict, slots, bias, prefill: bool = False
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         _QueryBias.current = bias
+        if self.gdn is not None and not prefill:
+            size = ids.numel()
+            visible = (bias == 0) if bias is not None else torch.ones(size, size, dtype=torch.bool, device=ids.device)
+            self.gdn.begin(visible, min(size, MAX_PATH))
         try:
-            with set_forward_context({name: metadata for name in names}, self.vllm_config,
-                                     num_tokens=ids.numel(), slot_mapping={name: slots for name in names}):
-                out = self.model(input_ids=ids, positions=positions, intermediate_tensors=None)
+            with set_forward_context(metadata, self.vllm_config, num_tokens=ids.numel(),
+                                     slot_mapping={name: slots for name in self.attention_names}):
+                out = self.text_model(input_ids=ids, positions=positions.expand(3, -1) if self.mrope else positions,
+                                      intermediate_tensors=None)
                 hidden, taps = out if isinstance(out, tuple) else (out, [])
-                return self.model.compute_logits(hidden), taps
+                return self.text_model.compute_logits(hidden), taps
         finally:
             _QueryBias.current = None
+            if self.gdn is not None:
+                self.gdn.end()
 
     def forward(self, input_ids, position_ids, cache: PagedCache, attention_bias=None, hidden_states=False):
         size = input_ids.shape[1]
         if cache.length + size > self.capacity:
             raise EngineError(f"the vLLM KV cache holds {self.capacity} tokens; this pass needs {cache.length + size}")
         forward = self._forward_for(size, attention_bias is not None, prefill=cache.length == 0)
+        if forward.prefill and self.gdn is not None and attention_bias is not None:
+            raise EngineError("a hybrid target's prompt runs as a plain causal prefill, not as a tree")
         forward.load(input_ids[0], position_ids[0], cache.length, attention_bias)
         logits, taps = forward.run()
         cache.length += size  # like a DynamicCache: every pass appends; ``commit`` then trims to the path
@@ -212,7 +252,7 @@ class PagedTarget(Target):
     def _forward_for(self, size: int, tree: bool, prefill: bool) -> _Forward:
         key = (size, tree)
         if prefill or key not in self.forwards and len(self.forwards) >= MAX_GRAPHS:
-            return _Forward(self, size, tree)
+            return _Forward(self, size, tree, prefill)
         if key not in self.forwards:
             self.forwards[key] = _Forward(self, size, tree)
         return self.forwards[key]
@@ -228,6 +268,8 @@ class PagedTarget(Target):
         sources, targets = ddtree.compaction_moves(past_length, accepted)
         if sources.numel():
             self.compaction(sources, targets)
+        if self.gdn is not None:
+            self.gdn.commit(accepted)
         cache.length = past_length + len(accepted)
 
     def move_rows(self, sources: torch.Tensor, targets: torch.Tensor) -> None:

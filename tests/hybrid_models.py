@@ -1,7 +1,10 @@
 """Tiny randomly initialised hybrid targets (Gated DeltaNet + full attention), float64 on CPU,
 and the reference they must match: the model's own forward, one token at a time.
 
-    python -m tests.hybrid_models FOLDER    # a tiny Qwen3.5 hybrid folder the app and bench can load
+    python -m tests.hybrid_models FOLDER                      # a tiny Qwen3.5 hybrid the app and bench load
+    python -m tests.hybrid_models FOLDER --family qwen3_next  # the tiny Qwen3-Next vLLM serves too
+    python -m tests.hybrid_models --scripted-drafter OUT --model FOLDER --prompts FILE
+        # a drafter that knows FOLDER's own greedy answers to FILE's prompts (engine.drafter.ScriptedDrafter)
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
-from engine.decode import Decoder, DrafterInfo
+from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.target import Target, bundled_gguf
 from tests.tiny import STOP, CharTokenizer, tiny_drafter
 
@@ -36,10 +39,11 @@ def hybrid_config(family: str = "qwen3_5", vocab: int = 40, layer_types: list[st
         return Qwen3_5TextConfig(**shape)
     if family == "qwen3_next":
         # one sparse-MoE layer (the others dense); eager experts: the grouped-mm kernel has no float64
-        return Qwen3NextConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
-                               shared_expert_intermediate_size=hidden_size // 2, decoder_sparse_step=1,
-                               mlp_only_layers=[i for i in range(len(layer_types)) if i != 2],
-                               experts_implementation="eager")
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
+                       shared_expert_intermediate_size=hidden_size // 2, decoder_sparse_step=1,
+                       mlp_only_layers=[i for i in range(len(layer_types)) if i != 2],
+                       experts_implementation="eager")
+        return Qwen3NextConfig(**(experts | shape))
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -77,18 +81,68 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids
                        use_cache=True).logits[0, -1]
 
 
-def save_tiny_hybrid(folder: str | Path, family: str = "qwen3_5", seed: int = 0) -> Path:
-    """A random hybrid with SmolLM2's tokenizer (and vocabulary size), saved like any HF model folder."""
+# the shape vLLM's kernels take (their tiles need head dims of 16 and more), all MLPs dense
+# (the GPU bundle leaves vLLM's MoE kernels out); still a few seconds to build
+VLLM_SHAPE = dict(hidden_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=0)
+
+
+def save_tiny_hybrid(folder: str | Path, family: str = "qwen3_5", seed: int = 0, vllm_shape: bool = False,
+                     attention_only: bool = False) -> Path:
+    """A random hybrid with SmolLM2's tokenizer (and vocabulary size), saved like any HF model folder,
+    in float32 (``vllm_shape``: Qwen3-Next at a shape vLLM 0.23 serves; it has no text-only Qwen3.5).
+    ``attention_only``: the same model with every layer full attention, to compare costs with."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
     # eos <|im_end|> (2): the chat end-of-turn of SmolLM2's template; untied head, as in Qwen3.5
-    model = hybrid_model(family, seed, vocab=49152, tie_word_embeddings=False, eos_token_id=2)
+    shape = (VLLM_SHAPE if vllm_shape else {}) | ({"layer_types": [FULL] * len(LAYER_TYPES)} if attention_only else {})
+    model = hybrid_model(family, seed, dtype=torch.float32, vocab=49152, tie_word_embeddings=False, eos_token_id=2,
+                         **shape)
     model.save_pretrained(folder)
     gguf = bundled_gguf()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
     return folder
 
 
+def scripted_drafter_for(folder: str | Path, target: Target, prompts: list[list[int]], max_new_tokens: int,
+                         demote_every: int = 4) -> Path:
+    """A ``ScriptedDrafter`` folder holding ``target``'s own greedy answers to ``prompts``
+    (its AR run through the Studio's torch engine), shaped to fit ``target``."""
+    from engine.drafter import fresh_config, write_scripted_drafter
+
+    decoder = Decoder(target, None, DrafterInfo("none", trained=False))
+    sequences = [ids + decoder.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=max_new_tokens)).output_ids
+                 for ids in prompts]
+    config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1, num_taps=2)
+    return write_scripted_drafter(folder, config, sequences, demote_every)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.hybrid_models", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", nargs="?", help="where to save a tiny hybrid")
+    parser.add_argument("--family", default="qwen3_5", choices=FAMILIES)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-only", action="store_true", help="every layer full attention (a cost baseline)")
+    parser.add_argument("--scripted-drafter", metavar="OUT", help="write a scripted drafter for --model instead")
+    parser.add_argument("--model", help="the hybrid folder the scripted drafter knows the answers of")
+    parser.add_argument("--prompts", help="a prompt set (engine.prompt_sets)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    args = parser.parse_args(argv)
+    if args.scripted_drafter:
+        from engine.bench import read_prompts
+        from engine.target import load_target
+
+        target = load_target(args.model, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
+        prompts = [target.chat_ids(p["prompt"]) for p in read_prompts(args.prompts)[:args.limit]]
+        print(scripted_drafter_for(args.scripted_drafter, target, prompts, args.max_new_tokens))
+        return 0
+    print(save_tiny_hybrid(args.folder or f"tiny-{args.family}-hybrid", args.family, args.seed,
+                           vllm_shape=args.family == "qwen3_next", attention_only=args.attention_only))
+    return 0
+
+
 if __name__ == "__main__":
-    print(save_tiny_hybrid(sys.argv[1] if len(sys.argv) > 1 else "tiny-qwen3.5-hybrid"))
+    sys.exit(main())

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import fresh_config
-from tests.tiny import OracleDrafter, tiny_decoder, tiny_drafter, tiny_target
+from engine.drafter import ScriptedDrafter, fresh_config
+from tests.tiny import tiny_decoder, tiny_drafter, tiny_target
 
 
 def prompt(seed, length, vocab):
@@ -53,7 +53,7 @@ def test_oracle_drafts_are_accepted_deeply_and_trees_recover_demoted_tokens(seed
     plain = Decoder(target, tiny_drafter(target, seed), DrafterInfo("random", trained=False))
     ar = plain.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=60))
     config = fresh_config(target.config, num_layers=1, mask_token_id=47, num_taps=2)
-    oracle = OracleDrafter(config, ids + ar.output_ids).initialize(seed).to(torch.float64).eval()
+    oracle = ScriptedDrafter(config, [ids + ar.output_ids]).initialize(seed).to(torch.float64).eval()
     decoder = Decoder(target, oracle, DrafterInfo("oracle", trained=False))
     chain = decoder.run(prompt_ids=ids, settings=DecodeSettings("dflash", max_new_tokens=60))
     tree = decoder.run(prompt_ids=ids, settings=DecodeSettings("ddtree", max_new_tokens=60, tree_budget=64))
@@ -74,7 +74,7 @@ def test_stop_token_ends_generation_inside_an_accepted_path():
     target.stop_ids = [stop_at]
     ar = plain.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=40))
     config = fresh_config(target.config, num_layers=1, mask_token_id=29, num_taps=2)
-    oracle = OracleDrafter(config, ids + ar.output_ids + [0] * 40, demote_every=1000).initialize(0).double().eval()
+    oracle = ScriptedDrafter(config, [ids + ar.output_ids + [0] * 40], demote_every=1000).initialize(0).double().eval()
     tree = Decoder(target, oracle, DrafterInfo("oracle", trained=False)).run(
         prompt_ids=ids, settings=DecodeSettings("ddtree", max_new_tokens=40, tree_budget=32))
     assert tree.output_ids == ar.output_ids

@@ -75,12 +75,12 @@ def test_an_unknown_trace_detail_is_refused(decoders):
 def test_a_trained_drafter_goes_deep_through_the_fixed_step(decoders):
     """A drafter that knows the answer (the oracle) is accepted many levels deep: the compaction
     and the drafter's next context must then be right for the output to stay AR's."""
-    from tests.tiny import OracleDrafter
+    from engine.drafter import ScriptedDrafter
 
     readable, _ = decoders
     prompt = PROMPTS[1]
     ar = readable.run(prompt_ids=prompt, settings=DecodeSettings("ar", max_new_tokens=48))
-    oracle = OracleDrafter(readable.drafter.config, prompt + ar.output_ids).initialize(0).double().eval()
+    oracle = ScriptedDrafter(readable.drafter.config, [prompt + ar.output_ids]).initialize(0).double().eval()
     fixed = Decoder(readable.target, oracle, readable.drafter_info, fixed_step=True)
     trace = fixed.run(prompt_ids=prompt, settings=DecodeSettings("ddtree", max_new_tokens=48, tree_budget=12))
     assert trace.output_ids == ar.output_ids

@@ -16,13 +16,13 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 import ddtree
 from engine import bench, hybrid
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import fresh_config
+from engine.drafter import ScriptedDrafter, fresh_config
 from engine.errors import EngineError
 from engine.target import load_target
 from tests.hybrid_models import (FAMILIES, FULL, LINEAR, hybrid_decoder, hybrid_model, hybrid_target, reference_greedy,
-                                 save_tiny_hybrid)
+                                 save_tiny_hybrid, scripted_drafter_for)
 from tests.test_sampling import CHI2_CRITICAL_DF5, chi_square, three_token_marginals
-from tests.tiny import OracleDrafter, tiny_drafter
+from tests.tiny import tiny_drafter
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -108,6 +108,35 @@ def test_every_tree_node_scores_like_its_path_decoded_alone_and_commit_keeps_the
 
 
 @torch.inference_mode()
+def test_a_node_forked_from_its_siblings_state_is_caught(monkeypatch):
+    """The check above can fail: fork one node from its parent's sibling instead of its parent."""
+    model = hybrid_model("qwen3_5", seed=3, vocab=24)
+    ids = prompt(3, 9, 24)
+    cache, root = prefilled(model, ids)
+    tree = wide_deep_tree(24, seed=3)
+    inputs = ddtree.compile_tree(tree, root, len(ids))
+    depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
+    parent = torch.cat([torch.tensor([-1]), tree.parents])
+    victim = int(torch.nonzero(depth == 2)[0])  # a depth-2 node; its parent has siblings at depth 1
+    sibling = int(next(n for n in torch.nonzero(depth == 1).flatten().tolist() if n != int(parent[victim])))
+    correct_plan = hybrid.TreePlan.from_tree
+
+    def forked_from_sibling(*args, **kwargs):
+        plan = correct_plan(*args, **kwargs)
+        plan.parent_slots[victim] = sibling + 1
+        plan.windows[victim + 1] = torch.cat([plan.windows[sibling + 1, 1:], plan.windows[victim + 1, -1:]])
+        return plan
+
+    monkeypatch.setattr(hybrid.TreePlan, "from_tree", forked_from_sibling)
+    bias = ddtree.attention_bias(inputs.visible, len(ids), model.dtype)
+    logits, _ = hybrid.tree_forward(model, inputs.input_ids, inputs.position_ids, cache, bias)
+    path = inputs.visible[victim].nonzero().flatten()
+    reference, _ = decode_path(model, ids, inputs.input_ids[0, path].tolist())
+    assert torch.allclose(logits[path[:-1]], reference[:-1], rtol=0, atol=1e-12)  # its ancestors still right
+    assert not torch.allclose(logits[victim], reference[-1], atol=1e-6)
+
+
+@torch.inference_mode()
 def test_unmasked_chain_is_causal_and_hidden_states_match_the_model():
     model = hybrid_model("qwen3_5", seed=4)
     ids, chain = prompt(4, 7, 40), prompt(5, 6, 40)
@@ -126,8 +155,9 @@ def test_a_mask_that_is_not_a_tree_is_refused():
     visible = ddtree.ancestor_mask(torch.tensor([0, 0, 1]))
     visible[3, 2] = True  # node 3 sees node 2, which is not its ancestor
     with pytest.raises(EngineError, match="not a tree mask"):
-        hybrid.parents_from_bias(ddtree.attention_bias(visible, 5, torch.float64), 4)
-    assert hybrid.parents_from_bias(None, 3).tolist() == [-1, 0, 1]
+        hybrid.tree_from_bias(ddtree.attention_bias(visible, 5, torch.float64), 4)
+    parents, chain = hybrid.tree_from_bias(None, 3)
+    assert parents.tolist() == [-1, 0, 1] and torch.equal(chain, torch.ones(3, 3, dtype=torch.bool).tril())
 
 
 def test_unsupported_linear_attention_family_says_so():
@@ -181,7 +211,7 @@ def test_deep_acceptance_commits_the_leaf_state(family):
     ids = prompt(6, 11, 48)
     expected = reference_greedy(target.model, ids, 48, [])
     config = fresh_config(target.config, num_layers=1, mask_token_id=47, num_taps=2)
-    oracle = OracleDrafter(config, ids + expected).initialize(6).to(torch.float64).eval()
+    oracle = ScriptedDrafter(config, [ids + expected]).initialize(6).to(torch.float64).eval()
     decoder = Decoder(target, oracle, DrafterInfo("oracle", trained=False))
     chain = decoder.run(prompt_ids=ids, settings=DecodeSettings("dflash", max_new_tokens=48))
     tree = decoder.run(prompt_ids=ids, settings=DecodeSettings("ddtree", max_new_tokens=48, tree_budget=48))
@@ -248,3 +278,26 @@ def test_bench_runs_a_saved_hybrid_folder(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert {label: entry["identical_to_ar"] for label, entry in summary.items() if label != "ar"} == {
         "dflash": "1/1", "ddtree@8": "1/1", "ddtree@32": "1/1"}
+
+
+def test_the_tiny_qwen3_next_the_vllm_engine_serves_decodes_exactly_and_deep(tmp_path):
+    """The GPU check's model and drafter (``engine/gpu_session.sh hybrid``), on the torch engine:
+    a scripted drafter that knows the answers gets every method accepted levels deep, and the
+    outputs stay AR's."""
+    folder = save_tiny_hybrid(tmp_path / "tiny-qwen3-next", family="qwen3_next", vllm_shape=True)
+    target = load_target(str(folder), dtype="float32")
+    assert target.config.model_type == "qwen3_next" and target.config.architectures == ["Qwen3NextForCausalLM"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": text}) + "\n" for i, text in
+                               enumerate(["Say hi.", "Name three colours.", "What is 2 + 2?"])))
+    drafter = scripted_drafter_for(tmp_path / "scripted", target, [target.chat_ids(text) for text in
+                                   ("Say hi.", "Name three colours.", "What is 2 + 2?")], max_new_tokens=40)
+    out = tmp_path / "results.json"
+    assert bench.main(["--prompts", str(prompts), "--model", str(folder), "--drafter", str(drafter), "--dtype",
+                       "float32", "--methods", "ar,dflash,ddtree", "--tree-budget", "16,64", "--max-new-tokens", "40",
+                       "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    for label in ("dflash", "ddtree@16", "ddtree@64"):
+        assert summary[label]["identical_to_ar"] == "3/3", label
+        assert summary[label]["tau"] >= 3.0, (label, summary[label]["tau"])
+    assert summary["ddtree@64"]["tau"] > summary["dflash"]["tau"]  # the tree goes on through demoted tokens

@@ -10,8 +10,8 @@ from PIL import Image
 
 from engine.bench import Job, benchmark, plan_jobs, summarize_runs
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import fresh_config
-from tests.tiny import OracleDrafter, tiny_drafter, tiny_target
+from engine.drafter import ScriptedDrafter, fresh_config
+from tests.tiny import tiny_drafter, tiny_target
 from viz.report import headline_table, load_setting, main, per_position_acceptance
 
 PROMPT = {"id": "p1", "prompt": "Hello,world"}  # the tiny tokenizer has no space character
@@ -26,7 +26,7 @@ def results_path(tmp_path_factory):
     config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1,
                           block_size=BLOCK_SIZE, num_taps=2)
     reference = target.chat_ids(PROMPT["prompt"]) + ar.output_ids
-    oracle = OracleDrafter(config, reference).initialize(0).to(torch.float64).eval()
+    oracle = ScriptedDrafter(config, [reference]).initialize(0).to(torch.float64).eval()
     decoder = Decoder(target, oracle, DrafterInfo("oracle", trained=False))
     jobs = plan_jobs("ar,dflash,ddtree", "4,16")
     runs, notes = benchmark(decoder, [PROMPT], jobs, DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS),

@@ -42,9 +42,11 @@ def shape(tmp_path_factory) -> tuple[Path, Path]:
     return folder / "target", folder / "drafter"
 
 
-@pytest.mark.parametrize("target, drafter", [("qwen3-8b", "qwen3-8b-dflash-b16"), ("dense-27b", "dense-27b-dflash-b16")])
+@pytest.mark.parametrize("target, drafter", [("qwen3-8b", "qwen3-8b-dflash-b16"), ("dense-27b", "dense-27b-dflash-b16"),
+                                             ("qwen3.6-27b", "qwen3.6-27b-dflash-b16")])
 def test_the_shipped_shapes_pair_up(target, drafter):
     config, draft = AutoConfig.from_pretrained(SHAPES / target), drafter_shape(SHAPES / drafter)
+    config = getattr(config, "text_config", config)  # Qwen3.6: a multimodal checkpoint around its language model
     assert draft.config.hidden_size == config.hidden_size and draft.config.vocab_size == config.vocab_size
     assert max(draft.config.target_layer_ids) < config.num_hidden_layers
     assert draft.config.num_target_layers == config.num_hidden_layers and draft.block_size == 16
@@ -126,6 +128,22 @@ def test_the_memory_estimate_counts_qwen3_8b_as_published():
     assert tight.context_tokens[16] < 40960 and "the KV cache (the context) runs out first" in tight.sentence()
 
 
+def test_the_memory_estimate_of_the_qwen3_6_hybrid_grows_with_its_attention_layers_only():
+    """48 of its 64 layers are Gated DeltaNets: a fixed state per request, no KV per token."""
+    from engine.projection import memory_plan, parameter_count
+
+    target = json.loads((SHAPES / "qwen3.6-27b" / "config.json").read_text())
+    drafter = json.loads((SHAPES / "qwen3.6-27b-dflash-b16" / "config.json").read_text())
+    assert 26.5e9 < parameter_count(target) < 27.5e9  # "27B" (the vision tower left out)
+    plan = memory_plan(target, drafter, gpu_gib=141, utilization=0.9, budgets=(16, 512))
+    # 16 attention layers of 4 KV heads of 256; the drafter's one full-attention layer (its 4 others slide)
+    assert plan.kv_bytes_per_token == 2 * 16 * 4 * 256 * 2 + 2 * 1 * 8 * 128 * 2
+    linear = (2 * 2048 + 6144) * 3 * 2 + 48 * 128 * 128 * 4  # conv window (bf16) + float32 recurrent state
+    sliding = 2 * 2048 * 8 * 128 * 2
+    assert plan.state_bytes == 48 * linear + 4 * sliding
+    assert "MiB of fixed state per request" in plan.sentence()
+
+
 def test_the_vllm_engine_refuses_unfit_pairs_before_it_starts(shape, tmp_path, monkeypatch):
     """Checked before vLLM is imported or the GPU used, so with CUDA said to be there this runs anywhere."""
     import torch
@@ -145,8 +163,34 @@ def test_the_vllm_engine_refuses_unfit_pairs_before_it_starts(shape, tmp_path, m
     (deep / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineError, match=r"drafter taps target layers \[1, 9\] but the target has 4 layers"):
         load_vllm_decoder(str(target), str(deep), options=timing)
-    hybrid = save_tiny_hybrid(tmp_path / "hybrid", seed=1)
-    with pytest.raises(EngineError, match="qwen3_5_text has linear-attention .Gated DeltaNet. layers"):
-        load_vllm_decoder(str(hybrid), None)
+    text_only = save_tiny_hybrid(tmp_path / "hybrid", seed=1)  # vLLM serves Qwen3.5 only as its multimodal class
+    with pytest.raises(EngineError, match="Qwen3_5ForCausalLM is a hybrid .linear-attention. target the vLLM engine "
+                                          "cannot run: it forks Gated DeltaNet states for Qwen3NextForCausalLM"):
+        load_vllm_decoder(str(text_only), None)
     with pytest.raises(EngineError, match="model folder '.*' has no config.json"):
         load_vllm_decoder(str(tmp_path), None)
+
+
+def test_a_qwen3_next_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fits(tmp_path, monkeypatch):
+    import torch
+
+    from engine.drafter import drafter_shape, fresh_config, write_scripted_drafter
+    from engine.target import shape_config
+    from engine.vllm_engine import hybrid_settings, load_vllm_decoder, preflight
+    from tests.hybrid_models import save_tiny_hybrid
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched
+    folder = save_tiny_hybrid(tmp_path / "next", family="qwen3_next", vllm_shape=True)
+    config = shape_config(str(folder))
+    fits = write_scripted_drafter(tmp_path / "fits", fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2), [])
+    preflight(str(folder), drafter_shape(fits))  # no error
+    assert hybrid_settings(str(folder)) == {"additional_config": {"gdn_prefill_backend": "triton"}}
+    assert hybrid_settings(str(SHAPES / "qwen3.6-27b"))["language_model_only"] is True  # text in, no vision tower
+    assert hybrid_settings(str(SHAPES / "qwen3-8b")) == {}
+    narrow = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)
+    narrow.hidden_size = 128
+    with pytest.raises(EngineError, match="drafter hidden size 128 does not match the target's 256"):
+        load_vllm_decoder(str(folder), str(write_scripted_drafter(tmp_path / "narrow", narrow, [])))
+    deep = fresh_config(config, num_layers=1, mask_token_id=0, target_layer_ids=[1, 7])
+    with pytest.raises(EngineError, match=r"drafter taps target layers \[1, 7\] but the target has 4 layers"):
+        load_vllm_decoder(str(folder), str(write_scripted_drafter(tmp_path / "deep", deep, [])))

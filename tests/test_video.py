@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import fresh_config
-from tests.tiny import OracleDrafter, tiny_drafter, tiny_target
+from engine.drafter import ScriptedDrafter, fresh_config
+from tests.tiny import tiny_drafter, tiny_target
 from viz.video import (HOLD_S, INTRO_S, PRESETS, THEME, Column, Scene, Timeline, VideoError, column_states,
                        load_font, main, pick_traces, render_video, visible_lines, wrap_text)
 
@@ -29,7 +29,7 @@ def traces():
                                                    settings=DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS))
     config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1, block_size=8,
                           num_taps=2)
-    oracle = OracleDrafter(config, PROMPT_IDS + ar.output_ids).initialize(0).to(torch.float64).eval()
+    oracle = ScriptedDrafter(config, [PROMPT_IDS + ar.output_ids]).initialize(0).to(torch.float64).eval()
     decoder = Decoder(target, oracle, DrafterInfo("oracle", trained=False))
     drafted = [decoder.run(prompt_ids=PROMPT_IDS, settings=DecodeSettings(method, max_new_tokens=MAX_NEW_TOKENS,
                                                                           tree_budget=16))

@@ -45,37 +45,3 @@ def tiny_drafter(target: Target, seed: int = 0, block_size: int = 16, layers: in
 def tiny_decoder(seed: int = 0, block_size: int = 16, **kwargs) -> Decoder:
     target = tiny_target(seed, **kwargs)
     return Decoder(target, tiny_drafter(target, seed, block_size), DrafterInfo("random", trained=False))
-
-
-class OracleDrafter(DFlashDrafter):
-    """A test double that drafts a known continuation, with chosen depths demoted.
-
-    ``reference`` is the full token sequence (prompt + AR output). At a demoted depth
-    the true token gets rank 2, so a chain misses it but a wide enough tree does not.
-    """
-
-    def __init__(self, config, reference: list[int], demote_every: int = 3):
-        super().__init__(config)
-        self.reference = reference
-        self.demote_every = demote_every
-
-    def forward(self, block_embeddings, context_features, block_positions, context_positions, cache=None, mask=None,
-                context_count=None):
-        self.block_start = int(block_positions[0, 0])
-        return super().forward(block_embeddings, context_features, block_positions, context_positions, cache, mask,
-                               context_count)
-
-    def logits(self, hidden, lm_head):
-        vocab = lm_head.shape[0]
-        slots = hidden.shape[-2]
-        logits = torch.zeros(slots, vocab, dtype=hidden.dtype)
-        for slot in range(slots):
-            position = self.block_start + 1 + slot
-            if position >= len(self.reference):
-                continue
-            true = self.reference[position]
-            logits[slot, true] = 5.0
-            if (position % self.demote_every) == 0:
-                logits[slot, (true + 1) % vocab] = 7.0
-                logits[slot, (true + 2) % vocab] = 6.0
-        return logits.reshape(*hidden.shape[:-1], vocab)

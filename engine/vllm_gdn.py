@@ -1,0 +1,137 @@
+"""Hybrid targets in the vLLM engine: tree verification through vLLM's Gated DeltaNet layers.
+
+Qwen3-Next and Qwen3.5 / Qwen3.6 mix full-attention layers, which verify a tree with the
+query bias like any target (``engine.vllm_worker``), with Gated DeltaNet layers
+(``QwenGatedDeltaNetAttention``), whose state must fork at every tree node. Those layers
+verify a tree with vLLM's own kernels as ``engine.gdn_tree`` lays it out: each node
+convolves the window of its own ancestors (``causal_conv1d_update`` over gathered windows),
+and each node's path is replayed from the request's committed state in one launch of
+``fused_sigmoid_gating_delta_rule_update`` (its varlen, per-sequence state-index mode),
+storing no state. After the walk ``commit`` replays the accepted path once more into the
+request's state slot, so nothing of the rejected branches is left behind.
+
+Where the states live: vLLM's own per-layer state caches (conv window and recurrent matrix
+per block). The request takes the pool's last block for its states and the attention layers
+get the blocks before it: in a hybrid model an attention layer and a linear layer share each
+block's memory, so the two must never hold the same block id.
+
+vLLM is touched at one more named point: ``QwenGatedDeltaNetAttention._forward_core`` is
+wrapped, so that inside a tree pass (``_TreeGDN.current`` set) it runs the tree version; the
+prompt's prefill runs vLLM's own path (chunked delta rule) with metadata from vLLM's builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.model_executor.layers.fla.ops import fused_sigmoid_gating_delta_rule_update
+from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from engine import gdn_tree
+from engine.errors import EngineError
+
+KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update)
+BACKEND = "GDN_ATTN"
+
+
+@dataclass
+class GDNPass:
+    """One verify pass's plan and what each linear layer kept of it (by layer name)."""
+
+    plan: gdn_tree.GDNTreePlan
+    kept: dict[str, gdn_tree.KeptInputs] = field(default_factory=dict)
+
+
+class _TreeGDN:
+    """The pass the next Gated DeltaNet calls verify; ``None`` outside a tree pass (prefill)."""
+
+    current: GDNPass | None = None
+
+
+def _forward_core_with_tree(self, mixed_qkv, b, a, core_attn_out):
+    tree = _TreeGDN.current
+    if tree is None:
+        return _forward_core(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    q = tree.plan.before.shape[0]
+    conv_state, ssm_state = states(self)
+    out, tree.kept[self.prefix] = gdn_tree.verify_layer(params(self), mixed_qkv[:q], a[:q], b[:q], conv_state,
+                                                        ssm_state, tree.plan, KERNELS)
+    core_attn_out[:q] = out.to(core_attn_out.dtype)
+
+
+_forward_core = qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core
+qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core = _forward_core_with_tree
+
+
+def states(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's conv windows ``[blocks, dim, W]`` (a view, whatever vLLM's layout) and recurrent states."""
+    conv, ssm = layer.kv_cache[0], layer.kv_cache[1]
+    return (conv if is_conv_state_dim_first() else conv.transpose(-1, -2)), ssm
+
+
+def params(layer) -> gdn_tree.GDNParams:
+    weight = layer.conv1d.weight
+    return gdn_tree.GDNParams(
+        conv_weight=weight.view(weight.size(0), weight.size(2)), conv_bias=layer.conv1d.bias,
+        activation=layer.activation, A_log=layer.A_log, dt_bias=layer.dt_bias, key_dim=layer.key_dim // layer.tp_size,
+        value_dim=layer.value_dim // layer.tp_size, head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim)
+
+
+class GDNLayers:
+    """A hybrid target's linear layers, the request's state slot, and their tree passes."""
+
+    def __init__(self, groups, forward_layers: dict, device: torch.device):
+        self.names = [name for group in groups for name in group.layer_names]
+        unsupported = {type(forward_layers[name]).__name__ for name in self.names} - {"QwenGatedDeltaNetAttention"}
+        if unsupported:
+            raise EngineError(f"the vLLM engine forks Gated DeltaNet states of Qwen3-Next / Qwen3.5 layers; this "
+                              f"target has {', '.join(sorted(unsupported))}: use --engine torch")
+        self.layers = [forward_layers[name] for name in self.names]
+        self.params = [params(layer) for layer in self.layers]
+        self.builder = groups[0].metadata_builders[0]
+        conv_state = states(self.layers[0])[0]
+        self.slot = conv_state.shape[0] - 1  # the pool's last block (block 0 is vLLM's null block)
+        self.device, self.width = device, conv_state.shape[-1]
+        self.block_table = torch.full((1, 1), self.slot, dtype=torch.int32, device=device)
+        self.pending: GDNPass | None = None  # the last verify pass, until its commit
+
+    def prefill_metadata(self, size: int, slots: torch.Tensor) -> dict:
+        """vLLM's own prefill metadata for the linear layers: the prompt from an empty state."""
+        query_start = torch.tensor([0, size], dtype=torch.int32)
+        seq_lens = torch.tensor([size], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start.to(self.device), query_start_loc_cpu=query_start,
+            seq_lens=seq_lens.to(self.device), num_reqs=1, num_actual_tokens=size, max_query_len=size,
+            max_seq_len=size, block_table_tensor=self.block_table, slot_mapping=slots,
+            is_prefilling=torch.ones(1, dtype=torch.bool), seq_lens_cpu_upper_bound=seq_lens,
+        )
+        metadata = self.builder.build(0, common)
+        return {name: metadata for name in self.names}
+
+    def begin(self, visible: torch.Tensor, path_length: int) -> GDNPass:
+        """A verify pass of the tree ``visible [q, q]`` (on the device); paths at most ``path_length`` long."""
+        self.pending = GDNPass(gdn_tree.GDNTreePlan.build(visible, self.slot, self.width, path_length))
+        _TreeGDN.current = self.pending
+        return self.pending
+
+    @staticmethod
+    def end() -> None:
+        _TreeGDN.current = None
+
+    def commit(self, accepted: list[int]) -> None:
+        """The accepted path (node indices, root first) becomes the request's state in every linear layer."""
+        tree = self.pending
+        if tree is None:
+            raise EngineError("no tree pass to commit: a hybrid target commits once per verify")
+        width = tree.plan.commit_rows.shape[1]
+        path = torch.tensor(accepted + accepted[-1:] * (width - len(accepted)), device=self.device)
+        length = torch.tensor(len(accepted), device=self.device)
+        for layer, layer_params in zip(self.layers, self.params):
+            conv_state, ssm_state = states(layer)
+            gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plan, path, length, conv_state, ssm_state,
+                                  KERNELS)
+        self.pending = None

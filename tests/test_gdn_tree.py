@@ -1,0 +1,191 @@
+"""A Gated DeltaNet layer verifying a tree on vLLM-style state caches (``engine.gdn_tree``).
+
+The reference is the layer decoding one path token by token, as vLLM's decode does: each
+token convolves and shifts the request's window and runs the recurrence from the request's
+state, storing it back. Every tree node must produce what that decoding gives at its
+position, verifying must leave the caches alone, and committing a path must leave them as
+decoding it would. With the readable torch kernels on the CPU; with vLLM's own kernels where
+vLLM and a GPU are present.
+"""
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.forks import depths, path_replay, path_table, window_columns
+from engine import gdn_tree
+from engine.gdn_tree import REFERENCE_KERNELS, GDNParams, GDNTreePlan, commit_layer, verify_layer
+
+SLOT, SLOTS, WIDTH = 2, 4, 3  # the request's slot among 4; a window of 3 inputs (kernel 4)
+KEY_HEADS, HEADS, HEAD_K, HEAD_V = 2, 4, 8, 8
+
+
+def kernel_sets():
+    sets = [pytest.param((REFERENCE_KERNELS, "cpu"), id="torch-reference")]
+    try:
+        from vllm.model_executor.layers.fla.ops import fused_sigmoid_gating_delta_rule_update
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+    except ImportError:
+        return sets
+    if torch.cuda.is_available():
+        sets.append(pytest.param((gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update),
+                                  "cuda"), id="vllm-kernels"))
+    return sets
+
+
+@pytest.fixture(params=kernel_sets())
+def kernels(request):
+    return request.param
+
+
+def layer(seed: int, device: str):
+    g = torch.Generator().manual_seed(seed)
+    key_dim, value_dim = KEY_HEADS * HEAD_K, HEADS * HEAD_V
+    channels = 2 * key_dim + value_dim
+
+    def rand(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(device)
+
+    params = GDNParams(conv_weight=rand(channels, WIDTH + 1, s=0.5), conv_bias=rand(channels, s=0.1), activation="silu",
+                       A_log=rand(HEADS, s=0.5), dt_bias=rand(HEADS, s=0.5), key_dim=key_dim, value_dim=value_dim,
+                       head_k_dim=HEAD_K, head_v_dim=HEAD_V)
+    conv_state = rand(SLOTS, channels, WIDTH)
+    ssm_state = rand(SLOTS, HEADS, HEAD_V, HEAD_K, s=0.3)
+    return params, conv_state, ssm_state
+
+
+def node_inputs(q: int, seed: int, params: GDNParams, device: str):
+    g = torch.Generator().manual_seed(100 + seed)
+    channels = params.conv_weight.shape[0]
+    return (torch.randn(q, channels, generator=g).to(device), torch.randn(q, HEADS, generator=g).to(device),
+            torch.randn(q, HEADS, generator=g).to(device))
+
+
+def decode_path(params, kernels, conv_state, ssm_state, mixed_qkv, a, b, path: list[int]) -> torch.Tensor:
+    """vLLM's one-token decode along ``path``, in place on the caches: each token's core output.
+    (vLLM's convolution kernel writes its output over its input: every call gets a copy.)"""
+    device = conv_state.device
+    slot = torch.tensor([SLOT], dtype=torch.int32, device=device)
+    outputs = []
+    for node in path:
+        convolved = kernels.conv_update(mixed_qkv[node:node + 1].clone(), conv_state, params.conv_weight, params.conv_bias,
+                                        params.activation, conv_state_indices=slot)
+        query, key, value = params.split(convolved)
+        out, _ = kernels.gated_delta_update(
+            A_log=params.A_log, a=a[node:node + 1], b=b[node:node + 1], dt_bias=params.dt_bias, q=query, k=key,
+            v=value, initial_state=ssm_state, inplace_final_state=True,
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device), ssm_state_indices=slot,
+            use_qk_l2norm_in_kernel=True)
+        outputs.append(out[0, 0])
+    return torch.stack(outputs)
+
+
+def wide_deep_tree(seed: int, vocab: int = 24, budget: int = 30, depth: int = 6) -> torch.Tensor:
+    """The ancestors-and-self mask of a tree with many siblings at depth 1 and branches several levels deep."""
+    g = torch.Generator().manual_seed(seed)
+    log_probs = torch.log_softmax(torch.randn(depth, vocab, generator=g) * 4, dim=-1)
+    log_probs[0] = torch.log_softmax(torch.randn(vocab, generator=g) * 0.5, dim=-1)
+    tree = ddtree.build_tree(log_probs, budget)
+    assert int((tree.depths == 1).sum()) >= 5 and int(tree.depths.max()) >= 3
+    return ddtree.ancestor_mask(tree.parents)
+
+
+# --- the plan: pure index arithmetic --------------------------------------------------------------
+
+
+def test_path_table_lists_each_nodes_ancestors_by_depth():
+    parents = torch.tensor([0, 0, 1, 1, 3, 2])  # nodes 1..6
+    visible = ddtree.ancestor_mask(parents)
+    table = path_table(visible, 5)
+    assert depths(visible).tolist() == [0, 1, 1, 2, 2, 3, 2]
+    assert table[5].tolist() == [0, 1, 3, 5, 5] and table[6].tolist() == [0, 2, 6, 6, 6]
+    assert table[4].tolist() == [0, 1, 4, 4, 4] and table[0].tolist() == [0, 0, 0, 0, 0]
+
+
+def test_windows_start_in_the_committed_window_and_follow_the_path():
+    visible = ddtree.ancestor_mask(torch.tensor([0, 0, 1, 1, 3, 2]))
+    table, depth = path_table(visible, 5), depths(visible)
+    before = window_columns(table, depth - 1, 3)
+    # columns 0..2: the committed window (oldest first); column 3 + i: node i's input
+    assert before[0].tolist() == [0, 1, 2]  # the root starts from the committed window
+    assert before[1].tolist() == [1, 2, 3] and before[2].tolist() == [1, 2, 3]  # siblings: the same window
+    assert before[5].tolist() == [3, 4, 6]  # node 5: root, node 1, node 3
+    assert window_columns(table, depth, 3)[5].tolist() == [4, 6, 8]
+
+
+def test_path_replay_lays_every_path_out_as_one_sequence():
+    visible = ddtree.ancestor_mask(torch.tensor([0, 1, 0]))  # 0 -> 1 -> 2, 0 -> 3
+    table = path_table(visible, 4)
+    replay = path_replay(table, depths(visible))
+    assert replay.starts.tolist() == [0, 1, 3, 6, 8, 16]  # paths of 1, 2, 3, 2 tokens; the tail to 16
+    assert replay.nodes[:8].tolist() == [0, 0, 1, 0, 1, 2, 0, 3]
+    assert replay.last.tolist() == [0, 2, 5, 7]
+
+
+# --- the layer: tree verify and commit equal token-by-token decoding --------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_node_scores_like_its_path_decoded_alone_and_verify_writes_nothing(kernels, seed):
+    kernels, device = kernels
+    params, conv_state, ssm_state = layer(seed, device)
+    visible = wide_deep_tree(seed).to(device)
+    q = visible.shape[0]
+    mixed_qkv, a, b = node_inputs(q, seed, params, device)
+    plan = GDNTreePlan.build(visible, SLOT, WIDTH, length=8)
+    conv_before, ssm_before = conv_state.clone(), ssm_state.clone()
+
+    out, _ = verify_layer(params, mixed_qkv.clone(), a, b, conv_state, ssm_state, plan, kernels)
+
+    assert torch.equal(conv_state, conv_before) and torch.equal(ssm_state, ssm_before)
+    table = path_table(visible, 8).cpu()
+    for node, depth in enumerate(depths(visible).tolist()):
+        path = table[node, :depth + 1].tolist()
+        expected = decode_path(params, kernels, conv_before.clone(), ssm_before.clone(), mixed_qkv, a, b, path)
+        assert torch.equal(out[node], expected[-1]), node
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_commit_leaves_the_caches_as_decoding_the_accepted_path(kernels, seed):
+    kernels, device = kernels
+    params, conv_state, ssm_state = layer(seed, device)
+    visible = wide_deep_tree(seed).to(device)
+    mixed_qkv, a, b = node_inputs(visible.shape[0], seed, params, device)
+    plan = GDNTreePlan.build(visible, SLOT, WIDTH, length=8)
+    reference_conv, reference_ssm = conv_state.clone(), ssm_state.clone()
+    deepest = int(depths(visible).argmax())
+    path = path_table(visible, 8)[deepest]
+    length = depths(visible)[deepest] + 1
+
+    _, kept = verify_layer(params, mixed_qkv.clone(), a, b, conv_state, ssm_state, plan, kernels)
+    commit_layer(params, kept, plan, path, length, conv_state, ssm_state, kernels)
+
+    decode_path(params, kernels, reference_conv, reference_ssm, mixed_qkv, a, b, path[:int(length)].tolist())
+    assert torch.equal(conv_state, reference_conv)
+    assert torch.equal(ssm_state, reference_ssm)  # other slots untouched too
+
+
+def test_a_chain_and_a_lone_root_are_trees_too(kernels):
+    kernels, device = kernels
+    params, conv_state, ssm_state = layer(5, device)
+    for q in (1, 6):
+        visible = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+        mixed_qkv, a, b = node_inputs(q, 5, params, device)
+        plan = GDNTreePlan.build(visible, SLOT, WIDTH, length=q)
+        out, _ = verify_layer(params, mixed_qkv.clone(), a, b, conv_state, ssm_state, plan, kernels)
+        expected = decode_path(params, kernels, conv_state.clone(), ssm_state.clone(), mixed_qkv, a, b, list(range(q)))
+        assert torch.equal(out, expected)
+
+
+def test_a_node_forked_from_its_sibling_is_caught():
+    """The check above can fail: hand node 5 its sibling's path instead of its parent's."""
+    params, conv_state, ssm_state = layer(0, "cpu")
+    visible = ddtree.ancestor_mask(torch.tensor([0, 0, 1, 1, 3, 2]))  # node 3's sibling is node 4
+    mixed_qkv, a, b = node_inputs(7, 0, params, "cpu")
+    wrong = visible.clone()
+    wrong[5, 3], wrong[5, 4] = False, True  # node 5 (child of 3) now descends from 4
+    plan = GDNTreePlan.build(wrong, SLOT, WIDTH, length=5)
+    out, _ = verify_layer(params, mixed_qkv.clone(), a, b, conv_state, ssm_state, plan, REFERENCE_KERNELS)
+    expected = decode_path(params, REFERENCE_KERNELS, conv_state.clone(), ssm_state.clone(), mixed_qkv, a, b,
+                           [0, 1, 3, 5])
+    assert not torch.allclose(out[5], expected[-1], atol=1e-3)
