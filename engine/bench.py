@@ -327,8 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="greedy steps as fixed-shape device programs (default on a GPU; CUDA graphs unless "
                              "--no-cuda-graphs) or the readable loop (default on the CPU)")
     parser.add_argument("--compile-step", action="store_true",
-                        help="fixed step: its draft pass, tree and walk through torch.compile (fused kernels; "
-                             "compiles at first use)")
+                        help="fixed step: its draft pass, tree and walk through torch.compile, and on the vLLM "
+                             "engine the target's verify pass too (fused kernels; compiles at first use)")
     parser.add_argument("--reduced-traces", action="store_true",
                         help="also time every method with traces kept to the committed tokens (label suffix :tokens)")
     parser.add_argument("--count-kernels", action="store_true",

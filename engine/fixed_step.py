@@ -126,7 +126,7 @@ class FixedProgram:
         nodes = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
         top_k = min(top_k, target.config.vocab_size) if self.drafter is not None else 0
         self.layout = StepLayout(self.depth, nodes, top_k)
-        self.kv = target.fixed_kv(capacity)
+        self.kv = target.fixed_kv(capacity, compiled=compile_step)
         long = dict(dtype=torch.long, device=device)
         self.root = torch.zeros(1, **long)
         self.past = torch.zeros((), **long)

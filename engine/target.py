@@ -101,8 +101,9 @@ class Target:
             return hybrid.TreeCache(self.config)
         return DynamicCache(config=self.config)
 
-    def fixed_kv(self, capacity: int):
-        """The KV cache of the fixed-shape step (``engine.fixed_step``): ``capacity`` rows in fixed buffers."""
+    def fixed_kv(self, capacity: int, compiled: bool = False):
+        """The KV cache of the fixed-shape step (``engine.fixed_step``): ``capacity`` rows in fixed buffers.
+        (``compiled`` asks for a compiled verify pass: the vLLM engine's; a transformers model stays eager.)"""
         from engine.fixed_step import StaticKV
 
         return StaticKV(self, capacity)

@@ -122,7 +122,8 @@ class ClientTarget(Target):
         from transformers import AutoConfig
 
         tokenizer = shape_tokenizer(folder)
-        self._config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
+        self._config = getattr(config, "text_config", config)  # a multimodal checkpoint's language model
         stop_ids = [] if timing_only else stop_token_ids(tokenizer, self._config)  # timing runs decode their full length
         super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=stop_ids)
         self._dtype, self._context_length = dtype, context_length
