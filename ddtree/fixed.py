@@ -15,6 +15,9 @@ shape fixed by the budget. The readable versions stay the reference; tests hold 
   all its ancestors hold the target's choice after their parents; the deepest is the leaf.
 - ``compaction_rows``: the KV rows that move so the accepted path follows the past, as a
   fixed number of (source, target) pairs.
+
+Each takes any leading batch dimensions (a tree per row), so many requests' steps can be one
+program; the decoding loops here run one request, without them.
 """
 
 from __future__ import annotations
@@ -48,63 +51,64 @@ class FixedTree:
 
 
 def beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
-    """The ``budget`` most probable nodes below the root, from per-depth ``log_probs [D, V]``."""
-    depth_limit, vocab = log_probs.shape
+    """The ``budget`` most probable nodes below the root, from per-depth ``log_probs [..., D, V]``
+    (any leading batch dimensions: one tree per row)."""
+    *batch, depth_limit, vocab = log_probs.shape
     device = log_probs.device
     width = min(budget, vocab)
-    top_lp, top_tokens = torch.topk(log_probs.float(), width, dim=-1)  # [D, K]
+    top_lp, top_tokens = torch.topk(log_probs.float(), width, dim=-1)  # [..., D, K]
     # flat index parent * width + rank per beam entry, decoded once for all depths below;
     # depth 1's parent is the root (its entries decode to parent 0, unused)
-    path = _pad(top_lp[0, :width], budget)
-    beam_lp, beam_flat = [path], [_pad(torch.arange(width, device=device), budget, 0)]
+    path = _pad(top_lp[..., 0, :width], budget)
+    beam_lp, beam_flat = [path], [_pad(torch.arange(width, device=device), budget, 0).expand(*batch, budget)]
     for depth in range(1, depth_limit):
-        candidates = (path[:, None] + top_lp[depth][None, :]).reshape(-1)  # [B * K]
-        path, flat = torch.topk(candidates, budget)
+        candidates = (path[..., :, None] + top_lp[..., depth, None, :]).flatten(-2)  # [..., B * K]
+        path, flat = torch.topk(candidates, budget, dim=-1)
         beam_lp.append(path), beam_flat.append(flat)
-    all_lp = torch.stack(beam_lp)  # [D, B]
-    flat = torch.stack(beam_flat)
+    all_lp = torch.stack(beam_lp, dim=-2).flatten(-2)  # [..., D * B]: entry d * budget + b
+    flat = torch.stack(beam_flat, dim=-2).flatten(-2)
     beam_parent, beam_rank = flat // width, flat % width
     # the global cut; stable sorts keep a parent ahead of a child with the same path probability
     depth_of = torch.arange(depth_limit, device=device)[:, None].expand(-1, budget).reshape(-1)
-    order = torch.sort(all_lp.reshape(-1), descending=True, stable=True).indices[:budget]
-    order = order[torch.sort(depth_of[order], stable=True).indices]  # parents first: by depth, then probability
-    depth_index, beam_index = order // budget, order % budget
-    node_of = torch.full((depth_limit, budget), -1, dtype=torch.long, device=device)
-    node_of[depth_index, beam_index] = torch.arange(1, budget + 1, device=device)
-    parent_beam = beam_parent[depth_index, beam_index]
-    parents = torch.where(depth_index == 0, 0, node_of[(depth_index - 1).clamp(min=0), parent_beam])
-    ranks = beam_rank[depth_index, beam_index]
-    tokens = top_tokens[depth_index, ranks]
-    path_lp = all_lp[depth_index, beam_index]
-    return FixedTree(tokens=tokens, parents=parents.clamp(min=0), depths=depth_index + 1,
-                     log_probs=top_lp[depth_index, ranks], path_log_probs=path_lp, ranks=ranks,
-                     valid=path_lp > NEG_INF)
+    order = torch.sort(all_lp, dim=-1, descending=True, stable=True).indices[..., :budget]
+    order = order.gather(-1, torch.sort(depth_of[order], dim=-1, stable=True).indices)  # parents first
+    depth_index = order // budget
+    numbers = torch.arange(1, budget + 1, device=device).expand(*batch, budget)
+    node_of = torch.full((*batch, depth_limit * budget), -1, dtype=torch.long, device=device).scatter_(-1, order, numbers)
+    parent_entry = (depth_index - 1).clamp(min=0) * budget + beam_parent.gather(-1, order)
+    parents = torch.where(depth_index == 0, 0, node_of.gather(-1, parent_entry))
+    ranks = beam_rank.gather(-1, order)
+    chosen = depth_index * width + ranks  # entry of [..., D * K]
+    path_lp = all_lp.gather(-1, order)
+    return FixedTree(tokens=top_tokens.flatten(-2).gather(-1, chosen), parents=parents.clamp(min=0),
+                     depths=depth_index + 1, log_probs=top_lp.flatten(-2).gather(-1, chosen), path_log_probs=path_lp,
+                     ranks=ranks, valid=path_lp > NEG_INF)
 
 
 def chain(log_probs: torch.Tensor) -> FixedTree:
     """DFlash's draft, as ``chain_tree``: the most probable token at every depth, one branch."""
-    depth_limit = log_probs.shape[0]
-    device = log_probs.device
-    top_lp, tokens = log_probs.float().max(dim=-1)
-    nodes = torch.arange(depth_limit, device=device)
+    top_lp, tokens = log_probs.float().max(dim=-1)  # [..., D]
+    nodes = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
     return FixedTree(tokens=tokens, parents=nodes, depths=nodes + 1, log_probs=top_lp,
-                     path_log_probs=torch.cumsum(top_lp, 0), ranks=torch.zeros_like(nodes),
-                     valid=torch.ones(depth_limit, dtype=torch.bool, device=device))
+                     path_log_probs=torch.cumsum(top_lp, -1), ranks=torch.zeros_like(nodes),
+                     valid=torch.ones_like(tokens, dtype=torch.bool))
 
 
 def _pad(values: torch.Tensor, size: int, fill=NEG_INF) -> torch.Tensor:
-    if values.numel() >= size:
-        return values[:size]
-    return torch.cat([values, values.new_full((size - values.numel(),), fill)])
+    """``values [..., n]`` cut or padded with ``fill`` to ``[..., size]``."""
+    if values.shape[-1] >= size:
+        return values[..., :size]
+    return torch.cat([values, values.new_full((*values.shape[:-1], size - values.shape[-1]), fill)], dim=-1)
 
 
 def ancestor_closure(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """``[n+1, n+1]`` bool, as ``ancestor_mask``: row i sees column j iff j is i or an ancestor."""
-    n = parents.numel()
+    """``[..., n+1, n+1]`` bool, as ``ancestor_mask``: row i sees column j iff j is i or an ancestor."""
+    *batch, n = parents.shape
     device = parents.device
-    step = torch.zeros(n + 1, n + 1, device=device)
-    # child -> parent; the ones are a device tensor: a Python scalar here would be a host copy
-    step.index_put_((torch.arange(1, n + 1, device=device), parents), torch.ones(n, device=device))
+    step = torch.zeros(*batch, n + 1, n + 1, device=device)
+    # child -> parent, as entries of the flattened matrix; ones from the device (a Python scalar is a host copy)
+    entries = torch.arange(1, n + 1, device=device) * (n + 1) + parents
+    step.view(*batch, (n + 1) * (n + 1)).scatter_(-1, entries, torch.ones_like(entries, dtype=step.dtype))
     reach = step + torch.eye(n + 1, device=device)
     for _ in range(max(1, max_depth - 1).bit_length()):  # paths of up to 2^r edges after r squarings
         reach = (reach @ reach).clamp(max=1.0)
@@ -114,27 +118,28 @@ def ancestor_closure(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 def accepted_path(tree: FixedTree, target_tokens: torch.Tensor, visible: torch.Tensor, max_depth: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The walk of ``follow_tree`` without a host read, in a few whole-tree operations.
-    ``target_tokens [n+1]``: the target's choice after each node, root first; ``visible``: the
+    ``target_tokens [..., n+1]``: the target's choice after each node, root first; ``visible``: the
     tree's ``ancestor_closure``. A node is accepted when it and every ancestor hold the target's
     choice after their parents (siblings hold distinct tokens, so these nodes form one chain);
     the deepest is the leaf, and its row of ``visible`` is the path. Returns ``(path
-    [max_depth+1], length, bonus)``: the accepted node indices root first (padded with the
+    [..., max_depth+1], length, bonus)``: the accepted node indices root first (padded with the
     leaf), how many there are, and the target's choice at the leaf."""
     device = target_tokens.device
-    holds = torch.cat([torch.ones(1, dtype=torch.bool, device=device),
-                       (tree.tokens == target_tokens[tree.parents]) & tree.valid])
-    accepted = ~(visible & ~holds[None, :]).any(dim=1)
-    depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths])
-    # one-element index tensors throughout: indexing by a 0-dim tensor reads it on the host
-    leaf = torch.argmax(torch.where(accepted, depth, -1)).reshape(1)
-    on_path = visible.index_select(0, leaf)[0]
+    root = torch.zeros_like(target_tokens[..., :1])
+    holds = torch.cat([torch.ones_like(root, dtype=torch.bool),
+                       (tree.tokens == target_tokens.gather(-1, tree.parents)) & tree.valid], dim=-1)
+    accepted = ~(visible & ~holds[..., None, :]).any(dim=-1)
+    depth = torch.cat([root, tree.depths], dim=-1)
+    leaf = torch.argmax(torch.where(accepted, depth, -1), dim=-1, keepdim=True)  # [..., 1]
+    on_path = visible.gather(-2, leaf[..., None].expand(*leaf.shape, visible.shape[-1])).squeeze(-2)
     # node i of the path goes to row depth[i]; every other node to a spare last row
     rows = torch.where(on_path, depth, max_depth + 1)
-    nodes = torch.arange(depth.numel(), device=device)
-    path = torch.zeros(max_depth + 2, dtype=torch.long, device=device).scatter_(0, rows, nodes)[: max_depth + 1]
-    length = depth.index_select(0, leaf).reshape(()) + 1
+    nodes = torch.arange(depth.shape[-1], device=device).expand_as(depth)
+    path = torch.zeros(*depth.shape[:-1], max_depth + 2, dtype=torch.long, device=device)
+    path = path.scatter_(-1, rows, nodes)[..., : max_depth + 1]
+    length = depth.gather(-1, leaf) + 1  # [..., 1]
     path = torch.where(torch.arange(max_depth + 1, device=device) < length, path, leaf)
-    return path, length, target_tokens.index_select(0, leaf).reshape(())
+    return path, length.squeeze(-1), target_tokens.gather(-1, leaf).squeeze(-1)
 
 
 def compaction_rows(past: torch.Tensor, path: torch.Tensor, length: torch.Tensor, scratch: int
@@ -142,5 +147,6 @@ def compaction_rows(past: torch.Tensor, path: torch.Tensor, length: torch.Tensor
     """``(sources, targets)``, one pair per row of ``path``: accepted node k moves from
     ``past + path[k]`` to ``past + k``; the padding rows past ``length`` go to the ``scratch``
     row, which no request reads. Copy all sources before writing any target."""
-    slots = torch.arange(path.numel(), device=path.device)
+    past, length = past.unsqueeze(-1), length.unsqueeze(-1)
+    slots = torch.arange(path.shape[-1], device=path.device)
     return past + path, torch.where(slots < length, past + slots, scratch)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain
+from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain, compaction_rows
 
 
 def random_log_probs(depth: int, vocab: int, seed: int, peaked: float = 3.0) -> torch.Tensor:
@@ -103,3 +103,36 @@ def test_the_walk_ignores_padding_nodes():
     target = torch.zeros(17, dtype=torch.long)
     path, length, _ = accepted_path(tree, target, ancestor_closure(tree.parents, 2), max_depth=2)
     assert all(bool(tree.valid[i - 1]) for i in path[1: int(length)].tolist())
+
+
+def test_a_batch_of_trees_is_each_tree_on_its_own():
+    """Every stage takes leading batch dimensions: row b of a batched call is the unbatched call on row b."""
+    generator = torch.Generator().manual_seed(21)
+    rows = [random_log_probs(15, 60, seed, peaked=1.5) for seed in (30, 31, 32)]
+    batched = beam_tree(torch.stack(rows), 24)
+    singles = [beam_tree(log_probs, 24) for log_probs in rows]
+    for name in FixedTree.__dataclass_fields__:
+        assert torch.equal(getattr(batched, name), torch.stack([getattr(one, name) for one in singles])), name
+    chains = chain(torch.stack(rows))
+    assert torch.equal(chains.tokens, torch.stack([chain(log_probs).tokens for log_probs in rows]))
+
+    visible = ancestor_closure(batched.parents, 15)
+    assert torch.equal(visible, torch.stack([ancestor_closure(one.parents, 15) for one in singles]))
+    target = torch.randint(0, 60, (3, 25), generator=generator)
+    for one, row in zip(singles, target):  # walks that go deep: the target follows the deepest node's path
+        node = int(one.depths.argmax()) + 1
+        while node:
+            parent = int(one.parents[node - 1])
+            row[parent] = one.tokens[node - 1]
+            node = parent
+    path, length, bonus = accepted_path(batched, target, visible, 15)
+    for b, one in enumerate(singles):
+        single = accepted_path(one, target[b], visible[b], 15)
+        assert torch.equal(path[b], single[0]) and int(length[b]) == int(single[1]) and int(bonus[b]) == int(single[2])
+    assert int(length.max()) >= 3
+
+    past = torch.tensor([5, 40, 77])
+    sources, targets = compaction_rows(past, path, length, scratch=999)
+    for b in range(3):
+        single = compaction_rows(past[b], path[b], length[b], scratch=999)
+        assert torch.equal(sources[b], single[0]) and torch.equal(targets[b], single[1])
