@@ -9,9 +9,11 @@
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh hybrid'     # tiny Qwen3-Next: float32 exactness with a
 #       scripted drafter (deep acceptance), vLLM's GDN kernels under the tree tests, verify cost vs pure attention
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape27'    # Qwen3.6-27B hybrid shape, random weights
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh exact'      # float32 exactness at Qwen3-1.7B's shape,
+#       a drafter scripted with the first run's own outputs (engine.scripted) so trees go deep
 # LIMIT (prompts per bench) and TOKENS override the defaults.
 set -uo pipefail
-phase=${1:?phase: check, fresh, humaneval, shape, hybrid or shape27}
+phase=${1:?phase: check, fresh, humaneval, shape, hybrid, shape27 or exact}
 TOKENS=${TOKENS:-128}
 bench() { python3 -m engine.bench --engine vllm --no-progress "$@"; }
 tables() { grep -E '^\||^kernels|NOT a near-tie|^error' "$1" | tail -n "${2:-40}"; }
@@ -77,6 +79,16 @@ shape27)
       --out "$OUT/gpu-qwen3.6-27b-random.json" > "$OUT/bench-shape27.txt" 2>&1
   tables "$OUT/bench-shape27.txt" 12
   python3 -m engine.projection "$OUT/gpu-qwen3.6-27b-random.json" | tee "$OUT/projection27.txt" ;;
+exact)
+  shape=assets/shapes/qwen3-1.7b drafter=assets/shapes/qwen3-1.7b-dflash-b16 scripted=/tmp/qwen3-1.7b-scripted
+  timeout 200 bench --random-weights --model "$shape" --drafter "$drafter" --dtype float32 --native ar \
+      --prompts assets/prompts/fresh.jsonl --limit 8 --methods ar --max-new-tokens 64 \
+      --out "$OUT/gpu-qwen3-1.7b-random-ar.json" > "$OUT/bench-exact-ar.txt" 2>&1
+  python3 -m engine.scripted "$OUT/gpu-qwen3-1.7b-random-ar.json" --shape "$drafter" --out "$scripted"
+  timeout 330 bench --random-weights --model "$shape" --drafter "$scripted" --dtype float32 --native ar \
+      --prompts assets/prompts/fresh.jsonl --limit 8 --methods ar,dflash,ddtree --tree-budget 16,64 \
+      --max-new-tokens 64 --out "$OUT/gpu-qwen3-1.7b-random-float32.json" > "$OUT/bench-exact.txt" 2>&1
+  tables "$OUT/bench-exact.txt" 12 ;;
 *)
-  echo "unknown phase $phase: check, fresh, humaneval, shape, hybrid or shape27" >&2; exit 2 ;;
+  echo "unknown phase $phase: check, fresh, humaneval, shape, hybrid, shape27 or exact" >&2; exit 2 ;;
 esac

@@ -43,7 +43,8 @@ def shape(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("target, drafter", [("qwen3-8b", "qwen3-8b-dflash-b16"), ("dense-27b", "dense-27b-dflash-b16"),
-                                             ("qwen3.6-27b", "qwen3.6-27b-dflash-b16")])
+                                             ("qwen3.6-27b", "qwen3.6-27b-dflash-b16"),
+                                             ("qwen3-1.7b", "qwen3-1.7b-dflash-b16")])
 def test_the_shipped_shapes_pair_up(target, drafter):
     config, draft = AutoConfig.from_pretrained(SHAPES / target), drafter_shape(SHAPES / drafter)
     config = getattr(config, "text_config", config)  # Qwen3.6: a multimodal checkpoint around its language model
@@ -194,3 +195,25 @@ def test_a_qwen3_next_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_
     deep = fresh_config(config, num_layers=1, mask_token_id=0, target_layer_ids=[1, 7])
     with pytest.raises(EngineError, match=r"drafter taps target layers \[1, 7\] but the target has 4 layers"):
         load_vllm_decoder(str(folder), str(write_scripted_drafter(tmp_path / "deep", deep, [])))
+
+
+def test_a_scripted_drafter_from_a_runs_own_outputs_goes_deep_on_random_weights(shape, tmp_path):
+    """Random weights are seeded, so a second run decodes what the first did: a drafter scripted
+    with the first run's outputs (``engine.scripted``) is accepted levels deep, and exactness then
+    means something at any shape."""
+    from engine import bench
+    from engine.scripted import main as scripted_main
+
+    target, drafter = shape
+    common = ["--prompts", str(ROOT / "assets" / "prompts" / "smoke.jsonl"), "--model", str(target), "--random-weights",
+              "--max-new-tokens", "24", "--no-progress"]
+    first = tmp_path / "ar.json"
+    assert bench.main(common + ["--drafter", str(drafter), "--methods", "ar", "--out", str(first)]) == 0
+    assert scripted_main([str(first), "--shape", str(drafter), "--out", str(tmp_path / "scripted")]) == 0
+    second = tmp_path / "deep.json"
+    assert bench.main(common + ["--drafter", str(tmp_path / "scripted"), "--methods", "ar,dflash,ddtree",
+                                "--tree-budget", "16", "--out", str(second)]) == 0
+    summary = json.loads(second.read_text())["summary"]
+    for label in ("dflash", "ddtree@16"):
+        assert summary[label]["identical_to_ar"] == "3/3" and summary[label]["tau"] >= 3.0, (label, summary[label])
+    assert scripted_main([str(first), "--shape", str(drafter), "--out", str(tmp_path / "x"), "--label", "vllm-ar"]) == 2
