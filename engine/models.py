@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.decode import Decoder, DrafterInfo
-from engine.drafter import DFlashDrafter, fresh_config, load_drafter, weights_digest
+from engine.drafter import SCRIPT, DFlashDrafter, fresh_config, load_drafter, weights_digest
 from engine.errors import EngineError
 from engine.target import BUNDLED_MODEL, load_target
 from engine.trace import TIMING_ONLY
@@ -40,8 +40,8 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
             raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
         checkpoint = load_drafter(drafter, random_weights=True)
         target = load_target(model, device=device, dtype=dtype, random_weights=True)
-        info = DrafterInfo(f"{display_name(drafter)} ({TIMING_ONLY})", trained=False)
-        return Decoder(target, checkpoint.to(device=target.device, dtype=target.dtype).eval(), info,
+        return Decoder(target, checkpoint.to(device=target.device, dtype=target.dtype).eval(),
+                       drafter_info(drafter, timing_only=True),
                        fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step, timing_only=True)
     checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast, before the slow target load
     target = load_target(model, device=device, dtype=dtype)
@@ -50,9 +50,20 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
     if checkpoint is None:
         draft_model, info = random_drafter(target, seed), DrafterInfo(f"random (untrained, seed {seed})", trained=False)
     else:
-        draft_model, info = checkpoint, DrafterInfo(display_name(drafter), trained=True, revision=weights_digest(drafter))
+        draft_model, info = checkpoint, drafter_info(drafter)
     draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
     return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step)
+
+
+def drafter_info(folder: str, timing_only: bool = False) -> DrafterInfo:
+    """How traces name a drafter folder: trained weights (and their digest), a scripted drafter
+    (``engine.drafter.ScriptedDrafter``: it knows the answers), or a shape's random weights."""
+    name, scripted = display_name(folder), (Path(folder) / SCRIPT).is_file()
+    tags = (["scripted: proposes known answers"] if scripted else []) + ([TIMING_ONLY] if timing_only else [])
+    if tags:
+        return DrafterInfo(f"{name} ({'; '.join(tags)})", trained=False,
+                           revision=weights_digest(folder) if scripted else None)
+    return DrafterInfo(name, trained=True, revision=weights_digest(folder))
 
 
 def display_name(path: str) -> str:

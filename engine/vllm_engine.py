@@ -27,7 +27,7 @@ from engine.drafter import DFlashDrafter, drafter_shape
 from engine.errors import EngineError
 from engine.target import (BUNDLED_MODEL, Target, bundled_gguf, has_tokenizer, resolve_dtype, shape_config,
                            shape_tokenizer, stop_token_ids)
-from engine.trace import TIMING_ONLY, Step, Trace
+from engine.trace import Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
 REPO = Path(__file__).resolve().parent.parent
@@ -237,20 +237,15 @@ class VllmDecoder(Decoder):
 def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,
                       options: VllmOptions = VllmOptions()) -> VllmDecoder:
     """The vLLM twin of ``engine.models.load_decoder`` (the shipped drafter for the bundled model)."""
-    from engine.drafter import weights_digest
-    from engine.models import RANDOM, display_name, shipped_drafter
+    from engine.models import RANDOM, drafter_info, shipped_drafter
 
     if drafter == RANDOM:
         raise EngineError("the vLLM engine runs trained drafters only: pass a drafter folder")
-    if options.random_weights:
-        if drafter is None:
-            raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
-        info = DrafterInfo(f"{display_name(drafter)} ({TIMING_ONLY})", trained=False)
-        return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
+    if options.random_weights and drafter is None:
+        raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
     if drafter is None and (model or BUNDLED_MODEL) == BUNDLED_MODEL and shipped_drafter() is not None:
         drafter = str(shipped_drafter())
-    info = (DrafterInfo(display_name(drafter), trained=True, revision=weights_digest(drafter)) if drafter
-            else DrafterInfo("none", trained=False))
+    info = drafter_info(drafter, timing_only=options.random_weights) if drafter else DrafterInfo("none", trained=False)
     return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
 
 

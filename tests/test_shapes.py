@@ -213,7 +213,10 @@ def test_a_scripted_drafter_from_a_runs_own_outputs_goes_deep_on_random_weights(
     second = tmp_path / "deep.json"
     assert bench.main(common + ["--drafter", str(tmp_path / "scripted"), "--methods", "ar,dflash,ddtree",
                                 "--tree-budget", "16", "--out", str(second)]) == 0
-    summary = json.loads(second.read_text())["summary"]
+    results = json.loads(second.read_text())
+    assert "scripted: proposes known answers" in results["config"]["drafter"] and not results["config"]["drafter_trained"]
+    assert TIMING_ONLY in results["config"]["drafter"]
+    summary = results["summary"]
     for label in ("dflash", "ddtree@16"):
         assert summary[label]["identical_to_ar"] == "3/3" and summary[label]["tau"] >= 3.0, (label, summary[label])
     assert scripted_main([str(first), "--shape", str(drafter), "--out", str(tmp_path / "x"), "--label", "vllm-ar"]) == 2
