@@ -6,7 +6,7 @@
 #       recorded (assets/budgets.json, brought back), then the app on it (carry [".whl"]: gradio's wheels)
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh humaneval'  # bf16 speed on HumanEval; the compiled step
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape'      # Qwen3-8B shape, random weights + projection
-#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh hybrid'     # tiny Qwen3-Next: float32 exactness with a
+#   bash engine/vllm_device.sh 'bash engine/gpu_session.sh hybrid'     # tiny Qwen3.5: float32 exactness with a
 #       scripted drafter (deep acceptance), vLLM's GDN kernels under the tree tests, verify cost vs pure attention
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape27'    # Qwen3.6-27B hybrid shape, random weights
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh exact'      # float32 exactness at Qwen3-1.7B's shape,
@@ -54,9 +54,9 @@ shape)
   tables "$OUT/bench-shape.txt" 15
   python3 -m engine.projection "$OUT/gpu-qwen3-8b-random.json" | tee "$OUT/projection.txt" ;;
 hybrid)
-  hybrid=/tmp/tiny-qwen3-next attention=/tmp/tiny-qwen3-next-attention scripted=/tmp/tiny-qwen3-next-scripted
-  { python3 -m tests.hybrid_models "$hybrid" --family qwen3_next
-    python3 -m tests.hybrid_models "$attention" --family qwen3_next --attention-only
+  hybrid=/tmp/tiny-qwen3.5 attention=/tmp/tiny-qwen3.5-attention scripted=/tmp/tiny-qwen3.5-scripted
+  { python3 -m tests.hybrid_models "$hybrid" --vllm-shape
+    python3 -m tests.hybrid_models "$attention" --vllm-shape --attention-only
     python3 -m tests.hybrid_models --scripted-drafter "$scripted" --model "$hybrid" \
         --prompts assets/prompts/fresh.jsonl --limit 12 --max-new-tokens 64; } > "$OUT/hybrid-build.txt" 2>&1
   tail -n 3 "$OUT/hybrid-build.txt"

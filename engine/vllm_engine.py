@@ -135,7 +135,8 @@ class ClientTarget(Target):
 
 
 # hybrid architectures whose Gated DeltaNet layers the vLLM engine forks (``engine.vllm_gdn``);
-# vLLM 0.23 serves Qwen3.5 / Qwen3.6 as their multimodal classes, never as text-only ones
+# vLLM 0.23 serves Qwen3.5 / Qwen3.6 as their multimodal classes (text-only mode here), never as
+# text-only checkpoints
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
                         "Qwen3_5MoeForConditionalGeneration")
 

@@ -1,8 +1,8 @@
 """Tiny randomly initialised hybrid targets (Gated DeltaNet + full attention), float64 on CPU,
 and the reference they must match: the model's own forward, one token at a time.
 
-    python -m tests.hybrid_models FOLDER                      # a tiny Qwen3.5 hybrid the app and bench load
-    python -m tests.hybrid_models FOLDER --family qwen3_next  # the tiny Qwen3-Next vLLM serves too
+    python -m tests.hybrid_models FOLDER               # a tiny Qwen3.5 hybrid the app and bench load
+    python -m tests.hybrid_models FOLDER --vllm-shape  # one at a shape vLLM's kernels take (the GPU check)
     python -m tests.hybrid_models --scripted-drafter OUT --model FOLDER --prompts FILE
         # a drafter that knows FOLDER's own greedy answers to FILE's prompts (engine.drafter.ScriptedDrafter)
 """
@@ -81,23 +81,40 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids
                        use_cache=True).logits[0, -1]
 
 
-# the shape vLLM's kernels take (their tiles need head dims of 16 and more), all MLPs dense
-# (the GPU bundle leaves vLLM's MoE kernels out); still a few seconds to build
-VLLM_SHAPE = dict(hidden_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=0)
+# The GPU check's model is what Qwen3.5 / 3.6 checkpoints are: the multimodal class around the
+# hybrid language model (vLLM 0.23 serves Qwen3.5 no other way; it runs it text-only, the torch
+# engine loads its language model). Qwen3.5, not Qwen3-Next: vLLM's Qwen3-Next needs an MoE
+# layer, and the GPU bundle leaves vLLM's MoE kernels out. Head dims vLLM's kernels take (64 for
+# the linear layers, 256 and multimodal rotary positions as in Qwen3.6), room for the vLLM
+# engine's 4096-token context, and a one-layer vision tower that text-only runs skip.
+VLLM_SHAPE = dict(hidden_size=256, head_dim=256, linear_key_head_dim=64, linear_value_head_dim=64,
+                  max_position_embeddings=4096,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, temporal_patch_size=2,
+                   spatial_merge_size=2, in_channels=3, num_position_embeddings=64)
 
 
 def save_tiny_hybrid(folder: str | Path, family: str = "qwen3_5", seed: int = 0, vllm_shape: bool = False,
                      attention_only: bool = False) -> Path:
     """A random hybrid with SmolLM2's tokenizer (and vocabulary size), saved like any HF model folder,
-    in float32 (``vllm_shape``: Qwen3-Next at a shape vLLM 0.23 serves; it has no text-only Qwen3.5).
-    ``attention_only``: the same model with every layer full attention, to compare costs with."""
-    from transformers import AutoTokenizer
+    in float32: a text-only checkpoint, or (``vllm_shape``) a Qwen3.5 one as vLLM serves it (see
+    ``VLLM_SHAPE``). ``attention_only``: the same model with every layer full attention, to compare
+    costs with."""
+    from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     folder = Path(folder)
     # eos <|im_end|> (2): the chat end-of-turn of SmolLM2's template; untied head, as in Qwen3.5
-    shape = (VLLM_SHAPE if vllm_shape else {}) | ({"layer_types": [FULL] * len(LAYER_TYPES)} if attention_only else {})
-    model = hybrid_model(family, seed, dtype=torch.float32, vocab=49152, tie_word_embeddings=False, eos_token_id=2,
-                         **shape)
+    shape = dict(vocab=49152, tie_word_embeddings=False, eos_token_id=2) | (VLLM_SHAPE if vllm_shape else {}) \
+        | ({"layer_types": [FULL] * len(LAYER_TYPES)} if attention_only else {})
+    if vllm_shape:
+        text = hybrid_config("qwen3_5", **shape)
+        config = Qwen3_5Config(text_config=text.to_dict(), vision_config=TINY_VISION | {"out_hidden_size": text.hidden_size},
+                               tie_word_embeddings=False)
+        torch.manual_seed(seed)
+        model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    else:
+        model = hybrid_model(family, seed, dtype=torch.float32, **shape)
     model.save_pretrained(folder)
     gguf = bundled_gguf()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
@@ -124,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", nargs="?", help="where to save a tiny hybrid")
     parser.add_argument("--family", default="qwen3_5", choices=FAMILIES)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-shape", action="store_true", help="a shape vLLM's kernels take (head dims 64)")
     parser.add_argument("--attention-only", action="store_true", help="every layer full attention (a cost baseline)")
     parser.add_argument("--scripted-drafter", metavar="OUT", help="write a scripted drafter for --model instead")
     parser.add_argument("--model", help="the hybrid folder the scripted drafter knows the answers of")
@@ -140,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(scripted_drafter_for(args.scripted_drafter, target, prompts, args.max_new_tokens))
         return 0
     print(save_tiny_hybrid(args.folder or f"tiny-{args.family}-hybrid", args.family, args.seed,
-                           vllm_shape=args.family == "qwen3_next", attention_only=args.attention_only))
+                           vllm_shape=args.vllm_shape, attention_only=args.attention_only))
     return 0
 
 

@@ -280,13 +280,14 @@ def test_bench_runs_a_saved_hybrid_folder(tmp_path):
         "dflash": "1/1", "ddtree@8": "1/1", "ddtree@32": "1/1"}
 
 
-def test_the_tiny_qwen3_next_the_vllm_engine_serves_decodes_exactly_and_deep(tmp_path):
+def test_the_tiny_hybrid_of_the_vllm_check_decodes_exactly_and_deep(tmp_path):
     """The GPU check's model and drafter (``engine/gpu_session.sh hybrid``), on the torch engine:
     a scripted drafter that knows the answers gets every method accepted levels deep, and the
     outputs stay AR's."""
-    folder = save_tiny_hybrid(tmp_path / "tiny-qwen3-next", family="qwen3_next", vllm_shape=True)
-    target = load_target(str(folder), dtype="float32")
-    assert target.config.model_type == "qwen3_next" and target.config.architectures == ["Qwen3NextForCausalLM"]
+    folder = save_tiny_hybrid(tmp_path / "tiny-qwen3.5", vllm_shape=True)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    target = load_target(str(folder), dtype="float32")  # its language model, as for a real Qwen3.6 checkpoint
+    assert hybrid.is_hybrid(target.config) and target.config.linear_key_head_dim == 64
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": text}) + "\n" for i, text in
                                enumerate(["Say hi.", "Name three colours.", "What is 2 + 2?"])))

@@ -172,7 +172,7 @@ def test_the_vllm_engine_refuses_unfit_pairs_before_it_starts(shape, tmp_path, m
         load_vllm_decoder(str(tmp_path), None)
 
 
-def test_a_qwen3_next_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fits(tmp_path, monkeypatch):
+def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fits(tmp_path, monkeypatch):
     import torch
 
     from engine.drafter import drafter_shape, fresh_config, write_scripted_drafter
@@ -181,12 +181,14 @@ def test_a_qwen3_next_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_
     from tests.hybrid_models import save_tiny_hybrid
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched
-    folder = save_tiny_hybrid(tmp_path / "next", family="qwen3_next", vllm_shape=True)
-    config = shape_config(str(folder))
+    folder = save_tiny_hybrid(tmp_path / "qwen3.5", vllm_shape=True)
+    config = shape_config(str(folder)).text_config
     fits = write_scripted_drafter(tmp_path / "fits", fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2), [])
     preflight(str(folder), drafter_shape(fits))  # no error
-    assert hybrid_settings(str(folder)) == {"additional_config": {"gdn_prefill_backend": "triton"}}
-    assert hybrid_settings(str(SHAPES / "qwen3.6-27b"))["language_model_only"] is True  # text in, no vision tower
+    # the Studio sends text: the multimodal checkpoint runs its language model alone
+    assert hybrid_settings(str(folder)) == {"additional_config": {"gdn_prefill_backend": "triton"},
+                                            "language_model_only": True}
+    assert hybrid_settings(str(SHAPES / "qwen3.6-27b"))["language_model_only"] is True
     assert hybrid_settings(str(SHAPES / "qwen3-8b")) == {}
     narrow = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)
     narrow.hidden_size = 128
