@@ -20,6 +20,15 @@ SLOT, SLOTS, WIDTH = 2, 4, 3  # the request's slot among 4; a window of 3 inputs
 KEY_HEADS, HEADS, HEAD_K, HEAD_V = 2, 4, 8, 8
 
 
+def same(ours: torch.Tensor, reference: torch.Tensor, device: str) -> bool:
+    """Bit for bit with the torch kernels (and with vLLM's under Triton's interpreter); on a GPU the
+    tree and the one-token decode run differently specialised compilations of one kernel, which may
+    contract multiply-adds differently: the last bits may differ there."""
+    if device == "cpu":
+        return torch.equal(ours, reference)
+    return torch.allclose(ours, reference, rtol=1e-5, atol=1e-6)
+
+
 def kernel_sets():
     sets = [pytest.param((REFERENCE_KERNELS, "cpu"), id="torch-reference")]
     try:
@@ -142,7 +151,7 @@ def test_every_node_scores_like_its_path_decoded_alone_and_verify_writes_nothing
     for node, depth in enumerate(depths(visible).tolist()):
         path = table[node, :depth + 1].tolist()
         expected = decode_path(params, kernels, conv_before.clone(), ssm_before.clone(), mixed_qkv, a, b, path)
-        assert torch.equal(out[node], expected[-1]), node
+        assert same(out[node], expected[-1], device), node
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -161,8 +170,8 @@ def test_commit_leaves_the_caches_as_decoding_the_accepted_path(kernels, seed):
     commit_layer(params, kept, plan, path, length, conv_state, ssm_state, kernels)
 
     decode_path(params, kernels, reference_conv, reference_ssm, mixed_qkv, a, b, path[:int(length)].tolist())
-    assert torch.equal(conv_state, reference_conv)
-    assert torch.equal(ssm_state, reference_ssm)  # other slots untouched too
+    assert same(conv_state, reference_conv, device)
+    assert same(ssm_state, reference_ssm, device)  # other slots untouched too
 
 
 def test_a_chain_and_a_lone_root_are_trees_too(kernels):
@@ -174,7 +183,7 @@ def test_a_chain_and_a_lone_root_are_trees_too(kernels):
         plan = GDNTreePlan.build(visible, SLOT, WIDTH, length=q)
         out, _ = verify_layer(params, mixed_qkv.clone(), a, b, conv_state, ssm_state, plan, kernels)
         expected = decode_path(params, kernels, conv_state.clone(), ssm_state.clone(), mixed_qkv, a, b, list(range(q)))
-        assert torch.equal(out, expected)
+        assert same(out, expected, device)
 
 
 def test_a_node_forked_from_its_sibling_is_caught():
