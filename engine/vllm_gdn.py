@@ -35,7 +35,6 @@ from engine import gdn_tree
 from engine.errors import EngineError
 
 KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update)
-BACKEND = "GDN_ATTN"
 
 
 @dataclass
