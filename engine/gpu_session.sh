@@ -7,13 +7,14 @@
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh humaneval'  # bf16 speed on HumanEval; the compiled step
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape'      # Qwen3-8B shape, random weights + projection
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh hybrid'     # tiny Qwen3.5: float32 exactness with a
-#       scripted drafter (deep acceptance), vLLM's GDN kernels under the tree tests, verify cost vs pure attention
+#       scripted drafter (deep acceptance), vLLM's GDN kernels under the tree tests; then, in the next call
+#       while the machine is warm, 'hybrid-cost': verify cost vs tree size, hybrid vs all-attention
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh shape27'    # Qwen3.6-27B hybrid shape, random weights
 #   bash engine/vllm_device.sh 'bash engine/gpu_session.sh exact'      # float32 exactness at Qwen3-1.7B's shape,
 #       a drafter scripted with the first run's own outputs (engine.scripted) so trees go deep
 # LIMIT (prompts per bench) and TOKENS override the defaults.
 set -uo pipefail
-phase=${1:?phase: check, fresh, humaneval, shape, hybrid, shape27 or exact}
+phase=${1:?phase: check, fresh, humaneval, shape, hybrid, hybrid-cost, shape27 or exact}
 TOKENS=${TOKENS:-128}
 bench() { python3 -m engine.bench --engine vllm --no-progress "$@"; }
 tables() { grep -E '^\||^kernels|NOT a near-tie|^error' "$1" | tail -n "${2:-40}"; }
@@ -62,13 +63,15 @@ hybrid)
   tail -n 3 "$OUT/hybrid-build.txt"
   timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_gdn_tree.py > "$OUT/pytest-gdn.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
-  timeout 200 bench --model "$hybrid" --drafter "$scripted" --dtype float32 --native ar --prompts \
+  timeout 300 bench --model "$hybrid" --drafter "$scripted" --dtype float32 --native ar --prompts \
       assets/prompts/fresh.jsonl --limit 12 --methods ar,dflash,ddtree --tree-budget 16,64 --max-new-tokens 64 \
       --out "$OUT/gpu-vllm-hybrid-float32.json" > "$OUT/bench-hybrid.txt" 2>&1
   tables "$OUT/bench-hybrid.txt" 12
-  for model in "$hybrid" "$attention"; do  # verify cost vs tree size: the same shape, with and without DeltaNets
-    timeout 100 bench --model "$model" --drafter "$scripted" --prompts assets/prompts/fresh.jsonl --limit 3 \
-        --methods ar,ddtree --tree-budget 1,4,16,64,256 --max-new-tokens 64 \
+  ;;
+hybrid-cost)  # verify cost vs tree size: the same shape with and without its Gated DeltaNets (after hybrid)
+  for model in /tmp/tiny-qwen3.5 /tmp/tiny-qwen3.5-attention; do
+    timeout 240 bench --model "$model" --drafter /tmp/tiny-qwen3.5-scripted --prompts assets/prompts/fresh.jsonl \
+        --limit 3 --methods ar,ddtree --tree-budget 1,4,16,64,256 --max-new-tokens 64 \
         --out "$OUT/gpu-vllm-$(basename "$model")-cost.json" > "$OUT/bench-$(basename "$model")-cost.txt" 2>&1
     tables "$OUT/bench-$(basename "$model")-cost.txt" 8
   done ;;
@@ -90,5 +93,5 @@ exact)
       --max-new-tokens 64 --out "$OUT/gpu-qwen3-1.7b-random-float32.json" > "$OUT/bench-exact.txt" 2>&1
   tables "$OUT/bench-exact.txt" 12 ;;
 *)
-  echo "unknown phase $phase: check, fresh, humaneval, shape, hybrid, shape27 or exact" >&2; exit 2 ;;
+  echo "unknown phase $phase: check, fresh, humaneval, shape, hybrid, hybrid-cost, shape27 or exact" >&2; exit 2 ;;
 esac
