@@ -106,3 +106,31 @@ def test_static_context_with_padding_rows_equals_the_growing_context():
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
         start += added
     assert int(static.length) == growing.length == start
+
+
+def test_a_scripted_drafter_loads_from_its_folder_and_never_runs_as_a_graph(tmp_path):
+    """Its proposals come from the host, so a CUDA graph would freeze the first step's: the draft
+    pass stays eager and the fixed-shape step (graphs on) is not taken, whatever the settings say."""
+    from engine.drafter import ScriptedDrafter, fresh_config, write_scripted_drafter
+    from engine.drafting import EagerDraft
+
+    target = tiny_target(3)
+    config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1, num_taps=2)
+    folder = write_scripted_drafter(tmp_path / "scripted", config, [[5, 6, 7, 8, 9]], demote_every=5)
+    scripted = load_drafter(folder).double().eval()
+    assert isinstance(scripted, ScriptedDrafter) and scripted.sequences == [[5, 6, 7, 8, 9]]
+    assert scripted.full_attention and not scripted.graphable
+    graphed = Decoder(target, scripted, DrafterInfo("scripted", trained=False), cuda_graphs=True, fixed_step=True)
+    assert isinstance(graphed.draft_pass(16), EagerDraft)
+    assert not graphed.uses_fixed_step(DecodeSettings("ddtree", tree_budget=8))
+    trained = Decoder(target, tiny_drafter(target, 3), DrafterInfo("random", trained=False), cuda_graphs=True,
+                      fixed_step=True)
+    assert trained.drafter.graphable and trained.uses_fixed_step(DecodeSettings("ddtree", tree_budget=8))
+    # what it proposes: the known continuation after a root that sits in a known sequence
+    block = torch.full((1, 4), config.mask_token_id)
+    block[0, 0] = 6
+    hidden = scripted(scripted.embed(block, target.embedding), torch.zeros(1, 1, 2 * config.hidden_size,
+                      dtype=torch.float64), block_positions=torch.arange(1, 5)[None],
+                      context_positions=torch.zeros(1, 1, dtype=torch.long))
+    proposals = scripted.logits(hidden[0, 1:], target.lm_head).argmax(-1).tolist()
+    assert proposals == [7, 8, 9]
