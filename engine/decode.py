@@ -185,9 +185,10 @@ class Decoder:
     def uses_fixed_step(self, settings: DecodeSettings) -> bool:
         """Greedy decoding on a pure-attention target (with a full-attention drafter if it drafts,
         one a CUDA graph can hold where graphs are on)."""
-        return (self.fixed_step and settings.temperature == 0 and not hybrid.is_hybrid(self.target.config)
-                and (settings.method == "ar" or self.drafter.full_attention
-                     and (self.drafter.graphable or not self.cuda_graphs)))
+        if not self.fixed_step or settings.temperature != 0 or hybrid.is_hybrid(self.target.config):
+            return False
+        drafter = self.drafter
+        return settings.method == "ar" or (drafter.full_attention and (drafter.graphable or not self.cuda_graphs))
 
     def fixed_program(self, settings: DecodeSettings, prompt_length: int):
         """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
