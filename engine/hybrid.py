@@ -31,6 +31,8 @@ The prompt's prefill is a plain causal sequence and runs through the model's own
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import sys
 import time
 from dataclasses import dataclass, field
@@ -223,6 +225,20 @@ def _commit_leaf(layer, forked: ForkedLayer, plan: TreePlan, accepted: list[int]
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x) and warns on the old name."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _rotary_positions(config, position_ids):
+    """Position ids as the rotary embedding takes them: multimodal rotary (Qwen3.5/3.6) wants one row
+    per grid axis, ``[3, 1, q]``; text tokens sit at the same position on all three. Some transformers
+    releases expand ``[1, q]`` inside the embedding, others only in the model's forward."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return position_ids.expand(3, *position_ids.shape) if "mrope_section" in rope else position_ids
+
+
 def tree_forward(model, input_ids, position_ids, cache: TreeCache, attention_bias=None, hidden_states=False):
     """``Target.forward`` for a hybrid target after prefill: logits ``[q, vocab]`` and hidden states.
 
@@ -242,14 +258,14 @@ def tree_forward(model, input_ids, position_ids, cache: TreeCache, attention_bia
     cache.pending = PendingTree(plan)
 
     hidden = decoder.embed_tokens(input_ids)
-    position_embeddings = decoder.rotary_emb(hidden, position_ids)
+    position_embeddings = decoder.rotary_emb(hidden, _rotary_positions(decoder.config, position_ids))
     collected = [hidden]
     for index, layer in enumerate(decoder.layers[: decoder.config.num_hidden_layers]):
         if decoder.config.layer_types[index] == LINEAR:
             hidden = _linear_decoder_layer(layer, hidden, plan, cache, index)
         else:
             hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=attention_bias,
-                           position_ids=position_ids, cache=cache)
+                           position_ids=position_ids, **{cache_argument(type(layer)): cache})
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         collected.append(hidden)
     hidden = decoder.norm(hidden)
@@ -293,8 +309,11 @@ def _forked_delta_net(net, x: torch.Tensor, plan: TreePlan, cache: TreeCache, in
                                              net.conv1d.weight.squeeze(1), net.conv1d.bias, net.activation)
     query, key, value = torch.split(mixed_qkv.transpose(1, 2), [net.key_dim, net.key_dim, net.value_dim], dim=-1)
     g = -net.A_log.float().exp() * torch.nn.functional.softplus(a.float() + net.dt_bias)
-    recurrence = Recurrence(query=query.reshape(q, 1, -1, net.head_k_dim), key=key.reshape(q, 1, -1, net.head_k_dim),
-                            value=value.reshape(q, 1, -1, net.head_v_dim), g=g.transpose(0, 1),
+    # value heads share key heads in groups; repeated here because older transformers kernels expect
+    # one key head per value head (newer ones accept either)
+    group = net.num_v_heads // net.num_k_heads
+    query, key = (t.reshape(q, 1, -1, net.head_k_dim).repeat_interleave(group, dim=2) for t in (query, key))
+    recurrence = Recurrence(query=query, key=key, value=value.reshape(q, 1, -1, net.head_v_dim), g=g.transpose(0, 1),
                             beta=b.sigmoid().transpose(0, 1))
 
     # per-node states live only while this layer runs; slot 0 is the committed state
@@ -361,7 +380,7 @@ def measure_verify_cost(budgets=(1, 4, 16, 64, 256), hidden_size: int = 512, lay
         caches = {}
         for name, model in (("attention", attention_model), ("hybrid", hybrid_model)):
             caches[name] = TreeCache(model.config) if is_hybrid(model.config) else DynamicCache(config=model.config)
-            model(input_ids=prompt, cache=caches[name], use_cache=True)
+            model(input_ids=prompt, use_cache=True, **{cache_argument(type(model)): caches[name]})
         for budget in budgets:
             # a peaked draft, like a trained drafter's: the tree branches at several depths
             log_probs = torch.log_softmax(torch.randn(block_size - 1, vocab, generator=generator) * 4, dim=-1)
@@ -393,8 +412,8 @@ def _verify(model, cache, inputs: ddtree.TreeInputs, bias: torch.Tensor) -> None
     if isinstance(cache, TreeCache):
         tree_forward(model, inputs.input_ids, inputs.position_ids, cache, bias)
     else:  # what Target.forward does for a pure-attention target
-        model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=bias, cache=cache,
-              use_cache=True)
+        model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=bias, use_cache=True,
+              **{cache_argument(type(model)): cache})
 
 
 def _roll_back(cache, past_length: int) -> None:

@@ -3,9 +3,7 @@ and one forward call that takes a tree mask and returns logits plus hidden state
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,15 +124,9 @@ class Target:
             attention_mask=attention_bias,
             use_cache=True,
             output_hidden_states=hidden_states,
-            **{_cache_argument(type(self.model)): cache},
+            **{hybrid.cache_argument(type(self.model)): cache},
         )
         return out.logits[0], (out.hidden_states if hidden_states else None)
-
-
-@functools.cache
-def _cache_argument(model_class: type) -> str:
-    """transformers renamed ``past_key_values`` to ``cache`` (5.2x) and warns on the old name."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def load_target(name: str | None = None, device: str = "cpu", dtype: str = "float32",

@@ -137,6 +137,50 @@ def test_a_node_forked_from_its_siblings_state_is_caught(monkeypatch):
 
 
 @torch.inference_mode()
+def test_the_tree_pass_keeps_to_what_older_transformers_releases_expect(monkeypatch):
+    """The GPU machine runs transformers 5.17, whose Qwen3.5 kernels and layers differ from ours
+    (5.24): its recurrent kernel wants one key head per value head, its multimodal rotary wants
+    position ids with one row per grid axis, and its layers take the cache as ``past_key_values``.
+    Here 5.24's code is held to those contracts, and the tree stays exact."""
+    model = hybrid_model("qwen3_5", seed=3, vocab=24, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True})
+    kernels = __import__(type(model.model.layers[0].linear_attn).__module__, fromlist=["_"])
+    recurrent = kernels.torch_recurrent_gated_delta_rule
+
+    def one_key_head_per_value_head(query, key, value, **kwargs):
+        assert query.shape[2] == key.shape[2] == value.shape[2]
+        return recurrent(query, key, value, **kwargs)
+
+    rotary = type(model.model.rotary_emb).forward
+
+    def three_rows(self, x, position_ids):
+        assert position_ids.ndim == 3 and position_ids.shape[0] == 3
+        return rotary(self, x, position_ids)
+
+    monkeypatch.setattr(kernels, "torch_recurrent_gated_delta_rule", one_key_head_per_value_head)
+    ids = prompt(3, 9, 24)
+    cache, root = prefilled(model, ids)
+    monkeypatch.setattr(type(model.model.rotary_emb), "forward", three_rows)
+    tree = wide_deep_tree(24, seed=3, budget=12)
+    inputs = ddtree.compile_tree(tree, root, len(ids))
+    bias = ddtree.attention_bias(inputs.visible, len(ids), model.dtype)
+    logits, _ = hybrid.tree_forward(model, inputs.input_ids, inputs.position_ids, cache, bias)
+    monkeypatch.undo()
+    leaf = int(tree.depths.argmax()) + 1
+    path = inputs.visible[leaf].nonzero().flatten()
+    reference, _ = decode_path(model, ids, inputs.input_ids[0, path].tolist())
+    assert torch.allclose(logits[path], reference, rtol=0, atol=1e-12)
+
+    class OlderLayer(torch.nn.Module):
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+            return hidden_states
+
+    assert hybrid.cache_argument(OlderLayer) == "past_key_values"
+    assert hybrid.cache_argument(type(model.model.layers[1])) == "cache"
+
+
+@torch.inference_mode()
 def test_unmasked_chain_is_causal_and_hidden_states_match_the_model():
     model = hybrid_model("qwen3_5", seed=4)
     ids, chain = prompt(4, 7, 40), prompt(5, 6, 40)
