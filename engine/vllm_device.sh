@@ -10,7 +10,7 @@
 #       "$(python -c 'from engine.target import bundled_gguf; print(bundled_gguf())')" ../hold/model.safetensors
 # (5 calls: the first also starts the machine; make them back to back and chain the real command
 # onto the last, since the machine goes back 30 s after a call)
-# then the phases of engine/gpu_session.sh (check, fresh, humaneval, shape: one call each), or by hand,
+# then the phases of engine/gpu_session.sh (one call each; its header lists them), or by hand,
 # e.g. (on nvidia-h200-x2 the same pytest command also runs the tensor-parallel test; vLLM's
 # shutdown logging floods the tail of the output, so keep results in files under $OUT):
 #   bash engine/vllm_device.sh 'python3 -m pytest -q -rfE -m gpu tests/test_vllm_engine.py \
@@ -25,15 +25,16 @@
 #       --gpu-memory-utilization 0.6 --prompts assets/prompts/fresh.jsonl --limit 5 --methods ar,dflash,ddtree \
 #       --tree-budget 16,32,64,128,256,512 --max-new-tokens 128 --out $OUT/gpu-qwen3-8b-random.json; \
 #       python3 -m engine.projection $OUT/gpu-qwen3-8b-random.json'
-# The app on the GPU, driven through its API (gradio and what it needs beyond the vLLM bundle travel
-# as wheels: `.whl/`, made with the pip download line in the Notes of the device tool's README, for
-# gradio gradio_client brotli groovy hf-gradio orjson pydub python-multipart pytz safehttpx
-# semantic-version tomlkit uvicorn plotly at requirements.txt's versions; carry [".whl"]):
-#   bash engine/vllm_device.sh 'python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-#       --target $SITE .whl/*.whl && python3 -m engine.app_check --launch "python3 app.py --engine vllm $MODELS" \
-#       --out $OUT/app-check.json > $OUT/app-check.txt 2>&1; tail -40 $OUT/app-check.txt'
-# It prints the page's start-up budget and why, and per prompt and method τ, step cost in AR
-# steps, predicted and measured speed-up, and the engine the traces came from.
+# Packages beyond the vLLM bundle travel as wheels in `.whl/` (carry [".whl"]); every call that carries
+# them installs them into $SITE first. Made here with the pip download line in the Notes of the device
+# tool's README, at requirements.txt's versions where it pins them:
+#   the app: gradio gradio_client brotli groovy hf-gradio orjson pydub python-multipart pytz safehttpx
+#            semantic-version tomlkit uvicorn plotly
+#   hybrid targets: compressed-tensors==0.17.0 loguru (vLLM's Qwen3.5/Qwen3-Next modules import them;
+#            the trimmed bundle leaves them out)
+# The app driven through its API (`gpu_session.sh app`) prints the page's start-up budget and why, and
+# per prompt and method τ, step cost in AR steps, predicted and measured speed-up, and the engine the
+# traces came from.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -47,6 +48,10 @@ mkdir -p "$HOME"
 
 if [ ! -d "$SITE/vllm" ]; then
   bash "$STAGE/INSTALL.sh" "$STAGE/vllm-trim.tar.xz" >/dev/null || { echo "vLLM install failed"; exit 1; }
+fi
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+      > /tmp/pip-wheels.txt 2>&1 || { echo "installing .whl/ failed:"; tail -n 3 /tmp/pip-wheels.txt; exit 1; }
 fi
 if [ -z "${DDTREE_VLLM_DRAFTER:-}" ]; then
   if [ -f "$SHIPPED/model.safetensors" ]; then DDTREE_VLLM_DRAFTER=$PWD/$SHIPPED
