@@ -611,7 +611,7 @@ def last_step(traces: dict[str, Trace], method: str | None) -> int:
 def run_summary(traces: dict[str, Trace]) -> dict:
     """The API-friendly digest of a run: text, headline numbers and step economics per method
     (``step_cost_vs_ar`` and ``predicted_speedup`` need AR in the run; the prediction leaves the
-    prefill out, the measured ``speedup_vs_ar`` is whole wall times)."""
+    prefill out, the measured ``speedup_vs_ar`` is tokens per second over AR's, whole wall times)."""
     ar = traces.get("ar")
     entries = trace_economics(ordered(traces))
     summary = {}
@@ -621,6 +621,7 @@ def run_summary(traces: dict[str, Trace]) -> dict:
         summary[method] = {
             "text": trace.text, "tokens": stats.tokens, "steps": stats.steps, "tau": round(stats.tau, 4),
             "tokens_per_s": round(stats.tokens_per_s, 3), "wall_s": round(stats.elapsed_s, 4),
+            "prefill_s": round(trace.summary.time_to_first_token_s, 4),
             "step_cost_vs_ar": _rounded(entry.step_cost_vs_ar), "predicted_speedup": _rounded(entry.predicted_speedup),
             "speedup_vs_ar": _rounded(entry.speedup_vs_ar),
             "identical_to_ar": identical_to(trace, ar) if ar is not None else None,

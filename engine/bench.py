@@ -119,19 +119,21 @@ def run_record(prompt: dict, job: Job, trace: Trace) -> dict:
 
 
 def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
-    ar_wall = sum(r["wall_s"] for r in runs if r["label"] == "ar")
-    vllm_ar_wall = sum(r["wall_s"] for r in runs if r["label"] == NATIVE_AR)
-    steps = economics({job.label: run_timing([r for r in runs if r["label"] == job.label]) for job in jobs
-                       if job.label not in (NATIVE_AR, NATIVE_DFLASH)})
+    """Per method: τ, tokens/s, and speed-ups as throughput ratios (outputs of different lengths,
+    e.g. bf16 near-ties, would make wall-time ratios lie)."""
+    timings = {job.label: run_timing([r for r in runs if r["label"] == job.label]) for job in jobs}
+    ar_speed = timings["ar"].tokens_per_s if "ar" in timings else None
+    vllm_ar_speed = timings[NATIVE_AR].tokens_per_s if NATIVE_AR in timings else None
+    steps = economics({label: timing for label, timing in timings.items() if label not in (NATIVE_AR, NATIVE_DFLASH)})
     summary = {}
     for job in jobs:
         mine = [r for r in runs if r["label"] == job.label]
-        wall = sum(r["wall_s"] for r in mine)
+        speed = timings[job.label].tokens_per_s
         lengths = [n for r in mine for n in r["acceptance_lengths"]]
         entry = {
             "tau": sum(lengths) / len(lengths) if lengths else float(job.method == "ar"),
-            "tokens_per_s": sum(r["new_tokens"] for r in mine) / wall if wall else 0.0,
-            "speedup_vs_ar": ar_wall / wall if ar_wall and wall else None,
+            "tokens_per_s": speed or 0.0,
+            "speedup_vs_ar": speed / ar_speed if speed is not None and ar_speed else None,
         }
         if job.label in steps:
             entry |= {key: getattr(steps[job.label], key) for key in ("step_ms", "step_cost_vs_ar", "predicted_speedup")}
@@ -142,8 +144,8 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
         if "drafts" in mine[0]:  # vLLM's own DFlash reports counters, not per-step lengths
             drafts = sum(r["drafts"] for r in mine)
             entry["tau"] = 1 + sum(r["accepted"] for r in mine) / drafts if drafts else 0.0
-        if vllm_ar_wall:
-            entry["speedup_vs_vllm_ar"] = vllm_ar_wall / wall if wall else None
+        if vllm_ar_speed:
+            entry["speedup_vs_vllm_ar"] = speed / vllm_ar_speed if speed is not None else None
         checked = [r for r in mine if "divergence" in r]  # vLLM's own runs are checked against vLLM AR only
         if checked:
             identical = sum(1 for r in checked if r["divergence"] is None)
@@ -157,7 +159,8 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
 
 def run_timing(runs: list[dict]) -> Timing:
     return Timing(sum(r["wall_s"] for r in runs), sum(r.get("prefill_s") or 0.0 for r in runs),
-                  sum(r.get("verify_steps") or 0 for r in runs), sum(sum(r["acceptance_lengths"]) for r in runs))
+                  sum(r.get("verify_steps") or 0 for r in runs), sum(sum(r["acceptance_lengths"]) for r in runs),
+                  sum(r["new_tokens"] for r in runs))
 
 
 def _tau(runs: list[dict]) -> float:

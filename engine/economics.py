@@ -5,8 +5,10 @@ step (the draft pass, a wider verify, the walk). In AR steps, that cost is
 ``step_cost_vs_ar``, so the speed-up over AR is predicted by ``τ ÷ step_cost_vs_ar``. The
 prediction leaves out what is not a step: the prefill (the same prompt for every method,
 but DFlash and DDTree also read the prompt's hidden states into the drafter) and, with
-few steps, timing noise; the measured speed-up (AR's wall time ÷ the method's) includes
-them. Both come from the same runs, so they agree up to the prefill's share of the time.
+few steps, timing noise; the measured speed-up (the method's tokens per second ÷ AR's, whole wall
+times) includes them. Both come from the same runs, so they agree up to the prefill's share
+of the time. Throughput, not wall time: where outputs differ in length (a bf16 near-tie, a
+sampled run), the same wall time for more tokens is faster.
 """
 
 from __future__ import annotations
@@ -19,24 +21,30 @@ from engine.trace import Summary
 
 @dataclass(frozen=True)
 class Timing:
-    """A method's runs, summed: wall time, the prefill's part of it, verify steps and the
-    tokens those steps committed (the prefill's first token apart)."""
+    """A method's runs, summed: wall time, the prefill's part of it, verify steps, the tokens
+    those steps committed (the prefill's first token apart) and all new tokens."""
 
     wall_s: float
     prefill_s: float
     steps: int
     committed: int
+    tokens: int
 
     @staticmethod
     def of(summaries: Iterable[Summary]) -> "Timing":
         summaries = list(summaries)
         return Timing(sum(s.wall_s for s in summaries), sum(s.time_to_first_token_s for s in summaries),
-                      sum(s.steps for s in summaries), sum(sum(s.acceptance_lengths) for s in summaries))
+                      sum(s.steps for s in summaries), sum(sum(s.acceptance_lengths) for s in summaries),
+                      sum(s.new_tokens for s in summaries))
 
     @property
     def step_s(self) -> float | None:
         """Mean wall time of one verify step, the prefill left out."""
         return (self.wall_s - self.prefill_s) / self.steps if self.steps else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.wall_s if self.wall_s > 0 else None
 
     @property
     def tau(self) -> float | None:
@@ -49,7 +57,7 @@ class Economics:
     step_ms: float | None
     step_cost_vs_ar: float | None  # a step's wall time in AR steps
     predicted_speedup: float | None  # tau / step_cost_vs_ar
-    speedup_vs_ar: float | None  # measured: AR's wall time / the method's
+    speedup_vs_ar: float | None  # measured: the method's tokens per second / AR's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,9 +74,13 @@ def economics(timings: dict[str, Timing], baseline: str = "ar") -> dict[str, Eco
         result[label] = Economics(
             tau=tau, step_ms=1000 * step if step is not None else None, step_cost_vs_ar=cost,
             predicted_speedup=tau / cost if tau is not None and cost else None,
-            speedup_vs_ar=reference.wall_s / timing.wall_s if reference and timing.wall_s > 0 else None,
+            speedup_vs_ar=_ratio(timing.tokens_per_s, reference.tokens_per_s if reference else None),
         )
     return result
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
 
 
 def explain(label: str, entry: Economics) -> str:
