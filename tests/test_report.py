@@ -148,10 +148,10 @@ def test_a_tensor_parallel_setting_says_how_many_gpus(results_path, tmp_path):
     results["config"] |= {"engine": "vllm", "tensor_parallel_size": 2, "host": {"gpu": "NVIDIA H200"}}
     path = tmp_path / "tp2.json"
     path.write_text(json.dumps(results))
-    assert load_setting(path).title == "2× NVIDIA H200, tensor parallel · vllm engine · float64 · inline prompts"
+    assert load_setting(path).title == "2× NVIDIA H200, tensor parallel · vllm engine · float64 · inline (1) prompts"
     results["config"]["tensor_parallel_size"] = 1
     path.write_text(json.dumps(results))
-    assert load_setting(path).title == "NVIDIA H200 · vllm engine · float64 · inline prompts"
+    assert load_setting(path).title == "NVIDIA H200 · vllm engine · float64 · inline (1) prompts"
 
 
 def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_path, tmp_path):
@@ -168,7 +168,10 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     path = tmp_path / "gpu-fixed.json"
     path.write_text(json.dumps(data))
     setting = load_setting(path)
-    assert setting.title == "NVIDIA H200 · vllm engine · fixed-shape step · float64 · inline prompts"
+    assert setting.title == "NVIDIA H200 · vllm engine · fixed-shape step · float64 · inline (1) prompts"
+    data["config"]["compile_step"] = True  # a compiled step is another setting: its title says so
+    path.write_text(json.dumps(data))
+    assert load_setting(path).title == "NVIDIA H200 · vllm engine · fixed-shape step (compiled) · float64 · inline (1) prompts"
     markdown = build_report([setting], tmp_path / "B.md", tmp_path / "assets", "test")
     assert "| DDTree (budget 16) | 41 | 380 | 0 | 421 |" in markdown
     assert "| DDTree (budget 16), tokens-only trace |" in markdown

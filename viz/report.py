@@ -66,6 +66,8 @@ class Setting:
             where = f"{config['tensor_parallel_size']}× {where}, tensor parallel"
         prompts = Path(str(config.get("prompts", "?"))).stem
         step = {"fixed": " · fixed-shape step", "readable": " · readable step"}.get(config.get("step"), "")
+        step += " (compiled)" if config.get("compile_step") else ""
+        prompts += f" ({config['num_prompts']})" if config.get("num_prompts") else ""
         title = f"{where} · {config.get('engine', '?')} engine{step} · {config.get('dtype', '?')} · {prompts} prompts"
         return f"{Path(str(config.get('model'))).name} ({TIMING_ONLY}) · {title}" if config.get("timing_only") else title
 
