@@ -118,6 +118,20 @@ def run_record(prompt: dict, job: Job, trace: Trace) -> dict:
     }
 
 
+def per_category(prompts: list[dict], count: int | None) -> list[dict]:
+    """The first ``count`` prompts of each category, in file order (``None``: all of them)."""
+    if count is None:
+        return prompts
+    taken: dict[str | None, int] = {}
+    chosen = []
+    for prompt in prompts:
+        category = prompt.get("category")
+        if taken.get(category, 0) < count:
+            taken[category] = taken.get(category, 0) + 1
+            chosen.append(prompt)
+    return chosen
+
+
 def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
     """Per method: τ, tokens/s, and speed-ups as throughput ratios (outputs of different lengths,
     e.g. bf16 near-ties, would make wall-time ratios lie)."""
@@ -321,6 +335,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    parser.add_argument("--per-category", type=int, default=None,
+                        help="only the first N prompts of each category (a short run that still spans them all)")
     parser.add_argument("--traces", default=None, help="folder to write each run's Trace JSON into")
     parser.add_argument("--out", default=None, help="results JSON path")
     parser.add_argument("--no-progress", action="store_true")
@@ -356,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    prompts = read_prompts(args.prompts)[: args.limit]
+    prompts = per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
     jobs = plan_jobs(args.methods, args.tree_budget)
     if args.reduced_traces:
         jobs = with_reduced_traces(jobs)

@@ -19,7 +19,7 @@
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (~9 min)
-# LIMIT (prompts per bench) and TOKENS override the defaults.
+# PER_CATEGORY (fresh prompts per category), LIMIT (other prompt files) and TOKENS override the defaults.
 set -uo pipefail
 PHASES='check, fresh, app, humaneval, compiled, hybrid, hybrid-cost, shape, shape27 or exact'
 phase=${1:?phase: $PHASES}
@@ -32,12 +32,12 @@ check)
       tests/test_vllm_engine.py > "$OUT/pytest.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest.txt" | tail -n 20
   timeout 250 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar --dtype float32 \
-      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-16}" --methods ar,dflash,ddtree --tree-budget 32,128 \
+      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-2}" --methods ar,dflash,ddtree --tree-budget 32,128 \
       --max-new-tokens "$TOKENS" --out "$OUT/gpu-vllm-fresh-float32.json" > "$OUT/bench-float32.txt" 2>&1
   tables "$OUT/bench-float32.txt" 12 ;;
 fresh)
   timeout 560 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar,dflash \
-      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-24}" --methods ar,dflash,ddtree --tree-budget 16,32,64,128 \
+      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar,dflash,ddtree --tree-budget 16,32,64,128 \
       --max-new-tokens "$TOKENS" --reduced-traces --count-kernels --out "$OUT/gpu-vllm-fresh.json" > "$OUT/bench-fresh.txt" 2>&1
   tables "$OUT/bench-fresh.txt"
   python3 -m engine.calibration record "$OUT/gpu-vllm-fresh.json" && cp assets/budgets.json "$OUT/budgets.json" ;;
@@ -52,7 +52,7 @@ humaneval)
   tables "$OUT/bench-humaneval.txt" 20 ;;
 compiled)
   timeout 560 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar --compile-step \
-      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-24}" --methods ar,dflash,ddtree --tree-budget 32,64 \
+      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar,dflash,ddtree --tree-budget 32,64 \
       --max-new-tokens "$TOKENS" --count-kernels --out "$OUT/gpu-vllm-fresh-compiled.json" > "$OUT/bench-compiled.txt" 2>&1
   tables "$OUT/bench-compiled.txt" 20 ;;
 shape)

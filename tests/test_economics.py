@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.bench import Job, best_budget, summarize_runs
+from engine.bench import Job, best_budget, per_category, read_prompts, summarize_runs
 from engine.decode import DecodeSettings
 from engine.economics import Timing, economics, explain
 from engine.trace import Summary, Trace
@@ -85,3 +85,14 @@ def test_reduced_traces_time_the_same_decoding_and_the_best_budget_keeps_full_tr
     summary = summarize_runs(runs, jobs)
     summary["ddtree@4:tokens"]["tokens_per_s"] = 1e9  # a faster lean row is not the app's best budget
     assert best_budget(summary)["label"] in ("ddtree@4", "ddtree@8")
+
+
+def test_a_short_run_per_category_spans_every_category_of_the_fresh_set():
+    prompts = read_prompts("assets/prompts/fresh.jsonl")
+    categories = {p["category"] for p in prompts}
+    chosen = per_category(prompts, 3)
+    assert {p["category"] for p in chosen} == categories and len(categories) >= 8
+    assert all(sum(p["category"] == c for p in chosen) == min(3, sum(q["category"] == c for q in prompts))
+               for c in categories)
+    assert [p["id"] for p in chosen] == [p["id"] for p in prompts if p in chosen]  # file order kept
+    assert per_category(prompts, None) == prompts
