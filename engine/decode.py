@@ -275,16 +275,22 @@ class _Run:
     def prefill(self) -> Prefill:
         prompt = torch.tensor([self.config.prompt_ids], device=self.device)
         positions = torch.arange(prompt.shape[1], device=self.device)[None]
-        logits, hidden = self.target.forward(prompt, positions, self.cache, hidden_states=self.drafts)
-        first = int(ddtree.sample_tokens(logits[-1:], self.settings.temperature, self.generator)[0])
+        with self.clock.stage("target"):
+            logits, hidden = self.target.forward(prompt, positions, self.cache, hidden_states=self.drafts)
+            first = int(ddtree.sample_tokens(logits[-1:], self.settings.temperature, self.generator)[0])
         self.start = prompt.shape[1]  # position of the root: the last committed token, not yet in the KV cache
         self.root = first
         if self.drafts:
-            self.new_context = self.drafter.context_features(hidden)
+            with self.clock.stage("context"):
+                self.new_context = self.drafter.context_features(hidden)
             self.new_context_positions = positions
+        self.prepare_steps()
         self.output_ids.append(first)
         return Prefill(t_end=self.clock.now() - self.t0, first_token=first, first_text=self.text.push(first),
-                       first_margin=_margins(logits[-1:])[0])
+                       first_margin=_margins(logits[-1:])[0], stage_s=self.clock.take())
+
+    def prepare_steps(self) -> None:
+        """What the steps need once the prompt is in (the readable loop: nothing)."""
 
     def draft(self) -> torch.Tensor:
         """Log-probabilities ``[block-1, vocab]`` for the slots after the root, in one drafter pass."""

@@ -38,6 +38,22 @@ from engine.drafter import StaticDraftContext
 from engine.drafting import _log_probs
 
 
+SMALLEST_PREFILL = 16
+
+
+def prefill_bucket(size: int) -> int:
+    """The length a prompt's pass is padded to, so that it replays as one of a few CUDA graphs:
+    the next power of two, at least 16 (at most twice the tokens, a handful of lengths to capture)."""
+    return max(SMALLEST_PREFILL, 1 << (size - 1).bit_length())
+
+
+def padded_prompt(ids: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's ids and positions ``[n]`` padded to ``length``: token 0 at the positions after it."""
+    extra = length - ids.numel()
+    return (torch.cat([ids, ids.new_zeros(extra)]),
+            torch.cat([positions, positions[-1] + 1 + torch.arange(extra, device=positions.device)]))
+
+
 class StaticKV:
     """A Hugging Face target's KV cache in fixed buffers (transformers' ``StaticCache``): a verify
     writes its block at rows ``past .. past + n`` (the cache's write cursor, set from a device
@@ -316,10 +332,9 @@ class FixedRun(_Run):
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0  # no device sync: the device runs ahead of the host
 
-    def prefill(self):
-        prefill = super().prefill()
-        self.program.start(self.root, self.start)
-        return prefill
+    def prepare_steps(self) -> None:
+        with self.clock.stage("start"):
+            self.program.start(self.root, self.start)
 
     def execute(self) -> Trace:
         self.t0 = self.clock.now()

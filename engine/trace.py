@@ -98,6 +98,8 @@ class Prefill:
     first_token: int
     first_text: str
     first_margin: float
+    # the prompt pass, the drafter's context features, the fixed program's start: seconds each
+    stage_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

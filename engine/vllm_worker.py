@@ -31,6 +31,7 @@ from ddtree.fixed import compaction_rows
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import load_drafter
 from engine.errors import EngineError
+from engine.fixed_step import padded_prompt, prefill_bucket
 from engine.target import Target, stop_token_ids
 
 MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
@@ -154,6 +155,7 @@ class PagedTarget(Target):
         self._lm_head = _full_vocab(head.weight, self.config.vocab_size)
         self.use_cuda_graphs = use_cuda_graphs
         self.forwards: dict[tuple[int, bool], _Forward] = {}
+        self.prefills: dict[int, _Forward] = {}  # prompt passes by padded length (``prefill_bucket``)
         self.graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
@@ -242,13 +244,29 @@ class PagedTarget(Target):
         size = input_ids.shape[1]
         if cache.length + size > self.capacity:
             raise EngineError(f"the vLLM KV cache holds {self.capacity} tokens; this pass needs {cache.length + size}")
-        forward = self._forward_for(size, attention_bias is not None, prefill=cache.length == 0)
-        if forward.prefill and self.gdn is not None and attention_bias is not None:
+        prefill = cache.length == 0
+        if prefill and self.gdn is not None and attention_bias is not None:
             raise EngineError("a hybrid target's prompt runs as a plain causal prefill, not as a tree")
-        forward.load(input_ids[0], position_ids[0], cache.length, attention_bias)
+        bucket = self._prefill_bucket(size) if prefill and attention_bias is None else None
+        if bucket is not None:
+            forward = self.prefills.setdefault(bucket, _Forward(self, bucket, tree=False, prefill=True))
+            forward.load(*padded_prompt(input_ids[0], position_ids[0], bucket), 0, None)
+        else:
+            forward = self._forward_for(size, attention_bias is not None, prefill)
+            forward.load(input_ids[0], position_ids[0], cache.length, attention_bias)
         logits, taps = forward.run()
         cache.length += size  # like a DynamicCache: every pass appends; ``commit`` then trims to the path
-        return logits, self.tapped(taps) if hidden_states else None
+        return logits[:size], self.tapped([tap[:size] for tap in taps]) if hidden_states else None
+
+    def _prefill_bucket(self, size: int) -> int | None:
+        """The padded length a prompt's pass replays at as a CUDA graph (None: an eager pass of its own
+        length). Causal attention keeps the padding out of the prompt's rows; the padding's KV rows lie
+        past the prompt, where the next pass writes before anything reads them. Not for hybrids: padding
+        would run through their recurrent states."""
+        if not self.use_cuda_graphs or self.gdn is not None:
+            return None
+        bucket = prefill_bucket(size)
+        return bucket if bucket <= self.context_length else None
 
     def tapped(self, taps: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """A pass's tapped layers keyed as HF's ``hidden_states``, each ``[1, q, hidden]``."""
@@ -266,9 +284,9 @@ class PagedTarget(Target):
         return self.forwards[key]
 
     def capture_pending(self) -> None:
-        """Turn the verify shapes seen so far (inputs already loaded) into CUDA graphs."""
+        """Turn the verify shapes and prompt buckets seen so far (inputs already loaded) into CUDA graphs."""
         if self.use_cuda_graphs:
-            for forward in self.forwards.values():
+            for forward in [*self.forwards.values(), *self.prefills.values()]:
                 if forward.graph is None:
                     forward.capture(self.graph_pool)
 

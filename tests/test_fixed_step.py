@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.decode import DecodeSettings, Decoder
+from engine.fixed_step import padded_prompt, prefill_bucket
 from tests.test_fixed import token_paths
 from tests.tiny import tiny_decoder
 
@@ -38,6 +39,10 @@ def test_the_fixed_step_decodes_what_ar_decodes_and_what_the_readable_step_draft
             assert sum(mine.draft_top_probs, []) == pytest.approx(sum(reference.draft_top_probs, []), abs=1e-9)
             assert mine.target_tokens[0] == reference.target_tokens[0] and len(mine.target_tokens) == mine.tree_size + 1
         assert set(ours.steps[1].stage_s) == {"draft", "verify", "commit"}
+        # the prefill says where its time went, and the fixed program's start is part of it
+        assert set(ours.prefill.stage_s) == {"target", "context", "start"}
+        assert set(theirs.prefill.stage_s) == {"target", "context"}
+        assert sum(ours.prefill.stage_s.values()) <= ours.prefill.t_end
 
 
 def test_ar_through_the_fixed_step_is_the_readable_ar(decoders):
@@ -50,6 +55,7 @@ def test_ar_through_the_fixed_step_is_the_readable_ar(decoders):
             sum((s.committed_margins for s in theirs.steps), []))
         assert all(s.tree_size == 0 and s.accepted == [0] for s in ours.steps)
         assert set(ours.steps[0].stage_s) == {"verify", "commit"}
+        assert set(ours.prefill.stage_s) == {"target", "start"}  # AR has no drafter context
 
 
 @pytest.mark.parametrize("fixed_step", [False, True])
@@ -171,3 +177,22 @@ def test_the_compiled_step_decodes_what_the_readable_step_decodes(decoders):
         assert token_paths(mine.tree_tokens, mine.tree_parents) == token_paths(reference.tree_tokens,
                                                                                 reference.tree_parents)
         assert mine.committed_ids == reference.committed_ids
+
+
+@pytest.mark.parametrize("size", [1, 4, 7, 16, 17, 40])
+def test_a_prompt_padded_to_its_bucket_scores_its_own_rows_as_it_would_alone(decoders, size):
+    """The vLLM engine replays a prompt's pass as a CUDA graph at a padded length: causal attention
+    keeps the padding out of the prompt's rows, so its logits and hidden states are the unpadded ones."""
+    bucket = prefill_bucket(size)
+    assert bucket >= max(size, 16) and bucket < 2 * max(size, 16) and bucket & (bucket - 1) == 0
+    target = decoders[0].target
+    ids = torch.arange(size) % 50 + 3
+    positions = torch.arange(size)
+    padded_ids, padded_positions = padded_prompt(ids, positions, bucket)
+    assert padded_ids[:size].tolist() == ids.tolist() and padded_positions.tolist() == list(range(bucket))
+    alone, alone_hidden = target.forward(ids[None], positions[None], target.new_cache(), hidden_states=True)
+    padded, padded_hidden = target.forward(padded_ids[None], padded_positions[None], target.new_cache(),
+                                           hidden_states=True)
+    assert torch.allclose(padded[:size], alone, rtol=0, atol=1e-12)
+    assert all(torch.allclose(mine[:, :size], theirs, rtol=0, atol=1e-12)
+               for mine, theirs in zip(padded_hidden, alone_hidden))

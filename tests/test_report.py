@@ -175,5 +175,6 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     markdown = build_report([setting], tmp_path / "B.md", tmp_path / "assets", "test")
     assert "| DDTree (budget 16) | 41 | 380 | 0 | 421 |" in markdown
     assert "| DDTree (budget 16), tokens-only trace |" in markdown
+    assert "### The prefill" in markdown and "| target | context | start | prefill per run (ms) |" in markdown
     labels = setting.labels
     assert labels.index("ddtree@16:tokens") == labels.index("ddtree@16") + 1

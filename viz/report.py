@@ -254,6 +254,28 @@ def stage_table(setting: Setting) -> str | None:
     return _table(["Method", *STAGES, "rest", "wall per step (ms)"], rows)
 
 
+PREFILL_STAGES = ("target", "context", "start")
+
+
+def prefill_table(setting: Setting) -> str | None:
+    """Milliseconds per run before the first step: the prompt pass, the drafter's context, the
+    fixed program's start (where recorded), and the prefill's share of the run's wall time."""
+    rows = []
+    for label in setting.labels:
+        runs = [run for run in setting.runs if run_label(run) == label and run.get("prefill_s") is not None]
+        if not runs:
+            continue
+        prefill = 1000 * sum(run["prefill_s"] for run in runs) / len(runs)
+        staged = [stage for stage in PREFILL_STAGES if any(stage in run.get("prefill_stage_s", {}) for run in runs)]
+        cells = [f"{1000 * sum(run.get('prefill_stage_s', {}).get(stage, 0.0) for run in runs) / len(runs):.1f}"
+                 if stage in staged else "–" for stage in PREFILL_STAGES]
+        share = sum(run["prefill_s"] for run in runs) / sum(run["wall_s"] for run in runs)
+        rows.append([display_label(label), *cells, f"{prefill:.1f}", f"{share:.0%}"])
+    if not rows:
+        return None
+    return _table(["Method", *PREFILL_STAGES, "prefill per run (ms)", "share of wall time"], rows)
+
+
 def kernel_table(setting: Setting) -> str | None:
     """CUDA kernels per verify step in each stage (``engine.bench --count-kernels``)."""
     counted = {label: setting.summary[label]["kernels_per_step"] for label in setting.labels
@@ -470,6 +492,11 @@ def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path
     if stages is not None:
         parts += ["### Where the time goes\n\nMilliseconds per verify step, from the engine's stage timers "
                   "(wall time includes the prefill, spread over the steps).", stages]
+    prefill = prefill_table(setting)
+    if prefill is not None:
+        parts += ["### The prefill\n\nMilliseconds per run before the first verify step: the prompt's pass through "
+                  "the target (and the first token's read), the drafter's context features, the fixed program's "
+                  "start. Speed-ups include it; the step cost leaves it out.", prefill]
     kernels = kernel_table(setting)
     if kernels is not None:
         parts += ["### Kernels per step\n\nCUDA kernels each stage launches per verify step (profiler, one run of "
