@@ -32,6 +32,7 @@ from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import load_drafter
 from engine.errors import EngineError
 from engine.fixed_step import padded_prompt, prefill_bucket
+from engine.kv_moves import RowMover
 from engine.target import Target, stop_token_ids
 
 MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
@@ -157,6 +158,7 @@ class PagedTarget(Target):
         self.forwards: dict[tuple[int, bool], _Forward] = {}
         self.prefills: dict[int, _Forward] = {}  # prompt passes by padded length (``prefill_bucket``)
         self.graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
+        self.row_mover = RowMover(self.kv_caches, self.block_size)  # all layers' moves in one launch
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
     @property
@@ -299,14 +301,13 @@ class PagedTarget(Target):
         cache.length = past_length + len(accepted)
 
     def move_rows(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
-        sources, targets = ddtree.paged_slots(sources, self.block_size), ddtree.paged_slots(targets, self.block_size)
-        for kv in self.kv_caches:
-            ddtree.move_rows(kv, sources, targets)
+        self.row_mover(sources, targets)
 
 
 class _Compaction:
-    """KV compaction for every layer (~120 small kernels) as one CUDA graph over a fixed number
-    of moves; unused moves copy the cache's last row, which no request reaches, onto itself."""
+    """KV compaction for every layer (one kernel, or ~60 where Triton cannot take the caches) as one
+    CUDA graph over a fixed number of moves; unused moves copy the cache's last row, which no request
+    reaches, onto itself."""
 
     def __init__(self, target: PagedTarget, moves: int):
         self.target, self.moves, self.scratch = target, moves, target.capacity - 1
