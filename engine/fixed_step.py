@@ -5,7 +5,8 @@ A step is two programs over buffers that never change shape:
 
 - ``draft`` (DFlash, DDTree): the drafter's pass over ``StaticDraftContext``, fed the previous
   step's accepted rows (padded to the block) and their count;
-- ``advance``: the tree (``ddtree.fixed``: beam tree, chain, or none for AR), the ancestor
+- ``advance``: the tree (``ddtree.fixed``: beam tree, chain, or none for AR; on a GPU the beam
+  tree is one Triton program, ``engine.beam_kernel``, for budgets up to 64), the ancestor
   closure, one verify pass of the target over a KV cache whose write cursor is a device tensor,
   the pointer-jumping walk, the KV compaction of the accepted path and the drafter's next
   context, all in place; it ends by packing what the step decided into one tensor
@@ -31,6 +32,7 @@ import torch
 
 import ddtree
 from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain, compaction_rows
+from engine.beam_kernel import fused_beam_tree, fused_fits
 from engine.decode import _Outcome, _Run
 from engine.kernels import STAGE_MARK
 from engine.trace import Step, Trace, summarize
@@ -161,6 +163,9 @@ class FixedProgram:
         compiled = (lambda stage: torch.compile(stage, dynamic=False)) if compile_step else (lambda stage: stage)
         self._draft_pass, self._plan, self._decide = compiled(_log_probs), compiled(self._plan_step), \
             compiled(self._decide_step)
+        vocab = target.config.vocab_size
+        self._beam = fused_beam_tree if method == "ddtree" and fused_fits(device, budget, vocab) else compiled(beam_tree)
+        self._chain = compiled(chain)
         self._graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def prefill_cache(self):
@@ -199,10 +204,11 @@ class FixedProgram:
     def _tree(self) -> FixedTree:
         if self.method == "ar":
             return FixedTree.empty(self.root.device)
-        return chain(self.log_probs) if self.method == "dflash" else beam_tree(self.log_probs, self.budget)
+        return self._chain(self.log_probs) if self.method == "dflash" else self._beam(self.log_probs, self.budget)
 
     def _advance(self) -> torch.Tensor:
-        tree, ids, positions, visible = self._plan()
+        tree = self._tree()  # outside the compiled plan: the fused tree build is a Triton program of its own
+        ids, positions, visible = self._plan(tree)
         logits, hidden = self.kv.verify(ids, positions, self.past, visible)
         path, length, bonus, record = self._decide(tree, ids, visible, logits)
         if self.drafter is not None:  # AR's path is its root, already in place
@@ -215,12 +221,11 @@ class FixedProgram:
         self.root.copy_(bonus[None])
         return record
 
-    def _plan_step(self):
-        """The tree below the root, and the verify pass's ids, positions and ancestor mask."""
-        tree = self._tree()
+    def _plan_step(self, tree: FixedTree):
+        """The verify pass's ids, positions and ancestor mask for the tree below the root."""
         ids = torch.cat([self.root, tree.tokens])
         positions = self.past + torch.cat([torch.zeros_like(self.root), tree.depths])
-        return tree, ids, positions, ancestor_closure(tree.parents, self.depth)
+        return ids, positions, ancestor_closure(tree.parents, self.depth)
 
     def _decide_step(self, tree: FixedTree, ids, visible, logits):
         """The walk along the target's choices, what it commits, and the step's packed record."""

@@ -30,7 +30,8 @@ case "$phase" in
 check)
   { timeout 330 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
         tests/test_vllm_engine.py
-    timeout 60 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py; } > "$OUT/pytest.txt" 2>&1
+    timeout 90 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py tests/test_beam_kernel.py; } \
+      > "$OUT/pytest.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest.txt" | tail -n 20
   timeout 250 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar --dtype float32 \
       --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-2}" --methods ar,dflash,ddtree --tree-budget 32,128 \

@@ -1,0 +1,152 @@
+"""DDTree's fixed-shape tree build (``ddtree.fixed.beam_tree``) as one Triton program per tree.
+
+The readable ``beam_tree`` runs its per-depth recurrence as a few dozen small kernels (a top-k
+per depth, then two sorts and the gathers of the global cut); inside the step's CUDA graph each
+costs a launch. Here, after one top-k over the vocabulary, a single program per tree keeps the
+beam in registers: per depth it scores every (beam entry, token) pair and keeps the best
+``budget`` with one sort of packed keys (the path log-probability's bits above the pair's index,
+so a sort of integers orders by probability and breaks ties by index); then the global cut and
+the parents-first order are two more sorts, and the parents are looked up through a small table
+in memory. Same nodes as ``beam_tree`` (ties aside, which either may break its own way); trees of
+more than 4096 candidates per depth (budgets above 64) stay on the readable path (``fused_fits``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ddtree.fixed import FixedTree
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install has no Triton
+    triton = None
+
+MAX_CANDIDATES = 4096  # budget x top-k pairs one program sorts per depth
+
+
+if triton is not None:
+
+    @triton.jit
+    def _ordered(values):
+        """float32 -> int32 whose signed order is the floats' order (-inf lowest)."""
+        bits = values.to(tl.int32, bitcast=True)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+    @triton.jit
+    def _unordered(keys):
+        return tl.where(keys < 0, keys ^ 0x7FFFFFFF, keys).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _first_row(values, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+        """The first COLUMNS entries of a 1-D tensor of ROWS * COLUMNS."""
+        table = tl.reshape(values, (ROWS, COLUMNS))
+        return tl.sum(tl.where(tl.arange(0, ROWS)[:, None] == 0, table, 0), axis=0)
+
+    @triton.jit
+    def _beam_tree_kernel(top_lp, top_tokens, beam_parent, beam_rank, node_of,
+                          tokens, parents, depths, log_probs, path_log_probs, ranks, valid,
+                          DEPTH: tl.constexpr, DEPTH_P: tl.constexpr, BUDGET: tl.constexpr, BUDGET_P: tl.constexpr,
+                          WIDTH: tl.constexpr, WIDTH_P: tl.constexpr):
+        row = tl.program_id(0)
+        top_lp += row * DEPTH * WIDTH
+        top_tokens += row * DEPTH * WIDTH
+        beam_parent += row * DEPTH * BUDGET_P
+        beam_rank += row * DEPTH * BUDGET_P
+        node_of += row * DEPTH * BUDGET
+        out = row * BUDGET
+        low = 0xFFFFFFFF
+        lowest = -9223372036854775807
+        entry = tl.arange(0, BUDGET_P)
+        kept = entry < BUDGET
+        token = tl.arange(0, WIDTH_P)
+
+        # depth 1: the best tokens under the root
+        path = tl.load(top_lp + entry, mask=kept & (entry < WIDTH), other=float("-inf"))
+        tl.store(beam_parent + entry, tl.zeros_like(entry))
+        tl.store(beam_rank + entry, tl.where(entry < WIDTH, entry, 0))
+        global_keys = tl.full((DEPTH_P, BUDGET_P), lowest, tl.int64)
+        depth_rows = tl.arange(0, DEPTH_P)[:, None]
+        beam_keys = (_ordered(path).to(tl.int64) << 32) | (low - (0 * BUDGET + entry)).to(tl.int64)
+        global_keys = tl.where((depth_rows == 0) & kept[None, :], beam_keys[None, :], global_keys)
+
+        for depth in range(1, DEPTH):  # a loop, not unrolled: the program stays small to compile
+            scores = tl.load(top_lp + depth * WIDTH + token, mask=token < WIDTH, other=float("-inf"))
+            candidates = path[:, None] + scores[None, :]  # [BUDGET_P, WIDTH_P]
+            candidates = tl.where(kept[:, None] & (token[None, :] < WIDTH), candidates, float("-inf"))
+            pair = entry[:, None] * WIDTH_P + token[None, :]
+            keys = (_ordered(candidates).to(tl.int64) << 32) | (low - pair).to(tl.int64)
+            best = _first_row(tl.sort(tl.reshape(keys, (BUDGET_P * WIDTH_P,)), descending=True), WIDTH_P, BUDGET_P)
+            chosen = low - (best & low)
+            path = tl.where(kept, _unordered((best >> 32).to(tl.int32)), float("-inf"))
+            tl.store(beam_parent + depth * BUDGET_P + entry, chosen // WIDTH_P)
+            tl.store(beam_rank + depth * BUDGET_P + entry, chosen % WIDTH_P)
+            beam_keys = (_ordered(path).to(tl.int64) << 32) | (low - (depth * BUDGET + entry)).to(tl.int64)
+            global_keys = tl.where((depth_rows == depth) & kept[None, :], beam_keys[None, :], global_keys)
+
+        # the global cut: the best BUDGET entries over all depths (a shallower entry first on a tie)
+        cut = _first_row(tl.sort(tl.reshape(global_keys, (DEPTH_P * BUDGET_P,)), descending=True), DEPTH_P, BUDGET_P)
+        index = low - (cut & low)  # depth * BUDGET + beam entry
+        value_key = (cut >> 32).to(tl.int32)
+        depth_of = index // BUDGET
+        # parents first: by depth, then path log-probability, then entry
+        order_keys = ((127 - depth_of) << 56) | ((value_key.to(tl.int64) + 2147483648) << 24) | (16777215 - index)
+        order = tl.sort(tl.where(kept, order_keys, lowest), descending=True)
+        index = 16777215 - (order & 16777215)
+        value = _unordered((((order >> 24) & low) - 2147483648).to(tl.int32))
+        depth_of = index // BUDGET
+        beam_entry = index % BUDGET
+
+        all_entries = tl.arange(0, DEPTH_P * BUDGET_P)
+        tl.store(node_of + all_entries, tl.full((DEPTH_P * BUDGET_P,), -1, tl.int64),
+                 mask=all_entries < DEPTH * BUDGET)
+        tl.debug_barrier()
+        tl.store(node_of + index, entry + 1, mask=kept)
+        tl.debug_barrier()
+        parent_entry = tl.load(beam_parent + depth_of * BUDGET_P + beam_entry, mask=kept, other=0)
+        parent = tl.load(node_of + tl.maximum(depth_of - 1, 0) * BUDGET + parent_entry, mask=kept & (depth_of > 0),
+                         other=0)
+        rank = tl.load(beam_rank + depth_of * BUDGET_P + beam_entry, mask=kept, other=0)
+        tl.store(tokens + out + entry, tl.load(top_tokens + depth_of * WIDTH + rank, mask=kept, other=0), mask=kept)
+        tl.store(parents + out + entry, tl.maximum(parent, 0), mask=kept)
+        tl.store(depths + out + entry, depth_of + 1, mask=kept)
+        tl.store(log_probs + out + entry, tl.load(top_lp + depth_of * WIDTH + rank, mask=kept, other=0.0), mask=kept)
+        tl.store(path_log_probs + out + entry, value, mask=kept)
+        tl.store(ranks + out + entry, rank, mask=kept)
+        tl.store(valid + out + entry, (value > float("-inf")).to(tl.int8), mask=kept)
+
+
+def fused_fits(device: torch.device, budget: int, vocab: int) -> bool:
+    """Whether ``fused_beam_tree`` runs here: Triton on this device (or its interpreter) and at most
+    ``MAX_CANDIDATES`` (beam entry, token) pairs a depth."""
+    if triton is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    return triton.next_power_of_2(budget) * triton.next_power_of_2(min(budget, vocab)) <= MAX_CANDIDATES
+
+
+def fused_beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
+    """``beam_tree`` as one top-k and one Triton launch (where ``fused_fits``)."""
+    *batch, depth, vocab = log_probs.shape
+    width = min(budget, vocab)
+    top_lp, top_tokens = torch.topk(log_probs.float(), width, dim=-1)
+    rows = top_lp.reshape(-1, depth, width).shape[0]
+    device = log_probs.device
+    budget_p = triton.next_power_of_2(budget)
+    long = dict(dtype=torch.long, device=device)
+    beam_parent = torch.empty(rows, depth, budget_p, **long)
+    beam_rank = torch.empty(rows, depth, budget_p, **long)
+    node_of = torch.empty(rows, depth, budget, **long)
+    tokens, parents, depths, ranks = (torch.empty(rows, budget, **long) for _ in range(4))
+    node_log_probs, path_log_probs = (torch.empty(rows, budget, dtype=torch.float32, device=device) for _ in range(2))
+    valid = torch.empty(rows, budget, dtype=torch.int8, device=device)
+    _beam_tree_kernel[(rows,)](top_lp.contiguous(), top_tokens.contiguous(), beam_parent, beam_rank, node_of,
+                               tokens, parents, depths, node_log_probs, path_log_probs, ranks, valid,
+                               DEPTH=depth, DEPTH_P=triton.next_power_of_2(depth), BUDGET=budget, BUDGET_P=budget_p,
+                               WIDTH=width, WIDTH_P=triton.next_power_of_2(width))
+    shaped = lambda t: t.reshape(*batch, budget)  # noqa: E731
+    return FixedTree(tokens=shaped(tokens), parents=shaped(parents), depths=shaped(depths),
+                     log_probs=shaped(node_log_probs), path_log_probs=shaped(path_log_probs), ranks=shaped(ranks),
+                     valid=shaped(valid).bool())
