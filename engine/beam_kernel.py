@@ -13,17 +13,10 @@ more than 4096 candidates per depth (budgets above 64) stay on the readable path
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ddtree.fixed import FixedTree
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU install has no Triton
-    triton = None
+from engine.triton_support import tl, triton, triton_runs_on
 
 MAX_CANDIDATES = 4096  # budget x top-k pairs one program sorts per depth
 
@@ -122,7 +115,7 @@ if triton is not None:
 def fused_fits(device: torch.device, budget: int, vocab: int) -> bool:
     """Whether ``fused_beam_tree`` runs here: Triton on this device (or its interpreter) and at most
     ``MAX_CANDIDATES`` (beam entry, token) pairs a depth."""
-    if triton is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not triton_runs_on(device):
         return False
     return triton.next_power_of_2(budget) * triton.next_power_of_2(min(budget, vocab)) <= MAX_CANDIDATES
 

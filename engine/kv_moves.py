@@ -14,15 +14,9 @@ from __future__ import annotations
 import torch
 
 import ddtree
+from engine.triton_support import tl, triton, triton_runs_on
 
 MAX_ELEMENTS = 4096  # a program holds moves x columns values: keep it in registers
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU install has no Triton
-    triton = None
-
 
 if triton is not None:
 
@@ -42,12 +36,6 @@ if triton is not None:
         tl.store(base + target_rows[:, None] + columns[None, :], rows, mask=inside[None, :])
 
 
-def _triton_runs_on(device: torch.device) -> bool:
-    import os
-
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-
-
 class RowMover:
     """Moves cache rows in every layer of a paged KV cache laid out ``[blocks, 2 (K, V),
     block_size, ...]`` (vLLM's), one launch for all layers where Triton runs."""
@@ -55,7 +43,7 @@ class RowMover:
     def __init__(self, caches: list[torch.Tensor], block_size: int):
         self.caches, self.block_size = caches, block_size
         first = caches[0]
-        self.fused = _triton_runs_on(first.device) and all(
+        self.fused = triton_runs_on(first.device) and all(
             cache.is_contiguous() and cache.shape == first.shape and cache.dtype == first.dtype for cache in caches)
         if self.fused:
             self.addresses = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64,

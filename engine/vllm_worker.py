@@ -251,7 +251,9 @@ class PagedTarget(Target):
             raise EngineError("a hybrid target's prompt runs as a plain causal prefill, not as a tree")
         bucket = self._prefill_bucket(size) if prefill and attention_bias is None else None
         if bucket is not None:
-            forward = self.prefills.setdefault(bucket, _Forward(self, bucket, tree=False, prefill=True))
+            if bucket not in self.prefills:
+                self.prefills[bucket] = _Forward(self, bucket, tree=False, prefill=True)
+            forward = self.prefills[bucket]
             forward.load(*padded_prompt(input_ids[0], position_ids[0], bucket), 0, None)
         else:
             forward = self._forward_for(size, attention_bias is not None, prefill)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import ddtree
-from engine.kv_moves import RowMover, _triton_runs_on
+from engine.kv_moves import RowMover
+from engine.triton_support import triton_runs_on
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not _triton_runs_on(DEVICE), reason="Triton does not run here")
+pytestmark = pytest.mark.skipif(not triton_runs_on(DEVICE), reason="Triton does not run here")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

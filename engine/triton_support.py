@@ -1,0 +1,18 @@
+"""Triton where it runs: on a GPU, or on the CPU under its interpreter (``TRITON_INTERPRET=1``,
+how the tests check the kernels here). The CPU install has no Triton at all."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
