@@ -33,7 +33,7 @@ check)
     timeout 90 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py tests/test_beam_kernel.py; } \
       > "$OUT/pytest.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest.txt" | tail -n 20
-  timeout 250 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar --dtype float32 \
+  timeout 300 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar --dtype float32 \
       --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-2}" --methods ar,dflash,ddtree --tree-budget 32,128 \
       --max-new-tokens "$TOKENS" --out "$OUT/gpu-vllm-fresh-float32.json" > "$OUT/bench-float32.txt" 2>&1
   tables "$OUT/bench-float32.txt" 12 ;;
