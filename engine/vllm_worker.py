@@ -36,6 +36,9 @@ from engine.kv_moves import RowMover
 from engine.target import Target, stop_token_ids
 
 MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
+# longest prompt pass replayed as a graph: beyond it the pass is compute, not launches, and a graph
+# would keep its activations (all-row logits included) in the pool for good
+MAX_PREFILL_GRAPH = 1024
 BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
 MAX_PATH = 32  # accepted-path moves one compaction graph covers (a block of 16 needs 15)
 
@@ -270,7 +273,7 @@ class PagedTarget(Target):
         if not self.use_cuda_graphs or self.gdn is not None:
             return None
         bucket = prefill_bucket(size)
-        return bucket if bucket <= self.context_length else None
+        return bucket if bucket <= min(MAX_PREFILL_GRAPH, self.context_length) else None
 
     def tapped(self, taps: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """A pass's tapped layers keyed as HF's ``hidden_states``, each ``[1, q, hidden]``."""
