@@ -159,6 +159,8 @@ class FixedProgram:
             self.feature_positions = torch.zeros(1, block_size, **long)
             self.feature_count = torch.zeros((), **long)
             self.log_probs = torch.zeros(self.depth, config.vocab_size, device=device)  # the draft, for advance
+            self.prompt_rows = capacity  # the context holds a padded prompt and a block after it
+            self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by bucket
         # the step's own stages have fixed shapes: inductor can fuse their hundreds of small kernels
         compiled = (lambda stage: torch.compile(stage, dynamic=False)) if compile_step else (lambda stage: stage)
         self._draft_pass, self._plan, self._decide = compiled(_log_probs), compiled(self._plan_step), \
@@ -182,8 +184,26 @@ class FixedProgram:
     # -- the draft
 
     def first_draft(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """After the prefill the new context is the whole prompt, longer than a block: eagerly."""
-        self._draft_from(_log_probs, features, positions, features.shape[1])
+        """After the prefill the new context is the whole prompt, longer than a block. It is padded
+        to the prompt's bucket (``prefill_bucket``; rows past the count are masked, as every draft's
+        padding is), so that with graphs each bucket is captured once and then replayed."""
+        count = features.shape[1]
+        bucket = prefill_bucket(count)
+        if bucket > self.prompt_rows:  # a prompt near the context's end: its own length, eagerly
+            self._draft_from(_log_probs, features, positions, count)
+            return
+        if bucket not in self.prompts:
+            # zeros, not empty: masked rows still pass through the attention, and 0 x NaN is NaN
+            self.prompts[bucket] = (torch.zeros(1, bucket, features.shape[2], dtype=features.dtype,
+                                                device=features.device),
+                                    torch.zeros(1, bucket, dtype=torch.long, device=features.device),
+                                    torch.zeros((), dtype=torch.long, device=features.device))
+        padded, padded_positions, padded_count = self.prompts[bucket]
+        padded[:, :count].copy_(features)
+        padded_positions[:, :count].copy_(positions)
+        padded_count.fill_(count)
+        self._run(f"first draft {bucket}",
+                  lambda: self._draft_from(_log_probs, padded, padded_positions, padded_count))
 
     def draft(self) -> None:
         self._run("draft", lambda: self._draft_from(self._draft_pass, self.features, self.feature_positions,
