@@ -161,7 +161,8 @@ class PagedTarget(Target):
         self.forwards: dict[tuple[int, bool], _Forward] = {}
         self.prefills: dict[int, _Forward] = {}  # prompt passes by padded length (``prefill_bucket``)
         self.graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
-        self.row_mover = RowMover(self.kv_caches, self.block_size)  # all layers' moves in one launch
+        # move_rows(sources, targets): cache rows of every layer, in one launch where Triton runs
+        self.move_rows = RowMover(self.kv_caches, self.block_size)
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
     @property
@@ -304,9 +305,6 @@ class PagedTarget(Target):
         if self.gdn is not None:
             self.gdn.commit(accepted)
         cache.length = past_length + len(accepted)
-
-    def move_rows(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
-        self.row_mover(sources, targets)
 
 
 class _Compaction:
