@@ -185,6 +185,18 @@ def test_a_resumed_run_continues_exactly_where_it_stopped(tmp_path):
         torch.testing.assert_close(a, b)
 
 
+def test_profiled_steps_are_ordinary_training_steps_and_report_the_costliest_operators():
+    from engine.training.train import profiled_steps
+
+    profiled, straight = tiny_trainer(), tiny_trainer()
+    table = profiled_steps(profiled, steps=3)
+    straight.run(max_steps=5)
+    assert profiled.progress.step == straight.progress.step == 5, "two warm-up steps, then the three profiled"
+    assert "profile of 3 steps" in table and "aten::" in table
+    for a, b in zip(profiled.drafter.parameters(), straight.drafter.parameters()):
+        torch.testing.assert_close(a, b)
+
+
 def test_training_can_start_from_an_exported_drafter(tmp_path):
     from engine.training.train import parse_args, start
 
