@@ -523,10 +523,9 @@ def main(argv=None) -> None:
           f"schedule {progress.fraction():.0%} done; {json.dumps(asdict(settings))}", flush=True)
     shard_mb = args.shard_mb or None
     # time already spent loading counts against this run's budget
-    max_seconds = args.max_minutes * 60 - (time.monotonic() - began) if args.max_minutes else math.inf
     if args.profile_steps:
         print(profiled_steps(trainer, args.profile_steps), flush=True)
-        max_seconds = args.max_minutes * 60 - (time.monotonic() - began) if args.max_minutes else math.inf
+    max_seconds = args.max_minutes * 60 - (time.monotonic() - began) if args.max_minutes else math.inf
     trainer.run(max_seconds, on_save=lambda t: save_state(t, args.out / STATE_FILE))
     save_outputs(trainer, args.out, shard_mb)
     print(f"train: saved step {progress.step} ({progress.fraction():.0%} of the schedule) to {args.out}", flush=True)
