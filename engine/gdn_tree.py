@@ -28,7 +28,7 @@ and the GPU tests hold the real kernels to the same checks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -95,6 +95,12 @@ class GDNTreePlan:
             conv_rows=torch.arange(1, q + 1, dtype=torch.int32, device=device),
             commit_rows=torch.full((1, length), slot, dtype=torch.int32, device=device),
             one=torch.ones(1, dtype=torch.int32, device=device))
+
+    def for_slot(self, slot: int) -> "GDNTreePlan":
+        """The same tree over another state slot (another KV-cache group's block)."""
+        read_rows = torch.zeros_like(self.read_rows)
+        read_rows[:-1, -1] = slot
+        return replace(self, slot=slot, read_rows=read_rows, commit_rows=torch.full_like(self.commit_rows, slot))
 
 
 @dataclass(frozen=True)

@@ -160,15 +160,17 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
 
 
 def hybrid_settings(folder: str) -> dict:
-    """``vllm.LLM`` settings a hybrid target needs: vLLM's own Triton kernels for the prompt's
-    Gated DeltaNet prefill (its FlashInfer one is JIT-built, and absent from the GPU bundle), and
-    for a multimodal checkpoint (Qwen3.5 / 3.6) its language model alone: the Studio sends text."""
+    """``vllm.LLM`` settings a target's folder needs: for a multimodal checkpoint (Qwen3.5 / 3.6,
+    hybrid or not) its language model alone, the Studio sends text (else vLLM builds the vision
+    tower and loads the image processor, which a text-only test folder lacks); for a hybrid,
+    vLLM's own Triton kernels for the prompt's Gated DeltaNet prefill (its FlashInfer one is
+    JIT-built, and absent from the GPU bundle)."""
     from engine.hybrid import is_hybrid
 
     config = shape_config(folder)
-    if not is_hybrid(getattr(config, "text_config", config)):
-        return {}
-    settings = {"additional_config": {"gdn_prefill_backend": "triton"}}
+    settings = {}
+    if is_hybrid(getattr(config, "text_config", config)):
+        settings["additional_config"] = {"gdn_prefill_backend": "triton"}
     if hasattr(config, "text_config"):
         settings["language_model_only"] = True
     return settings
@@ -206,7 +208,7 @@ class VllmDecoder(Decoder):
         target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"],
                               timing_only=options.random_weights)
         super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step,
-                         timing_only=options.random_weights)
+                         compile_step=options.compile_step, timing_only=options.random_weights)
 
     def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
             prompt_ids: list[int] | None = None, on_step: Callable[[Trace, Step], None] | None = None,

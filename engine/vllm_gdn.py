@@ -11,9 +11,12 @@ storing no state. After the walk ``commit`` replays the accepted path once more 
 request's state slot, so nothing of the rejected branches is left behind.
 
 Where the states live: vLLM's own per-layer state caches (conv window and recurrent matrix
-per block). The request takes the pool's last block for its states and the attention layers
-get the blocks before it: in a hybrid model an attention layer and a linear layer share each
-block's memory, so the two must never hold the same block id.
+per block). vLLM splits a hybrid's layers into KV-cache groups of equal size (the tiny Qwen3.5,
+3 linear : 1 full, gets four groups of one layer; Qwen3.6-27B four of 16) and layer i of every
+group shares one cache tensor: groups tell their memory apart by block id only. So each Gated
+DeltaNet group takes a block of its own from the pool's end (the last block for the first group,
+the one before it for the next...), and the attention layers get the blocks before those: no two
+groups may ever hold the same block id.
 
 vLLM is touched at one more named point: ``QwenGatedDeltaNetAttention._forward_core`` is
 wrapped, so that inside a tree pass (``_TreeGDN.current`` set) it runs the tree version; the
@@ -41,7 +44,7 @@ KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_r
 class GDNPass:
     """One verify pass's plan and what each linear layer kept of it (by layer name)."""
 
-    plan: gdn_tree.GDNTreePlan
+    plans: dict[str, gdn_tree.GDNTreePlan]  # by layer name: the plan over its group's state block
     kept: dict[str, gdn_tree.KeptInputs] = field(default_factory=dict)
 
 
@@ -55,10 +58,11 @@ def _forward_core_with_tree(self, mixed_qkv, b, a, core_attn_out):
     tree = _TreeGDN.current
     if tree is None:
         return _forward_core(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
-    q = tree.plan.before.shape[0]
+    plan = tree.plans[self.prefix]
+    q = plan.before.shape[0]
     conv_state, ssm_state = states(self)
     out, tree.kept[self.prefix] = gdn_tree.verify_layer(params(self), mixed_qkv[:q], a[:q], b[:q], conv_state,
-                                                        ssm_state, tree.plan, KERNELS)
+                                                        ssm_state, plan, KERNELS)
     core_attn_out[:q] = out.to(core_attn_out.dtype)
 
 
@@ -81,7 +85,8 @@ def params(layer) -> gdn_tree.GDNParams:
 
 
 class GDNLayers:
-    """A hybrid target's linear layers, the request's state slot, and their tree passes."""
+    """A hybrid target's linear layers, the request's state block in each of their KV-cache groups,
+    and their tree passes."""
 
     def __init__(self, groups, forward_layers: dict, device: torch.device):
         self.names = [name for group in groups for name in group.layer_names]
@@ -91,29 +96,42 @@ class GDNLayers:
                               f"target has {', '.join(sorted(unsupported))}: use --engine torch")
         self.layers = [forward_layers[name] for name in self.names]
         self.params = [params(layer) for layer in self.layers]
-        self.builder = groups[0].metadata_builders[0]
+        self.groups = groups
         conv_state = states(self.layers[0])[0]
-        self.slot = conv_state.shape[0] - 1  # the pool's last block (block 0 is vLLM's null block)
+        last = conv_state.shape[0] - 1  # the pool's last block (block 0 is vLLM's null block)
+        # one block per group: groups share their cache tensors, so one block for all would
+        # make every linear layer read and overwrite the others' states
+        self.group_slots = [last - index for index in range(len(groups))]
+        if self.group_slots[-1] <= 0:
+            raise EngineError(f"vLLM's cache has {last + 1} blocks, too few for {len(groups)} Gated DeltaNet groups")
+        self.slots = {name: slot for group, slot in zip(groups, self.group_slots) for name in group.layer_names}
+        self.slot = self.group_slots[-1]  # the lowest block the states take: attention rows stay below it
         self.device, self.width = device, conv_state.shape[-1]
-        self.block_table = torch.full((1, 1), self.slot, dtype=torch.int32, device=device)
+        self.block_tables = [torch.full((1, 1), slot, dtype=torch.int32, device=device) for slot in self.group_slots]
         self.pending: GDNPass | None = None  # the last verify pass, until its commit
 
     def prefill_metadata(self, size: int, slots: torch.Tensor) -> dict:
-        """vLLM's own prefill metadata for the linear layers: the prompt from an empty state."""
+        """vLLM's own prefill metadata for the linear layers: the prompt from an empty state, each
+        group's (its own builder) into its own block."""
         query_start = torch.tensor([0, size], dtype=torch.int32)
         seq_lens = torch.tensor([size], dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            query_start_loc=query_start.to(self.device), query_start_loc_cpu=query_start,
-            seq_lens=seq_lens.to(self.device), num_reqs=1, num_actual_tokens=size, max_query_len=size,
-            max_seq_len=size, block_table_tensor=self.block_table, slot_mapping=slots,
-            is_prefilling=torch.ones(1, dtype=torch.bool), seq_lens_cpu_upper_bound=seq_lens,
-        )
-        metadata = self.builder.build(0, common)
-        return {name: metadata for name in self.names}
+        layers = {}
+        for group, table in zip(self.groups, self.block_tables):
+            common = CommonAttentionMetadata(
+                query_start_loc=query_start.to(self.device), query_start_loc_cpu=query_start,
+                seq_lens=seq_lens.to(self.device), num_reqs=1, num_actual_tokens=size, max_query_len=size,
+                max_seq_len=size, block_table_tensor=table, slot_mapping=slots,
+                is_prefilling=torch.ones(1, dtype=torch.bool), seq_lens_cpu_upper_bound=seq_lens,
+            )
+            metadata = group.metadata_builders[0].build(0, common)
+            layers |= {name: metadata for name in group.layer_names}
+        return layers
 
     def begin(self, visible: torch.Tensor, path_length: int) -> GDNPass:
         """A verify pass of the tree ``visible [q, q]`` (on the device); paths at most ``path_length`` long."""
-        self.pending = GDNPass(gdn_tree.GDNTreePlan.build(visible, self.slot, self.width, path_length))
+        plan = gdn_tree.GDNTreePlan.build(visible, self.group_slots[0], self.width, path_length)
+        by_slot = {slot: plan if slot == plan.slot else plan.for_slot(slot) for slot in self.group_slots}
+        self.pending = GDNPass({name: by_slot[slot] for name, slot in self.slots.items()})
         _TreeGDN.current = self.pending
         return self.pending
 
@@ -126,11 +144,11 @@ class GDNLayers:
         tree = self.pending
         if tree is None:
             raise EngineError("no tree pass to commit: a hybrid target commits once per verify")
-        width = tree.plan.commit_rows.shape[1]
+        width = next(iter(tree.plans.values())).commit_rows.shape[1]
         path = torch.tensor(accepted + accepted[-1:] * (width - len(accepted)), device=self.device)
         length = torch.tensor(len(accepted), device=self.device)
         for layer, layer_params in zip(self.layers, self.params):
             conv_state, ssm_state = states(layer)
-            gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plan, path, length, conv_state, ssm_state,
-                                  KERNELS)
+            gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plans[layer.prefix], path, length,
+                                  conv_state, ssm_state, KERNELS)
         self.pending = None

@@ -144,8 +144,9 @@ class PagedTarget(Target):
         if linear:
             from engine.vllm_gdn import GDNLayers
 
-            # a hybrid's attention and linear layers share each block's memory: the request's
-            # states take the last block, the attention rows the blocks before it
+            # a hybrid's layers share each block's memory across KV-cache groups: the request's
+            # states take one block per Gated DeltaNet group at the pool's end, the attention
+            # rows the blocks before them
             self.gdn = GDNLayers(linear, forward_layers, device=self.device)
             blocks = min(blocks, self.gdn.slot)
         self.capacity = blocks * self.block_size

@@ -86,9 +86,12 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids
 # engine loads its language model). Qwen3.5, not Qwen3-Next: vLLM's Qwen3-Next needs an MoE
 # layer, and the GPU bundle leaves vLLM's MoE kernels out. Head dims vLLM's kernels take (64 for
 # the linear layers, 256 and multimodal rotary positions as in Qwen3.6), room for the vLLM
-# engine's 4096-token context, and a one-layer vision tower that text-only runs skip.
+# engine's 4096-token context, a one-layer vision tower that text-only runs skip, and float32
+# recurrent states as Qwen3.5 / 3.6 checkpoints ask of vLLM (``mamba_ssm_dtype``; vLLM's default
+# is the model's dtype, and a bf16 state rounds between the tokens one-token decoding stores and a
+# tree path replays in one launch).
 VLLM_SHAPE = dict(hidden_size=256, head_dim=256, linear_key_head_dim=64, linear_value_head_dim=64,
-                  max_position_embeddings=4096,
+                  max_position_embeddings=4096, mamba_ssm_dtype="float32",
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
                                    "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, temporal_patch_size=2,
@@ -116,6 +119,11 @@ def save_tiny_hybrid(folder: str | Path, family: str = "qwen3_5", seed: int = 0,
     else:
         model = hybrid_model(family, seed, dtype=torch.float32, **shape)
     model.save_pretrained(folder)
+    if vllm_shape:  # a whole Qwen3.5 checkpoint: vLLM loads its image processor unless told text-only
+        from transformers import Qwen2VLImageProcessor
+
+        Qwen2VLImageProcessor(patch_size=TINY_VISION["patch_size"], temporal_patch_size=TINY_VISION["temporal_patch_size"],
+                              merge_size=TINY_VISION["spatial_merge_size"]).save_pretrained(folder)
     gguf = bundled_gguf()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
     return folder

@@ -1,0 +1,121 @@
+"""``engine.vllm_gdn`` over vLLM's hybrid KV-cache layout, on the CPU (stub vLLM modules, the torch kernels).
+
+vLLM puts layers of different types in different KV-cache groups of equal size (the tiny Qwen3.5,
+3 linear : 1 full, gets four groups of one layer) and gives layer i of every group the same cache
+tensor: groups tell their memory apart by block id only. So every Gated DeltaNet group needs its
+own state block; with one block for all, the layers read and overwrite each other's states.
+"""
+
+import importlib
+import sys
+import types
+
+import pytest
+import torch
+
+from ddtree.forks import depths, path_table
+from engine import gdn_tree
+from tests import test_gdn_tree as check
+
+BLOCKS, GROUPS = 6, 3
+
+
+class QwenGatedDeltaNetAttention:
+    """Stands in for vLLM's layer class: the glue wraps its ``_forward_core``."""
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        raise AssertionError("vLLM's own path runs only for prefills")
+
+
+class Builder:
+    """A GDN metadata builder that hands back the block table it was given."""
+
+    def build(self, common_prefix_len, common):
+        return common.block_table_tensor
+
+
+@pytest.fixture
+def vllm_gdn(monkeypatch):
+    stubs = {
+        "vllm.model_executor.layers.fla.ops": dict(
+            fused_sigmoid_gating_delta_rule_update=gdn_tree.gated_delta_reference),
+        "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn": dict(
+            QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention),
+        "vllm.model_executor.layers.mamba.mamba_utils": dict(is_conv_state_dim_first=lambda: False),
+        "vllm.model_executor.layers.mamba.ops.causal_conv1d": dict(causal_conv1d_update=gdn_tree.conv_update_reference),
+        "vllm.v1.attention.backend": dict(CommonAttentionMetadata=types.SimpleNamespace),
+    }
+    package = types.ModuleType("vllm.model_executor.layers.mamba.gdn")
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    for name, attributes in stubs.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attributes)
+        monkeypatch.setitem(sys.modules, name, module)
+    package.qwen_gdn_linear_attn = sys.modules["vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"]
+    previous = sys.modules.pop("engine.vllm_gdn", None)
+    try:
+        yield importlib.import_module("engine.vllm_gdn")
+    finally:
+        sys.modules.pop("engine.vllm_gdn", None)
+        if previous is not None:
+            sys.modules["engine.vllm_gdn"] = previous
+
+
+def shared_layers():
+    """One Gated DeltaNet layer per group, all on the same two cache tensors (vLLM's default conv layout)."""
+    channels = 2 * check.KEY_HEADS * check.HEAD_K + check.HEADS * check.HEAD_V
+    conv = torch.zeros(BLOCKS, check.WIDTH, channels)
+    ssm = torch.zeros(BLOCKS, check.HEADS, check.HEAD_V, check.HEAD_K)
+    layers = []
+    for group in range(GROUPS):
+        params, _, _ = check.layer(10 + group, "cpu")
+        layer = QwenGatedDeltaNetAttention()
+        layer.prefix = f"model.layers.{group}.linear_attn"
+        layer.params = params
+        layer.conv1d = types.SimpleNamespace(weight=params.conv_weight[:, None, :].clone(), bias=params.conv_bias)
+        layer.activation, layer.A_log, layer.dt_bias = "silu", params.A_log, params.dt_bias
+        layer.key_dim, layer.value_dim, layer.tp_size = params.key_dim, params.value_dim, 1
+        layer.head_k_dim, layer.head_v_dim = params.head_k_dim, params.head_v_dim
+        layer.kv_cache = [conv, ssm]  # the same memory in every group
+        layers.append(layer)
+    groups = [types.SimpleNamespace(layer_names=[layer.prefix], metadata_builders=[Builder()]) for layer in layers]
+    return layers, groups
+
+
+def test_each_group_prefills_into_a_block_of_its_own(vllm_gdn):
+    layers, groups = shared_layers()
+    gdn = vllm_gdn.GDNLayers(groups, {layer.prefix: layer for layer in layers}, device=torch.device("cpu"))
+    tables = gdn.prefill_metadata(5, torch.arange(5))
+    blocks = {int(tables[layer.prefix].reshape(-1)[0]) for layer in layers}
+    assert len(blocks) == GROUPS, blocks
+    assert 0 < gdn.slot == min(blocks)  # the attention layers take the blocks before them
+
+
+def test_groups_sharing_a_cache_tensor_keep_their_own_states(vllm_gdn):
+    layers, groups = shared_layers()
+    gdn = vllm_gdn.GDNLayers(groups, {layer.prefix: layer for layer in layers}, device=torch.device("cpu"))
+    channels = layers[0].params.conv_weight.shape[0]
+    # each layer decoding alone on caches of its own, from the same (empty) state
+    references = [(torch.zeros(check.SLOTS, channels, check.WIDTH),
+                   torch.zeros(check.SLOTS, check.HEADS, check.HEAD_V, check.HEAD_K)) for _ in layers]
+    for seed in range(3):
+        visible = check.wide_deep_tree(seed)
+        q = visible.shape[0]
+        inputs = [check.node_inputs(q, 10 * group + seed, layer.params, "cpu") for group, layer in enumerate(layers)]
+        gdn.begin(visible, min(q, 32))
+        outs = []
+        for layer, (mixed_qkv, a, b) in zip(layers, inputs):
+            outs.append(torch.zeros(q, check.HEADS, check.HEAD_V))
+            layer._forward_core(mixed_qkv=mixed_qkv.clone(), b=b, a=a, core_attn_out=outs[-1])
+        gdn.end()
+        table, depth = path_table(visible, 8), depths(visible)
+        for group, (layer, (mixed_qkv, a, b), (conv, ssm)) in enumerate(zip(layers, inputs, references)):
+            for node, node_depth in enumerate(depth.tolist()):
+                expected = check.decode_path(layer.params, gdn_tree.REFERENCE_KERNELS, conv.clone(), ssm.clone(),
+                                             mixed_qkv, a, b, table[node, :node_depth + 1].tolist())
+                assert torch.equal(outs[group][node], expected[-1]), (seed, group, node)
+        deepest = int(depth.argmax())
+        accepted = table[deepest, :int(depth[deepest]) + 1].tolist()
+        gdn.commit(accepted)
+        for layer, (mixed_qkv, a, b), (conv, ssm) in zip(layers, inputs, references):
+            check.decode_path(layer.params, gdn_tree.REFERENCE_KERNELS, conv, ssm, mixed_qkv, a, b, accepted)
