@@ -685,11 +685,12 @@ def load_studio_decoder(args: argparse.Namespace) -> Decoder:
 
         return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
                                  options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
-                                                     fixed_step=args.step != "readable"))
+                                                     fixed_step=args.step != "readable",
+                                                     compile_step=args.compile_step))
     # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.fixed_step)
     fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
     return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
-                        cuda_graphs=fixed)
+                        cuda_graphs=fixed, compile_step=fixed and args.compile_step)
 
 
 def main() -> None:
@@ -706,6 +707,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
     parser.add_argument("--step", choices=["fixed", "readable"], default=None,
                         help="greedy steps as fixed-shape device programs (default on a GPU) or the readable loop")
+    parser.add_argument("--compile-step", action="store_true",
+                        help="fixed step: its stages (and the vLLM engine's verify pass) through torch.compile: "
+                             "the bench's fastest GPU step; each budget compiles at first use, so start-up is slower")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="the DDTree budget the page starts with (default: the fastest here: the bench's, "
                              "recorded in assets/budgets.json, else timed at start-up)")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.decode import DecodeSettings, Decoder
+from engine.decode import DecodeSettings, Decoder, step_kind
 from engine.economics import Economics, Timing, economics
 
 CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
@@ -120,7 +120,8 @@ def record_best(results_path: str, path: Path = MEASURED_BUDGETS) -> tuple[str, 
     if not best:
         raise ValueError(f"{results_path} has no best DDTree budget: bench DDTree at one budget or more")
     gpu = config["host"].get("gpu") if str(config["device"]).startswith("cuda") else None
-    step = config.get("step") or "readable"  # results from before --step ran the readable loop
+    # results from before --step ran the readable loop
+    step = step_kind(config.get("step") == "fixed", bool(config.get("compile_step")))
     key = _key(gpu, config["host"]["threads"], config["engine"], config["dtype"], step)
     entry = {"tree_budget": best["tree_budget"], "tokens_per_s": round(best["tokens_per_s"], 1),
              "speedup_vs_ar": round(best["speedup_vs_ar"], 3), "tau": round(best["tau"], 3),

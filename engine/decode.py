@@ -80,6 +80,10 @@ class StageClock:
         return times
 
 
+def step_kind(fixed_step: bool, compile_step: bool) -> str:
+    return ("compiled fixed" if compile_step else "fixed") if fixed_step else "readable"
+
+
 class Decoder:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
                  engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False,
@@ -100,8 +104,9 @@ class Decoder:
 
     @property
     def step_kind(self) -> str:
-        """How greedy steps run: "fixed" (device programs, ``engine.fixed_step``) or "readable"."""
-        return "fixed" if self.fixed_step else "readable"
+        """How greedy steps run: "fixed" (device programs, ``engine.fixed_step``), "compiled fixed"
+        (their stages through torch.compile) or "readable"."""
+        return step_kind(self.fixed_step, self.compile_step)
 
     def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
         if not (self.cuda_graphs and self.drafter.graphable):

@@ -5,58 +5,68 @@
 # Seen on the H200 (2026-12-01): each vLLM engine a bench starts (native AR, native DFlash, the
 # Studio's) takes 1-2 minutes to start the first time (compilation, graphs), ~10 s once its
 # compile cache in /tmp/vcache is warm; the minutes below are for a cold machine.
-#   check      GPU tests + float32 exactness, budgets 32 and 128 (~8 min)
+#   check      kernels + tests + float32 (~8 min)
+#   kernels    the two Triton fast paths against their references, natively (~1 min)
+#   tests      the GPU tests of the fixed step and the vLLM engine (~5 min)
+#   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
 #              brought back) (~7 min)
 #   app        the app on the vLLM engine through its API (carry [".whl"]: gradio's wheels) (~4 min)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
-#   compiled   the compiled step (--compile-step) vs vLLM's AR, kernels per stage (~5 min)
-#   hybrid     tiny Qwen3.5: float32 exactness with a scripted drafter (deep acceptance), vLLM's GDN
-#              kernels under the tree tests (carry [".whl"] with compressed-tensors and loguru, which
+#   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, a drafter scripted with
+#              the engine's own bf16 AR (deep acceptance) (carry [".whl"] with compressed-tensors and loguru, which
 #              vLLM's Qwen3.5 module imports and the trimmed bundle lacks) (~5 min)
+#   hybrid-exact  after hybrid: AR, DFlash, DDTree@16/@64 against vLLM's AR, bf16 (vLLM 0.23's chunked
+#              GDN prefill refuses float32; the recurrent states are float32) (~5 min)
 #   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (~4 min)
 #   shape      Qwen3-8B shape, random weights + projection (~7 min)
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (~9 min)
-# PER_CATEGORY (fresh prompts per category), LIMIT (other prompt files) and TOKENS override the defaults.
+# PER_CATEGORY (fresh prompts per category), LIMIT (other prompt files), TOKENS and BUDGETS (fresh, humaneval,
+# float32) override the defaults; STEP adds flags to those benches and TAG to their results' names
+# (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
-PHASES='check, fresh, app, humaneval, compiled, hybrid, hybrid-cost, shape, shape27 or exact'
+PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, shape, shape27 or exact'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
+STEP=${STEP:-} TAG=${TAG:-}
+HYBRID=/tmp/tiny-qwen3.5  # and its -attention twin, -shape (a drafter config) and -scripted drafter
 tables() { grep -E '^\||^kernels|NOT a near-tie|^error' "$1" | tail -n "${2:-40}"; }
 
 case "$phase" in
 check)
-  { timeout 330 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
-        tests/test_vllm_engine.py
-    timeout 90 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py tests/test_beam_kernel.py; } \
-      > "$OUT/pytest.txt" 2>&1
-  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest.txt" | tail -n 20
-  timeout 300 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar --dtype float32 \
-      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-2}" --methods ar,dflash,ddtree --tree-budget 32,128 \
-      --max-new-tokens "$TOKENS" --out "$OUT/gpu-vllm-fresh-float32.json" > "$OUT/bench-float32.txt" 2>&1
+  for part in kernels tests float32; do bash "$0" "$part"; done ;;
+kernels)
+  timeout 90 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py tests/test_beam_kernel.py \
+      > "$OUT/pytest-kernels.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-kernels.txt" | tail -n 10 ;;
+tests)
+  timeout 330 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
+      tests/test_vllm_engine.py > "$OUT/pytest.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest.txt" | tail -n 20 ;;
+float32)
+  timeout 420 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar --dtype float32 $STEP \
+      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-2}" --methods ar,dflash,ddtree \
+      --tree-budget "${BUDGETS:-32,128}" --max-new-tokens "$TOKENS" --out "$OUT/gpu-vllm-fresh-float32$TAG.json" \
+      > "$OUT/bench-float32.txt" 2>&1
   tables "$OUT/bench-float32.txt" 12 ;;
 fresh)
-  timeout 560 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar,dflash \
-      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar,dflash,ddtree --tree-budget 16,32,64,128 \
-      --max-new-tokens "$TOKENS" --reduced-traces --count-kernels --out "$OUT/gpu-vllm-fresh.json" > "$OUT/bench-fresh.txt" 2>&1
+  timeout 560 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar,dflash $STEP \
+      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar,dflash,ddtree \
+      --tree-budget "${BUDGETS:-16,32,64,128}" \
+      --max-new-tokens "$TOKENS" --reduced-traces --count-kernels --out "$OUT/gpu-vllm-fresh$TAG.json" > "$OUT/bench-fresh.txt" 2>&1
   tables "$OUT/bench-fresh.txt"
-  python3 -m engine.calibration record "$OUT/gpu-vllm-fresh.json" && cp assets/budgets.json "$OUT/budgets.json" ;;
+  python3 -m engine.calibration record "$OUT/gpu-vllm-fresh$TAG.json" && cp assets/budgets.json "$OUT/budgets.json" ;;
 app)
   timeout 300 python3 -m engine.app_check --launch "python3 app.py --engine vllm $MODELS" --limit 5 \
       --max-new-tokens "$TOKENS" --out "$OUT/app-check.json" > "$OUT/app-check.txt" 2>&1
   grep -E '^page|^default|engine vllm|^sweep|^  [0-9]' "$OUT/app-check.txt" | tail -n 25 ;;
 humaneval)
-  timeout 560 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar \
-      --prompts assets/prompts/humaneval.jsonl --limit "${LIMIT:-20}" --methods ar,dflash,ddtree --tree-budget 16,32,64,128 \
-      --max-new-tokens "$TOKENS" --out "$OUT/gpu-vllm-humaneval.json" > "$OUT/bench-humaneval.txt" 2>&1
+  timeout 560 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar,dflash $STEP \
+      --prompts assets/prompts/humaneval.jsonl --limit "${LIMIT:-20}" --methods ar,dflash,ddtree \
+      --tree-budget "${BUDGETS:-16,32,64,128}" --max-new-tokens "$TOKENS" --reduced-traces --out "$OUT/gpu-vllm-humaneval$TAG.json" > "$OUT/bench-humaneval.txt" 2>&1
   tables "$OUT/bench-humaneval.txt" 20 ;;
-compiled)
-  timeout 560 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar --compile-step \
-      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar,dflash,ddtree --tree-budget 32,64 \
-      --max-new-tokens "$TOKENS" --count-kernels --out "$OUT/gpu-vllm-fresh-compiled.json" > "$OUT/bench-compiled.txt" 2>&1
-  tables "$OUT/bench-compiled.txt" 20 ;;
 shape)
   timeout 420 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 \
       --native ar --gpu-memory-utilization 0.4 --prompts assets/prompts/fresh.jsonl --limit 5 \
@@ -64,24 +74,31 @@ shape)
       --out "$OUT/gpu-qwen3-8b-random.json" > "$OUT/bench-shape.txt" 2>&1
   tables "$OUT/bench-shape.txt" 15
   python3 -m engine.projection "$OUT/gpu-qwen3-8b-random.json" | tee "$OUT/projection.txt" ;;
-hybrid)
-  hybrid=/tmp/tiny-qwen3.5 attention=/tmp/tiny-qwen3.5-attention scripted=/tmp/tiny-qwen3.5-scripted
+hybrid)  # the folders, the kernels under trees, and a drafter scripted with the Studio's own bf16 answers
   python3 -c 'import vllm.model_executor.models.qwen3_5' > "$OUT/import.txt" 2>&1 \
       || { tail -n 2 "$OUT/import.txt"; echo "vLLM's Qwen3.5 module does not import: carry .whl (see above)"; exit 1; }
-  { python3 -m tests.hybrid_models "$hybrid" --vllm-shape
-    python3 -m tests.hybrid_models "$attention" --vllm-shape --attention-only
-    python3 -m tests.hybrid_models --scripted-drafter "$scripted" --model "$hybrid" \
-        --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --max-new-tokens 64; } > "$OUT/hybrid-build.txt" 2>&1
+  { python3 -m tests.hybrid_models "$HYBRID" --vllm-shape
+    python3 -m tests.hybrid_models "$HYBRID-attention" --vllm-shape --attention-only
+    python3 -m tests.hybrid_models --scripted-drafter "$HYBRID-shape" --model "$HYBRID" \
+        --prompts assets/prompts/fresh.jsonl --limit 1 --max-new-tokens 8; } > "$OUT/hybrid-build.txt" 2>&1
   tail -n 1 "$OUT/hybrid-build.txt"
   timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_gdn_tree.py > "$OUT/pytest-gdn.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
-  timeout 330 python3 -m engine.bench --engine vllm --no-progress --model "$hybrid" --drafter "$scripted" --dtype float32 \
-      --native ar --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar,dflash,ddtree --tree-budget 16,64 \
-      --max-new-tokens 64 --out "$OUT/gpu-vllm-hybrid-float32.json" > "$OUT/bench-hybrid.txt" 2>&1
+  # a random tiny model's logits are nearly flat: bf16 greedy leaves float32's within a few tokens, so
+  # the script is the vLLM engine's own bf16 AR, for trees accepted levels deep
+  timeout 240 python3 -m engine.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-shape" \
+      --dtype bfloat16 --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar --max-new-tokens 64 \
+      --out "$OUT/gpu-vllm-hybrid-ar.json" > "$OUT/bench-hybrid-ar.txt" 2>&1
+  python3 -m engine.scripted "$OUT/gpu-vllm-hybrid-ar.json" --shape "$HYBRID-shape" --out "$HYBRID-scripted" ;;
+hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR, bf16 (vLLM 0.23's chunked GDN
+  # prefill refuses float32; the recurrent states are float32, as the folder asks)
+  timeout 400 python3 -m engine.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-scripted" \
+      --dtype bfloat16 --native ar --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar,dflash,ddtree \
+      --tree-budget 16,64 --max-new-tokens 64 --out "$OUT/gpu-vllm-hybrid-bf16.json" > "$OUT/bench-hybrid.txt" 2>&1
   tables "$OUT/bench-hybrid.txt" 12 ;;
 hybrid-cost)  # verify cost vs tree size: the same shape with and without its Gated DeltaNets (after hybrid)
-  for model in /tmp/tiny-qwen3.5 /tmp/tiny-qwen3.5-attention; do
-    timeout 200 python3 -m engine.bench --engine vllm --no-progress --model "$model" --drafter /tmp/tiny-qwen3.5-scripted --prompts assets/prompts/fresh.jsonl \
+  for model in "$HYBRID" "$HYBRID-attention"; do
+    timeout 200 python3 -m engine.bench --engine vllm --no-progress --model "$model" --drafter "$HYBRID-scripted" --prompts assets/prompts/fresh.jsonl \
         --limit 2 --methods ar,ddtree --tree-budget 1,16,64,256 --max-new-tokens 32 \
         --out "$OUT/gpu-vllm-$(basename "$model")-cost.json" > "$OUT/bench-$(basename "$model")-cost.txt" 2>&1
     tables "$OUT/bench-$(basename "$model")-cost.txt" 8

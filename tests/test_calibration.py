@@ -75,6 +75,26 @@ def test_a_recorded_bench_best_is_the_default_on_its_machine_and_drafter(decoder
         "a bench of other weights does not decide"
 
 
+def test_a_compiled_fixed_step_is_recorded_apart_from_the_plain_one(tmp_path):
+    import json
+
+    import engine.calibration as calibration
+
+    table = tmp_path / "budgets.json"
+    keys = []
+    for compiled, budget in ((False, 32), (True, 16)):
+        results = tmp_path / f"gpu-{compiled}.json"
+        results.write_text(json.dumps({
+            "config": {"device": "cuda", "engine": "vllm", "dtype": "bfloat16", "prompts": "fresh.jsonl",
+                       "step": "fixed", "compile_step": compiled, "drafter_revision": "abc123",
+                       "host": {"threads": 16, "gpu": "NVIDIA H200"}},
+            "best": {"label": f"ddtree@{budget}", "tree_budget": budget, "tokens_per_s": 1.0, "speedup_vs_ar": 1.0,
+                     "tau": 3.0}}))
+        keys.append(calibration.record_best(str(results), table)[0])
+    assert keys == ["NVIDIA H200 | vllm | bfloat16 | fixed step", "NVIDIA H200 | vllm | bfloat16 | compiled fixed step"]
+    assert {key: entry["tree_budget"] for key, entry in json.loads(table.read_text()).items()} == dict(zip(keys, (32, 16)))
+
+
 def test_recording_a_result_without_a_best_budget_is_one_clear_line(tmp_path, capsys):
     import json
 
