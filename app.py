@@ -690,7 +690,7 @@ def load_studio_decoder(args: argparse.Namespace) -> Decoder:
     # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.fixed_step)
     fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
     return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
-                        cuda_graphs=fixed, compile_step=fixed and args.compile_step)
+                        cuda_graphs=fixed, compile_step=fixed and args.compile_step, draft_dtype=args.draft_dtype)
 
 
 def main() -> None:
@@ -702,6 +702,9 @@ def main() -> None:
                         help="DFlash drafter folder, or 'random' (default: the shipped drafter, else random)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default=None, help="float32 (torch default), bfloat16 (vllm default), float16, float64")
+    parser.add_argument("--draft-dtype", default="auto",
+                        help="torch engine: the drafter's dtype (auto: bfloat16 beside a float32 target on a CPU with "
+                             "native bf16, else the target's); the target verifies in its own")
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"],
                         help="torch (any machine) or vllm (CUDA GPU + requirements-gpu.txt)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")

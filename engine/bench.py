@@ -343,6 +343,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default), float64, bfloat16 (CUDA default)")
+    parser.add_argument("--draft-dtype", default="auto",
+                        help="torch engine: the drafter's dtype (auto: bfloat16 beside a float32 target on a CPU with "
+                             "native bf16, else the target's); the target verifies in its own")
     parser.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -422,7 +425,7 @@ def _main(args: argparse.Namespace) -> int:
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
         "drafter_revision": None if args.random_weights else _drafter_revision(args),
         "timing_only": args.random_weights,
-        "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype,
+        "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype, "draft_dtype": _draft_dtype(decoder),
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
         "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_step": args.compile_step,
         "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if native_jobs else None,
@@ -470,7 +473,7 @@ def _load(args: argparse.Namespace, dtype: str):
 
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
                         fixed_step=args.step == "fixed", cuda_graphs=args.step == "fixed" and not args.no_cuda_graphs,
-                        compile_step=args.compile_step, random_weights=args.random_weights)
+                        compile_step=args.compile_step, random_weights=args.random_weights, draft_dtype=args.draft_dtype)
 
 
 def _drafter_folder(args: argparse.Namespace):
@@ -481,6 +484,14 @@ def _drafter_folder(args: argparse.Namespace):
     if args.drafter == RANDOM:
         return None
     return args.drafter or (shipped_drafter() if args.model in (None, BUNDLED_MODEL) else None)
+
+
+def _draft_dtype(decoder: Decoder) -> str | None:
+    """The drafter's dtype where it is not the target's (the vLLM engine's workers keep the target's)."""
+    drafter = decoder.drafter if decoder.engine == "torch" else None
+    if drafter is None or drafter.dtype == decoder.target.dtype:
+        return None
+    return str(drafter.dtype).removeprefix("torch.")
 
 
 def _drafter_revision(args: argparse.Namespace) -> str | None:

@@ -100,13 +100,16 @@ def choose_budget(decoder: Decoder, budgets: tuple[int, ...] = CANDIDATE_BUDGETS
 def machine_key(decoder: Decoder) -> str:
     """What a measured budget holds for: the device (GPU model, or CPU and its threads), engine,
     dtype and step."""
+    drafter = decoder.drafter if decoder.engine == "torch" else None
+    draft_dtype = str(drafter.dtype).removeprefix("torch.") if drafter is not None else None
     return _key(torch.cuda.get_device_name(0) if decoder.target.device.type == "cuda" else None,
                 torch.get_num_threads(), decoder.engine, str(decoder.target.dtype).removeprefix("torch."),
-                decoder.step_kind)
+                decoder.step_kind, draft_dtype)
 
 
-def _key(gpu: str | None, threads: int, engine: str, dtype: str, step: str) -> str:
-    return f"{gpu or f'CPU, {threads} threads'} | {engine} | {dtype} | {step} step"
+def _key(gpu: str | None, threads: int, engine: str, dtype: str, step: str, draft_dtype: str | None = None) -> str:
+    drafts = f" ({draft_dtype} drafts)" if draft_dtype not in (None, dtype) else ""
+    return f"{gpu or f'CPU, {threads} threads'} | {engine} | {dtype}{drafts} | {step} step"
 
 
 def measured_budgets(path: Path = MEASURED_BUDGETS) -> dict[str, dict]:
@@ -122,7 +125,7 @@ def record_best(results_path: str, path: Path = MEASURED_BUDGETS) -> tuple[str, 
     gpu = config["host"].get("gpu") if str(config["device"]).startswith("cuda") else None
     # results from before --step ran the readable loop
     step = step_kind(config.get("step") == "fixed", bool(config.get("compile_step")))
-    key = _key(gpu, config["host"]["threads"], config["engine"], config["dtype"], step)
+    key = _key(gpu, config["host"]["threads"], config["engine"], config["dtype"], step, config.get("draft_dtype"))
     entry = {"tree_budget": best["tree_budget"], "tokens_per_s": round(best["tokens_per_s"], 1),
              "speedup_vs_ar": round(best["speedup_vs_ar"], 3), "tau": round(best["tau"], 3),
              "drafter_revision": config["drafter_revision"], "prompts": config["prompts"],

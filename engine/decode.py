@@ -10,6 +10,7 @@ target's distribution.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -80,6 +81,16 @@ class StageClock:
         return times
 
 
+def draft_weights(target: Target, drafter: DFlashDrafter | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and lm_head in the drafter's dtype (the same tensors when it is the target's)."""
+    dtype = drafter.dtype if drafter is not None else target.dtype
+    if dtype == target.dtype:
+        return target.embedding, target.lm_head
+    embedding = target.embedding.to(dtype)
+    tied = target.lm_head.data_ptr() == target.embedding.data_ptr()
+    return embedding, embedding if tied else target.lm_head.to(dtype)
+
+
 def step_kind(fixed_step: bool, compile_step: bool) -> str:
     return ("compiled fixed" if compile_step else "fixed") if fixed_step else "readable"
 
@@ -108,12 +119,18 @@ class Decoder:
         (their stages through torch.compile) or "readable"."""
         return step_kind(self.fixed_step, self.compile_step)
 
+    @functools.cached_property
+    def draft_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's embedding and lm_head as the drafter reads them: in the drafter's own dtype
+        (a bf16 drafter beside a float32 target drafts at bf16 speed; the target still verifies)."""
+        return draft_weights(self.target, self.drafter)
+
     def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
         if not (self.cuda_graphs and self.drafter.graphable):
-            return EagerDraft(self.drafter, self.target.embedding, self.target.lm_head, block_size)
+            return EagerDraft(self.drafter, *self.draft_weights, block_size)
         if block_size not in self._graphed_drafts:
-            self._graphed_drafts[block_size] = GraphedDraft(self.drafter, self.target.embedding, self.target.lm_head,
-                                                            block_size, self.target.context_length)
+            self._graphed_drafts[block_size] = GraphedDraft(self.drafter, *self.draft_weights, block_size,
+                                                            self.target.context_length)
         graphed = self._graphed_drafts[block_size]
         graphed.reset()
         return graphed

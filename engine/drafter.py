@@ -335,6 +335,10 @@ class DFlashDrafter(nn.Module):
         return self.config.block_size
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 

@@ -82,6 +82,6 @@ class GraphedDraft:
 
 
 def _log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None):
-    hidden = drafter(drafter.embed(block, embedding), features, block_positions=positions,
+    hidden = drafter(drafter.embed(block, embedding), features.to(embedding.dtype), block_positions=positions,
                      context_positions=feature_positions, cache=context, context_count=added)
     return torch.log_softmax(drafter.logits(hidden[0, 1:], lm_head).float(), dim=-1)

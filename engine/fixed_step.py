@@ -137,7 +137,7 @@ class FixedProgram:
     def __init__(self, decoder, method: str, budget: int | None, block_size: int, capacity: int, top_k: int,
                  graphs: bool = False, compile_step: bool = False):
         target = decoder.target
-        device, dtype = target.device, target.dtype
+        device = target.device
         self.target, self.method, self.budget, self.graphs = target, method, budget, graphs
         self.drafter = decoder.drafter if method != "ar" else None
         self.depth = block_size - 1
@@ -150,7 +150,8 @@ class FixedProgram:
         self.past = torch.zeros((), **long)
         self.slots = torch.arange(self.depth + 1, **long)
         if self.drafter is not None:
-            config = self.drafter.config
+            config, dtype = self.drafter.config, self.drafter.dtype
+            self.embedding, self.lm_head = decoder.draft_weights
             self.context = StaticDraftContext(config, capacity + block_size, device, dtype)
             self.block = torch.full((1, block_size), self.drafter.mask_token_id, **long)
             self.block_positions = torch.zeros(1, block_size, **long)
@@ -212,7 +213,7 @@ class FixedProgram:
     def _draft_from(self, draft_pass, features, positions, count) -> torch.Tensor:
         self.block[0, :1].copy_(self.root)
         torch.add(self.slots, self.past, out=self.block_positions[0])
-        return self.log_probs.copy_(draft_pass(self.drafter, self.target.embedding, self.target.lm_head, self.block,
+        return self.log_probs.copy_(draft_pass(self.drafter, self.embedding, self.lm_head, self.block,
                                                self.block_positions, features, positions, self.context, count))
 
     # -- tree, verify, walk, commit

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from engine.decode import Decoder, DrafterInfo
 from engine.drafter import SCRIPT, DFlashDrafter, fresh_config, load_drafter, weights_digest
 from engine.errors import EngineError
-from engine.target import BUNDLED_MODEL, load_target
+from engine.target import BUNDLED_MODEL, load_target, resolve_dtype
 from engine.trace import TIMING_ONLY
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -16,6 +18,7 @@ RANDOM = "random"
 # <empty_output>: a SmolLM2 special token that chat text never produces
 BUNDLED_MASK_TOKEN = 16
 RANDOM_DRAFTER_LAYERS = 3
+AUTO = "auto"
 
 
 def shipped_drafter() -> Path | None:
@@ -30,11 +33,12 @@ def random_drafter(target, seed: int = 0, block_size: int = 16) -> DFlashDrafter
 
 def load_decoder(model: str | None = None, drafter: str | None = None, device: str = "cpu",
                  dtype: str = "float32", seed: int = 0, fixed_step: bool = False, cuda_graphs: bool = False,
-                 compile_step: bool = False, random_weights: bool = False) -> Decoder:
+                 compile_step: bool = False, random_weights: bool = False, draft_dtype: str = AUTO) -> Decoder:
     """``drafter``: a checkpoint folder, ``random`` (seeded, untrained), or ``None`` for
     the shipped drafter when running the bundled model (random otherwise). ``fixed_step``,
     ``cuda_graphs`` and ``compile_step``: see ``Decoder``. ``random_weights``: ``model`` and
-    ``drafter`` are config-only folders (``assets/shapes/``), loaded with random weights: timing only."""
+    ``drafter`` are config-only folders (``assets/shapes/``), loaded with random weights: timing only.
+    ``draft_dtype``: the drafter's own dtype (``auto``: see ``draft_dtype_for``)."""
     if random_weights:
         if drafter in (None, RANDOM):
             raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
@@ -51,8 +55,24 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
         draft_model, info = random_drafter(target, seed), DrafterInfo(f"random (untrained, seed {seed})", trained=False)
     else:
         draft_model, info = checkpoint, drafter_info(drafter)
-    draft_model = draft_model.to(device=target.device, dtype=target.dtype).eval()
+    draft_model = draft_model.to(device=target.device, dtype=draft_dtype_for(target, draft_dtype)).eval()
     return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step)
+
+
+def draft_dtype_for(target, choice: str = AUTO) -> torch.dtype:
+    """The dtype the drafter runs in: ``auto`` is bfloat16 beside a float32 target on a CPU with
+    native bf16 matrix units (the drafter's 15-row lm_head reads a vocabulary-sized matrix every
+    step: bf16 halves that and runs about 3x faster there), else the target's own dtype. Only the
+    proposals change: the target verifies every token in its own dtype."""
+    if choice != AUTO:
+        return resolve_dtype(choice)
+    cpu_bf16 = target.device.type == "cpu" and cpu_has_bf16()
+    return torch.bfloat16 if cpu_bf16 and target.dtype == torch.float32 else target.dtype
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), as oneDNN sees it."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def drafter_info(folder: str, timing_only: bool = False) -> DrafterInfo:

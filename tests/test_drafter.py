@@ -3,6 +3,8 @@ cached inference path matches a from-scratch pass over the whole context."""
 
 import json
 
+import pytest
+
 import torch
 from safetensors.torch import save_file
 
@@ -134,3 +136,18 @@ def test_a_scripted_drafter_loads_from_its_folder_and_never_runs_as_a_graph(tmp_
                       context_positions=torch.zeros(1, 1, dtype=torch.long))
     proposals = scripted.logits(hidden[0, 1:], target.lm_head).argmax(-1).tolist()
     assert proposals == [7, 8, 9]
+
+
+def test_the_drafter_runs_in_bf16_beside_a_float32_target_only_where_the_cpu_has_bf16(monkeypatch):
+    import engine.models as models
+    from engine.errors import EngineError
+
+    target = tiny_target(0, dtype=torch.float32)
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(models, "cpu_has_bf16", lambda native=native: native)
+        assert models.draft_dtype_for(target) == expected
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
+    assert models.draft_dtype_for(tiny_target(0, dtype=torch.float64)) == torch.float64, "only beside float32"
+    assert models.draft_dtype_for(target, "float32") == torch.float32
+    with pytest.raises(EngineError, match="dtype 'half' is not supported"):
+        models.draft_dtype_for(target, "half")

@@ -96,3 +96,22 @@ def test_trace_records_every_step_consistently():
         assert step.t_end >= step.t_start
     assert "".join(trace.text_pieces) == trace.text
 
+
+
+def test_a_bf16_drafter_beside_a_float32_target_drafts_in_bf16_and_decodes_what_ar_decodes():
+    target = tiny_target(5, vocab=48, dtype=torch.float32)
+    ids = prompt(5, 9, 48)
+    ar = Decoder(target).run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=48))
+    config = fresh_config(target.config, num_layers=1, mask_token_id=47, num_taps=2)
+    oracle = ScriptedDrafter(config, [ids + ar.output_ids]).initialize(5).to(torch.bfloat16).eval()
+    readable = Decoder(target, oracle, DrafterInfo("oracle", trained=False))
+    embedding, lm_head = readable.draft_weights
+    assert embedding.dtype == lm_head.dtype == torch.bfloat16 and lm_head is embedding, "tied: one bf16 copy"
+    assert target.embedding.dtype == torch.float32
+    fixed = Decoder(target, oracle, DrafterInfo("oracle", trained=False), fixed_step=True)
+    for decoder in (readable, fixed):
+        for settings in (DecodeSettings("dflash", max_new_tokens=48), DecodeSettings("ddtree", max_new_tokens=48,
+                                                                                      tree_budget=16)):
+            trace = decoder.run(prompt_ids=ids, settings=settings)
+            assert trace.output_ids == ar.output_ids, (decoder.step_kind, settings.method)
+            assert trace.summary.tau >= 2.5, "the bf16 drafts are the script's: accepted levels deep"
