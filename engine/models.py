@@ -48,6 +48,8 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
                        drafter_info(drafter, timing_only=True),
                        fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step, timing_only=True)
     checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast, before the slow target load
+    if draft_dtype != AUTO:
+        resolve_dtype(draft_dtype)  # likewise
     target = load_target(model, device=device, dtype=dtype)
     if checkpoint is None and drafter is None and target.name == BUNDLED_MODEL and shipped_drafter() is not None:
         drafter, checkpoint = str(shipped_drafter()), load_drafter(shipped_drafter())

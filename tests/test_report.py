@@ -154,6 +154,14 @@ def test_a_tensor_parallel_setting_says_how_many_gpus(results_path, tmp_path):
     assert load_setting(path).title == "NVIDIA H200 · vllm engine · float64 · inline (1) prompts"
 
 
+def test_drafts_in_another_dtype_than_the_target_are_another_setting(results_path, tmp_path):
+    results = json.loads(results_path.read_text())
+    results["config"] |= {"dtype": "float32", "draft_dtype": "bfloat16"}
+    path = tmp_path / "bf16-drafts.json"
+    path.write_text(json.dumps(results))
+    assert load_setting(path).title.endswith(" · float32 (bfloat16 drafts) · inline (1) prompts")
+
+
 def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_path, tmp_path):
     from engine.bench import with_reduced_traces
     from viz.report import build_report

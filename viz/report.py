@@ -68,7 +68,8 @@ class Setting:
         step = {"fixed": " · fixed-shape step", "readable": " · readable step"}.get(config.get("step"), "")
         step += " (compiled)" if config.get("compile_step") else ""
         prompts += f" ({config['num_prompts']})" if config.get("num_prompts") else ""
-        title = f"{where} · {config.get('engine', '?')} engine{step} · {config.get('dtype', '?')} · {prompts} prompts"
+        dtype = config.get("dtype", "?") + (f" ({config['draft_dtype']} drafts)" if config.get("draft_dtype") else "")
+        title = f"{where} · {config.get('engine', '?')} engine{step} · {dtype} · {prompts} prompts"
         return f"{Path(str(config.get('model'))).name} ({TIMING_ONLY}) · {title}" if config.get("timing_only") else title
 
     @property
