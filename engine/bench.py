@@ -3,9 +3,9 @@
     python -m engine.bench --prompts PROMPTS.jsonl --methods ar,dflash,ddtree --tree-budget 32 \\
         --max-new-tokens 64 --device cpu --out results.json
 
-Each method runs warm (one untimed warm-up per method first, long enough for a second step,
-and every prompt's first step once) and alone, prompt by prompt. Speedup is the method's tokens per second over AR's, measured
-in this run.
+Each method runs warm (one untimed warm-up per method first, long enough for a second step, and
+every prompt's first step once) and alone, prompt by prompt. Speedup is the method's tokens per
+second over AR's, measured in this run.
 """
 
 from __future__ import annotations
@@ -204,9 +204,11 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
     warm_up_tokens = min(WARM_UP_TOKENS, base.max_new_tokens)
     for job in tqdm(jobs, desc="warm-up", disable=not progress, leave=False):
         decoder.run(prompts[0]["prompt"], _settings(base, job, max_new_tokens=warm_up_tokens))
-    # every prompt's first step once: the vLLM engine captures a graph per padded prompt length, for
-    # the target's pass and for the drafter's first one
-    first_steps = [Job("ar", "ar", None)] + [job for job in jobs if job.method != "ar"][:1]
+    # every prompt's first step once: on a GPU each fixed program captures a graph per padded prompt
+    # length, for the target's pass and the drafter's first one (on the CPU nothing is captured)
+    first_steps = [Job("ar", "ar", None)]
+    if decoder.target.device.type == "cuda":
+        first_steps += list({(job.method, job.tree_budget): job for job in jobs if job.method != "ar"}.values())
     for prompt in prompts[1:]:
         for job in first_steps:
             decoder.run(prompt["prompt"], _settings(base, job, max_new_tokens=1))
