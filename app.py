@@ -277,7 +277,8 @@ class StudioApp:
     def _model_banner(self) -> str:
         decoder = self.studio.decoder
         target, info = decoder.target, decoder.drafter_info
-        drafter = (f"**{info.name}** (trained)" if info.trained else
+        drafts = f", {decoder.draft_dtype} drafts" if decoder.draft_dtype else ""
+        drafter = (f"**{info.name}** (trained{drafts})" if info.trained else
                    f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
                    "near 1; the machinery is real, the speed-up is not")
         return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
@@ -393,7 +394,7 @@ class StudioApp:
         """What the page runs on and the DDTree budget it starts with, and why."""
         decoder, choice = self.studio.decoder, self.studio.budget
         return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
-                "drafter": decoder.drafter_info.name, "tree_budget": choice.budget, "why": choice.sentence(),
+                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget, "why": choice.sentence(),
                 "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}}
 
     @property

@@ -427,7 +427,7 @@ def _main(args: argparse.Namespace) -> int:
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
         "drafter_revision": None if args.random_weights else _drafter_revision(args),
         "timing_only": args.random_weights,
-        "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype, "draft_dtype": _draft_dtype(decoder),
+        "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype, "draft_dtype": decoder.draft_dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
         "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_step": args.compile_step,
         "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if native_jobs else None,
@@ -486,14 +486,6 @@ def _drafter_folder(args: argparse.Namespace):
     if args.drafter == RANDOM:
         return None
     return args.drafter or (shipped_drafter() if args.model in (None, BUNDLED_MODEL) else None)
-
-
-def _draft_dtype(decoder: Decoder) -> str | None:
-    """The drafter's dtype where it is not the target's (the vLLM engine's workers keep the target's)."""
-    drafter = decoder.drafter if decoder.engine == "torch" else None
-    if drafter is None or drafter.dtype == decoder.target.dtype:
-        return None
-    return str(drafter.dtype).removeprefix("torch.")
 
 
 def _drafter_revision(args: argparse.Namespace) -> str | None:

@@ -99,16 +99,14 @@ def choose_budget(decoder: Decoder, budgets: tuple[int, ...] = CANDIDATE_BUDGETS
 
 def machine_key(decoder: Decoder) -> str:
     """What a measured budget holds for: the device (GPU model, or CPU and its threads), engine,
-    dtype and step."""
-    drafter = decoder.drafter if decoder.engine == "torch" else None
-    draft_dtype = str(drafter.dtype).removeprefix("torch.") if drafter is not None else None
+    dtype (and the drafter's, where it differs) and step."""
     return _key(torch.cuda.get_device_name(0) if decoder.target.device.type == "cuda" else None,
                 torch.get_num_threads(), decoder.engine, str(decoder.target.dtype).removeprefix("torch."),
-                decoder.step_kind, draft_dtype)
+                decoder.step_kind, decoder.draft_dtype)
 
 
 def _key(gpu: str | None, threads: int, engine: str, dtype: str, step: str, draft_dtype: str | None = None) -> str:
-    drafts = f" ({draft_dtype} drafts)" if draft_dtype not in (None, dtype) else ""
+    drafts = f" ({draft_dtype} drafts)" if draft_dtype else ""
     return f"{gpu or f'CPU, {threads} threads'} | {engine} | {dtype}{drafts} | {step} step"
 
 

@@ -119,6 +119,13 @@ class Decoder:
         (their stages through torch.compile) or "readable"."""
         return step_kind(self.fixed_step, self.compile_step)
 
+    @property
+    def draft_dtype(self) -> str | None:
+        """The drafter's dtype where it is not the target's (the vLLM engine's workers keep the target's)."""
+        if self.engine != "torch" or self.drafter is None or self.drafter.dtype == self.target.dtype:
+            return None
+        return str(self.drafter.dtype).removeprefix("torch.")
+
     @functools.cached_property
     def draft_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's embedding and lm_head as the drafter reads them: in the drafter's own dtype

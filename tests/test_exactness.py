@@ -108,6 +108,7 @@ def test_a_bf16_drafter_beside_a_float32_target_drafts_in_bf16_and_decodes_what_
     embedding, lm_head = readable.draft_weights
     assert embedding.dtype == lm_head.dtype == torch.bfloat16 and lm_head is embedding, "tied: one bf16 copy"
     assert target.embedding.dtype == torch.float32
+    assert readable.draft_dtype == "bfloat16" and Decoder(target).draft_dtype is None, "what results and the page name"
     fixed = Decoder(target, oracle, DrafterInfo("oracle", trained=False), fixed_step=True)
     for decoder in (readable, fixed):
         for settings in (DecodeSettings("dflash", max_new_tokens=48), DecodeSettings("ddtree", max_new_tokens=48,
