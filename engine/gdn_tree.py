@@ -86,21 +86,27 @@ class GDNTreePlan:
         device = visible.device
         depth = depths(visible)
         table = path_table(visible, length)
-        read_rows = torch.zeros(q + 1, length + 1, dtype=torch.int32, device=device)
-        read_rows[:q, length] = slot
+        read_rows, commit_rows = _slot_rows(q, length, slot, device)
         return GDNTreePlan(
             slot=slot, before=window_columns(table, depth - 1, width), after=window_columns(table, depth, width),
             replay=path_replay(table, depth), read_rows=read_rows,
             read_column=torch.full((q + 1,), length + 1, dtype=torch.int32, device=device),
-            conv_rows=torch.arange(1, q + 1, dtype=torch.int32, device=device),
-            commit_rows=torch.full((1, length), slot, dtype=torch.int32, device=device),
+            conv_rows=torch.arange(1, q + 1, dtype=torch.int32, device=device), commit_rows=commit_rows,
             one=torch.ones(1, dtype=torch.int32, device=device))
 
     def for_slot(self, slot: int) -> "GDNTreePlan":
         """The same tree over another state slot (another KV-cache group's block)."""
-        read_rows = torch.zeros_like(self.read_rows)
-        read_rows[:-1, -1] = slot
-        return replace(self, slot=slot, read_rows=read_rows, commit_rows=torch.full_like(self.commit_rows, slot))
+        q, length = self.read_rows.shape[0] - 1, self.commit_rows.shape[1]
+        read_rows, commit_rows = _slot_rows(q, length, slot, self.read_rows.device)
+        return replace(self, slot=slot, read_rows=read_rows, commit_rows=commit_rows)
+
+
+def _slot_rows(q: int, length: int, slot: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """State rows of a plan over ``slot``: every path reads it (last column) and stores nowhere; the
+    accepted path stores every step into it."""
+    read_rows = torch.zeros(q + 1, length + 1, dtype=torch.int32, device=device)
+    read_rows[:q, length] = slot
+    return read_rows, torch.full((1, length), slot, dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
