@@ -48,6 +48,8 @@ def test_a_bench_result_becomes_the_drafters_recorded_curve():
     record = acceptance_record(results)
     assert record == {"prompts": "assets/prompts/fresh.jsonl", "max_new_tokens": 64, "dtype": "float32",
                       "ddtree": {"8": 2.91, "32": 3.457}, "dflash": 2.123}
+    results["config"]["draft_dtype"] = "bfloat16"
+    assert acceptance_record(results)["draft_dtype"] == "bfloat16"
 
 
 def test_a_recorded_bench_best_is_the_default_on_its_machine_and_drafter(decoder, tmp_path, monkeypatch):

@@ -96,6 +96,8 @@ def acceptance_record(results: dict) -> dict:
               if label.startswith("ddtree@")}
     record = {"prompts": config.get("prompts"), "max_new_tokens": config.get("max_new_tokens"),
               "dtype": config.get("dtype"), "ddtree": ddtree}
+    if config.get("draft_dtype"):  # the bench names it only where the drafter ran in another dtype
+        record["draft_dtype"] = config["draft_dtype"]
     if "dflash" in summary:
         record["dflash"] = round(summary["dflash"]["tau"], 3)
     return record
