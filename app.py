@@ -34,7 +34,7 @@ import gradio as gr
 from engine.calibration import BudgetChoice, choose_budget
 from engine.decode import DecodeSettings, Decoder
 from engine.errors import EngineError
-from engine.models import load_decoder
+from engine.models import AUTO, DRAFT_DTYPE_HELP, load_decoder
 from engine.target import resolve_device
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
 from viz.figures import acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop, \
@@ -703,9 +703,7 @@ def main() -> None:
                         help="DFlash drafter folder, or 'random' (default: the shipped drafter, else random)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default=None, help="float32 (torch default), bfloat16 (vllm default), float16, float64")
-    parser.add_argument("--draft-dtype", default="auto",
-                        help="torch engine: the drafter's dtype (auto: bfloat16 beside a float32 target on a CPU with "
-                             "native bf16, else the target's); the target verifies in its own")
+    parser.add_argument("--draft-dtype", default=AUTO, help=DRAFT_DTYPE_HELP)
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"],
                         help="torch (any machine) or vllm (CUDA GPU + requirements-gpu.txt)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from engine.decode import DecodeSettings, Decoder
 from engine.economics import Timing, economics
 from engine.errors import EngineError
+from engine.models import AUTO, DRAFT_DTYPE_HELP
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
@@ -345,9 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default), float64, bfloat16 (CUDA default)")
-    parser.add_argument("--draft-dtype", default="auto",
-                        help="torch engine: the drafter's dtype (auto: bfloat16 beside a float32 target on a CPU with "
-                             "native bf16, else the target's); the target verifies in its own")
+    parser.add_argument("--draft-dtype", default=AUTO, help=DRAFT_DTYPE_HELP)
     parser.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)

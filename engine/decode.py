@@ -81,16 +81,6 @@ class StageClock:
         return times
 
 
-def draft_weights(target: Target, drafter: DFlashDrafter | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's embedding and lm_head in the drafter's dtype (the same tensors when it is the target's)."""
-    dtype = drafter.dtype if drafter is not None else target.dtype
-    if dtype == target.dtype:
-        return target.embedding, target.lm_head
-    embedding = target.embedding.to(dtype)
-    tied = target.lm_head.data_ptr() == target.embedding.data_ptr()
-    return embedding, embedding if tied else target.lm_head.to(dtype)
-
-
 def step_kind(fixed_step: bool, compile_step: bool) -> str:
     return ("compiled fixed" if compile_step else "fixed") if fixed_step else "readable"
 
@@ -129,8 +119,15 @@ class Decoder:
     @functools.cached_property
     def draft_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's embedding and lm_head as the drafter reads them: in the drafter's own dtype
-        (a bf16 drafter beside a float32 target drafts at bf16 speed; the target still verifies)."""
-        return draft_weights(self.target, self.drafter)
+        (a bf16 drafter beside a float32 target drafts at bf16 speed; the target still verifies);
+        the same tensors when it is the target's."""
+        target = self.target
+        dtype = self.drafter.dtype if self.drafter is not None else target.dtype
+        if dtype == target.dtype:
+            return target.embedding, target.lm_head
+        embedding = target.embedding.to(dtype)
+        tied = target.lm_head.data_ptr() == target.embedding.data_ptr()
+        return embedding, embedding if tied else target.lm_head.to(dtype)
 
     def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
         if not (self.cuda_graphs and self.drafter.graphable):

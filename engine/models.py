@@ -19,6 +19,8 @@ RANDOM = "random"
 BUNDLED_MASK_TOKEN = 16
 RANDOM_DRAFTER_LAYERS = 3
 AUTO = "auto"
+DRAFT_DTYPE_HELP = ("torch engine: the drafter's dtype (auto: bfloat16 beside a float32 target on a CPU with "
+                    "native bf16, else the target's); the target verifies in its own")
 
 
 def shipped_drafter() -> Path | None:
