@@ -7,6 +7,7 @@ import functools
 import math
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +21,11 @@ from engine.training.data import DataSettings, SequenceData, repetition_cut, use
 from engine.training.export import export_drafter
 from engine.training.generation import Sampling, TransformersGenerator, as_completion
 from engine.training.run import Plan
+from engine.training import objective
+from engine.training.objective import block_loss, distillation_kl, fused_block_loss, target_logits
 from engine.training.train import (Batch, Blocks, Progress, TrainSettings, Trainer, block_labels, block_visibility,
-                                   distillation_kl, draft_hidden, learning_rate, load_state, make_batch,
-                                   sample_anchors, save_state, target_logits, target_pass)
+                                   choose_loss, draft_hidden, learning_rate, load_state, make_batch, sample_anchors,
+                                   save_state, target_pass)
 from tests.tiny import STOP, VOCAB, tiny_drafter, tiny_target
 
 MASK = 95  # tiny_drafter's mask token: the last id of the tiny vocabulary
@@ -139,6 +142,59 @@ def test_training_forward_drafts_exactly_what_the_decoder_drafts():
         assert top.indices.tolist() == step.draft_top_tokens
         torch.testing.assert_close(top.values, torch.tensor(step.draft_top_probs, dtype=torch.float64),
                                    atol=1e-6, rtol=1e-5)
+
+
+def loss_and_gradients(loss, drafter, target, settings: TrainSettings, seed: int = 0):
+    """One batch of tiny_data through ``loss``: its metrics and the drafter's gradients."""
+    data = tiny_data(0)
+    batch = make_batch(data, torch.arange(len(data)), settings.max_length, pad_id=STOP)
+    features, final_hidden = target_pass(target, drafter, batch.ids)
+    blocks = sample_anchors(batch, settings.blocks_per_sequence, torch.Generator().manual_seed(seed))
+    labels, valid = block_labels(batch, blocks, drafter.block_size)
+    hidden = draft_hidden(drafter, target, batch.ids, blocks.anchors, features)
+    drafter.zero_grad()
+    metrics = loss(drafter, target, hidden, labels, valid, blocks.anchors, final_hidden, settings)
+    metrics.loss.backward()
+    return metrics, [p.grad.clone() for p in drafter.parameters()]
+
+
+@pytest.mark.parametrize("distill_weight, multiplier, softcap", [(0.5, 1.0, None), (0.0, 1.0, None), (1.0, 0.7, 3.0)])
+def test_the_fused_loss_has_the_references_loss_metrics_and_gradients(monkeypatch, distill_weight, multiplier, softcap):
+    """Closed-form gradients, chunked (7 slots a chunk, the last one padded), against autograd
+    through whole log-softmaxes: every metric and every parameter's gradient, to float32's
+    precision (both take their softmaxes in float32, as training does)."""
+    monkeypatch.setattr(objective, "CHUNK_ROWS", 7)
+    target = tiny_target(0, dtype=torch.float64)
+    drafter = tiny_drafter(target, block_size=8)
+    drafter.config.output_multiplier, drafter.config.final_logit_softcapping = multiplier, softcap
+    settings = TrainSettings(blocks_per_sequence=3, distill_weight=distill_weight)
+    reference, reference_grads = loss_and_gradients(block_loss, drafter, target, settings)
+    fused, fused_grads = loss_and_gradients(fused_block_loss, drafter, target, settings)
+    assert int(reference.counted.sum()) > 7 and int(reference.counted.sum()) % 7, "several chunks, the last padded"
+    for name in ("loss", "ce", "kl", "correct", "counted", "accepted", "blocks"):
+        torch.testing.assert_close(getattr(fused, name), getattr(reference, name), msg=name)
+    assert float(reference.kl) > 0 or distill_weight == 0
+    for a, b in zip(fused_grads, reference_grads):
+        torch.testing.assert_close(a.float(), b.float())
+
+
+def test_choosing_the_loss_trains_ordinary_steps_with_each_and_keeps_one():
+    """The reference, the fused and the compiled loss, two steps each (a warm-up and a timed one),
+    then the fastest: the weights equal eight steps of the reference alone (float32)."""
+    chosen, straight = tiny_trainer(), tiny_trainer()
+    straight.loss = block_loss
+    lines = []
+    chosen.log = lines.append
+    best = choose_loss(chosen, ["reference", "fused", "compiled"], steps=1)
+    chosen.run()
+    straight.run()
+    assert best in ("reference", "fused", "compiled") and chosen.progress.step == straight.progress.step == 8
+    timed = next(line for line in lines if "seconds per step by loss implementation: reference" in line)
+    assert "fused" in timed and f"training on with '{best}'" in timed
+    assert "compiled" in timed or any("loss 'compiled' failed" in line for line in lines), \
+        "timed, or left out where this machine cannot compile"
+    for a, b in zip(chosen.drafter.parameters(), straight.drafter.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 # ---- schedule, batches, checkpoints, export ------------------------------------------------------
@@ -435,6 +491,49 @@ def test_plan_leaves_training_the_rest_of_the_call_and_schedules_the_later_calls
     assert plan.data_budget(elapsed_minutes=3.0) == pytest.approx(9.0 - 3.0 - 1.5 - 0.3)
     assert plan.train_budget(elapsed_minutes=6.0) == pytest.approx(2.7)
     assert plan.schedule_minutes(elapsed_minutes=6.0) == pytest.approx(2.7 + 8.5)
+
+
+def test_a_resumed_call_tops_the_data_up_with_new_prompts_that_training_reads(tmp_path, monkeypatch):
+    """With the data made, ``--more-data-minutes`` runs the data stage again into more-1/ with
+    another seed, then resumes training; training loads the top-up's shards beside the first."""
+    from engine.training import run as run_module
+    from engine.training.data import STATS_FILE, ShardBuilder
+
+    def shard(folder, sequences):
+        builder = ShardBuilder()
+        for sequence in sequences:
+            builder.tokens.append(torch.tensor(sequence, dtype=torch.int32))
+            builder.lengths.append(len(sequence))
+            builder.response_starts.append(1)
+        folder.mkdir(parents=True, exist_ok=True)
+        builder.save(folder / "responses-00000.pt", (0, len(sequences)), 1.0)
+
+    shard(tmp_path / "part-0", [[5, 6, 7]])
+    (tmp_path / STATS_FILE).write_text("{}")
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "train-state.pt").write_text("")
+    commands = []
+
+    def fake_stage(name, command, timeout_minutes):
+        commands.append(command)
+        if "engine.training.data" in command:
+            shard(Path(command[command.index("--out") + 1]) / "part-0", [[8, 9], [10, 11, 12, 13]])
+            (Path(command[command.index("--out") + 1]) / STATS_FILE).write_text("{}")
+        return 1.0
+
+    monkeypatch.setattr(run_module, "run_stage", fake_stage)
+    run_module.run_all(*run_module.parse_args(["--out", str(tmp_path), "--data-seed", "3", "--more-data-minutes", "2",
+                                               "--deadline-minutes", "9", "--backend", "transformers"]))
+    data_stage, train_stage = commands
+    assert data_stage[data_stage.index("--out") + 1] == str(tmp_path / "more-1")
+    assert data_stage[data_stage.index("--seed") + 1] == "1003", "another seed: other prompts"
+    assert float(data_stage[data_stage.index("--max-minutes") + 1]) == 2.0
+    assert "engine.training.train" in train_stage and "--resume" in train_stage
+    data = SequenceData.load(tmp_path)
+    assert sorted(data.lengths.tolist()) == [2, 3, 4], "the first data and the top-up"
+    run_module.run_all(*run_module.parse_args(["--out", str(tmp_path), "--data-seed", "3", "--more-data-minutes", "2",
+                                               "--deadline-minutes", "9", "--backend", "transformers"]))
+    assert commands[2][commands[2].index("--out") + 1] == str(tmp_path / "more-2")
 
 
 # ---- training works --------------------------------------------------------------------------------

@@ -390,8 +390,8 @@ class SequenceData:
 
 
 def shard_paths(folder: Path) -> list[Path]:
-    """The folder's shards, and its workers' (``part-K/``)."""
-    return sorted(folder.glob(SHARD_PATTERN)) + sorted(folder.glob(f"{PART_PATTERN}/{SHARD_PATTERN}"))
+    """Every shard under the folder: its own, its workers' (``part-K/``), later top-ups' (``more-K/part-J/``)."""
+    return sorted(folder.rglob(SHARD_PATTERN))
 
 
 def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timings: dict[str, float],

@@ -12,7 +12,8 @@
 # the SmolLM2 GGUF. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training planned
 # for call B, read by call A only), NUM_PROMPTS (80000 candidates per engine), WORKERS (6 vLLM
 # engines side by side: 119k generated tokens/s in all on the H200's 16 cores, against 75k for 3),
-# DATA_MIN (7: the data stage's budget), SEED (0: another seed writes other prompts). Extra
+# DATA_MIN (7: the data stage's budget), SEED (0: another seed writes other prompts), MORE_DATA_MIN
+# (0; in a resumed call: first this many minutes of new prompts and replies, into more-K/). Extra
 # arguments go to engine.training.run and from there to engine.training.train (e.g.
 # --init-from DRAFTER_FOLDER to continue a drafter brought back from an earlier session).
 #     bash engine/training/device.sh
@@ -50,7 +51,8 @@ prepare() {
   say "call started $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
   prepare && python3 -m engine.training.run --model "$MODEL" --out "$WORK" --started-at "$started" \
     --deadline-minutes "${DEADLINE_MIN:-9}" --later-minutes "${LATER_MIN:-8.3}" --num-prompts "${NUM_PROMPTS:-80000}" \
-    --data-workers "${WORKERS:-6}" --data-minutes "${DATA_MIN:-7}" --data-flags "--seed ${SEED:-0}" "$@"
+    --data-workers "${WORKERS:-6}" --data-minutes "${DATA_MIN:-7}" --data-seed "${SEED:-0}" \
+    --more-data-minutes "${MORE_DATA_MIN:-0}" "$@"
   status=$?
   echo "$status" > "$WORK/status"
   say "pipeline exit status $status"

@@ -4,7 +4,8 @@
         --deadline-minutes 9 --later-minutes 8.5 [train flags, e.g. --num-layers 4 --distill-weight 0.5]
 
 Run it again with the same --out and it reuses what is there: the data stage is skipped
-once data-stats.json exists, and training resumes from train/train-state.pt. So one
+once data-stats.json exists (``--more-data-minutes`` then adds a top-up of new prompts
+first), and training resumes from train/train-state.pt. So one
 command, repeated, carries the work over several time-limited GPU calls. The first
 training run sets the learning-rate schedule to its own time plus --later-minutes.
 
@@ -29,6 +30,7 @@ from engine.training.data import STATS_FILE
 from engine.training.train import STATE_FILE
 
 TRAIN_FOLDER = "train"
+MORE_FOLDER = "more"  # top-ups of data made by later calls: more-1/, more-2/, ...
 OVERRUN_MINUTES = 0.75  # a stage (which stops and saves itself) is killed only this long past its budget
 
 
@@ -110,9 +112,23 @@ def make_data(args, plan: Plan, elapsed) -> None:
         run_stage("data (transformers)", command, minutes + OVERRUN_MINUTES)
 
 
-def data_command(args, backend: str, minutes: float) -> list[str]:
-    command = [sys.executable, "-m", "engine.training.data", "--out", str(args.out), "--backend", backend,
+def more_data(args, plan: Plan, elapsed) -> None:
+    """A top-up before resumed training: new prompts (another seed) answered into ``more-K/``,
+    which training reads beside the first data. A failure costs this call its data, not its training."""
+    count = 1 + sum(1 for folder in args.out.glob(f"{MORE_FOLDER}-*") if (folder / STATS_FILE).exists())
+    folder = args.out / f"{MORE_FOLDER}-{count}"
+    minutes = min(args.more_data_minutes, plan.data_budget(elapsed()))
+    try:
+        run_stage(f"more data ({folder.name})", data_command(args, args.backend, minutes, folder,
+                                                              args.data_seed + 1000 * count), minutes + OVERRUN_MINUTES)
+    except StageFailed as failure:
+        print(f"== more data: {failure}; training on what is there", flush=True)
+
+
+def data_command(args, backend: str, minutes: float, out: Path | None = None, seed: int | None = None) -> list[str]:
+    command = [sys.executable, "-m", "engine.training.data", "--out", str(out or args.out), "--backend", backend,
                "--num-prompts", str(args.num_prompts), "--max-minutes", f"{minutes:.2f}",
+               "--seed", str(args.data_seed if seed is None else seed),
                "--workers", str(args.data_workers if backend == "vllm" else 1)]
     if args.model:
         command += ["--model", args.model]
@@ -145,7 +161,11 @@ def parse_args(argv=None):
     parser.add_argument("--later-minutes", type=float, default=0.0, help="training planned in later calls")
     parser.add_argument("--data-minutes", type=float, default=Plan.data_minutes)
     parser.add_argument("--min-train-minutes", type=float, default=Plan.min_train_minutes)
-    parser.add_argument("--data-flags", default="", help='extra engine.training.data flags, e.g. "--seed 1"')
+    parser.add_argument("--data-seed", type=int, default=0,
+                        help="the data's seed (prompts, sampling); a top-up K uses this + 1000 K")
+    parser.add_argument("--more-data-minutes", type=float, default=0.0,
+                        help="in a call that finds the data made: generate this much more (new prompts) first")
+    parser.add_argument("--data-flags", default="", help='extra engine.training.data flags, e.g. "--chunk-prompts 4096"')
     parser.add_argument("--no-fallback", dest="fallback", action="store_false",
                         help="if vLLM fails, stop instead of generating with transformers")
     return parser.parse_known_args(argv)
@@ -168,6 +188,8 @@ def run_all(args, train_flags: list[str]) -> None:
 
     if (args.out / STATS_FILE).exists():
         print(f"== data: reusing {args.out} ({STATS_FILE} exists)", flush=True)
+        if args.more_data_minutes > 0:
+            more_data(args, plan, elapsed)
     else:
         make_data(args, plan, elapsed)
     minutes = plan.train_budget(elapsed())

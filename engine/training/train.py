@@ -28,6 +28,7 @@ carried over several short GPU calls; the learning-rate schedule runs on trained
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -43,6 +44,7 @@ from engine.target import Target, load_target
 from engine.training.data import SequenceData
 from engine.training.export import export_drafter
 from engine.training.generation import device_and_dtype
+from engine.training.objective import StepMetrics, block_loss, chunk_terms, fused_block_loss
 
 STATE_FILE = "train-state.pt"
 LOG_FILE = "train-log.jsonl"
@@ -180,21 +182,12 @@ def block_labels(batch: Batch, blocks: Blocks, block_size: int) -> tuple[torch.T
     return labels, valid
 
 
-def slot_weights(block_size: int, gamma: float, device) -> torch.Tensor:
-    return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
-
-
 @torch.no_grad()
 def target_pass(target: Target, drafter: DFlashDrafter, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Context features ``[b, S, taps*H]`` and the final (normed) hidden states ``[b, S, H]``.
     Right padding needs no attention mask: causal attention keeps it out of real positions."""
     out = target.model.base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
     return drafter.context_features(out.hidden_states), out.last_hidden_state
-
-
-def target_logits(target: Target, final_hidden: torch.Tensor) -> torch.Tensor:
-    """The target's logits from its final hidden states, only where they are needed."""
-    return target.model.get_output_embeddings()(final_hidden)
 
 
 def draft_hidden(drafter: DFlashDrafter, target: Target, ids: torch.Tensor, anchors: torch.Tensor,
@@ -214,69 +207,15 @@ def draft_hidden(drafter: DFlashDrafter, target: Target, ids: torch.Tensor, anch
     return hidden.view(b, anchors.shape[1], block_size, -1)[:, :, 1:]
 
 
-@dataclass
-class StepMetrics:
-    """Sums over a step (tensors, so logging does not synchronise every step)."""
-
-    loss: torch.Tensor
-    ce: torch.Tensor
-    kl: torch.Tensor
-    correct: torch.Tensor  # [B-1] slots whose top-1 equals the label
-    counted: torch.Tensor  # [B-1] slots with a label
-    accepted: torch.Tensor  # total leading correct slots over blocks: tau - 1 if drafts were chains
-    blocks: torch.Tensor
-
-
-def block_loss(drafter: DFlashDrafter, target: Target, hidden: torch.Tensor, labels: torch.Tensor,
-               valid: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor,
-               settings: TrainSettings) -> StepMetrics:
-    """Weighted CE (and KL to the target) over the slots that have a label.
-
-    The [slots, vocab] tensors are the step's largest (~6 GB at the defaults), so both
-    terms share one log-softmax and the KL avoids full-size temporaries."""
-    weights = slot_weights(drafter.block_size, settings.gamma, hidden.device).expand_as(valid)[valid]
-    student = torch.log_softmax(drafter.logits(hidden[valid], target.lm_head), -1, dtype=torch.float32)
-    wanted = labels[valid]
-    ce = -(student.gather(1, wanted[:, None]).squeeze(1) * weights).sum() / weights.sum()
-    kl = torch.zeros((), device=hidden.device)
-    if settings.distill_weight > 0:
-        kl = (distillation_kl(target, final_hidden, anchors, valid, student) * weights).sum() / weights.sum()
-    loss = (1 - settings.distill_weight) * ce + settings.distill_weight * kl
-    hits = torch.zeros_like(valid)
-    hits[valid] = student.detach().argmax(-1) == wanted
-    leading = hits.long().cumprod(-1).sum(-1)  # accepted draft tokens if the block were verified greedily
-    return StepMetrics(loss, ce.detach(), kl.detach(), hits.sum((0, 1)), valid.sum((0, 1)),
-                       leading.sum(), valid[:, :, 0].sum())
-
-
-def distillation_kl(target: Target, final_hidden: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-                    student: torch.Tensor) -> torch.Tensor:
-    """KL(target || drafter) per labelled slot. The target's distribution over the token at
-    ``a + k`` is its output at position ``a + k - 1``."""
-    source = anchors[:, :, None] + torch.arange(valid.shape[-1], device=anchors.device)
-    rows = torch.arange(len(anchors), device=anchors.device)[:, None, None].expand_as(source)
-    with torch.no_grad():
-        logits = target_logits(target, final_hidden[rows[valid], source[valid]])
-        teacher = torch.log_softmax(logits, -1, dtype=student.dtype)
-        teacher_probs = teacher.exp()
-        negative_entropy = torch.linalg.vecdot(teacher_probs, teacher)
-        del logits, teacher
-    # sum_v p(v) log q(v), in float32 (autocast would round 49k log-probabilities to bf16); a
-    # multiply-and-sum, not a batched matrix product: on the H200 cuBLAS ran that [1, 49k] x [49k, 1]
-    # product per slot as its slowest kernel, a quarter of the whole training step (profiled)
-    with torch.autocast(student.device.type, enabled=False):
-        cross = torch.linalg.vecdot(teacher_probs, student)
-    return negative_entropy - cross
-
-
-def train_step(drafter, target, batch: Batch, settings: TrainSettings, optimizer, generator) -> StepMetrics:
+def train_step(drafter, target, batch: Batch, settings: TrainSettings, optimizer, generator,
+               loss: Callable = fused_block_loss) -> StepMetrics:
     features, final_hidden = target_pass(target, drafter, batch.ids)
     blocks = sample_anchors(batch, settings.blocks_per_sequence, generator)
     labels, valid = block_labels(batch, blocks, drafter.block_size)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if batch.ids.is_cuda else nullcontext()
     with autocast:
         hidden = draft_hidden(drafter, target, batch.ids, blocks.anchors, features)
-        metrics = block_loss(drafter, target, hidden, labels, valid, blocks.anchors, final_hidden, settings)
+        metrics = loss(drafter, target, hidden, labels, valid, blocks.anchors, final_hidden, settings)
     optimizer.zero_grad(set_to_none=True)
     metrics.loss.backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), settings.grad_clip)
@@ -335,6 +274,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     log: Callable[[str], None] = print
     log_path: Path | None = None
+    loss: Callable = fused_block_loss  # one of loss_implementations(): the same loss and gradients
 
     @staticmethod
     def new(drafter, target, data, settings: TrainSettings, progress: Progress, **kwargs) -> "Trainer":
@@ -370,7 +310,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             generator.manual_seed(settings.seed * 1_000_003 + progress.step)  # anchors depend on the step alone
-            metrics = train_step(self.drafter, self.target, batch, settings, self.optimizer, generator)
+            metrics = train_step(self.drafter, self.target, batch, settings, self.optimizer, generator, self.loss)
             tokens = int(batch.lengths.sum())
             window.add(metrics, tokens)
             now = time.monotonic()
@@ -394,6 +334,39 @@ class Trainer:
         if self.log_path is not None:
             with self.log_path.open("a") as f:
                 f.write(json.dumps(line) + "\n")
+
+
+def loss_implementations() -> dict[str, Callable]:
+    """One loss, three ways (``objective``; the tests check they agree): which is fastest depends on
+    the machine. Compilation waits for the first call."""
+    return {"reference": block_loss, "fused": fused_block_loss,
+            "compiled": functools.partial(fused_block_loss, terms=torch.compile(chunk_terms, dynamic=False))}
+
+
+def choose_loss(trainer: Trainer, names: list[str], steps: int = 5) -> str:
+    """Train ``steps`` steps with each implementation, after one warm-up step each (compilation,
+    allocation), and keep the fastest for the rest of the run. All are ordinary training steps."""
+    implementations, seconds = loss_implementations(), {}
+    sync = torch.cuda.synchronize if trainer.target.device.type == "cuda" else (lambda: None)
+    for name in names:
+        trainer.loss = implementations[name]
+        try:
+            trainer.run(max_steps=1)
+        except Exception as error:  # e.g. a compiler this machine lacks: the others remain
+            trainer.log(f"train: loss '{name}' failed and is left out: {type(error).__name__}: {error}")
+            continue
+        sync()
+        began = time.monotonic()
+        trainer.run(max_steps=steps)
+        sync()
+        seconds[name] = (time.monotonic() - began) / steps
+    if not seconds:
+        raise RuntimeError(f"every loss implementation failed ({', '.join(names)})")
+    best = min(seconds, key=seconds.get)
+    trainer.loss = implementations[best]
+    trainer.log("train: seconds per step by loss implementation: "
+                + ", ".join(f"{name} {s:.3f}" for name, s in seconds.items()) + f"; training on with '{best}'")
+    return best
 
 
 def profiled_steps(trainer: Trainer, steps: int, rows: int = 25) -> str:
@@ -471,6 +444,9 @@ def parse_args(argv=None):
                              "a resumed run keeps its own unless this is given)")
     parser.add_argument("--schedule-steps", type=int, default=None, help="schedule on steps instead of time")
     parser.add_argument("--shard-mb", type=float, default=15.0, help="max MiB per weight file; 0: one file")
+    parser.add_argument("--loss", choices=["auto", "reference", "fused", "compiled"], default="auto",
+                        help="how the loss is computed (the same loss and gradients); auto: train a few steps "
+                             "with each and keep the fastest")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="first train this many steps under torch.profiler and print where their time went "
                              "(they are ordinary training steps; the table goes to the log)")
@@ -523,6 +499,10 @@ def main(argv=None) -> None:
           f"schedule {progress.fraction():.0%} done; {json.dumps(asdict(settings))}", flush=True)
     shard_mb = args.shard_mb or None
     # time already spent loading counts against this run's budget
+    if args.loss == "auto":
+        choose_loss(trainer, list(loss_implementations()))
+    else:
+        trainer.loss = loss_implementations()[args.loss]
     if args.profile_steps:
         print(profiled_steps(trainer, args.profile_steps), flush=True)
     max_seconds = args.max_minutes * 60 - (time.monotonic() - began) if args.max_minutes else math.inf
