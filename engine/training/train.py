@@ -208,7 +208,7 @@ def draft_hidden(drafter: DFlashDrafter, target: Target, ids: torch.Tensor, anch
 
 
 def train_step(drafter, target, batch: Batch, settings: TrainSettings, optimizer, generator,
-               loss: Callable = fused_block_loss) -> StepMetrics:
+               loss: Callable) -> StepMetrics:
     features, final_hidden = target_pass(target, drafter, batch.ids)
     blocks = sample_anchors(batch, settings.blocks_per_sequence, generator)
     labels, valid = block_labels(batch, blocks, drafter.block_size)
@@ -336,11 +336,14 @@ class Trainer:
                 f.write(json.dumps(line) + "\n")
 
 
+LOSSES = ("reference", "fused", "compiled")
+
+
 def loss_implementations() -> dict[str, Callable]:
-    """One loss, three ways (``objective``; the tests check they agree): which is fastest depends on
-    the machine. Compilation waits for the first call."""
-    return {"reference": block_loss, "fused": fused_block_loss,
-            "compiled": functools.partial(fused_block_loss, terms=torch.compile(chunk_terms, dynamic=False))}
+    """One loss, three ways (``objective``; the tests check they agree), by the names in ``LOSSES``:
+    which is fastest depends on the machine. Compilation waits for the first call."""
+    compiled = functools.partial(fused_block_loss, terms=torch.compile(chunk_terms, dynamic=False))
+    return dict(zip(LOSSES, (block_loss, fused_block_loss, compiled)))
 
 
 def choose_loss(trainer: Trainer, names: list[str], steps: int = 5) -> str:
@@ -444,7 +447,7 @@ def parse_args(argv=None):
                              "a resumed run keeps its own unless this is given)")
     parser.add_argument("--schedule-steps", type=int, default=None, help="schedule on steps instead of time")
     parser.add_argument("--shard-mb", type=float, default=15.0, help="max MiB per weight file; 0: one file")
-    parser.add_argument("--loss", choices=["auto", "reference", "fused", "compiled"], default="auto",
+    parser.add_argument("--loss", choices=["auto", *LOSSES], default="auto",
                         help="how the loss is computed (the same loss and gradients); auto: train a few steps "
                              "with each and keep the fastest")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -500,7 +503,7 @@ def main(argv=None) -> None:
     shard_mb = args.shard_mb or None
     # time already spent loading counts against this run's budget
     if args.loss == "auto":
-        choose_loss(trainer, list(loss_implementations()))
+        choose_loss(trainer, list(LOSSES))
     else:
         trainer.loss = loss_implementations()[args.loss]
     if args.profile_steps:
