@@ -179,17 +179,18 @@ def test_the_fused_loss_has_the_references_loss_metrics_and_gradients(monkeypatc
 
 
 def test_choosing_the_loss_trains_ordinary_steps_with_each_and_keeps_one():
-    """The reference, the fused and the compiled loss, two steps each (a warm-up and a timed one),
-    then the fastest: the weights equal eight steps of the reference alone (float32)."""
-    chosen, straight = tiny_trainer(), tiny_trainer()
+    """The reference, the fused and the compiled loss, three steps each (a warm-up and two timed turns,
+    interleaved), then the fastest: the weights equal ten steps of the reference alone (float32)."""
+    chosen, straight = tiny_trainer(steps=10), tiny_trainer(steps=10)
     straight.loss = block_loss
     lines = []
     chosen.log = lines.append
-    best = choose_loss(chosen, ["reference", "fused", "compiled"], steps=1)
+    best = choose_loss(chosen, ["reference", "fused", "compiled"], steps=1, rounds=2)
+    assert chosen.progress.step == 9
     chosen.run()
     straight.run()
-    assert best in ("reference", "fused", "compiled") and chosen.progress.step == straight.progress.step == 8
-    timed = next(line for line in lines if "seconds per step by loss implementation: reference" in line)
+    assert best in ("reference", "fused", "compiled") and chosen.progress.step == straight.progress.step == 10
+    timed = next(line for line in lines if "median of 2 interleaved turns of 1): reference" in line)
     assert "fused" in timed and f"training on with '{best}'" in timed
     assert "compiled" in timed or any("loss 'compiled' failed" in line for line in lines), \
         "timed, or left out where this machine cannot compile"
@@ -215,11 +216,11 @@ def test_batches_cut_long_sequences_and_pad_short_ones():
     assert batch.ids[1, :10].eq(6).all() and batch.ids[1, 10:].eq(1).all()
 
 
-def tiny_trainer(seed: int = 0) -> Trainer:
+def tiny_trainer(seed: int = 0, steps: int = 8) -> Trainer:
     target = tiny_target(seed, dtype=torch.float32)
     settings = TrainSettings(batch_size=4, blocks_per_sequence=4, lr=3e-3, log_every=1000, seed=seed)
     return Trainer.new(tiny_drafter(target, seed, block_size=8), target, tiny_data(seed), settings,
-                       Progress(schedule_steps=8), log=lambda line: None)
+                       Progress(schedule_steps=steps), log=lambda line: None)
 
 
 def test_a_resumed_run_continues_exactly_where_it_stopped(tmp_path):

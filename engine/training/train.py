@@ -31,6 +31,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -346,28 +347,39 @@ def loss_implementations() -> dict[str, Callable]:
     return dict(zip(LOSSES, (block_loss, fused_block_loss, compiled)))
 
 
-def choose_loss(trainer: Trainer, names: list[str], steps: int = 5) -> str:
-    """Train ``steps`` steps with each implementation, after one warm-up step each (compilation,
-    allocation), and keep the fastest for the rest of the run. All are ordinary training steps."""
-    implementations, seconds = loss_implementations(), {}
+def choose_loss(trainer: Trainer, names: list[str], steps: int = 2, rounds: int = 3) -> str:
+    """Time each implementation on ``rounds`` turns of ``steps`` steps, the turns interleaved (batch
+    sizes and a GPU still settling after the data stage drift between consecutive steps, and would
+    otherwise favour whichever ran last), after one warm-up step each (compilation, allocation); keep
+    the one with the lowest median for the rest of the run. All are ordinary training steps."""
+    implementations, turns = loss_implementations(), {}
     sync = torch.cuda.synchronize if trainer.target.device.type == "cuda" else (lambda: None)
-    for name in names:
+
+    def timed(name: str, count: int) -> float:
         trainer.loss = implementations[name]
+        sync()
+        began = time.monotonic()
+        trainer.run(max_steps=count)
+        sync()
+        return (time.monotonic() - began) / count
+
+    for name in names:
         try:
-            trainer.run(max_steps=1)
+            timed(name, 1)
         except Exception as error:  # e.g. a compiler this machine lacks: the others remain
             trainer.log(f"train: loss '{name}' failed and is left out: {type(error).__name__}: {error}")
             continue
-        sync()
-        began = time.monotonic()
-        trainer.run(max_steps=steps)
-        sync()
-        seconds[name] = (time.monotonic() - began) / steps
-    if not seconds:
+        turns[name] = []
+    for _ in range(rounds):
+        for name in turns:
+            turns[name].append(timed(name, steps))
+    if not turns:
         raise RuntimeError(f"every loss implementation failed ({', '.join(names)})")
+    seconds = {name: statistics.median(times) for name, times in turns.items()}
     best = min(seconds, key=seconds.get)
     trainer.loss = implementations[best]
-    trainer.log("train: seconds per step by loss implementation: "
+    trainer.log("train: seconds per step by loss implementation (median of "
+                f"{rounds} interleaved turns of {steps}): "
                 + ", ".join(f"{name} {s:.3f}" for name, s in seconds.items()) + f"; training on with '{best}'")
     return best
 
