@@ -1,10 +1,12 @@
 """Drive a running (or launched) Studio app through its API, as a user's script would, and print
 what it says about speed: per prompt and method τ, step cost in AR steps, the predicted speed-up
-τ ÷ cost and the measured one; the budget the page started with and why; one budget sweep.
+τ ÷ cost and the measured one; the budget the page started with and why; the Budget sweep tab on
+the first ``--sweep-prompts`` prompts, and on how many of them some budget beat AR.
 
     python -m engine.app_check --launch "python app.py --engine vllm" --prompts assets/prompts/fresh.jsonl \\
         --limit 5 --max-new-tokens 64 --out app-check.json
     python -m engine.app_check --url http://127.0.0.1:7860/ --limit 3
+    python -m engine.app_check --limit 0 --sweep-prompts 69   # the sweep alone, every fresh prompt
 
 Predicted and measured are the same quantity up to the prefill (in the measured wall times,
 not in the per-step cost) and warm-up (the app warms every method and candidate budget while
@@ -51,7 +53,8 @@ def wait_for(url: str, process: subprocess.Popen | None, timeout_s: float) -> No
             time.sleep(2)
 
 
-def check(url: str, prompts: list[dict], max_new_tokens: int, sweep_budgets: str) -> dict:
+def check(url: str, prompts: list[dict], max_new_tokens: int, sweep_budgets: str,
+          sweep_prompts: list[dict]) -> dict:
     from gradio_client import Client
 
     client = Client(url, verbose=False)
@@ -74,11 +77,24 @@ def check(url: str, prompts: list[dict], max_new_tokens: int, sweep_budgets: str
                   f"steps, predicted {entry['predicted_speedup']:.2f}×, measured {entry['speedup_vs_ar']:.2f}×"
                   + (f" (predicted / measured {ratio:.3f})" if ratio else "")
                   + f", prefill {entry['prefill_s'] / entry['wall_s']:.0%} of its wall time, engine {'/'.join(engines)}")
-    status, _, table = client.predict(prompts[0]["prompt"], max_new_tokens, 0.0, 0, sweep_budgets, api_name="/sweep")
-    print(f"sweep: {status}")
+    sweeps = [sweep(client, prompt, max_new_tokens, sweep_budgets) for prompt in sweep_prompts]
+    if sweeps:
+        faster = sum(1 for entry in sweeps if entry["best_speedup"] and entry["best_speedup"] > 1)
+        print(f"sweep: {faster} of {len(sweeps)} prompts have a DDTree budget faster than AR")
+    return {"info": info, "runs": runs, "sweeps": sweeps}
+
+
+def sweep(client, prompt: dict, max_new_tokens: int, budgets: str) -> dict:
+    """The Budget sweep tab on one prompt: its table, and the budget with the best measured speed-up."""
+    status, _, table = client.predict(prompt["prompt"], max_new_tokens, 0.0, 0, budgets, api_name="/sweep")
+    print(f"sweep {prompt['id']}: {status}")
     for row in table["data"]:
         print("  " + " | ".join(str(cell) for cell in row))
-    return {"info": info, "runs": runs, "sweep": table}
+    column = table["headers"].index("measured speed-up")
+    speedups = {row[0]: float(row[column].rstrip("×")) for row in table["data"] if row[column] != "–"}
+    best = max(speedups, key=speedups.get) if speedups else None
+    return {"prompt_id": prompt["id"], "table": table, "best_budget": best,
+            "best_speedup": speedups.get(best)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default="assets/prompts/fresh.jsonl")
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--sweep", default="4, 8, 16, 32, 64")
+    parser.add_argument("--sweep", default="4, 8, 16, 32, 64", help="the sweep's budgets")
+    parser.add_argument("--sweep-prompts", type=int, default=1, help="sweep the first this many prompts")
     parser.add_argument("--out", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
-    prompts = read_prompts(args.prompts)[: args.limit]
+    prompts = read_prompts(args.prompts)
     process = None
     url = args.url
     if url is None:
@@ -102,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}/"
     try:
         wait_for(url, process, args.startup_timeout)
-        result = check(url, prompts, args.max_new_tokens, args.sweep)
+        result = check(url, prompts[: args.limit], args.max_new_tokens, args.sweep, prompts[: args.sweep_prompts])
     finally:
         if process is not None:
             process.terminate()
