@@ -370,11 +370,11 @@ def choose_loss(trainer: Trainer, names: list[str], steps: int = 2, rounds: int 
             trainer.log(f"train: loss '{name}' failed and is left out: {type(error).__name__}: {error}")
             continue
         turns[name] = []
+    if not turns:
+        raise RuntimeError(f"every loss implementation failed ({', '.join(names)})")
     for _ in range(rounds):
         for name in turns:
             turns[name].append(timed(name, steps))
-    if not turns:
-        raise RuntimeError(f"every loss implementation failed ({', '.join(names)})")
     seconds = {name: statistics.median(times) for name, times in turns.items()}
     best = min(seconds, key=seconds.get)
     trainer.loss = implementations[best]
@@ -513,13 +513,13 @@ def main(argv=None) -> None:
           f"taps {config.target_layer_ids}; {origin}; "
           f"schedule {progress.fraction():.0%} done; {json.dumps(asdict(settings))}", flush=True)
     shard_mb = args.shard_mb or None
-    # time already spent loading counts against this run's budget
     if args.loss == "auto":
         choose_loss(trainer, list(LOSSES))
     else:
         trainer.loss = loss_implementations()[args.loss]
     if args.profile_steps:
         print(profiled_steps(trainer, args.profile_steps), flush=True)
+    # time already spent loading (and choosing the loss) counts against this run's budget
     max_seconds = args.max_minutes * 60 - (time.monotonic() - began) if args.max_minutes else math.inf
     trainer.run(max_seconds, on_save=lambda t: save_state(t, args.out / STATE_FILE))
     save_outputs(trainer, args.out, shard_mb)
