@@ -19,6 +19,9 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.", "Wh
            "Summarize the plot of Romeo and Juliet in three sentences."]
 
 
+# stages run once per generation (the prefill, the drafter's first context, the step program's start),
+# their kernels spread over its steps; the host's commit launches none
+ONCE_PER_RUN = {"target", "context", "start"}
 load_decoder = functools.partial(load_any_decoder, MODEL, DRAFTER)
 
 
@@ -35,7 +38,12 @@ def test_graph_replayed_steps_decode_what_ar_decodes_in_float32():
     # a trained drafter is accepted through the replayed graphs, and the tree beats the chain
     assert sum(taus["ddtree"]) > sum(taus["dflash"]) > 1.3 * len(PROMPTS), taus
     captured = {key[0]: set(program._graphs) for key, program in decoder._programs.items()}
-    assert captured == {"ar": {"advance"}, "dflash": {"draft", "advance"}, "ddtree": {"draft", "advance"}}
+    # the first draft reads the whole prompt: one graph per prompt-length bucket
+    first_drafts = {method: {name for name in names if name.startswith("first draft ")}
+                    for method, names in captured.items()}
+    assert captured["ar"] == {"advance"} and not first_drafts["ar"]
+    for method in ("dflash", "ddtree"):
+        assert first_drafts[method] and captured[method] - first_drafts[method] == {"draft", "advance"}, captured
 
 
 def test_kernels_are_counted_per_stage():
@@ -44,7 +52,7 @@ def test_kernels_are_counted_per_stage():
     settings = DecodeSettings("ddtree", max_new_tokens=32, tree_budget=16)
     decoder.run(prompt_ids=prompt_ids, settings=settings)  # captures the graphs
     counts = decoder.kernels_per_step(prompt_ids, settings)
-    assert set(counts) == {"draft", "verify", "commit"}
+    assert set(counts) == {"draft", "verify"} | ONCE_PER_RUN
     assert counts["draft"] > 20 and counts["verify"] > counts["draft"], counts
 
 

@@ -19,6 +19,7 @@ import torch
 import ddtree
 from engine.decode import DecodeSettings
 from engine.errors import EngineError
+from tests.test_fixed_step_gpu import ONCE_PER_RUN
 
 pytestmark = [
     pytest.mark.gpu,
@@ -152,7 +153,7 @@ def test_kernels_are_counted_per_stage_in_the_workers(studio, readable):
     prompt_ids = studio.target.chat_ids(prompts(1)[0])
     settings = DecodeSettings("ddtree", 32, tree_budget=16)
     fixed, before = (decoder.kernels_per_step(prompt_ids, settings) for decoder in (studio, readable))
-    assert set(fixed) == {"draft", "verify", "commit"} and set(before) >= {"draft", "tree_build", "verify", "commit"}
+    assert set(fixed) == {"draft", "verify"} | ONCE_PER_RUN and set(before) >= {"draft", "tree_build", "verify", "commit"}
     assert fixed["draft"] > 20 and fixed["verify"] > 100, fixed
 
 
