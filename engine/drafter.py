@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -415,6 +415,21 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.data.fill_(1.0)
         return self
+
+    def with_extra_layers(self, count: int, seed: int) -> "DFlashDrafter":
+        """This drafter with ``count`` fresh layers after its own, each adding nothing at first
+        (output projections zero), so it drafts exactly what this one does and training grows it
+        from there instead of from scratch."""
+        config = replace(self.config, num_hidden_layers=self.config.num_hidden_layers + count,
+                         layer_types=self.config.layer_types + self.config.layer_types[-1:] * count)
+        grown = DFlashDrafter(config).initialize(seed).to(device=self.fc.weight.device, dtype=self.dtype)
+        missing, unexpected = grown.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and all(name.startswith("layers.") and
+                                      int(name.split(".")[1]) >= self.config.num_hidden_layers for name in missing)
+        for layer in grown.layers[self.config.num_hidden_layers:]:
+            layer.self_attn.o_proj.weight.data.zero_()
+            layer.mlp.down_proj.weight.data.zero_()
+        return grown
 
 
 class ScriptedDrafter(DFlashDrafter):

@@ -558,3 +558,30 @@ def test_training_on_the_targets_own_outputs_raises_acceptance():
     print(f"tau before {before}, after {after}")
     assert after["dflash"] > before["dflash"] + 0.5
     assert after["ddtree"] > before["ddtree"] + 0.5
+
+
+def test_a_grown_drafter_drafts_what_it_grew_from_and_then_learns_in_its_new_layers(tmp_path):
+    from engine.training.train import parse_args, start
+
+    target = tiny_target()
+    drafter = tiny_drafter(target, seed=3, layers=2)
+    export_drafter(drafter, tmp_path / "drafter", shard_mb=None)
+    args = parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "drafter"),
+                       "--grow-layers", "1", "--schedule-steps", "10"])
+    grown = start(args, target)[0]
+    assert grown.config.num_hidden_layers == 3 and len(grown.config.layer_types) == 3
+    loaded = load_drafter(tmp_path / "drafter").float()
+    prompt = torch.randint(0, target.config.vocab_size, (1, 12))
+    with torch.no_grad():
+        hidden = target.model(input_ids=prompt, output_hidden_states=True).hidden_states
+        features = loaded.context_features(hidden).float()
+        block = loaded.embed(torch.full((1, 4), loaded.mask_token_id), target.model.get_input_embeddings().weight.float())
+        positions, context_positions = torch.arange(12, 16)[None], torch.arange(12)[None]
+        torch.testing.assert_close(grown(block, features, positions, context_positions),
+                                   loaded(block, features, positions, context_positions), rtol=0, atol=0)
+    new_layer = grown.layers[2]
+    (grown(block, features, positions, context_positions) ** 2).sum().backward()
+    assert new_layer.self_attn.o_proj.weight.grad.abs().sum() > 0 and new_layer.mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(SystemExit, match="--grow-layers grows a drafter given with --init-from"):
+        start(parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--grow-layers", "1",
+                          "--schedule-steps", "10"]), target)

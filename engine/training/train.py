@@ -446,6 +446,9 @@ def parse_args(argv=None):
     parser.add_argument("--init-from", type=Path,
                         help="an exported drafter folder to start from (a new optimizer and schedule): how training "
                              "carries over GPU sessions, whose checkpoints must come back small")
+    parser.add_argument("--grow-layers", type=int, default=0,
+                        help="with --init-from: append this many layers whose outputs start at zero (the drafts "
+                             "are unchanged at the first step; training grows the drafter from there)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="target dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--num-layers", type=int, default=5)
@@ -481,8 +484,12 @@ def start(args, target: Target) -> tuple[DFlashDrafter, TrainSettings, Progress,
             progress.schedule_seconds, progress.schedule_steps = args.schedule_minutes * 60, None
         return drafter, settings, progress, state["optimizer"]
     settings = TrainSettings(**{name: getattr(args, name) for name in asdict(TrainSettings())})
+    if args.grow_layers and not args.init_from:
+        raise SystemExit("--grow-layers grows a drafter given with --init-from (a fresh one takes --num-layers)")
     if args.init_from:
         drafter = load_drafter(args.init_from).float().to(target.device)
+        if args.grow_layers:
+            drafter = drafter.with_extra_layers(args.grow_layers, settings.seed)
     else:
         config = fresh_config(target.config, num_layers=args.num_layers, mask_token_id=args.mask_token_id,
                               block_size=args.block_size, num_taps=args.num_taps,
