@@ -41,6 +41,7 @@ from ddtree.forks import PathReplay, depths, path_replay, path_table, window_col
 class GDNKernels:
     conv_update: Callable  # causal_conv1d_update's signature
     gated_delta_update: Callable  # fused_sigmoid_gating_delta_rule_update's signature
+    recurrent: Callable  # fused_recurrent_gated_delta_rule's (the float32 prefill, ``recurrent_prefill``)
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def commit_layer(params: GDNParams, kept: KeptInputs, plan: GDNTreePlan, path: t
 
 
 # ---------------------------------------------------------------------------------------------
-# Readable references of the two vLLM kernels (their indexing conventions, plain torch)
+# Readable references of the vLLM kernels (their indexing conventions, plain torch)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -170,11 +171,12 @@ def conv_update_reference(x, conv_state, weight, bias=None, activation=None, con
     return (F.silu(out) if activation in ("silu", "swish", True) else out).to(x.dtype)
 
 
-def gated_delta_reference(A_log, a, b, dt_bias, q, k, v, initial_state, inplace_final_state=True, cu_seqlens=None,
-                          ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
-                          scale=None):
-    """``fused_sigmoid_gating_delta_rule_update`` over varlen sequences ``q/k [1, T, H, K]``,
-    ``v [1, T, HV, V]``, ``a/b [T, HV]`` with per-sequence state slots; returns ``(out, state)``."""
+def recurrent_reference(q, k, v, g, beta, scale=None, initial_state=None, inplace_final_state=True, cu_seqlens=None,
+                        ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False):
+    """``fused_recurrent_gated_delta_rule`` over varlen sequences ``q/k [1, T, H, K]``, ``v [1, T, HV, V]``,
+    log decays ``g`` and ``beta [1, T, HV]``, with per-sequence state slots (``ssm_state_indices``:
+    sequence n starts from slot ``indices[n, accepted[n] - 1]``, stores after token t into slot
+    ``indices[n, t]`` unless it is 0); returns ``(out, state)``."""
     heads, key_heads = v.shape[2], q.shape[2]
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     out = torch.zeros_like(v)
@@ -197,10 +199,8 @@ def gated_delta_reference(A_log, a, b, dt_bias, q, k, v, initial_state, inplace_
                 query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
                 key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
             query = query * scale
-            x = a[token].float() + dt_bias.float()
-            g = -A_log.float().exp() * torch.where(x <= 20.0, torch.log(1 + torch.exp(x)), x)
-            state = state * g.exp()[:, None, None]
-            value = (value - (state * key[:, None, :]).sum(-1)) * torch.sigmoid(b[token].float())[:, None]
+            state = state * g[0, token].float().exp()[:, None, None]
+            value = (value - (state * key[:, None, :]).sum(-1)) * beta[0, token].float()[:, None]
             state = state + value[:, :, None] * key[:, None, :]
             out[0, token] = (state * query[:, None, :]).sum(-1).to(out.dtype)
             store = int(flat[n * row_stride + t])
@@ -209,4 +209,36 @@ def gated_delta_reference(A_log, a, b, dt_bias, q, k, v, initial_state, inplace_
     return out, initial_state
 
 
-REFERENCE_KERNELS = GDNKernels(conv_update_reference, gated_delta_reference)
+def gated_delta_reference(A_log, a, b, dt_bias, q, k, v, initial_state, inplace_final_state=True, cu_seqlens=None,
+                          ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                          scale=None):
+    """``fused_sigmoid_gating_delta_rule_update``: the gates from ``a/b [T, HV]`` (softplus decay,
+    sigmoid beta), then the recurrence as ``recurrent_reference``."""
+    def decay(row):  # token by token: the same bits however many tokens come along (vectorised exp is not)
+        x = row.float() + dt_bias.float()
+        return -A_log.float().exp() * torch.where(x <= 20.0, torch.log(1 + torch.exp(x)), x)
+
+    g = torch.stack([decay(row) for row in a]) if len(a) else a.float()
+    beta = torch.stack([torch.sigmoid(row.float()) for row in b]) if len(b) else b.float()
+    return recurrent_reference(q, k, v, g[None], beta[None], scale, initial_state,
+                               inplace_final_state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                               use_qk_l2norm_in_kernel)
+
+
+def recurrent_prefill(q, k, v, g, beta, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                      use_qk_l2norm_in_kernel: bool, recurrent: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_gated_delta_rule``'s prefill (outputs ``[1, T, HV, V]``, each sequence's final state
+    ``[N, HV, V, K]``) through the recurrent kernel ``recurrent`` (``fused_recurrent_gated_delta_rule``'s
+    signature): vLLM 0.23's chunked kernel refuses float32. Sequence n starts from row n + 1 of a
+    scratch copy of ``initial_state`` (row 0 is the null row the kernel skips) and stores every
+    step's state back into that row, so the row ends as the sequence's final state."""
+    sequences = cu_seqlens.numel() - 1
+    longest = max(1, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+    states = torch.cat([initial_state.new_zeros(1, *initial_state.shape[1:]), initial_state])
+    rows = torch.arange(1, sequences + 1, dtype=torch.int32, device=q.device)[:, None].repeat(1, longest)
+    out, _ = recurrent(q=q, k=k, v=v, g=g, beta=beta, initial_state=states, inplace_final_state=True,
+                       cu_seqlens=cu_seqlens, ssm_state_indices=rows, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return out, states[1:]
+
+
+REFERENCE_KERNELS = GDNKernels(conv_update_reference, gated_delta_reference, recurrent_reference)

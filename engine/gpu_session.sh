@@ -16,8 +16,9 @@
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, a drafter scripted with
 #              the engine's own bf16 AR (deep acceptance) (carry [".whl"] with compressed-tensors and loguru, which
 #              vLLM's Qwen3.5 module imports and the trimmed bundle lacks) (~5 min)
-#   hybrid-exact  after hybrid: AR, DFlash, DDTree@16/@64 against vLLM's AR, bf16 (vLLM 0.23's chunked
-#              GDN prefill refuses float32; the recurrent states are float32) (~5 min)
+#   hybrid-exact  after hybrid: AR, DFlash, DDTree@16/@64 against vLLM's AR, float32 (vLLM 0.23's chunked
+#              GDN prefill refuses float32: engine.vllm_gdn runs it through vLLM's recurrent kernel, in
+#              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (~3 min)
 #   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (~4 min)
 #   shape      Qwen3-8B shape, random weights + projection (~7 min)
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
@@ -32,6 +33,7 @@ phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
 HYBRID=/tmp/tiny-qwen3.5  # and its -attention twin, -shape (a drafter config) and -scripted drafter
+HYBRID_DTYPE=${HYBRID_DTYPE:-float32}
 tables() { grep -E '^\||^kernels|NOT a near-tie|^error' "$1" | tail -n "${2:-40}"; }
 
 case "$phase" in
@@ -84,17 +86,16 @@ hybrid)  # the folders, the kernels under trees, and a drafter scripted with the
   tail -n 1 "$OUT/hybrid-build.txt"
   timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_gdn_tree.py > "$OUT/pytest-gdn.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
-  # a random tiny model's logits are nearly flat: bf16 greedy leaves float32's within a few tokens, so
-  # the script is the vLLM engine's own bf16 AR, for trees accepted levels deep
+  # the script is the vLLM engine's own AR in the dtype hybrid-exact runs, for trees accepted levels deep
+  # (a random tiny model's logits are nearly flat: 16% of its bf16 steps are within 2 bf16 steps of a tie)
   timeout 240 python3 -m engine.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-shape" \
-      --dtype bfloat16 --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar --max-new-tokens 64 \
+      --dtype "$HYBRID_DTYPE" --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar --max-new-tokens 64 \
       --out "$OUT/gpu-vllm-hybrid-ar.json" > "$OUT/bench-hybrid-ar.txt" 2>&1
   python3 -m engine.scripted "$OUT/gpu-vllm-hybrid-ar.json" --shape "$HYBRID-shape" --out "$HYBRID-scripted" ;;
-hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR, bf16 (vLLM 0.23's chunked GDN
-  # prefill refuses float32; the recurrent states are float32, as the folder asks)
+hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR
   timeout 400 python3 -m engine.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-scripted" \
-      --dtype bfloat16 --native ar --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar,dflash,ddtree \
-      --tree-budget 16,64 --max-new-tokens 64 --out "$OUT/gpu-vllm-hybrid-bf16.json" > "$OUT/bench-hybrid.txt" 2>&1
+      --dtype "$HYBRID_DTYPE" --native ar --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar,dflash,ddtree \
+      --tree-budget 16,64 --max-new-tokens 64 --out "$OUT/gpu-vllm-hybrid-$HYBRID_DTYPE.json" > "$OUT/bench-hybrid.txt" 2>&1
   tables "$OUT/bench-hybrid.txt" 12 ;;
 hybrid-cost)  # verify cost vs tree size: the same shape with and without its Gated DeltaNets (after hybrid)
   for model in "$HYBRID" "$HYBRID-attention"; do

@@ -159,18 +159,24 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
         check_drafter_fits(drafter.config, text)
 
 
-def hybrid_settings(folder: str) -> dict:
+def hybrid_settings(folder: str, studio: bool) -> dict:
     """``vllm.LLM`` settings a target's folder needs: for a multimodal checkpoint (Qwen3.5 / 3.6,
     hybrid or not) its language model alone, the Studio sends text (else vLLM builds the vision
     tower and loads the image processor, which a text-only test folder lacks); for a hybrid,
     vLLM's own Triton kernels for the prompt's Gated DeltaNet prefill (its FlashInfer one is
-    JIT-built, and absent from the GPU bundle)."""
+    JIT-built, and absent from the GPU bundle), and ``engine.vllm_gdn`` in its workers before the
+    model is built (its float32 prefill), through the worker extension: the Studio's (``studio``)
+    or one with nothing in it (vLLM's own runs)."""
     from engine.hybrid import is_hybrid
 
     config = shape_config(folder)
+    hybrid = is_hybrid(getattr(config, "text_config", config))
     settings = {}
-    if is_hybrid(getattr(config, "text_config", config)):
+    if hybrid:
         settings["additional_config"] = {"gdn_prefill_backend": "triton"}
+        settings["worker_extension_cls"] = "engine.vllm_gdn." + ("HybridStudioWorker" if studio else "HybridPrefill")
+    elif studio:
+        settings["worker_extension_cls"] = "engine.vllm_worker.StudioWorker"
     if hasattr(config, "text_config"):
         settings["language_model_only"] = True
     return settings
@@ -198,8 +204,8 @@ class VllmDecoder(Decoder):
             model=folder, dtype=dtype, seed=seed, tensor_parallel_size=options.tensor_parallel_size,
             enforce_eager=True, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
             gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
-            worker_extension_cls="engine.vllm_worker.StudioWorker", tokenizer=tokenizer_folder(folder),
-            load_format="dummy" if options.random_weights else "auto", **hybrid_settings(folder),
+            tokenizer=tokenizer_folder(folder), load_format="dummy" if options.random_weights else "auto",
+            **hybrid_settings(folder, studio=True),
         )
         loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
                                                               drafter_info.name, options.cuda_graphs,
@@ -279,7 +285,7 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
-                    async_scheduling=speculative is None, **hybrid_settings(folder))
+                    async_scheduling=speculative is None, **hybrid_settings(folder, studio=False))
 
 
 def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],

@@ -18,9 +18,11 @@ DeltaNet group takes a block of its own from the pool's end (the last block for 
 the one before it for the next...), and the attention layers get the blocks before those: no two
 groups may ever hold the same block id.
 
-vLLM is touched at one more named point: ``QwenGatedDeltaNetAttention._forward_core`` is
+vLLM is touched at two more named points: ``QwenGatedDeltaNetAttention._forward_core`` is
 wrapped, so that inside a tree pass (``_TreeGDN.current`` set) it runs the tree version; the
 prompt's prefill runs vLLM's own path (chunked delta rule) with metadata from vLLM's builder.
+And ``ChunkGatedDeltaRule.forward`` runs float32 prefills through vLLM's recurrent kernel
+(``gdn_tree.recurrent_prefill``), since 0.23's chunked one refuses float32; other dtypes pass.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from vllm.model_executor.layers.fla.ops import fused_sigmoid_gating_delta_rule_update
+from vllm.model_executor.layers.fla.ops import fused_recurrent_gated_delta_rule, fused_sigmoid_gating_delta_rule_update
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
@@ -36,8 +38,10 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from engine import gdn_tree
 from engine.errors import EngineError
+from engine.vllm_worker import StudioWorker
 
-KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update)
+KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update,
+                              fused_recurrent_gated_delta_rule)
 
 
 @dataclass
@@ -68,6 +72,34 @@ def _forward_core_with_tree(self, mixed_qkv, b, a, core_attn_out):
 
 _forward_core = qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core
 qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core = _forward_core_with_tree
+
+
+def _chunked_or_recurrent(self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=None,
+                          use_qk_l2norm_in_kernel=True, core_attn_out=None, **chunk_metadata):
+    if q.dtype != torch.float32:
+        return _chunked(self, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, core_attn_out=core_attn_out, **chunk_metadata)
+    out, final_state = gdn_tree.recurrent_prefill(q, k, v, g, beta, initial_state, cu_seqlens,
+                                                  use_qk_l2norm_in_kernel, KERNELS.recurrent)
+    if core_attn_out is not None:
+        core_attn_out.reshape(-1)[: out.numel()].copy_(out.reshape(-1))
+    return out, final_state
+
+
+# the float32 prefill: vLLM 0.23's chunked delta rule refuses float32, its recurrent kernel takes it
+# (in vLLM's own AR too: ``HybridPrefill`` puts this module into its workers)
+_chunked = qwen_gdn_linear_attn.ChunkGatedDeltaRule.forward
+qwen_gdn_linear_attn.ChunkGatedDeltaRule.forward = _chunked_or_recurrent
+
+
+class HybridPrefill:
+    """A worker extension with nothing in it: naming it (``worker_extension_cls``) imports this module
+    into vLLM's workers before the model is built and profiled, so a float32 prefill runs there too."""
+
+
+class HybridStudioWorker(StudioWorker, HybridPrefill):
+    """The Studio's worker extension for hybrid targets (this module imported before the model is built)."""
 
 
 def states(layer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,13 +32,14 @@ def same(ours: torch.Tensor, reference: torch.Tensor, device: str) -> bool:
 def kernel_sets():
     sets = [pytest.param((REFERENCE_KERNELS, "cpu"), id="torch-reference")]
     try:
-        from vllm.model_executor.layers.fla.ops import fused_sigmoid_gating_delta_rule_update
+        from vllm.model_executor.layers.fla.ops import (fused_recurrent_gated_delta_rule,
+                                                        fused_sigmoid_gating_delta_rule_update)
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
     except ImportError:
         return sets
     if torch.cuda.is_available():
-        sets.append(pytest.param((gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update),
-                                  "cuda"), id="vllm-kernels"))
+        sets.append(pytest.param((gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update,
+                                                      fused_recurrent_gated_delta_rule), "cuda"), id="vllm-kernels"))
     return sets
 
 
@@ -198,3 +199,32 @@ def test_a_node_forked_from_its_sibling_is_caught():
     expected = decode_path(params, REFERENCE_KERNELS, conv_state.clone(), ssm_state.clone(), mixed_qkv, a, b,
                            [0, 1, 3, 5])
     assert not torch.allclose(out[5], expected[-1], atol=1e-3)
+
+
+def test_the_float32_prefill_leaves_each_prompt_as_decoding_it_token_by_token(kernels):
+    """``recurrent_prefill`` (vLLM's recurrent kernel standing in for its chunked one, which refuses
+    float32): three prompts of a varlen batch, one empty, each from its own initial state."""
+    kernels, device = kernels
+    g = torch.Generator().manual_seed(5)
+    lengths = [5, 0, 3]
+    total, starts = sum(lengths), torch.tensor([0, 5, 5, 8], dtype=torch.int32, device=device)
+
+    def rand(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(device)
+
+    q, k = rand(1, total, KEY_HEADS, HEAD_K), rand(1, total, KEY_HEADS, HEAD_K)
+    v, decay, beta = rand(1, total, HEADS, HEAD_V), -rand(1, total, HEADS).abs(), rand(1, total, HEADS).sigmoid()
+    initial = rand(3, HEADS, HEAD_V, HEAD_K, s=0.3)
+    before = initial.clone()
+    out, final = gdn_tree.recurrent_prefill(q, k, v, decay, beta, initial, starts, True, kernels.recurrent)
+    assert out.shape == v.shape and final.shape == initial.shape and torch.equal(initial, before)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    for n, (begin, length) in enumerate(zip([0, 5, 5], lengths)):
+        state = torch.cat([torch.zeros_like(initial[:1]), initial[n:n + 1]])  # slot 1, as vLLM's decode reads it
+        for token in range(begin, begin + length):
+            step = slice(token, token + 1)
+            decoded, _ = kernels.recurrent(q=q[:, step], k=k[:, step], v=v[:, step], g=decay[:, step], beta=beta[:, step],
+                                           initial_state=state, inplace_final_state=True, cu_seqlens=one,
+                                           ssm_state_indices=one[1:], use_qk_l2norm_in_kernel=True)
+            assert same(out[0, token], decoded[0, 0], device), (n, token)
+        assert same(final[n], state[1], device), n

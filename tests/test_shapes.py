@@ -186,10 +186,15 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     fits = write_scripted_drafter(tmp_path / "fits", fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2), [])
     preflight(str(folder), drafter_shape(fits))  # no error
     # the Studio sends text: the multimodal checkpoint runs its language model alone
-    assert hybrid_settings(str(folder)) == {"additional_config": {"gdn_prefill_backend": "triton"},
-                                            "language_model_only": True}
-    assert hybrid_settings(str(SHAPES / "qwen3.6-27b"))["language_model_only"] is True
-    assert hybrid_settings(str(SHAPES / "qwen3-8b")) == {}
+    # and a hybrid's workers import engine.vllm_gdn before the model is built (its float32 prefill)
+    assert hybrid_settings(str(folder), studio=True) == {
+        "additional_config": {"gdn_prefill_backend": "triton"}, "language_model_only": True,
+        "worker_extension_cls": "engine.vllm_gdn.HybridStudioWorker"}
+    assert hybrid_settings(str(folder), studio=False)["worker_extension_cls"] == "engine.vllm_gdn.HybridPrefill"
+    assert hybrid_settings(str(SHAPES / "qwen3.6-27b"), studio=False)["language_model_only"] is True
+    assert hybrid_settings(str(SHAPES / "qwen3-8b"), studio=False) == {}
+    assert hybrid_settings(str(SHAPES / "qwen3-8b"), studio=True) == {
+        "worker_extension_cls": "engine.vllm_worker.StudioWorker"}
     narrow = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)
     narrow.hidden_size = 128
     with pytest.raises(EngineError, match="drafter hidden size 128 does not match the target's 256"):

@@ -27,6 +27,14 @@ class QwenGatedDeltaNetAttention:
         raise AssertionError("vLLM's own path runs only for prefills")
 
 
+class ChunkGatedDeltaRule:
+    """Stands in for vLLM's chunked prefill op, which refuses float32."""
+
+    def forward(self, q, **rest):
+        assert q.dtype != torch.float32, "ChunkGatedDeltaRuleFunction does not support float32"
+        return "chunked"
+
+
 class Builder:
     """A GDN metadata builder that hands back the block table it was given."""
 
@@ -38,9 +46,11 @@ class Builder:
 def vllm_gdn(monkeypatch):
     stubs = {
         "vllm.model_executor.layers.fla.ops": dict(
-            fused_sigmoid_gating_delta_rule_update=gdn_tree.gated_delta_reference),
+            fused_sigmoid_gating_delta_rule_update=gdn_tree.gated_delta_reference,
+            fused_recurrent_gated_delta_rule=gdn_tree.recurrent_reference),
         "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn": dict(
-            QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention),
+            QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention, ChunkGatedDeltaRule=ChunkGatedDeltaRule),
+        "engine.vllm_worker": dict(StudioWorker=type("StudioWorker", (), {})),
         "vllm.model_executor.layers.mamba.mamba_utils": dict(is_conv_state_dim_first=lambda: False),
         "vllm.model_executor.layers.mamba.ops.causal_conv1d": dict(causal_conv1d_update=gdn_tree.conv_update_reference),
         "vllm.v1.attention.backend": dict(CommonAttentionMetadata=types.SimpleNamespace),
@@ -119,3 +129,18 @@ def test_groups_sharing_a_cache_tensor_keep_their_own_states(vllm_gdn):
         gdn.commit(accepted)
         for layer, (mixed_qkv, a, b), (conv, ssm) in zip(layers, inputs, references):
             check.decode_path(layer.params, gdn_tree.REFERENCE_KERNELS, conv, ssm, mixed_qkv, a, b, accepted)
+
+
+def test_a_float32_prefill_runs_through_the_recurrent_kernel_and_other_dtypes_pass(vllm_gdn):
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 6, 2, 8, generator=g), torch.randn(1, 6, 2, 8, generator=g)
+    v, decay = torch.randn(1, 6, 4, 8, generator=g), -torch.rand(1, 6, 4, generator=g)
+    beta, initial = torch.rand(1, 6, 4, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    starts = torch.tensor([0, 4, 6], dtype=torch.int32)
+    core = torch.zeros(6, 4, 8)
+    arguments = dict(k=k, v=v, g=decay, beta=beta, initial_state=initial, output_final_state=True, cu_seqlens=starts,
+                     chunk_indices=None, chunk_offsets=None, use_qk_l2norm_in_kernel=False)
+    out, final = ChunkGatedDeltaRule().forward(q=q, core_attn_out=core, **arguments)
+    expected = gdn_tree.recurrent_prefill(q, k, v, decay, beta, initial, starts, False, gdn_tree.recurrent_reference)
+    assert torch.equal(out, expected[0]) and torch.equal(final, expected[1]) and torch.equal(core, out[0])
+    assert ChunkGatedDeltaRule().forward(q=q.bfloat16(), **arguments) == "chunked"

@@ -3,8 +3,8 @@
     pip install triton==3.6.0      # beside the project's requirements (not one of them)
     TRITON_INTERPRET=1 python -m tests.vllm_kernels_on_cpu SITE   # SITE: a folder holding vllm/ (0.23.0)
 
-Triton's interpreter runs vLLM 0.23's ``causal_conv1d_update`` and
-``fused_sigmoid_gating_delta_rule_update`` on CPU tensors, loaded straight from vLLM's source
+Triton's interpreter runs vLLM 0.23's ``causal_conv1d_update``,
+``fused_sigmoid_gating_delta_rule_update`` and ``fused_recurrent_gated_delta_rule`` on CPU tensors, loaded straight from vLLM's source
 files (``vllm.triton_utils`` stubbed; one interpreter-only edit: the recurrent kernel's
 ``range(T)`` over a loaded scalar). With them it runs ``tests/test_gdn_tree.py``'s checks
 (every tree node, and every commit, against vLLM-style one-token decoding) and drives
@@ -16,6 +16,7 @@ conv state in vLLM's default layout. A GPU runs the same checks with compiled ke
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import tempfile
 import types
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 
 KERNELS = {"conv": "model_executor/layers/mamba/ops/causal_conv1d.py",
-           "gating": "model_executor/layers/fla/ops/fused_sigmoid_gating.py"}
+           "gating": "model_executor/layers/fla/ops/fused_sigmoid_gating.py",
+           "recurrent": "model_executor/layers/fla/ops/fused_recurrent.py"}
 
 
 def _module(name: str, **attributes) -> types.ModuleType:
@@ -46,6 +48,8 @@ def load_kernels(site: Path) -> dict[str, types.ModuleType]:
     for key, relative in KERNELS.items():
         source = (site / "vllm" / relative).read_text()
         # the interpreter hands a loaded scalar over as a one-element array, which range() refuses
+        # a file of its own, no package around it: op.py's exp is tl.exp (the interpreter patches tl's own names)
+        source = re.sub(r"(?<![\w.])exp\(", "tl.exp(", source.replace("from .op import exp\n", ""))
         source = source.replace("for i_t in range(0, T):", "for i_t in range(0, int(T.handle.data.reshape(-1)[0]) "
                                                           "if hasattr(T, 'handle') else T):")
         path = folder / f"vllm_cpu_{key}.py"  # triton reads a kernel's source from its file
@@ -67,11 +71,12 @@ def check_glue(kernels, check) -> None:
     """``engine.vllm_gdn`` over stub vLLM modules: three tree steps, each committed."""
     from ddtree.forks import depths, path_table
 
-    _module("vllm.model_executor.layers.fla.ops",
-            fused_sigmoid_gating_delta_rule_update=kernels.gated_delta_update)
+    _module("vllm.model_executor.layers.fla.ops", fused_sigmoid_gating_delta_rule_update=kernels.gated_delta_update,
+            fused_recurrent_gated_delta_rule=kernels.recurrent)
     _module("vllm.model_executor.layers.mamba.gdn")
     _module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
-            QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention)
+            QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention, ChunkGatedDeltaRule=type("ChunkGatedDeltaRule", (), {"forward": None}))
+    _module("engine.vllm_worker", StudioWorker=type("StudioWorker", (), {}))
     _module("vllm.model_executor.layers.mamba.mamba_utils", is_conv_state_dim_first=lambda: False)
     _module("vllm.model_executor.layers.mamba.ops.causal_conv1d", causal_conv1d_update=kernels.conv_update)
     _module("vllm.v1.attention.backend", CommonAttentionMetadata=object)
@@ -122,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     from tests import test_gdn_tree as check
 
     loaded = load_kernels(Path(argv[0]))
-    kernels = GDNKernels(loaded["conv"].causal_conv1d_update, loaded["gating"].fused_sigmoid_gating_delta_rule_update)
+    kernels = GDNKernels(loaded["conv"].causal_conv1d_update, loaded["gating"].fused_sigmoid_gating_delta_rule_update,
+                         loaded["recurrent"].fused_recurrent_gated_delta_rule)
     for seed in (0, 1, 2):
         check.test_every_node_scores_like_its_path_decoded_alone_and_verify_writes_nothing((kernels, "cpu"), seed)
     for seed in (0, 3):
         check.test_commit_leaves_the_caches_as_decoding_the_accepted_path((kernels, "cpu"), seed)
     check.test_a_chain_and_a_lone_root_are_trees_too((kernels, "cpu"))
+    check.test_the_float32_prefill_leaves_each_prompt_as_decoding_it_token_by_token((kernels, "cpu"))
     print("vLLM's kernels: every node and every commit bit-identical to one-token decoding")
     params, conv, ssm = check.layer(7, "cpu")
     visible = check.wide_deep_tree(7)
