@@ -10,7 +10,7 @@ interface.
 vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
 is wrapped so that a verify pass can add a query-query bias (``qq_bias``, a parameter the
 kernel still has from vLLM's removed tree-attention backend). Hybrid targets (Gated DeltaNet
-layers) add one more, in ``engine.vllm_gdn``, imported only for them. Nothing else is patched.
+layers) add two more, in ``engine.vllm_gdn``, imported only for them. Nothing else is patched.
 """
 
 from __future__ import annotations
