@@ -254,15 +254,20 @@ def test_profiled_steps_are_ordinary_training_steps_and_report_the_costliest_ope
         torch.testing.assert_close(a, b)
 
 
-def test_training_can_start_from_an_exported_drafter(tmp_path):
+def start_from_an_export(tmp_path, *flags: str):
+    """A 2-layer drafter exported, and training started from it with ``flags``: (target, drafter, start's result)."""
     from engine.training.train import parse_args, start
 
     target = tiny_target()
     drafter = tiny_drafter(target, seed=3, layers=2)
     export_drafter(drafter, tmp_path / "drafter", shard_mb=None)
     args = parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "drafter"),
-                       "--num-layers", "4", "--schedule-steps", "10"])
-    started, settings, progress, optimizer_state = start(args, target)
+                       "--schedule-steps", "10", *flags])
+    return target, drafter, start(args, target)
+
+
+def test_training_can_start_from_an_exported_drafter(tmp_path):
+    _, drafter, (started, settings, progress, optimizer_state) = start_from_an_export(tmp_path, "--num-layers", "4")
     assert started.config.num_hidden_layers == 2, "the checkpoint's shape, not --num-layers"
     assert optimizer_state is None and progress.step == 0 and progress.schedule_steps == 10
     for name, value in started.state_dict().items():
@@ -563,12 +568,7 @@ def test_training_on_the_targets_own_outputs_raises_acceptance():
 def test_a_grown_drafter_drafts_what_it_grew_from_and_then_learns_in_its_new_layers(tmp_path):
     from engine.training.train import parse_args, start
 
-    target = tiny_target()
-    drafter = tiny_drafter(target, seed=3, layers=2)
-    export_drafter(drafter, tmp_path / "drafter", shard_mb=None)
-    args = parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "drafter"),
-                       "--grow-layers", "1", "--schedule-steps", "10"])
-    grown = start(args, target)[0]
+    target, _, (grown, *_) = start_from_an_export(tmp_path, "--grow-layers", "1")
     assert grown.config.num_hidden_layers == 3 and len(grown.config.layer_types) == 3
     loaded = load_drafter(tmp_path / "drafter").float()
     prompt = torch.randint(0, target.config.vocab_size, (1, 12))
