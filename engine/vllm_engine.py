@@ -159,7 +159,7 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
         check_drafter_fits(drafter.config, text)
 
 
-def hybrid_settings(folder: str, studio: bool) -> dict:
+def llm_settings(folder: str, studio: bool) -> dict:
     """``vllm.LLM`` settings a target's folder needs: for a multimodal checkpoint (Qwen3.5 / 3.6,
     hybrid or not) its language model alone, the Studio sends text (else vLLM builds the vision
     tower and loads the image processor, which a text-only test folder lacks); for a hybrid,
@@ -205,7 +205,7 @@ class VllmDecoder(Decoder):
             enforce_eager=True, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
             gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
             tokenizer=tokenizer_folder(folder), load_format="dummy" if options.random_weights else "auto",
-            **hybrid_settings(folder, studio=True),
+            **llm_settings(folder, studio=True),
         )
         loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
                                                               drafter_info.name, options.cuda_graphs,
@@ -285,7 +285,7 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
-                    async_scheduling=speculative is None, **hybrid_settings(folder, studio=False))
+                    async_scheduling=speculative is None, **llm_settings(folder, studio=False))
 
 
 def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],

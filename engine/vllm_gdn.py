@@ -98,7 +98,7 @@ class HybridPrefill:
     into vLLM's workers before the model is built and profiled, so a float32 prefill runs there too."""
 
 
-class HybridStudioWorker(StudioWorker, HybridPrefill):
+class HybridStudioWorker(StudioWorker):
     """The Studio's worker extension for hybrid targets (this module imported before the model is built)."""
 
 

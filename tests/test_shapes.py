@@ -177,7 +177,7 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
 
     from engine.drafter import drafter_shape, fresh_config, write_scripted_drafter
     from engine.target import shape_config
-    from engine.vllm_engine import hybrid_settings, load_vllm_decoder, preflight
+    from engine.vllm_engine import llm_settings, load_vllm_decoder, preflight
     from tests.hybrid_models import save_tiny_hybrid
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched
@@ -187,13 +187,13 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     preflight(str(folder), drafter_shape(fits))  # no error
     # the Studio sends text: the multimodal checkpoint runs its language model alone
     # and a hybrid's workers import engine.vllm_gdn before the model is built (its float32 prefill)
-    assert hybrid_settings(str(folder), studio=True) == {
+    assert llm_settings(str(folder), studio=True) == {
         "additional_config": {"gdn_prefill_backend": "triton"}, "language_model_only": True,
         "worker_extension_cls": "engine.vllm_gdn.HybridStudioWorker"}
-    assert hybrid_settings(str(folder), studio=False)["worker_extension_cls"] == "engine.vllm_gdn.HybridPrefill"
-    assert hybrid_settings(str(SHAPES / "qwen3.6-27b"), studio=False)["language_model_only"] is True
-    assert hybrid_settings(str(SHAPES / "qwen3-8b"), studio=False) == {}
-    assert hybrid_settings(str(SHAPES / "qwen3-8b"), studio=True) == {
+    assert llm_settings(str(folder), studio=False)["worker_extension_cls"] == "engine.vllm_gdn.HybridPrefill"
+    assert llm_settings(str(SHAPES / "qwen3.6-27b"), studio=False)["language_model_only"] is True
+    assert llm_settings(str(SHAPES / "qwen3-8b"), studio=False) == {}
+    assert llm_settings(str(SHAPES / "qwen3-8b"), studio=True) == {
         "worker_extension_cls": "engine.vllm_worker.StudioWorker"}
     narrow = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)
     narrow.hidden_size = 128
