@@ -1,0 +1,149 @@
+"""τ at every tree budget in a minute: greedy decoding replayed along AR's own output.
+
+Greedy DFlash and DDTree commit exactly AR's tokens, so every step's root lies on AR's output,
+and what the drafter sees there (the target's features of everything before the root) comes
+from one target pass over prompt + output. One drafter pass per output position then holds
+every step any method could take: a step's acceptance is its tree's longest path along AR's
+next tokens (``ddtree.follow_tree`` with AR as the target). No verify pass runs, so this
+estimates acceptance, not speed or exactness; the bench measures those. It is for choosing
+among drafters, checkpoints and budgets quickly (the 69 fresh prompts: ~1.5 min on 2 CPU
+cores against ~28 min for the bench at five budgets).
+
+    python -m engine.replay --prompts assets/prompts/fresh.jsonl --drafter FOLDER \\
+        --methods dflash,ddtree --tree-budget 4,8,16,32,64 [--ar-outputs RESULTS.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import ddtree
+from engine.bench import Job, per_category, plan_jobs, read_prompts
+from engine.decode import DecodeSettings, Decoder
+from engine.models import AUTO, load_decoder
+
+
+@dataclass(frozen=True)
+class Proposals:
+    """The drafter's proposals at every root along one greedy output: row ``j`` is the pass whose
+    root is ``output_ids[j]`` (its ``top_k`` most probable tokens per slot, and their log-probs)."""
+
+    output_ids: list[int]
+    log_probs: torch.Tensor  # [len(output_ids), block - 1, top_k]
+    tokens: torch.Tensor  # [len(output_ids), block - 1, top_k] vocabulary ids
+
+
+def proposals_along(decoder: Decoder, prompt_ids: list[int], output_ids: list[int], top_k: int) -> Proposals:
+    """One drafter pass per position of ``output_ids``, fed the target's features as the decoder
+    feeds them (new context rows appended to the drafter's cache, in its own dtype)."""
+    target, drafter = decoder.target, decoder.drafter
+    ids = prompt_ids + output_ids
+    device = target.device
+    positions = torch.arange(len(ids) - 1, device=device)
+    with torch.inference_mode():
+        _, hidden = target.forward(torch.tensor([ids[:-1]], device=device), positions[None], target.new_cache(),
+                                   hidden_states=True)
+        features = drafter.context_features(hidden)
+        draft = decoder.draft_pass(drafter.config.block_size)
+        rows, seen = [], 0
+        for j, root in enumerate(output_ids):
+            start = len(prompt_ids) + j
+            log_probs = draft(root, start, features[:, seen:start], positions[None, seen:start])
+            seen = start
+            rows.append(log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1))
+    return Proposals(output_ids, torch.stack([r.values for r in rows]).cpu(), torch.stack([r.indices for r in rows]).cpu())
+
+
+def replay(proposals: Proposals, method: str, tree_budget: int) -> list[int]:
+    """The acceptance length of every step (tokens committed) of greedy ``method`` along the output."""
+    output, lengths, j = proposals.output_ids, [], 0
+    while j < len(output) - 1:
+        log_probs, tokens = proposals.log_probs[j], proposals.tokens[j]
+        tree = ddtree.chain_tree(log_probs) if method == "dflash" else ddtree.build_tree(log_probs, tree_budget)
+        depths = tree.depths.tolist()
+        # AR's choice after every node: nodes off AR's path are never reached, whatever they hold
+        after = [output[j + 1 + d] if j + 1 + d < len(output) else -1 for d in [0] + depths]
+        node_tokens = [int(tokens[d - 1, column]) for d, column in zip(depths, tree.tokens.tolist())]
+        children = ddtree.DraftTree(torch.tensor(node_tokens, dtype=torch.long), tree.parents, tree.depths,
+                                    tree.log_probs, tree.path_log_probs, tree.ranks)
+        accepted, _ = ddtree.follow_tree(children, after)
+        committed = min(len(accepted), len(output) - 1 - j)  # the bonus past the output's end is never committed
+        lengths.append(committed)
+        j += committed
+    return lengths
+
+
+def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]], jobs: list[Job]) -> dict:
+    """τ per job (overall and per category) from every prompt's proposals along its AR output."""
+    top_k = max([job.tree_budget or 1 for job in jobs])
+    lengths: dict[str, dict[str, list[int]]] = {job.label: {} for job in jobs}
+    for prompt in prompts:
+        proposals = proposals_along(decoder, decoder.target.chat_ids(prompt["prompt"]), outputs[prompt["id"]], top_k)
+        for job in jobs:
+            steps = replay(proposals, job.method, job.tree_budget or 0)
+            lengths[job.label].setdefault(prompt.get("category") or "-", []).extend(steps)
+
+    def tau(values: list[int]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    return {label: {"tau": tau([n for values in by_category.values() for n in values]),
+                    "tau_by_category": {c: tau(v) for c, v in sorted(by_category.items())}}
+            for label, by_category in lengths.items()}
+
+
+def ar_outputs(decoder: Decoder, prompts: list[dict], max_new_tokens: int, results: str | None) -> dict[str, list[int]]:
+    """Every prompt's greedy AR output: from an earlier bench's results, or decoded now."""
+    if results:
+        runs = {r["prompt_id"]: r["output_ids"] for r in json.loads(Path(results).read_text())["runs"]
+                if r["method"] == "ar"}
+        missing = [p["id"] for p in prompts if p["id"] not in runs]
+        if missing:
+            raise SystemExit(f"{results} has no AR run for {missing[0]} ({len(missing)} prompts missing)")
+        return {p["id"]: runs[p["id"]] for p in prompts}
+    settings = DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens")
+    return {p["id"]: decoder.run(p["prompt"], settings).output_ids for p in prompts}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--per-category", type=int, default=None)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
+    parser.add_argument("--draft-dtype", default=AUTO)
+    parser.add_argument("--methods", default="dflash,ddtree")
+    parser.add_argument("--tree-budget", default="4,8,16,32,64")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--ar-outputs", default=None, help="a bench results JSON whose AR runs give the outputs")
+    parser.add_argument("--out", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    prompts = per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
+    jobs = [job for job in plan_jobs(args.methods, args.tree_budget) if job.method != "ar"]
+    decoder = load_decoder(args.model, args.drafter, draft_dtype=args.draft_dtype)
+    outputs = ar_outputs(decoder, prompts, args.max_new_tokens, args.ar_outputs)
+    summary = estimate(decoder, prompts, outputs, jobs)
+    categories = sorted({c for entry in summary.values() for c in entry["tau_by_category"]})
+    print(f"estimated τ (greedy steps replayed along AR's output; {len(prompts)} prompts, "
+          f"drafter {decoder.drafter_info.name}, draft dtype {decoder.drafter.dtype})")
+    print("| method | τ | " + " | ".join(categories) + " |")
+    print("|---|---|" + "---|" * len(categories))
+    for label, entry in summary.items():
+        print(f"| {label} | {entry['tau']:.2f} | "
+              + " | ".join(f"{entry['tau_by_category'].get(c, 0.0):.2f}" for c in categories) + " |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"prompts": args.prompts, "drafter": decoder.drafter_info.name,
+                                              "summary": summary}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

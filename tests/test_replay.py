@@ -1,0 +1,45 @@
+"""The replayed acceptance (engine.replay) is the decoder's own, step for step."""
+
+import pytest
+
+from engine.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.drafter import ScriptedDrafter
+from engine.replay import proposals_along, replay
+from tests.tiny import tiny_decoder, tiny_target
+
+PROMPTS = [[3, 14, 15, 9, 2, 6], [27, 18, 28, 18], [5, 5, 5, 5, 5, 5, 5, 5]]
+METHODS = [("dflash", 0), ("ddtree", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 48)]
+
+
+def assert_replay_equals_decoding(decoder: Decoder, max_new_tokens: int) -> list[int]:
+    every_length = []
+    for prompt in PROMPTS:
+        ar = decoder.run(prompt_ids=prompt, settings=DecodeSettings("ar", max_new_tokens=max_new_tokens))
+        proposals = proposals_along(decoder, prompt, ar.output_ids, top_k=48)
+        for method, budget in METHODS:
+            trace = decoder.run(prompt_ids=prompt, settings=DecodeSettings(method, max_new_tokens=max_new_tokens,
+                                                                           tree_budget=budget or 32))
+            assert trace.output_ids == ar.output_ids
+            lengths = replay(proposals, method, budget)
+            assert lengths == trace.summary.acceptance_lengths, (prompt, method, budget)
+            every_length += lengths
+    return every_length
+
+
+def test_replay_equals_decoding_with_a_random_drafter():
+    assert_replay_equals_decoding(tiny_decoder(seed=4), max_new_tokens=20)
+
+
+def test_replay_equals_decoding_where_trees_are_accepted_levels_deep():
+    """A drafter that knows the answer (except every 3rd token, ranked third): chains stop there
+    and wide trees go on, so a replay that walked the wrong branch or lost count would show."""
+    target = tiny_target(5)
+    plain = Decoder(target, None)
+    answers = [prompt + plain.run(prompt_ids=prompt, settings=DecodeSettings("ar", max_new_tokens=40)).output_ids
+               for prompt in PROMPTS]
+    config = tiny_decoder(seed=5).drafter.config
+    scripted = ScriptedDrafter(config, answers).initialize(5).double().eval()
+    lengths = assert_replay_equals_decoding(Decoder(target, scripted, DrafterInfo("scripted", trained=False)), 40)
+    # a chain stops at the next demoted token (at most 3 a step); trees went past two of them
+    assert max(lengths) >= 6 and sum(lengths) / len(lengths) > 2.5
+
