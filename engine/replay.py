@@ -69,9 +69,9 @@ def replay(proposals: Proposals, method: str, tree_budget: int) -> list[int]:
         # AR's choice after every node: nodes off AR's path are never reached, whatever they hold
         after = [output[j + 1 + d] if j + 1 + d < len(output) else -1 for d in [0] + depths]
         node_tokens = [int(tokens[d - 1, column]) for d, column in zip(depths, tree.tokens.tolist())]
-        children = ddtree.DraftTree(torch.tensor(node_tokens, dtype=torch.long), tree.parents, tree.depths,
-                                    tree.log_probs, tree.path_log_probs, tree.ranks)
-        accepted, _ = ddtree.follow_tree(children, after)
+        vocab_tree = ddtree.DraftTree(torch.tensor(node_tokens, dtype=torch.long), tree.parents, tree.depths,
+                                      tree.log_probs, tree.path_log_probs, tree.ranks)
+        accepted, _ = ddtree.follow_tree(vocab_tree, after)
         committed = min(len(accepted), len(output) - 1 - j)  # the bonus past the output's end is never committed
         lengths.append(committed)
         j += committed
@@ -80,7 +80,7 @@ def replay(proposals: Proposals, method: str, tree_budget: int) -> list[int]:
 
 def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]], jobs: list[Job]) -> dict:
     """τ per job (overall and per category) from every prompt's proposals along its AR output."""
-    top_k = max([job.tree_budget or 1 for job in jobs])
+    top_k = max([job.tree_budget or 1 for job in jobs])  # a tree of B nodes uses no rank past B at any depth
     lengths: dict[str, dict[str, list[int]]] = {job.label: {} for job in jobs}
     for prompt in prompts:
         proposals = proposals_along(decoder, decoder.target.chat_ids(prompt["prompt"]), outputs[prompt["id"]], top_k)
