@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 import ddtree
 from engine.bench import Job, per_category, plan_jobs, read_prompts
 from engine.decode import DecodeSettings, Decoder
+from engine.errors import EngineError
 from engine.models import AUTO, load_decoder
 
 
@@ -96,15 +98,16 @@ def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]
             for label, by_category in lengths.items()}
 
 
-def ar_outputs(decoder: Decoder, prompts: list[dict], max_new_tokens: int, results: str | None) -> dict[str, list[int]]:
-    """Every prompt's greedy AR output: from an earlier bench's results, or decoded now."""
-    if results:
-        runs = {r["prompt_id"]: r["output_ids"] for r in json.loads(Path(results).read_text())["runs"]
-                if r["method"] == "ar"}
-        missing = [p["id"] for p in prompts if p["id"] not in runs]
-        if missing:
-            raise SystemExit(f"{results} has no AR run for {missing[0]} ({len(missing)} prompts missing)")
-        return {p["id"]: runs[p["id"]] for p in prompts}
+def recorded_outputs(prompts: list[dict], results: str) -> dict[str, list[int]]:
+    """Every prompt's greedy AR output, from an earlier bench's results."""
+    runs = {r["prompt_id"]: r["output_ids"] for r in json.loads(Path(results).read_text())["runs"] if r["method"] == "ar"}
+    missing = [p["id"] for p in prompts if p["id"] not in runs]
+    if missing:
+        raise EngineError(f"{results} has no AR run for {missing[0]} ({len(missing)} prompts missing)")
+    return {p["id"]: runs[p["id"]] for p in prompts}
+
+
+def decoded_outputs(decoder: Decoder, prompts: list[dict], max_new_tokens: int) -> dict[str, list[int]]:
     settings = DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens")
     return {p["id"]: decoder.run(p["prompt"], settings).output_ids for p in prompts}
 
@@ -125,12 +128,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return _main(args)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     prompts = per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
     jobs = [job for job in plan_jobs(args.methods, args.tree_budget) if job.method != "ar"]
+    outputs = recorded_outputs(prompts, args.ar_outputs) if args.ar_outputs else None  # before the slow load
     decoder = load_decoder(args.model, args.drafter, draft_dtype=args.draft_dtype)
-    outputs = ar_outputs(decoder, prompts, args.max_new_tokens, args.ar_outputs)
+    outputs = outputs or decoded_outputs(decoder, prompts, args.max_new_tokens)
     summary = estimate(decoder, prompts, outputs, jobs)
     categories = sorted({c for entry in summary.values() for c in entry["tau_by_category"]})
     print(f"estimated τ (greedy steps replayed along AR's output; {len(prompts)} prompts, "
@@ -143,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"prompts": args.prompts, "drafter": decoder.drafter_info.name,
                                               "summary": summary}, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,9 +1,8 @@
 """The replayed acceptance (engine.replay) is the decoder's own, step for step."""
 
-import pytest
-
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import ScriptedDrafter
+from engine import replay as replay_cli
 from engine.replay import proposals_along, replay
 from tests.tiny import tiny_decoder, tiny_target
 
@@ -43,3 +42,14 @@ def test_replay_equals_decoding_where_trees_are_accepted_levels_deep():
     # a chain stops at the next demoted token (at most 3 a step); trees went past two of them
     assert max(lengths) >= 6 and sum(lengths) / len(lengths) > 2.5
 
+
+
+def test_bad_input_gives_one_error_line_before_any_model_loads(tmp_path, capsys):
+    assert replay_cli.main(["--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert "cannot read prompts file" in capsys.readouterr().err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Hi."}\n{"id": "b", "prompt": "Bye."}\n')
+    results = tmp_path / "r.json"
+    results.write_text('{"runs": [{"prompt_id": "a", "method": "ar", "output_ids": [1, 2]}]}')
+    assert replay_cli.main(["--prompts", str(prompts), "--ar-outputs", str(results)]) == 2
+    assert "has no AR run for b (1 prompts missing)" in capsys.readouterr().err
