@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from engine.decode import DecodeSettings, Decoder
 from engine.economics import Timing, economics
-from engine.errors import EngineError
+from engine.errors import EngineError, run_command
 from engine.models import AUTO, DRAFT_DTYPE_HELP
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
 
@@ -379,12 +379,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return _main(args)
-    except EngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(_main, parse_args(argv))
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ import torch
 import ddtree
 from engine.bench import Job, per_category, plan_jobs, read_prompts
 from engine.decode import DecodeSettings, Decoder
-from engine.errors import EngineError
+from engine.errors import EngineError, run_command
 from engine.models import AUTO, load_decoder
 
 
@@ -129,12 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return _main(args)
-    except EngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(_main, parse_args(argv))
 
 
 def _main(args: argparse.Namespace) -> int:
