@@ -6,7 +6,7 @@ from one target pass over prompt + output. One drafter pass per output position 
 every step any method could take: a step's acceptance is its tree's longest path along AR's
 next tokens (``ddtree.follow_tree`` with AR as the target). No verify pass runs, so this
 estimates acceptance, not speed or exactness; the bench measures those. It is for choosing
-among drafters, checkpoints and budgets quickly (the 69 fresh prompts: ~1.5 min on 2 CPU
+among drafters, checkpoints and budgets quickly (the 69 fresh prompts: ~2.5 min on 2 CPU
 cores against ~28 min for the bench at five budgets).
 
     python -m engine.replay --prompts assets/prompts/fresh.jsonl --drafter FOLDER \\
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -70,9 +70,7 @@ def replay(proposals: Proposals, method: str, tree_budget: int) -> list[int]:
         depths = tree.depths.tolist()
         # AR's choice after every node: nodes off AR's path are never reached, whatever they hold
         after = [output[j + 1 + d] if j + 1 + d < len(output) else -1 for d in [0] + depths]
-        node_tokens = [int(tokens[d - 1, column]) for d, column in zip(depths, tree.tokens.tolist())]
-        vocab_tree = ddtree.DraftTree(torch.tensor(node_tokens, dtype=torch.long), tree.parents, tree.depths,
-                                      tree.log_probs, tree.path_log_probs, tree.ranks)
+        vocab_tree = replace(tree, tokens=tokens[tree.depths - 1, tree.tokens])  # top-k columns -> token ids
         accepted, _ = ddtree.follow_tree(vocab_tree, after)
         committed = min(len(accepted), len(output) - 1 - j)  # the bonus past the output's end is never committed
         lengths.append(committed)
@@ -137,7 +135,8 @@ def _main(args: argparse.Namespace) -> int:
     jobs = [job for job in plan_jobs(args.methods, args.tree_budget) if job.method != "ar"]
     outputs = recorded_outputs(prompts, args.ar_outputs) if args.ar_outputs else None  # before the slow load
     decoder = load_decoder(args.model, args.drafter, draft_dtype=args.draft_dtype)
-    outputs = outputs or decoded_outputs(decoder, prompts, args.max_new_tokens)
+    if outputs is None:
+        outputs = decoded_outputs(decoder, prompts, args.max_new_tokens)
     summary = estimate(decoder, prompts, outputs, jobs)
     categories = sorted({c for entry in summary.values() for c in entry["tau_by_category"]})
     print(f"estimated τ (greedy steps replayed along AR's output; {len(prompts)} prompts, "
