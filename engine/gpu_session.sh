@@ -24,7 +24,7 @@
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (~9 min)
-# PER_CATEGORY (fresh prompts per category), LIMIT (other prompt files), TOKENS and BUDGETS (fresh, humaneval,
+# PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, exact), TOKENS and BUDGETS (fresh, humaneval,
 # float32) override the defaults; STEP adds flags to those benches and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
@@ -114,11 +114,11 @@ shape27)
 exact)
   shape=assets/shapes/qwen3-1.7b drafter=assets/shapes/qwen3-1.7b-dflash-b16 scripted=/tmp/qwen3-1.7b-scripted
   timeout 200 python3 -m engine.bench --engine vllm --no-progress --random-weights --model "$shape" --drafter "$drafter" --dtype float32 --native ar \
-      --prompts assets/prompts/fresh.jsonl --limit 8 --methods ar --max-new-tokens 64 \
+      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-8}" --methods ar --max-new-tokens 64 \
       --out "$OUT/gpu-qwen3-1.7b-random-ar.json" > "$OUT/bench-exact-ar.txt" 2>&1
   python3 -m engine.scripted "$OUT/gpu-qwen3-1.7b-random-ar.json" --shape "$drafter" --out "$scripted"
   timeout 330 python3 -m engine.bench --engine vllm --no-progress --random-weights --model "$shape" --drafter "$scripted" --dtype float32 --native ar \
-      --prompts assets/prompts/fresh.jsonl --limit 8 --methods ar,dflash,ddtree --tree-budget 16,64 \
+      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-8}" --methods ar,dflash,ddtree --tree-budget 16,64 \
       --max-new-tokens 64 --out "$OUT/gpu-qwen3-1.7b-random-float32.json" > "$OUT/bench-exact.txt" 2>&1
   tables "$OUT/bench-exact.txt" 12 ;;
 *)
