@@ -14,21 +14,23 @@
 #   app        the app on the vLLM engine through its API (carry [".whl"]: gradio's wheels) (~4 min)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, a drafter scripted with
-#              the engine's own bf16 AR (deep acceptance) (carry [".whl"] with compressed-tensors and loguru, which
-#              vLLM's Qwen3.5 module imports and the trimmed bundle lacks) (~5 min)
+#              the engine's own AR in HYBRID_DTYPE (deep acceptance) (carry [".whl"] with compressed-tensors and loguru, which
+#              vLLM's Qwen3.5 module imports and the trimmed bundle lacks) (3.7 min on 2026-12-02, float32)
 #   hybrid-exact  after hybrid: AR, DFlash, DDTree@16/@64 against vLLM's AR, float32 (vLLM 0.23's chunked
 #              GDN prefill refuses float32: engine.vllm_gdn runs it through vLLM's recurrent kernel, in
-#              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (~3 min)
-#   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (~4 min)
-#   shape      Qwen3-8B shape, random weights + projection (~7 min)
+#              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (2.1 min)
+#   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (3.0 min)
+#   hybrid-margins  after hybrid: how far vLLM's float32 strays from float64 (engine.margin_check), by prompt
+#              length, for the tiny Qwen3.5 and its all-attention twin (~4 min)
+#   shape      Qwen3-8B shape, random weights + projection (4.6 min at TOKENS=64)
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
-#              outputs (engine.scripted) so trees go deep (~9 min)
+#              outputs (engine.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, exact), TOKENS and BUDGETS (fresh, humaneval,
 # float32) override the defaults; STEP adds flags to those benches and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
-PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, shape, shape27 or exact'
+PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-margins, shape, shape27 or exact'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -103,6 +105,14 @@ hybrid-cost)  # verify cost vs tree size: the same shape with and without its Ga
         --limit 2 --methods ar,ddtree --tree-budget 1,16,64,256 --max-new-tokens 32 \
         --out "$OUT/gpu-vllm-$(basename "$model")-cost.json" > "$OUT/bench-$(basename "$model")-cost.txt" 2>&1
     tables "$OUT/bench-$(basename "$model")-cost.txt" 8
+  done ;;
+hybrid-margins)  # after hybrid: where vLLM's float32 leaves exact arithmetic, with and without Gated DeltaNets
+  for model in "$HYBRID" "$HYBRID-attention"; do
+    name=$(basename "$model")
+    timeout 200 python3 -m engine.bench --engine vllm --no-progress --model "$model" --drafter "$HYBRID-scripted" \
+        --dtype float32 --native ar --prompts assets/prompts/fresh.jsonl --per-category 2 --methods ar --max-new-tokens 16 \
+        --out "$OUT/gpu-vllm-$name-margins.json" > "$OUT/bench-$name-margins.txt" 2>&1
+    python3 -m engine.margin_check "$OUT/gpu-vllm-$name-margins.json" 2> /dev/null | tee "$OUT/margins-$name.txt"
   done ;;
 shape27)
   timeout 540 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3.6-27b --drafter assets/shapes/qwen3.6-27b-dflash-b16 \
