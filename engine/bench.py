@@ -168,9 +168,10 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
         if checked:
             identical = sum(1 for r in checked if r["divergence"] is None)
             entry["identical_to_ar"] = f"{identical}/{len(checked)}"
-        compared = [r["identical_to_vllm_ar"] for r in mine if "identical_to_vllm_ar" in r]
-        if compared:
-            entry["identical_to_vllm_ar"] = f"{sum(compared)}/{len(compared)}"
+        for key in ("identical_to_vllm_ar", "identical_to_reference"):
+            compared = [r[key] for r in mine if key in r]
+            if compared:
+                entry[key] = f"{sum(compared)}/{len(compared)}"
         summary[job.label] = entry
     return summary
 
@@ -283,24 +284,43 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
     return runs, notes
 
 
-def compare_to_native_ar(runs: list[dict]) -> list[str]:
-    """Mark every run that differs from vLLM's own AR output on its prompt; return notes."""
-    reference = {r["prompt_id"]: r for r in runs if r["label"] == NATIVE_AR}
+def compare_outputs(runs: list[dict], reference: dict[str, dict], key: str, name: str) -> list[str]:
+    """Mark every run whose prompt ``reference`` answered (prompt id -> run) as identical to that
+    output or not (``identical_to_{key}``); where one differs, record the first differing token and
+    the reference's top-2 logit gap there (when it kept its margins). Return a note per difference."""
     notes = []
     for run in runs:
-        if run["label"] == NATIVE_AR or run["prompt_id"] not in reference:
+        theirs = reference.get(run["prompt_id"])
+        if theirs is None or theirs is run:
             continue
-        ours, theirs = run["output_ids"], reference[run["prompt_id"]]["output_ids"]
-        run["identical_to_vllm_ar"] = ours == theirs
-        if ours != theirs:
-            index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            margins = reference[run["prompt_id"]].get("margins") or []
+        ours, expected = run["output_ids"], theirs["output_ids"]
+        run[f"identical_to_{key}"] = ours == expected
+        if ours != expected:
+            index = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), min(len(ours), len(expected)))
+            margins = theirs.get("margins") or []
             gap = margins[index] if index < len(margins) else None
-            run["vllm_divergence"] = {"index": index, "vllm_margin": gap, "near_tie": gap is not None and gap < NEAR_TIE}
+            run[f"{key}_divergence"] = {"index": index, "margin": gap, "near_tie": gap is not None and gap < NEAR_TIE}
             verdict = "n/a" if gap is None else f"{gap:.4f} ({'a numerical near-tie' if gap < NEAR_TIE else 'NOT a near-tie: investigate'})"
-            notes.append(f"{run['prompt_id']} {run['label']}: differs from vLLM AR at new token {index}; "
-                         f"vLLM's top-2 logit gap there {verdict}")
+            notes.append(f"{run['prompt_id']} {run['label']}: differs from {name} at new token {index}; "
+                         f"{name}'s top-2 logit gap there {verdict}")
     return notes
+
+
+def reference_outputs(path: str, prompts: list[dict]) -> dict[str, dict]:
+    """``--compare-to``: another bench run's AR answer to each of these prompts (vLLM's own AR where
+    that run timed it, else the Studio's AR), by prompt id; a clear error when one is missing."""
+    try:
+        results = json.loads(Path(path).read_text())
+        runs = results["runs"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise EngineError(f"--compare-to {path}: not a readable bench result ({exc})") from None
+    label = NATIVE_AR if any(run.get("label") == NATIVE_AR for run in runs) else "ar"
+    answers = {run["prompt_id"]: run for run in runs if run.get("label") == label}
+    missing = [prompt["id"] for prompt in prompts if prompt["id"] not in answers]
+    if missing:
+        raise EngineError(f"--compare-to {path}: no {label} run for {len(missing)} of these prompts "
+                          f"(first: {missing[0]}); bench it on the same prompts with --methods ar")
+    return {prompt["id"]: answers[prompt["id"]] for prompt in prompts}
 
 
 def _settings(base: DecodeSettings, job: Job, **overrides) -> DecodeSettings:
@@ -317,9 +337,11 @@ def _divergence_note(prompt_id: str, label: str, div: dict) -> str:
 
 def format_summary(summary: dict, best: dict | None = None) -> str:
     native = any("speedup_vs_vllm_ar" in s for s in summary.values())
+    compared = any("identical_to_reference" in s for s in summary.values())
     head = ("| method | τ | step cost (AR steps) | predicted τ ÷ cost | tokens/s | speedup vs AR |"
-            + (" vs vLLM AR | identical to vLLM AR |" if native else ""))
-    rows = [head + " identical to AR |", "|---|---|---|---|---|---|" + ("---|---|" if native else "") + "---|"]
+            + (" vs vLLM AR | identical to vLLM AR |" if native else "") + (" identical to --compare-to |" if compared else ""))
+    rows = [head + " identical to AR |",
+            "|---|---|---|---|---|---|" + ("---|---|" if native else "") + ("---|" if compared else "") + "---|"]
     shown = list(summary.items()) + ([(f"best: {best['label']}", best)] if best else [])
     for label, s in shown:
         cost = s.get("step_cost_vs_ar")
@@ -327,6 +349,8 @@ def format_summary(summary: dict, best: dict | None = None) -> str:
                  f"{s['tokens_per_s']:.1f}", _times(s["speedup_vs_ar"])]
         if native:
             cells += [_times(s.get("speedup_vs_vllm_ar")), s.get("identical_to_vllm_ar", "–")]
+        if compared:
+            cells.append(s.get("identical_to_reference", "–"))
         rows.append("| " + " | ".join(cells + [s.get("identical_to_ar", "–")]) + " |")
     return "\n".join(rows)
 
@@ -373,6 +397,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "timing only (runs ignore end-of-sequence and decode their full length)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="vllm engine: share of GPU memory vLLM may take (large shapes need more)")
+    parser.add_argument("--compare-to", default=None, metavar="RESULTS.json",
+                        help="another bench run on the same prompts (another engine, machine or dtype): count this "
+                             "run's outputs identical to its AR (vLLM's own AR where it ran)")
     parser.add_argument("--native", default="", metavar="ar,dflash",
                         help="vllm engine: also time vLLM's own AR and/or DFlash (CUDA graphs on) on the same prompts")
     return parser.parse_args(argv)
@@ -393,6 +420,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.count_kernels and not gpu:
         raise EngineError("--count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda")
     native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench
+    reference = reference_outputs(args.compare_to, prompts) if args.compare_to else {}
     args.step = args.step or ("fixed" if gpu else "readable")
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     started = time.perf_counter()
@@ -411,7 +439,10 @@ def _main(args: argparse.Namespace) -> int:
                                                      progress=not args.no_progress)
         runs += native_runs
         jobs = jobs + [job for job in native_jobs if any(run["label"] == job.label for run in native_runs)]
-        notes += native_notes + compare_to_native_ar(runs)
+        notes += native_notes + compare_outputs(runs, {r["prompt_id"]: r for r in runs if r["label"] == NATIVE_AR},
+                                                "vllm_ar", "vLLM AR")
+    if reference:
+        notes += compare_outputs(runs, reference, "reference", f"{Path(args.compare_to).name}'s AR")
     summary = summarize_runs(runs, jobs)
     for label, counts in kernels.items():
         summary[label]["kernels_per_step"] = counts
@@ -427,7 +458,7 @@ def _main(args: argparse.Namespace) -> int:
         "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if native_jobs else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
-        "prompts": args.prompts, "num_prompts": len(prompts), "host": _host(), "total_s": time.perf_counter() - started,
+        "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(), "total_s": time.perf_counter() - started,
     }
     result = {"config": config, "runs": runs, "summary": summary, "best": best, "notes": notes}
     if args.out:

@@ -10,7 +10,7 @@ from engine.decode import Decoder, DrafterInfo
 from engine.drafter import SCRIPT, DFlashDrafter, fresh_config, load_drafter, weights_digest
 from engine.errors import EngineError
 from engine.target import BUNDLED_MODEL, load_target, resolve_dtype
-from engine.trace import TIMING_ONLY
+from engine.trace import SCRIPTED, TIMING_ONLY
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafters" / "smollm2-135m-dflash-b16"
@@ -83,7 +83,7 @@ def drafter_info(folder: str, timing_only: bool = False) -> DrafterInfo:
     """How traces name a drafter folder: trained weights (and their digest), a scripted drafter
     (``engine.drafter.ScriptedDrafter``: it knows the answers), or a shape's random weights."""
     name, scripted = display_name(folder), (Path(folder) / SCRIPT).is_file()
-    tags = (["scripted: proposes known answers"] if scripted else []) + ([TIMING_ONLY] if timing_only else [])
+    tags = ([SCRIPTED] if scripted else []) + ([TIMING_ONLY] if timing_only else [])
     if tags:
         return DrafterInfo(f"{name} ({'; '.join(tags)})", trained=False,
                            revision=weights_digest(folder) if scripted else None)

@@ -29,6 +29,9 @@ PAPER_QWEN3_8B = {
     "tau": {16: 8.61, 32: 9.27, 64: 9.75, 128: 10.20, 256: 10.43, 512: 10.73, 1024: 10.98},
     "speedup": {16: 6.09, 32: 6.60, 64: 6.97, 128: 7.33, 256: 7.43, 512: 7.52, 1024: 6.82},
     "dflash": {"tau": 7.79, "speedup": 5.56},
+    # liranringel/ddtree's benchmark.py times AR as dflash_generate(block_size=1): transformers, sdpa, bf16, eager
+    "baseline": "the reference code's own AR (transformers, eager, sdpa: benchmark.py's block-size-1 run), a slower "
+                "baseline than vLLM's CUDA-graph AR, so there a tree costs fewer AR steps than here",
 }
 
 ASSUMPTIONS = (
@@ -108,7 +111,8 @@ def format_projection(results: dict, name: str, ar_ms: float, rows: list[Project
         lines.append(f"| {row.label} | {row.step_ms:.2f} | {row.cost:.2f} | {number(row.tau_ours)} | "
                      f"{times(row.speedup_ours)} | {number(row.tau_paper)} | {times(row.speedup_paper)} | "
                      f"{times(row.paper_speedup)} |")
-    lines += ["", f"τ ours: {curve_source}. τ paper: {PAPER_QWEN3_8B['source']}.", "", ASSUMPTIONS]
+    lines += ["", f"τ ours: {curve_source}. τ paper: {PAPER_QWEN3_8B['source']}. Paper reported: speed-ups over "
+                  f"{PAPER_QWEN3_8B['baseline']}.", "", ASSUMPTIONS]
     if not config.get("timing_only"):
         lines.append("Note: these results are not from a random-weights run of a model shape.")
     return "\n".join(lines)
@@ -230,6 +234,12 @@ def memory_plan(target: dict, drafter: dict, gpu_gib: float, utilization: float,
     return MemoryPlan(weights / 2**30, per_token, context, target.get("max_position_embeddings", 0), fixed)
 
 
+def shape_folder(name: str) -> Path:
+    """The folder a result's model or drafter name points at: a drafter's name ends in its tags,
+    in brackets ("... (random weights: timing only)", ``engine.models.drafter_info``)."""
+    return Path(name.split(" (", 1)[0])
+
+
 def read_curve(folder: str | None) -> tuple[dict, str]:
     """A drafter's measured acceptance curve (its ``config.json``), default: the shipped drafter's."""
     from engine.models import shipped_drafter
@@ -243,6 +253,21 @@ def read_curve(folder: str | None) -> tuple[dict, str]:
     return acceptance, source
 
 
+def projection_report(results: dict, curve_folder: str | None = None, gpu_gib: float = 141.0,
+                      utilization: float = 0.9) -> str:
+    """The projection table of a bench result and, where its shape folders are at hand, the memory estimate."""
+    curve, source = read_curve(curve_folder)
+    name, ar_ms, rows = project(results, curve)
+    text = format_projection(results, name, ar_ms, rows, source)
+    folders = [shape_folder(str(results["config"].get(key))) / "config.json" for key in ("model", "drafter")]
+    if all(folder.is_file() for folder in folders):
+        target, drafter = (json.loads(folder.read_text()) for folder in folders)
+        plan = memory_plan(target, drafter, gpu_gib, utilization)
+        text += (f"\n\nMemory, estimated from the shapes (bf16, {gpu_gib:g} GiB × {utilization:g}, one request): "
+                 + plan.sentence())
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.projection", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="results JSON of engine.bench --random-weights at a model shape")
@@ -252,19 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--utilization", type=float, default=0.9, help="share of it vLLM may take")
     args = parser.parse_args(argv)
     try:
-        results = json.loads(Path(args.results).read_text())
-        curve, source = read_curve(args.curve)
-        name, ar_ms, rows = project(results, curve)
+        print(projection_report(json.loads(Path(args.results).read_text()), args.curve, args.gpu_gib, args.utilization))
     except (OSError, json.JSONDecodeError, KeyError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_projection(results, name, ar_ms, rows, source))
-    folders = [Path(str(results["config"].get(key))) / "config.json" for key in ("model", "drafter")]
-    if all(folder.is_file() for folder in folders):
-        target, drafter = (json.loads(folder.read_text()) for folder in folders)
-        plan = memory_plan(target, drafter, args.gpu_gib, args.utilization)
-        print(f"\nMemory, estimated from the shapes (bf16, {args.gpu_gib:g} GiB × {args.utilization:g}, one request): "
-              + plan.sentence())
     return 0
 
 

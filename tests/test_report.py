@@ -11,6 +11,7 @@ from PIL import Image
 from engine.bench import Job, benchmark, plan_jobs, summarize_runs
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import ScriptedDrafter, fresh_config
+from engine.trace import SCRIPTED
 from tests.tiny import tiny_drafter, tiny_target
 from viz.report import headline_table, load_setting, main, per_position_acceptance
 
@@ -123,6 +124,42 @@ def test_stage_table_is_milliseconds_per_verify_step(report, results_path):
     assert cells[4] == f"{verify_ms:.2f}" and cells[-1] == f"{wall_ms:.2f}"
 
 
+def test_the_verify_cost_table_sets_each_tree_size_against_the_runs_ar_verify(report, results_path):
+    data = json.loads(results_path.read_text())
+
+    def verify_ms(label):
+        runs = [run for run in data["runs"] if run["label"] == label]
+        return 1000 * sum(run["stage_s"]["verify"] for run in runs) / sum(run["verify_steps"] for run in runs)
+
+    section = report["markdown"].split("## Verify cost by tree size")[1].split("\n## ")[0]
+    header, _, row = [line for line in section.splitlines() if line.startswith("|")][:3]
+    assert header.endswith(f"| DFlash ({BLOCK_SIZE} tokens) | @4 (5) | @16 (17) |")
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    ar = verify_ms("ar")
+    assert cells[1] == f"{ar:.2f}"
+    assert cells[4] == f"{verify_ms('ddtree@16'):.2f} ({verify_ms('ddtree@16') / ar:.2f}×)"
+
+
+def test_a_run_at_a_model_shape_gets_its_projection_and_a_single_budget_run_no_cost_row(results_path, tmp_path):
+    from viz.report import build_report
+
+    data = json.loads(results_path.read_text())
+    data["config"] |= {"timing_only": True, "dtype": "bfloat16"}
+    path = tmp_path / "shape.json"
+    path.write_text(json.dumps(data))
+    markdown = build_report([load_setting(path)], tmp_path / "B.md", tmp_path / "assets", "test")
+    projection = markdown.split("### Projection (not a measurement)")[1]
+    assert "| ddtree@16 |" in projection and "Projection, not measurement" in projection
+    for exactness_run in ({"dtype": "float32"}, {"drafter": f"scripted ({SCRIPTED})"}):
+        path.write_text(json.dumps(data | {"config": data["config"] | exactness_run}))
+        assert "### Projection" not in build_report([load_setting(path)], tmp_path / "B.md", tmp_path / "assets", "test")
+    data["runs"] = [run for run in data["runs"] if run["label"] != "ddtree@4"]
+    data["summary"].pop("ddtree@4")
+    path.write_text(json.dumps(data))
+    assert "## Verify cost by tree size" not in build_report([load_setting(path)], tmp_path / "B.md",
+                                                              tmp_path / "assets", "test")
+
+
 def test_native_vllm_rows_add_the_comparison_columns(results_path, tmp_path):
     """A vllm-engine file with --native runs: vLLM's own AR is the baseline of two extra columns."""
     data = json.loads(results_path.read_text())
@@ -148,10 +185,22 @@ def test_a_tensor_parallel_setting_says_how_many_gpus(results_path, tmp_path):
     results["config"] |= {"engine": "vllm", "tensor_parallel_size": 2, "host": {"gpu": "NVIDIA H200"}}
     path = tmp_path / "tp2.json"
     path.write_text(json.dumps(results))
-    assert load_setting(path).title == "2× NVIDIA H200, tensor parallel · vllm engine · float64 · inline (1) prompts"
+    assert load_setting(path).title == "tiny-llama · 2× NVIDIA H200, tensor parallel · vllm engine · float64 · inline (1) prompts"
     results["config"]["tensor_parallel_size"] = 1
     path.write_text(json.dumps(results))
-    assert load_setting(path).title == "NVIDIA H200 · vllm engine · float64 · inline (1) prompts"
+    assert load_setting(path).title == "tiny-llama · NVIDIA H200 · vllm engine · float64 · inline (1) prompts"
+
+
+@pytest.mark.parametrize("model", ["smollm2", "/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf"])
+def test_a_title_names_the_target_unless_it_is_the_bundled_smollm2(results_path, tmp_path, model):
+    results = json.loads(results_path.read_text())
+    results["config"] |= {"model": model}
+    path = tmp_path / "bundled.json"
+    path.write_text(json.dumps(results))
+    assert load_setting(path).title.startswith("cpu · torch engine")
+    results["config"] |= {"model": "/tmp/tiny-qwen3.5-attention"}
+    path.write_text(json.dumps(results))
+    assert load_setting(path).title.startswith("tiny-qwen3.5-attention · cpu · torch engine")
 
 
 def test_drafts_in_another_dtype_than_the_target_are_another_setting(results_path, tmp_path):
@@ -176,10 +225,10 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     path = tmp_path / "gpu-fixed.json"
     path.write_text(json.dumps(data))
     setting = load_setting(path)
-    assert setting.title == "NVIDIA H200 · vllm engine · fixed-shape step · float64 · inline (1) prompts"
+    assert setting.title == "tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step · float64 · inline (1) prompts"
     data["config"]["compile_step"] = True  # a compiled step is another setting: its title says so
     path.write_text(json.dumps(data))
-    assert load_setting(path).title == "NVIDIA H200 · vllm engine · fixed-shape step (compiled) · float64 · inline (1) prompts"
+    assert load_setting(path).title == "tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · float64 · inline (1) prompts"
     markdown = build_report([setting], tmp_path / "B.md", tmp_path / "assets", "test")
     assert "| DDTree (budget 16) | 41 | 380 | 0 | 421 |" in markdown
     assert "| DDTree (budget 16), tokens-only trace |" in markdown

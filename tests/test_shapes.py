@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
+from engine.bench import main as bench_main
 from engine.decode import DecodeSettings
 from engine.drafter import drafter_shape
 from engine.errors import EngineError
 from engine.models import load_decoder
 from engine.projection import PAPER_QWEN3_8B, main as projection_main, project
-from engine.trace import TIMING_ONLY, Trace
+from engine.trace import SCRIPTED, TIMING_ONLY, Trace
 from viz.figures import economics_figure
-from viz.report import load_setting
+from viz.report import load_setting, measurement_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ROOT / "assets" / "shapes"
@@ -90,6 +91,41 @@ def test_the_bench_times_a_shape_and_the_projection_reads_it(shape, tmp_path, ca
     printed = capsys.readouterr().out
     assert "baseline the Studio's AR" in printed and "Projection, not measurement" in printed
     assert "| ddtree@8 |" in printed and "| ddtree@16 |" in printed
+    assert "Memory, estimated from the shapes" in printed, "the drafter's name carries its tags, its folder does not"
+
+
+def test_the_bench_counts_its_outputs_identical_to_another_runs_ar(shape, tmp_path, capsys):
+    """--compare-to: another run's AR outputs (another engine or machine), prompt by prompt, with the
+    first differing token named; random weights are seeded, so a second run decodes what the first did."""
+    target, drafter = shape
+    common = ["--prompts", "assets/prompts/smoke.jsonl", "--limit", "2", "--model", str(target), "--drafter",
+              str(drafter), "--random-weights", "--max-new-tokens", "12", "--no-progress"]
+    first = tmp_path / "first.json"
+    assert bench_main(common + ["--methods", "ar", "--out", str(first)]) == 0
+    results = json.loads(first.read_text())
+    changed = results["runs"][1]
+    changed["output_ids"][3] += 1
+    (tmp_path / "other.json").write_text(json.dumps(results))
+    second = tmp_path / "second.json"
+    assert bench_main(common + ["--methods", "ar,ddtree", "--tree-budget", "8", "--compare-to",
+                                str(tmp_path / "other.json"), "--out", str(second)]) == 0
+    compared = json.loads(second.read_text())
+    assert compared["summary"]["ar"]["identical_to_reference"] == "1/2"
+    assert compared["summary"]["ddtree@8"]["identical_to_reference"] == "1/2"
+    differing = [run for run in compared["runs"] if not run["identical_to_reference"]]
+    assert {run["prompt_id"] for run in differing} == {changed["prompt_id"]}
+    assert all(run["reference_divergence"]["index"] == 3 for run in differing)
+    assert f"{changed['prompt_id']} ddtree@8: differs from other.json's AR at new token 3" in "\n".join(compared["notes"])
+    assert "identical to --compare-to" in capsys.readouterr().out
+    assert "Outputs identical to the AR of" in "\n".join(measurement_lines(load_setting(second)))
+
+
+def test_a_comparison_without_every_prompts_ar_is_one_clear_line_before_any_model_loads(tmp_path, capsys):
+    results = {"config": {}, "runs": [{"prompt_id": "nobody-asked", "label": "ar", "output_ids": [1]}], "summary": {}}
+    (tmp_path / "other.json").write_text(json.dumps(results))
+    assert bench_main(["--prompts", "assets/prompts/smoke.jsonl", "--model", "no/such-model", "--compare-to",
+                       str(tmp_path / "other.json")]) == 2
+    assert "no ar run for 3 of these prompts" in capsys.readouterr().err
 
 
 def test_the_projection_divides_tau_by_the_step_cost():
@@ -221,7 +257,7 @@ def test_a_scripted_drafter_from_a_runs_own_outputs_goes_deep_on_random_weights(
     assert bench.main(common + ["--drafter", str(tmp_path / "scripted"), "--methods", "ar,dflash,ddtree",
                                 "--tree-budget", "16", "--out", str(second)]) == 0
     results = json.loads(second.read_text())
-    assert "scripted: proposes known answers" in results["config"]["drafter"] and not results["config"]["drafter_trained"]
+    assert SCRIPTED in results["config"]["drafter"] and not results["config"]["drafter_trained"]
     assert TIMING_ONLY in results["config"]["drafter"]
     summary = results["summary"]
     for label in ("dflash", "ddtree@16"):

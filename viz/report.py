@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TIMING_ONLY, TOKENS_ONLY
+from engine.target import BUNDLED_MODEL
+from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, SCRIPTED, STAGES, TIMING_ONLY, TOKENS_ONLY
 
 MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 16 drafts 15)
 METHOD_NAMES = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}
@@ -70,7 +71,12 @@ class Setting:
         prompts += f" ({config['num_prompts']})" if config.get("num_prompts") else ""
         dtype = config.get("dtype", "?") + (f" ({config['draft_dtype']} drafts)" if config.get("draft_dtype") else "")
         title = f"{where} · {config.get('engine', '?')} engine{step} · {dtype} · {prompts} prompts"
-        return f"{Path(str(config.get('model'))).name} ({TIMING_ONLY}) · {title}" if config.get("timing_only") else title
+        model = Path(str(config.get("model"))).name
+        if config.get("timing_only"):
+            return f"{model} ({TIMING_ONLY}) · {title}"
+        # the bundled SmolLM2 goes unnamed: by its name, or as its GGUF staged on the GPU machine
+        bundled = model == BUNDLED_MODEL or model.lower().startswith("smollm2-135m-instruct")
+        return title if bundled else f"{model} · {title}"
 
     @property
     def labels(self) -> list[str]:
@@ -237,22 +243,57 @@ def acceptance_table(setting: Setting) -> str:
     return _table(["Method", "steps", *(f"k={k}" for k in range(1, positions + 1))], rows)
 
 
+def stage_ms(setting: Setting, label: str) -> tuple[dict[str, float], float] | None:
+    """A method's milliseconds per verify step in each stage (the engine's stage timers) and its
+    wall time per step; None when its runs have no stage timers."""
+    runs = [run for run in setting.runs if run_label(run) == label and run.get("stage_s")]
+    steps = sum(run.get("verify_steps") or 0 for run in runs)
+    if not steps:
+        return None
+    per_step = {stage: 1000 * sum(run["stage_s"].get(stage, 0.0) for run in runs) / steps for stage in STAGES}
+    return per_step, 1000 * sum(run["wall_s"] for run in runs) / steps
+
+
 def stage_table(setting: Setting) -> str | None:
-    """Milliseconds per verify step in each stage (the engine's stage timers), and the rest of
-    the loop (detokenizing, recording the trace, Python); None when no run has stage timers."""
+    """Milliseconds per verify step in each stage, and the rest of the loop (detokenizing,
+    recording the trace, Python); None when no run has stage timers."""
     rows = []
     for label in setting.labels:
-        runs = [run for run in setting.runs if run_label(run) == label and run.get("stage_s")]
-        steps = sum(run.get("verify_steps") or 0 for run in runs)
-        if not steps:
+        timed = stage_ms(setting, label)
+        if timed is None:
             continue
-        per_step = {stage: 1000 * sum(run["stage_s"].get(stage, 0.0) for run in runs) / steps for stage in STAGES}
-        wall = 1000 * sum(run["wall_s"] for run in runs) / steps
+        per_step, wall = timed
         cells = [f"{per_step[stage]:.2f}" for stage in STAGES]
         rows.append([display_label(label), *cells, f"{wall - sum(per_step.values()):.2f}", f"{wall:.2f}"])
     if not rows:
         return None
     return _table(["Method", *STAGES, "rest", "wall per step (ms)"], rows)
+
+
+def verify_cost_table(settings: list[Setting]) -> str | None:
+    """The target's verify pass per step against the tokens it checks (AR: 1; DFlash: the block;
+    DDTree@B: the root and B nodes), as milliseconds and as AR verifies of the same run, for every
+    setting that timed at least two tree sizes."""
+    columns: list[str] = []
+    rows = []
+    for setting in settings:
+        verify = {label: timed[0]["verify"] for label in setting.labels
+                  if not label.endswith(TOKENS_ONLY) and label_method(label) in METHODS
+                  and (timed := stage_ms(setting, label)) is not None}
+        if "ar" not in verify or sum(label_method(label) == "ddtree" for label in verify) < 2:
+            continue
+        rows.append((setting, verify))
+        columns += [label for label in verify if label not in columns and label != "ar"]
+    if not rows:
+        return None
+    columns.sort(key=label_order)
+    block = {setting.config.get("block_size") for setting, _ in rows}
+    names = [f"DFlash ({block.pop() if len(block) == 1 else 'a block of'} tokens)" if label == "dflash"
+             else f"@{label_budget(label)} ({label_budget(label) + 1})" for label in columns]
+    cells = [[setting.title, f"{verify['ar']:.2f}",
+              *(f"{verify[label]:.2f} ({verify[label] / verify['ar']:.2f}×)" if label in verify else "–"
+                for label in columns)] for setting, verify in rows]
+    return _table(["Setting", "AR verify (1 token), ms", *names], cells)
 
 
 PREFILL_STAGES = ("target", "context", "start")
@@ -317,6 +358,21 @@ def category_table(setting: Setting) -> str | None:
     return _table(["Method", *(f"{c} ({counts[c]})" for c in categories)], rows)
 
 
+def projects(setting: Setting) -> bool:
+    """Whether a run's step costs stand for a deployment at a model's shape: random weights, bf16, and
+    a drafter's real pass (a scripted drafter's exactness run times its script instead)."""
+    config = setting.config
+    return bool(config.get("timing_only")) and config.get("dtype") == "bfloat16" and SCRIPTED not in str(config.get("drafter"))
+
+
+def projection_text(setting: Setting) -> str:
+    """``engine.projection``'s table for a run at a model's shape (random weights), τ from the shipped
+    drafter's curve and from the DDTree paper."""
+    from engine.projection import projection_report
+
+    return projection_report({"config": setting.config, "runs": setting.runs, "summary": setting.summary})
+
+
 def measurement_lines(setting: Setting) -> list[str]:
     """Where and how the numbers were measured, from the results' own config."""
     config, host = setting.config, setting.config.get("host", {})
@@ -341,6 +397,10 @@ def measurement_lines(setting: Setting) -> list[str]:
     lines.append(f"Prompts: {prompts} ({count} prompts), up to {config.get('max_new_tokens', '?')} new tokens each")
     lines.append(f"Decoding: {_sampling(config)}, draft block size {config.get('block_size', '?')}, "
                  f"tree budgets {', '.join(map(str, config.get('tree_budgets') or [])) or '–'}")
+    if config.get("compared_to"):
+        counts = ", ".join(f"{display_label(label)} {entry['identical_to_reference']}"
+                           for label, entry in setting.summary.items() if "identical_to_reference" in entry)
+        lines.append(f"Outputs identical to the AR of `{config['compared_to']}` (`--compare-to`): {counts}")
     if config.get("command"):
         lines.append(f"Command: `{config['command']}`")
     if config.get("total_s") is not None:
@@ -467,6 +527,11 @@ def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, comm
         "## Headline",
         headline_table(settings),
     ]
+    verify = verify_cost_table(settings)
+    if verify is not None:
+        parts += ["## Verify cost by tree size\n\nThe target's verify pass per step (its stage timer), in ms, and in "
+                  "brackets over the same run's AR verify (one token). Column headings: the tokens a pass checks "
+                  "(DDTree@B: the root and B nodes). Only settings that timed two or more budgets.", verify]
     if plt is None:
         parts.append("_Plots were skipped: matplotlib is not installed (`pip install matplotlib`)._")
     for setting, name in zip(settings, asset_names(settings)):
@@ -511,6 +576,10 @@ def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path
                  ("Acceptance lengths", plot_acceptance_histogram(plt, setting, _suffixed(asset_stem, "-acceptance.png")))]
         parts += [f"### {title}\n\n![{title} — {setting.title}]({_relative(png, markdown_dir)})"
                   for title, png in plots if png is not None]
+    if projects(setting):
+        parts += ["### Projection (not a measurement)\n\n`python -m engine.projection "
+                  f"{setting.path.as_posix()}`: speed-up = τ ÷ step cost, with this run's step costs at the "
+                  "model's shape and τ taken from elsewhere.", projection_text(setting)]
     if setting.notes:
         parts.append("### Notes from the benchmark run\n\n" + "\n".join(f"- {note}" for note in setting.notes))
     return parts
