@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from engine.bench import read_prompts
 from engine.errors import EngineError, run_command
+from engine.target import load_target
 from engine.trace import NATIVE_AR
 
 
@@ -73,9 +75,6 @@ def format_checks(checks: list[MarginCheck]) -> str:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from engine.bench import read_prompts
-    from engine.target import load_target
-
     try:
         results = json.loads(Path(args.results).read_text())
     except (OSError, json.JSONDecodeError) as exc:

@@ -287,9 +287,10 @@ def verify_cost_table(settings: list[Setting]) -> str | None:
     if not rows:
         return None
     columns.sort(key=label_order)
-    block = {setting.config.get("block_size") for setting, _ in rows}
-    names = [f"DFlash ({block.pop() if len(block) == 1 else 'a block of'} tokens)" if label == "dflash"
-             else f"@{label_budget(label)} ({label_budget(label) + 1})" for label in columns]
+    blocks = {setting.config.get("block_size") for setting, _ in rows}
+    block = f"{next(iter(blocks))} tokens" if len(blocks) == 1 else "a block"
+    names = [f"DFlash ({block})" if label == "dflash" else f"@{label_budget(label)} ({label_budget(label) + 1})"
+             for label in columns]
     cells = [[setting.title, f"{verify['ar']:.2f}",
               *(f"{verify[label]:.2f} ({verify[label] / verify['ar']:.2f}×)" if label in verify else "–"
                 for label in columns)] for setting, verify in rows]
@@ -362,7 +363,8 @@ def projects(setting: Setting) -> bool:
     """Whether a run's step costs stand for a deployment at a model's shape: random weights, bf16, and
     a drafter's real pass (a scripted drafter's exactness run times its script instead)."""
     config = setting.config
-    return bool(config.get("timing_only")) and config.get("dtype") == "bfloat16" and SCRIPTED not in str(config.get("drafter"))
+    return (bool(config.get("timing_only")) and config.get("dtype") == "bfloat16"
+            and SCRIPTED not in str(config.get("drafter")))
 
 
 def projection_text(setting: Setting) -> str:
