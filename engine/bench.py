@@ -24,6 +24,7 @@ from tqdm import tqdm
 from engine.decode import DecodeSettings, Decoder
 from engine.economics import Timing, economics
 from engine.errors import EngineError, run_command
+from engine.kernels import KernelProfile
 from engine.models import AUTO, DRAFT_DTYPE_HELP
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
 
@@ -444,8 +445,9 @@ def _main(args: argparse.Namespace) -> int:
     if reference:
         notes += compare_outputs(runs, reference, "reference", f"{Path(args.compare_to).name}'s AR")
     summary = summarize_runs(runs, jobs)
-    for label, counts in kernels.items():
-        summary[label]["kernels_per_step"] = counts
+    for label, profile in kernels.items():
+        summary[label]["kernels_per_step"] = profile.counts
+        summary[label]["slowest_kernels"] = profile.slowest
     best = best_budget(summary)
     config = {
         "command": "python -m engine.bench " + " ".join(sys.argv[1:]),
@@ -472,20 +474,24 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def count_kernels(decoder, prompt: dict, jobs: list[Job], base: DecodeSettings) -> dict[str, dict[str, float]]:
-    """Kernels per step by stage for every full-trace job, on one run of ``prompt`` each."""
+def count_kernels(decoder, prompt: dict, jobs: list[Job], base: DecodeSettings) -> dict[str, KernelProfile]:
+    """Kernels per step by stage, and the slowest, for every full-trace job, on one run of ``prompt`` each."""
     prompt_ids = decoder.target.chat_ids(prompt["prompt"])
-    return {job.label: decoder.kernels_per_step(prompt_ids, _settings(base, job)) for job in jobs
+    return {job.label: decoder.kernel_profile(prompt_ids, _settings(base, job)) for job in jobs
             if job.trace_detail == "full"}
 
 
-def format_kernels(kernels: dict[str, dict[str, float]]) -> str:
-    stages = [stage for stage in STAGES if any(stage in counts for counts in kernels.values())]
+def format_kernels(kernels: dict[str, KernelProfile]) -> str:
+    stages = [stage for stage in STAGES if any(stage in profile.counts for profile in kernels.values())]
     rows = ["| method | " + " | ".join(stages) + " | step |", "|---|" + "---|" * (len(stages) + 1)]
-    for label, counts in kernels.items():
-        cells = [f"{counts[stage]:.0f}" if stage in counts else "–" for stage in stages]
-        rows.append(f"| {label} | " + " | ".join(cells) + f" | {sum(counts.values()):.0f} |")
-    return "kernels per step, by stage\n" + "\n".join(rows)
+    for label, profile in kernels.items():
+        cells = [f"{profile.counts[stage]:.0f}" if stage in profile.counts else "–" for stage in stages]
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {sum(profile.counts.values()):.0f} |")
+    slowest = ["| method | stage | kernel | µs per step |", "|---|---|---|---|"]
+    slowest += [f"| {label} | {stage} | `{name}` | {micros:.1f} |" for label, profile in kernels.items()
+                for stage in stages for name, micros in profile.slowest.get(stage, [])]
+    return ("kernels per step, by stage\n" + "\n".join(rows) + "\n\nslowest kernels per step, by stage\n"
+            + "\n".join(slowest))
 
 
 def _load(args: argparse.Namespace, dtype: str):

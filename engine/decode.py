@@ -202,11 +202,11 @@ class Decoder:
             return FixedRun(self, settings, config, on_step, should_stop, program).execute()
         return _Run(self, settings, config, on_step, should_stop).execute()
 
-    def kernels_per_step(self, prompt_ids: list[int], settings: DecodeSettings) -> dict[str, float]:
-        """Kernels per verify step by stage for one generation (``engine.kernels``; CUDA only)."""
-        from engine.kernels import kernels_per_step
+    def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):
+        """Kernels per verify step by stage for one generation, and the slowest (``engine.kernels``; CUDA only)."""
+        from engine.kernels import profile_kernels
 
-        return kernels_per_step(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
+        return profile_kernels(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
 
     def uses_fixed_step(self, settings: DecodeSettings) -> bool:
         """Greedy decoding on a pure-attention target (with a full-attention drafter if it drafts,

@@ -26,8 +26,8 @@
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (4.0 min at LIMIT=3)
-# PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, exact), TOKENS and BUDGETS (fresh, humaneval,
-# float32) override the defaults; STEP adds flags to those benches and TAG to their results' names
+# PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
+# (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
 PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-margins, shape, shape27 or exact'
@@ -36,7 +36,7 @@ TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
 HYBRID=/tmp/tiny-qwen3.5  # and its -attention twin, -shape (a drafter config) and -scripted drafter
 HYBRID_DTYPE=${HYBRID_DTYPE:-float32}
-tables() { grep -E '^\||^kernels|NOT a near-tie|^error' "$1" | tail -n "${2:-40}"; }
+tables() { sed '/^slowest kernels/,$d' "$1" | grep -E '^\||^kernels|NOT a near-tie|^error' | tail -n "${2:-40}"; }
 
 case "$phase" in
 check)
@@ -73,11 +73,12 @@ humaneval)
   tables "$OUT/bench-humaneval.txt" 20 ;;
 shape)
   timeout 420 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 \
-      --native ar --gpu-memory-utilization 0.4 --prompts assets/prompts/fresh.jsonl --limit 5 \
-      --methods ar,dflash,ddtree --tree-budget 16,32,64,128,256,512 --max-new-tokens "$TOKENS" \
-      --out "$OUT/gpu-qwen3-8b-random.json" > "$OUT/bench-shape.txt" 2>&1
-  tables "$OUT/bench-shape.txt" 15
-  python3 -m engine.projection "$OUT/gpu-qwen3-8b-random.json" | tee "$OUT/projection.txt" ;;
+      --native ar --gpu-memory-utilization 0.4 --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP --count-kernels \
+      --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
+      --out "$OUT/gpu-qwen3-8b-random$TAG.json" > "$OUT/bench-shape.txt" 2>&1
+  tables "$OUT/bench-shape.txt" 30
+  sed -n '/^slowest kernels/,$p' "$OUT/bench-shape.txt" | grep -E '^\| (ar|dflash|ddtree@64) \|'  # the rest: in the JSON
+  python3 -m engine.projection "$OUT/gpu-qwen3-8b-random$TAG.json" | tee "$OUT/projection.txt" ;;
 hybrid)  # the folders, the kernels under trees, and a drafter scripted with the Studio's own bf16 answers
   python3 -c 'import vllm.model_executor.models.qwen3_5' > "$OUT/import.txt" 2>&1 \
       || { tail -n 2 "$OUT/import.txt"; echo "vLLM's Qwen3.5 module does not import: carry .whl (see above)"; exit 1; }

@@ -1,4 +1,4 @@
-"""Kernels per decoding stage, counted with the PyTorch profiler on a CUDA device.
+"""Kernels per decoding stage, counted and timed with the PyTorch profiler on a CUDA device.
 
 ``StageClock`` marks each stage with a profiler range while a profiler runs, and it
 synchronises at both ends of a stage, so every kernel a stage launches (also those a CUDA
@@ -7,16 +7,54 @@ graph replays) starts inside that stage's range: kernels are attributed by start
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 STAGE_MARK = "stage:"
 NOT_KERNELS = ("Memcpy", "Memset")
+SLOWEST = 5  # kernels named per stage
+NAME_CHARS = 90  # a templated CUDA kernel's name, cut to what a table can show
 
 
-def kernels_per_step(run: Callable[[], object]) -> dict[str, float]:
-    """Mean kernels per verify step, by stage, over the generation ``run()`` makes (it returns its Trace)."""
+@dataclass(frozen=True)
+class KernelProfile:
+    """One generation's kernels, per verify step, by stage: how many, and which took the most device time."""
+
+    counts: dict[str, float]
+    slowest: dict[str, list[tuple[str, float]]]  # stage -> (kernel name, µs per step), slowest first
+
+
+@dataclass(frozen=True)
+class KernelEvent:
+    name: str
+    start: float  # µs, the profiler's clock
+    duration: float  # µs on the device
+
+
+def attribute(stages: list[tuple[str, float, float]], kernels: list[KernelEvent], steps: int,
+              slowest: int = SLOWEST) -> KernelProfile:
+    """Each kernel to the stage (name, start, end) its start falls in; totals per step. A kernel
+    launched outside every stage (between steps, on the host's side of the loop) is left out."""
+    counts = dict.fromkeys(sorted({name for name, _, _ in stages}), 0.0)
+    times: dict[str, dict[str, float]] = {name: {} for name in counts}
+    for kernel in kernels:
+        stage = next((name for name, begin, end in stages if begin <= kernel.start <= end), None)
+        if stage is None:
+            continue
+        counts[stage] += 1
+        name = kernel.name[:NAME_CHARS]
+        times[stage][name] = times[stage].get(name, 0.0) + kernel.duration
+    steps = max(1, steps)
+    return KernelProfile({name: count / steps for name, count in counts.items()},
+                         {stage: sorted(((name, total / steps) for name, total in by_name.items()),
+                                        key=lambda item: -item[1])[:slowest]
+                          for stage, by_name in times.items()})
+
+
+def profile_kernels(run: Callable[[], object]) -> KernelProfile:
+    """The kernels of the generation ``run()`` makes (it returns its Trace), per verify step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -27,12 +65,6 @@ def kernels_per_step(run: Callable[[], object]) -> dict[str, float]:
     events = profiler.events()
     stages = [(event.name.removeprefix(STAGE_MARK), event.time_range.start, event.time_range.end)
               for event in events if event.name.startswith(STAGE_MARK)]
-    counts = dict.fromkeys(sorted({name for name, _, _ in stages}), 0)
-    for event in events:
-        if event.device_type != DeviceType.CUDA or event.name.startswith(NOT_KERNELS):
-            continue
-        stage = next((name for name, begin, end in stages if begin <= event.time_range.start <= end), None)
-        if stage is not None:
-            counts[stage] += 1
-    steps = max(1, len(trace.steps))
-    return {name: count / steps for name, count in counts.items()}
+    kernels = [KernelEvent(event.name, event.time_range.start, event.time_range.elapsed_us()) for event in events
+               if event.device_type == DeviceType.CUDA and not event.name.startswith(NOT_KERNELS)]
+    return attribute(stages, kernels, len(trace.steps))

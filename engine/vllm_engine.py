@@ -238,7 +238,7 @@ class VllmDecoder(Decoder):
                 on_step(trace, step)
         return trace
 
-    def kernels_per_step(self, prompt_ids: list[int], settings: DecodeSettings) -> dict[str, float]:
+    def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):
         self.prepare(settings, len(prompt_ids))
         return self.llm.collective_rpc("studio_kernels", args=(list(prompt_ids), asdict(settings)))[0]
 

@@ -406,6 +406,6 @@ class StudioWorker:
         decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on
         return trace.to_json()
 
-    def studio_kernels(self, prompt_ids: list[int], settings: dict) -> dict[str, float]:
-        """Kernels per step by stage for one generation (``engine.kernels``)."""
-        return self.studio.kernels_per_step(prompt_ids, DecodeSettings(**settings))
+    def studio_kernels(self, prompt_ids: list[int], settings: dict):
+        """Kernels per step by stage for one generation, and the slowest (``engine.kernels.KernelProfile``)."""
+        return self.studio.kernel_profile(prompt_ids, DecodeSettings(**settings))

@@ -51,9 +51,12 @@ def test_kernels_are_counted_per_stage():
     prompt_ids = decoder.target.chat_ids(PROMPTS[0])
     settings = DecodeSettings("ddtree", max_new_tokens=32, tree_budget=16)
     decoder.run(prompt_ids=prompt_ids, settings=settings)  # captures the graphs
-    counts = decoder.kernels_per_step(prompt_ids, settings)
+    profile = decoder.kernel_profile(prompt_ids, settings)
+    counts = profile.counts
     assert set(counts) == {"draft", "verify"} | ONCE_PER_RUN
     assert counts["draft"] > 20 and counts["verify"] > counts["draft"], counts
+    times = [micros for _, micros in profile.slowest["verify"]]
+    assert times and times == sorted(times, reverse=True) and times[0] > 0, profile.slowest
 
 
 def test_a_compiled_step_decodes_the_same_with_fewer_kernels():
@@ -63,5 +66,5 @@ def test_a_compiled_step_decodes_the_same_with_fewer_kernels():
     settings = DecodeSettings("ddtree", max_new_tokens=48, tree_budget=32)
     ar = plain.run(prompt_ids=prompt_ids, settings=DecodeSettings("ar", max_new_tokens=48))
     assert fused.run(prompt_ids=prompt_ids, settings=settings).output_ids == ar.output_ids
-    before, after = (decoder.kernels_per_step(prompt_ids, settings) for decoder in (plain, fused))
+    before, after = (decoder.kernel_profile(prompt_ids, settings).counts for decoder in (plain, fused))
     assert after["draft"] < before["draft"] and after["verify"] < before["verify"], (before, after)

@@ -222,6 +222,7 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     jobs = with_reduced_traces(plan_jobs("ar,dflash,ddtree", "4,16"))
     data["summary"] = summarize_runs(data["runs"], jobs)
     data["summary"]["ddtree@16"]["kernels_per_step"] = {"draft": 41.0, "verify": 380.0, "commit": 0.0}
+    data["summary"]["ddtree@16"]["slowest_kernels"] = {"verify": [["sm90_gemm", 812.5], ["attention", 96.0]]}
     path = tmp_path / "gpu-fixed.json"
     path.write_text(json.dumps(data))
     setting = load_setting(path)
@@ -231,6 +232,7 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     assert load_setting(path).title == "tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · float64 · inline (1) prompts"
     markdown = build_report([setting], tmp_path / "B.md", tmp_path / "assets", "test")
     assert "| DDTree (budget 16) | 41 | 380 | 0 | 421 |" in markdown
+    assert "| DDTree (budget 16) | verify | `sm90_gemm` | 812.5 |" in markdown.split("### Slowest kernels per step")[1]
     assert "| DDTree (budget 16), tokens-only trace |" in markdown
     assert "### The prefill" in markdown and "| target | context | start | prefill per run (ms) |" in markdown
     labels = setting.labels

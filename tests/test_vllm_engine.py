@@ -152,7 +152,7 @@ def test_the_fixed_step_accepts_what_the_readable_step_accepts(studio, readable)
 def test_kernels_are_counted_per_stage_in_the_workers(studio, readable):
     prompt_ids = studio.target.chat_ids(prompts(1)[0])
     settings = DecodeSettings("ddtree", 32, tree_budget=16)
-    fixed, before = (decoder.kernels_per_step(prompt_ids, settings) for decoder in (studio, readable))
+    fixed, before = (decoder.kernel_profile(prompt_ids, settings).counts for decoder in (studio, readable))
     assert set(fixed) == {"draft", "verify"} | ONCE_PER_RUN and set(before) >= {"draft", "tree_build", "verify", "commit"}
     assert fixed["draft"] > 20 and fixed["verify"] > 100, fixed
 

@@ -331,6 +331,15 @@ def kernel_table(setting: Setting) -> str | None:
     return _table(["Method", *stages, "kernels per step"], rows)
 
 
+def slowest_kernel_table(setting: Setting) -> str | None:
+    """The kernels that took the most device time per verify step, by method and stage
+    (``engine.bench --count-kernels``)."""
+    rows = [[display_label(label), stage, f"`{name}`", f"{micros:.1f}"] for label in setting.labels
+            for stage, kernels in setting.summary.get(label, {}).get("slowest_kernels", {}).items()
+            for name, micros in kernels]
+    return _table(["Method", "stage", "kernel", "µs per step"], rows) if rows else None
+
+
 def economics_table(setting: Setting) -> str | None:
     """τ against what a step costs in AR steps: the prediction τ ÷ cost next to the measured speed-up."""
     rows = []
@@ -569,6 +578,10 @@ def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path
     if kernels is not None:
         parts += ["### Kernels per step\n\nCUDA kernels each stage launches per verify step (profiler, one run of "
                   "the first prompt per method; kernels a CUDA graph replays count one by one).", kernels]
+    slowest = slowest_kernel_table(setting)
+    if slowest is not None:
+        parts += ["### Slowest kernels per step\n\nThe same profiler run: the kernels that took the most device time "
+                  "per verify step in each stage (names cut to 90 characters).", slowest]
     if setting.drafting_labels():
         parts += ["### Per-position acceptance\n\nShare of verify steps that accepted draft position k "
                   "(all prompts): a step accepts position k when its acceptance length exceeds k.",
