@@ -25,6 +25,7 @@ import torch
 from engine.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.drafter import DFlashDrafter, drafter_shape
 from engine.errors import EngineError
+from engine.kernels import KernelProfile
 from engine.target import (BUNDLED_MODEL, Target, bundled_gguf, has_tokenizer, resolve_dtype, shape_config,
                            shape_tokenizer, stop_token_ids)
 from engine.trace import Step, Trace
@@ -238,9 +239,9 @@ class VllmDecoder(Decoder):
                 on_step(trace, step)
         return trace
 
-    def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):
+    def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings) -> KernelProfile:
         self.prepare(settings, len(prompt_ids))
-        return self.llm.collective_rpc("studio_kernels", args=(list(prompt_ids), asdict(settings)))[0]
+        return KernelProfile(**self.llm.collective_rpc("studio_kernels", args=(list(prompt_ids), asdict(settings)))[0])
 
 
 def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,

@@ -16,7 +16,7 @@ layers) add two more, in ``engine.vllm_gdn``, imported only for them. Nothing el
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import vllm
@@ -406,6 +406,7 @@ class StudioWorker:
         decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on
         return trace.to_json()
 
-    def studio_kernels(self, prompt_ids: list[int], settings: dict):
-        """Kernels per step by stage for one generation, and the slowest (``engine.kernels.KernelProfile``)."""
-        return self.studio.kernel_profile(prompt_ids, DecodeSettings(**settings))
+    def studio_kernels(self, prompt_ids: list[int], settings: dict) -> dict:
+        """Kernels per step by stage for one generation, and the slowest (``engine.kernels.KernelProfile``'s
+        fields: the reply crosses vLLM's process boundary as plain data, like every other one here)."""
+        return asdict(self.studio.kernel_profile(prompt_ids, DecodeSettings(**settings)))
