@@ -203,23 +203,25 @@ def test_a_node_forked_from_its_sibling_is_caught():
 
 def test_the_float32_prefill_leaves_each_prompt_as_decoding_it_token_by_token(kernels):
     """``recurrent_prefill`` (vLLM's recurrent kernel standing in for its chunked one, which refuses
-    float32): three prompts of a varlen batch, one empty, each from its own initial state."""
+    float32): four prompts of a varlen batch, one empty, one longer than the chunked kernel's chunk of
+    64 (where the H200's float32 hybrid strays from float64), each from its own initial state."""
     kernels, device = kernels
     g = torch.Generator().manual_seed(5)
-    lengths = [5, 0, 3]
-    total, starts = sum(lengths), torch.tensor([0, 5, 5, 8], dtype=torch.int32, device=device)
+    lengths = [5, 0, 3, 74]
+    begins = [sum(lengths[:n]) for n in range(len(lengths))]
+    total, starts = sum(lengths), torch.tensor(begins + [sum(lengths)], dtype=torch.int32, device=device)
 
     def rand(*shape, s=1.0):
         return (torch.randn(*shape, generator=g) * s).to(device)
 
     q, k = rand(1, total, KEY_HEADS, HEAD_K), rand(1, total, KEY_HEADS, HEAD_K)
     v, decay, beta = rand(1, total, HEADS, HEAD_V), -rand(1, total, HEADS).abs(), rand(1, total, HEADS).sigmoid()
-    initial = rand(3, HEADS, HEAD_V, HEAD_K, s=0.3)
+    initial = rand(len(lengths), HEADS, HEAD_V, HEAD_K, s=0.3)
     before = initial.clone()
     out, final = gdn_tree.recurrent_prefill(q, k, v, decay, beta, initial, starts, True, kernels.recurrent)
     assert out.shape == v.shape and final.shape == initial.shape and torch.equal(initial, before)
     one = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    for n, (begin, length) in enumerate(zip([0, 5, 5], lengths)):
+    for n, (begin, length) in enumerate(zip(begins, lengths)):
         state = torch.cat([torch.zeros_like(initial[:1]), initial[n:n + 1]])  # slot 1, as vLLM's decode reads it
         for token in range(begin, begin + length):
             step = slice(token, token + 1)
