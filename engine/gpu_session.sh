@@ -21,7 +21,8 @@
 #              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (2.1 min)
 #   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (3.0 min)
 #   hybrid-margins  after hybrid: how far vLLM's float32 strays from float64 (engine.margin_check), by prompt
-#              length, for the tiny Qwen3.5 and its all-attention twin (~4 min)
+#              length: the tiny Qwen3.5 with Triton's float32 dots as TF32 (their default) and as IEEE, and its
+#              all-attention twin (~5 min)
 #   shape      Qwen3-8B shape, random weights + projection (4.6 min at TOKENS=64)
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
@@ -107,13 +108,16 @@ hybrid-cost)  # verify cost vs tree size: the same shape with and without its Ga
         --out "$OUT/gpu-vllm-$(basename "$model")-cost.json" > "$OUT/bench-$(basename "$model")-cost.txt" 2>&1
     tables "$OUT/bench-$(basename "$model")-cost.txt" 8
   done ;;
-hybrid-margins)  # after hybrid: where vLLM's float32 leaves exact arithmetic, with and without Gated DeltaNets
-  for model in "$HYBRID" "$HYBRID-attention"; do
-    name=$(basename "$model")
-    timeout 200 python3 -m engine.bench --engine vllm --no-progress --model "$model" --drafter "$HYBRID-scripted" \
-        --dtype float32 --native ar --prompts assets/prompts/fresh.jsonl --per-category 2 --methods ar --max-new-tokens 16 \
-        --out "$OUT/gpu-vllm-$name-margins.json" > "$OUT/bench-$name-margins.txt" 2>&1
-    python3 -m engine.margin_check "$OUT/gpu-vllm-$name-margins.json" 2> /dev/null | tee "$OUT/margins-$name.txt"
+hybrid-margins)  # after hybrid: where vLLM's float32 leaves exact arithmetic, with and without Gated DeltaNets;
+  # Triton's float32 dots default to TF32 on NVIDIA (vLLM's attention kernel takes that default): "ieee" runs them exact
+  for run in "$HYBRID tf32" "$HYBRID ieee" "$HYBRID-attention ieee"; do
+    set -- $run
+    name=$(basename "$1")-$2
+    # a Triton cache of its own per precision: a kernel compiled under one default must not serve the other
+    TRITON_F32_DEFAULT=$2 TRITON_CACHE_DIR=/tmp/tcache-$2 timeout 200 python3 -m engine.bench --engine vllm --no-progress --model "$1" \
+        --drafter "$HYBRID-scripted" --dtype float32 --native ar --prompts assets/prompts/fresh.jsonl --per-category 2 \
+        --methods ar --max-new-tokens 16 --out "$OUT/gpu-vllm-$name-margins.json" > "$OUT/bench-$name-margins.txt" 2>&1
+    echo "$name"; python3 -m engine.margin_check "$OUT/gpu-vllm-$name-margins.json" 2> /dev/null | tee "$OUT/margins-$name.txt"
   done ;;
 shape27)
   timeout 540 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3.6-27b --drafter assets/shapes/qwen3.6-27b-dflash-b16 \
