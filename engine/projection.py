@@ -1,6 +1,7 @@
 """What DDTree would give at a real model size: speed-up(budget) = τ(budget) ÷ step cost(budget).
 
-    python -m engine.projection benchmarks/gpu-qwen3-8b-random.json [--curve DRAFTER_FOLDER]
+    python -m engine.projection benchmarks/shapes/gpu-qwen3-8b-random.json [--curve DRAFTER_FOLDER]
+    python -m engine.projection --memory assets/shapes/qwen3-8b assets/shapes/qwen3-8b-dflash-b16 [--memory ...]
 
 The step cost comes from a bench run at the model's real shape with random weights
 (``engine.bench --random-weights``): the kernels, shapes and so the milliseconds are the real
@@ -268,21 +269,43 @@ def projection_report(results: dict, curve_folder: str | None = None, gpu_gib: f
     return text
 
 
+def memory_table(pairs: list[tuple[str, str]], gpu_gib: float, utilization: float) -> str:
+    """``memory_plan`` for (target, drafter) config folders, a row each."""
+    rows = ["| target | weights (GiB, with drafter) | KV per token (KiB) | fixed state per request (MiB) | "
+            "longest context at B=64 / B=512 | model's limit | binds first |", "|---|---|---|---|---|---|---|"]
+    for target, drafter in pairs:
+        configs = [json.loads((Path(folder) / "config.json").read_text()) for folder in (target, drafter)]
+        plan = memory_plan(*configs, gpu_gib, utilization, budgets=(64, 512))
+        binds = "the model's limit" if min(plan.context_tokens.values()) >= plan.model_context else "memory"
+        rows.append(f"| {Path(target).name} | {plan.weights_gib:.1f} | {plan.kv_bytes_per_token / 1024:.0f} | "
+                    f"{plan.state_bytes / 2**20:.0f} | {plan.context_tokens[64]:,} / {plan.context_tokens[512]:,} | "
+                    f"{plan.model_context:,} | {binds} |")
+    return (f"Memory, estimated from the shapes (bf16, {gpu_gib:g} GiB × {utilization:g}, one request)\n"
+            + "\n".join(rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.projection", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="results JSON of engine.bench --random-weights at a model shape")
+    parser.add_argument("results", nargs="?", help="results JSON of engine.bench --random-weights at a model shape")
     parser.add_argument("--curve", default=None, help="drafter folder whose config.json holds an acceptance curve "
                                                       "(default: the shipped drafter)")
+    parser.add_argument("--memory", nargs=2, action="append", metavar=("TARGET", "DRAFTER"), default=[],
+                        help="config folders of a target and its drafter: the memory estimate alone (repeatable)")
     parser.add_argument("--gpu-gib", type=float, default=141.0, help="GPU memory for the memory estimate (H200: 141)")
     parser.add_argument("--utilization", type=float, default=0.9, help="share of it vLLM may take")
     args = parser.parse_args(argv)
     try:
-        print(projection_report(json.loads(Path(args.results).read_text()), args.curve, args.gpu_gib, args.utilization))
+        if args.results is None and not args.memory:
+            raise EngineError("give a results JSON, or --memory TARGET DRAFTER")
+        if args.results is not None:
+            print(projection_report(json.loads(Path(args.results).read_text()), args.curve, args.gpu_gib,
+                                    args.utilization))
+        if args.memory:
+            print(memory_table(args.memory, args.gpu_gib, args.utilization))
     except (OSError, json.JSONDecodeError, KeyError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

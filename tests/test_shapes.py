@@ -165,6 +165,16 @@ def test_the_memory_estimate_counts_qwen3_8b_as_published():
     assert tight.context_tokens[16] < 40960 and "the KV cache (the context) runs out first" in tight.sentence()
 
 
+def test_the_memory_estimates_of_the_shipped_shapes_print_as_one_table(capsys):
+    pairs = [("qwen3-8b", "qwen3-8b-dflash-b16"), ("qwen3.6-27b", "qwen3.6-27b-dflash-b16")]
+    argv = [arg for target, drafter in pairs for arg in ("--memory", str(SHAPES / target), str(SHAPES / drafter))]
+    assert projection_main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen3")]
+    assert rows[0].startswith("| qwen3-8b | 17.2 | 164 | 0 | ") and rows[0].endswith("| 40,960 | the model's limit |")
+    assert rows[1].startswith("| qwen3.6-27b | ") and "| 262,144 |" in rows[1] and "| 0 |" not in rows[1]
+    assert projection_main([]) == 2 and "give a results JSON, or --memory TARGET DRAFTER" in capsys.readouterr().err
+
+
 def test_the_memory_estimate_of_the_qwen3_6_hybrid_grows_with_its_attention_layers_only():
     """48 of its 64 layers are Gated DeltaNets: a fixed state per request, no KV per token."""
     from engine.projection import memory_plan, parameter_count
