@@ -75,7 +75,7 @@ humaneval)
 shape)
   timeout 420 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 \
       --native ar --gpu-memory-utilization 0.4 --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP --count-kernels \
-      --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
+      --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-1,16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
       --out "$OUT/gpu-qwen3-8b-random$TAG.json" > "$OUT/bench-shape.txt" 2>&1
   tables "$OUT/bench-shape.txt" 30
   sed -n '/^slowest kernels/,$p' "$OUT/bench-shape.txt" | grep -E '^\| (ar|dflash|ddtree@64) \|'  # the rest: in the JSON
