@@ -307,16 +307,22 @@ def compare_outputs(runs: list[dict], reference: dict[str, dict], key: str, name
     return notes
 
 
+def recorded_runs(path: str, label: str | None = None) -> tuple[str, dict[str, dict]]:
+    """A bench result's runs of one label, by prompt id: ``label``, or where none is given vLLM's own
+    AR if that run timed it, else the Studio's AR. Returns the label too."""
+    try:
+        runs = json.loads(Path(path).read_text())["runs"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise EngineError(f"{path}: not a readable bench result ({exc})") from None
+    label = label or (NATIVE_AR if any(run.get("label") == NATIVE_AR for run in runs) else "ar")
+    # a run without a label (an older file) is named by its method
+    return label, {run["prompt_id"]: run for run in runs if (run.get("label") or run.get("method")) == label}
+
+
 def reference_outputs(path: str, prompts: list[dict]) -> dict[str, dict]:
     """``--compare-to``: another bench run's AR answer to each of these prompts (vLLM's own AR where
     that run timed it, else the Studio's AR), by prompt id; a clear error when one is missing."""
-    try:
-        results = json.loads(Path(path).read_text())
-        runs = results["runs"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise EngineError(f"--compare-to {path}: not a readable bench result ({exc})") from None
-    label = NATIVE_AR if any(run.get("label") == NATIVE_AR for run in runs) else "ar"
-    answers = {run["prompt_id"]: run for run in runs if run.get("label") == label}
+    label, answers = recorded_runs(path)
     missing = [prompt["id"] for prompt in prompts if prompt["id"] not in answers]
     if missing:
         raise EngineError(f"--compare-to {path}: no {label} run for {len(missing)} of these prompts "

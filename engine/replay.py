@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import ddtree
-from engine.bench import Job, per_category, plan_jobs, read_prompts
+from engine.bench import Job, per_category, plan_jobs, read_prompts, recorded_runs
 from engine.decode import DecodeSettings, Decoder
 from engine.errors import EngineError, run_command
 from engine.models import AUTO, load_decoder
@@ -98,11 +98,11 @@ def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]
 
 def recorded_outputs(prompts: list[dict], results: str) -> dict[str, list[int]]:
     """Every prompt's greedy AR output, from an earlier bench's results."""
-    runs = {r["prompt_id"]: r["output_ids"] for r in json.loads(Path(results).read_text())["runs"] if r["method"] == "ar"}
+    _, runs = recorded_runs(results, "ar")
     missing = [p["id"] for p in prompts if p["id"] not in runs]
     if missing:
         raise EngineError(f"{results} has no AR run for {missing[0]} ({len(missing)} prompts missing)")
-    return {p["id"]: runs[p["id"]] for p in prompts}
+    return {p["id"]: runs[p["id"]]["output_ids"] for p in prompts}
 
 
 def decoded_outputs(decoder: Decoder, prompts: list[dict], max_new_tokens: int) -> dict[str, list[int]]:
