@@ -4,6 +4,7 @@ decoder's drafting, checkpoints, the data pipeline, and that training raises acc
 from __future__ import annotations
 
 import functools
+import json
 import math
 import random
 import time
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.decode import Decoder, DecodeSettings, DrafterInfo
-from engine.drafter import load_drafter
+from engine.drafter import load_drafter, weights_digest
 from engine.target import Target
 from engine.training import data as data_module
 from engine.training.data import DataSettings, SequenceData, repetition_cut, user_turn_ids
@@ -260,6 +261,7 @@ def start_from_an_export(tmp_path, *flags: str):
 
     target = tiny_target()
     drafter = tiny_drafter(target, seed=3, layers=2)
+    drafter.config.acceptance = {"dflash": 2.5}
     export_drafter(drafter, tmp_path / "drafter", shard_mb=None)
     args = parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "drafter"),
                        "--schedule-steps", "10", *flags])
@@ -269,6 +271,7 @@ def start_from_an_export(tmp_path, *flags: str):
 def test_training_can_start_from_an_exported_drafter(tmp_path):
     _, drafter, (started, settings, progress, optimizer_state) = start_from_an_export(tmp_path, "--num-layers", "4")
     assert started.config.num_hidden_layers == 2, "the checkpoint's shape, not --num-layers"
+    assert started.config.acceptance == {}, "the start's measured τ is not the trained drafter's"
     assert optimizer_state is None and progress.step == 0 and progress.schedule_steps == 10
     for name, value in started.state_dict().items():
         assert value.dtype == torch.float32, "trained in float32 whatever the export's dtype"
@@ -287,6 +290,41 @@ def test_export_splits_weights_into_small_bf16_shards_that_load_back(tmp_path):
         torch.testing.assert_close(loaded.state_dict()[name].double(), tensor.to(torch.bfloat16).double())
     export_drafter(drafter, tmp_path, shard_mb=None)  # one file again: the old shards must go
     assert [f.name for f in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+
+
+def exported(tmp_path, name: str, seed: int, layers: int = 2, **extra):
+    target = tiny_target()
+    drafter = tiny_drafter(target, seed=seed, layers=layers)
+    export_drafter(drafter, tmp_path / name, shard_mb=None, extra=extra or None)
+    return tmp_path / name, load_drafter(tmp_path / name)
+
+
+def test_averaged_drafter_holds_the_mean_of_every_weight_and_names_its_sources(tmp_path):
+    from engine.training.average import main
+
+    folders, drafters = zip(*(exported(tmp_path, f"d{seed}", seed, training={"steps": seed}) for seed in (1, 2, 3)))
+    assert main([str(tmp_path / "mean"), *map(str, folders)]) == 0
+    mean = load_drafter(tmp_path / "mean")
+    for name, tensor in mean.state_dict().items():
+        expected = sum(d.state_dict()[name].float() for d in drafters) / 3
+        torch.testing.assert_close(tensor.float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0)
+    config = json.loads((tmp_path / "mean" / "config.json").read_text())
+    assert [source["weights"] for source in config["average_of"]] == [weights_digest(f) for f in folders]
+    assert [source["training"] for source in config["average_of"]] == [{"steps": 1}, {"steps": 2}, {"steps": 3}]
+    assert "acceptance" not in config, "the sources' measurements are not the mean's"
+
+
+def test_averaging_drafters_of_different_shapes_is_refused_with_one_line(tmp_path, capsys):
+    from engine.training.average import main
+
+    two, _ = exported(tmp_path, "two", 1, layers=2)
+    three, _ = exported(tmp_path, "three", 2, layers=3)
+    assert main([str(tmp_path / "mean"), str(two), str(three)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "num_hidden_layers" in error and error.count("\n") == 1
+    assert not (tmp_path / "mean").exists(), "nothing written"
+    assert main([str(tmp_path / "mean"), str(two)]) == 2
+    assert "at least two" in capsys.readouterr().err
 
 
 # ---- data ------------------------------------------------------------------------------------------

@@ -488,6 +488,7 @@ def start(args, target: Target) -> tuple[DFlashDrafter, TrainSettings, Progress,
         raise SystemExit("--grow-layers grows a drafter given with --init-from (a fresh one takes --num-layers)")
     if args.init_from:
         drafter = load_drafter(args.init_from).float().to(target.device)
+        drafter.config.acceptance = {}  # measured on the weights training starts from, not on what it makes of them
         if args.grow_layers:
             drafter = drafter.with_extra_layers(args.grow_layers, settings.seed)
     else:
