@@ -302,7 +302,9 @@ def exported(tmp_path, name: str, seed: int, layers: int = 2, **extra):
 def test_averaged_drafter_holds_the_mean_of_every_weight_and_names_its_sources(tmp_path):
     from engine.training.average import main
 
-    folders, drafters = zip(*(exported(tmp_path, f"d{seed}", seed, training={"steps": seed}) for seed in (1, 2, 3)))
+    folders, drafters = zip(*(exported(tmp_path, f"d{seed}", seed, training={"steps": seed}, acceptance={"dflash": 2.0})
+                              for seed in (1, 2, 3)))
+    assert drafters[0].config.acceptance == {"dflash": 2.0}
     assert main([str(tmp_path / "mean"), *map(str, folders)]) == 0
     mean = load_drafter(tmp_path / "mean")
     for name, tensor in mean.state_dict().items():
