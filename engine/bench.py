@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -29,6 +30,7 @@ from engine.models import AUTO, DRAFT_DTYPE_HELP
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
+NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
 WARM_UP_TOKENS = 40  # more than two steps that each accept a whole block of 16
 
 
@@ -456,7 +458,7 @@ def _main(args: argparse.Namespace) -> int:
         summary[label]["slowest_kernels"] = profile.slowest
     best = best_budget(summary)
     config = {
-        "command": "python -m engine.bench " + " ".join(sys.argv[1:]),
+        "command": _command(),
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
         "drafter_revision": None if args.random_weights else _drafter_revision(args),
         "timing_only": args.random_weights,
@@ -531,6 +533,13 @@ def _drafter_revision(args: argparse.Namespace) -> str | None:
 
     folder = _drafter_folder(args)
     return weights_digest(folder) if folder else None
+
+
+def _command() -> str:
+    """The command line, behind the settings of the environment that change the numbers (Triton's
+    float32 dots: TF32 unless ``TRITON_F32_DEFAULT`` says otherwise)."""
+    settings = [f"{name}={os.environ[name]}" for name in NUMERICS_ENVIRONMENT if name in os.environ]
+    return " ".join([*settings, "python -m engine.bench", *sys.argv[1:]])
 
 
 def _host() -> dict:

@@ -166,8 +166,7 @@ class FixedProgram:
         compiled = (lambda stage: torch.compile(stage, dynamic=False)) if compile_step else (lambda stage: stage)
         self._draft_pass, self._plan, self._decide = compiled(_log_probs), compiled(self._plan_step), \
             compiled(self._decide_step)
-        vocab = target.config.vocab_size
-        self._beam = fused_beam_tree if method == "ddtree" and fused_fits(device, budget, vocab) else compiled(beam_tree)
+        self._beam = fused_beam_tree if method == "ddtree" and fused_fits(device, budget) else compiled(beam_tree)
         self._chain = compiled(chain)
         self._graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
 

@@ -237,3 +237,12 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     assert "### The prefill" in markdown and "| target | context | start | prefill per run (ms) |" in markdown
     labels = setting.labels
     assert labels.index("ddtree@16:tokens") == labels.index("ddtree@16") + 1
+
+
+def test_the_recorded_command_names_the_triton_precision_it_ran_under(monkeypatch):
+    from engine import bench
+    monkeypatch.setattr(bench.sys, "argv", ["bench.py", "--dtype", "float32"])
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    assert bench._command() == "python -m engine.bench --dtype float32"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert bench._command() == "TRITON_F32_DEFAULT=ieee python -m engine.bench --dtype float32"

@@ -25,7 +25,7 @@ from engine.training.run import Plan
 from engine.training import objective
 from engine.training.objective import block_loss, distillation_kl, fused_block_loss, target_logits
 from engine.training.train import (Batch, Blocks, Progress, TrainSettings, Trainer, block_labels, block_visibility,
-                                   choose_loss, draft_hidden, learning_rate, load_state, make_batch, sample_anchors,
+                                   choose_loss, draft_hidden, greedy_tokens, learning_rate, load_state, make_batch, sample_anchors,
                                    save_state, target_pass)
 from tests.tiny import STOP, VOCAB, tiny_drafter, tiny_target
 
@@ -80,11 +80,55 @@ def test_slot_k_is_labelled_with_the_token_at_anchor_plus_k():
     ids = torch.arange(100, 112)[None]  # token at position p is 100 + p
     batch = Batch(ids, lengths=torch.tensor([10]), response_starts=torch.tensor([2]))
     blocks = Blocks(anchors=torch.tensor([[2, 7]]), valid=torch.tensor([[True, True]]))
-    labels, valid = block_labels(batch, blocks, block_size=4)
+    labels, valid = block_labels(batch.ids, batch.lengths, blocks, block_size=4)
     assert labels[0, 0].tolist() == [103, 104, 105]
     assert valid[0, 0].all()
     assert labels[0, 1, :2].tolist() == [108, 109]
     assert valid[0, 1].tolist() == [True, True, False], "no label past the sequence end (length 10)"
+
+
+def test_greedy_labels_are_the_targets_argmax_one_position_earlier():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = torch.tensor(random_prompts(3, 12, seed=4))
+    _, final_hidden = target_pass(target, drafter, ids)
+    greedy = greedy_tokens(target, final_hidden, ids, rows=5)  # chunks of 5 rows, the last one short
+    expected = torch.cat([ids[:, :1], target.model(input_ids=ids).logits[:, :-1].argmax(-1)], dim=1)
+    assert torch.equal(greedy, expected)
+    assert not torch.equal(greedy, ids), "random tokens are not the target's choices"
+
+
+def test_greedy_labels_of_a_greedy_reply_are_its_own_tokens():
+    data = tiny_data(0)
+    target = tiny_target(0, dtype=torch.float32)
+    batch = make_batch(data, torch.arange(len(data)), 768, pad_id=STOP)
+    _, final_hidden = target_pass(target, tiny_drafter(target), batch.ids)
+    greedy = greedy_tokens(target, final_hidden, batch.ids)
+    positions = torch.arange(batch.ids.shape[1])
+    reply = (positions > batch.response_starts[:, None]) & (positions < batch.lengths[:, None])
+    assert torch.equal(greedy[reply], batch.ids[reply])
+
+
+def test_greedy_labels_train_on_the_targets_choices_not_the_replys_tokens():
+    """On greedy replies both label sources train the same weights; on replies that are not the
+    target's choices they part."""
+    def trained(labels: str, data: SequenceData) -> list[torch.Tensor]:
+        trainer = tiny_trainer(steps=3, labels=labels, data=data)
+        trainer.run()
+        return list(trainer.drafter.parameters())
+
+    for a, b in zip(trained("greedy", tiny_data(0)), trained("data", tiny_data(0))):
+        torch.testing.assert_close(a, b)
+    prompts = random_prompts(16, 30, seed=0)
+    random_replies = SequenceData.from_lists(prompts, [6] * len(prompts))
+    parted = [not torch.equal(a, b) for a, b in zip(trained("greedy", random_replies), trained("data", random_replies))]
+    assert any(parted)
+
+
+def test_an_unknown_label_source_is_refused():
+    from engine.training.train import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--data", "d", "--out", "o", "--labels", "sampled"])
 
 
 def test_anchors_lie_in_the_reply_and_leave_room_for_a_label():
@@ -151,7 +195,7 @@ def loss_and_gradients(loss, drafter, target, settings: TrainSettings, seed: int
     batch = make_batch(data, torch.arange(len(data)), settings.max_length, pad_id=STOP)
     features, final_hidden = target_pass(target, drafter, batch.ids)
     blocks = sample_anchors(batch, settings.blocks_per_sequence, torch.Generator().manual_seed(seed))
-    labels, valid = block_labels(batch, blocks, drafter.block_size)
+    labels, valid = block_labels(batch.ids, batch.lengths, blocks, drafter.block_size)
     hidden = draft_hidden(drafter, target, batch.ids, blocks.anchors, features)
     drafter.zero_grad()
     metrics = loss(drafter, target, hidden, labels, valid, blocks.anchors, final_hidden, settings)
@@ -217,11 +261,11 @@ def test_batches_cut_long_sequences_and_pad_short_ones():
     assert batch.ids[1, :10].eq(6).all() and batch.ids[1, 10:].eq(1).all()
 
 
-def tiny_trainer(seed: int = 0, steps: int = 8) -> Trainer:
+def tiny_trainer(seed: int = 0, steps: int = 8, labels: str = "data", data: SequenceData | None = None) -> Trainer:
     target = tiny_target(seed, dtype=torch.float32)
-    settings = TrainSettings(batch_size=4, blocks_per_sequence=4, lr=3e-3, log_every=1000, seed=seed)
-    return Trainer.new(tiny_drafter(target, seed, block_size=8), target, tiny_data(seed), settings,
-                       Progress(schedule_steps=steps), log=lambda line: None)
+    settings = TrainSettings(batch_size=4, blocks_per_sequence=4, lr=3e-3, log_every=1000, seed=seed, labels=labels)
+    return Trainer.new(tiny_drafter(target, seed, block_size=8), target, tiny_data(seed) if data is None else data,
+                       settings, Progress(schedule_steps=steps), log=lambda line: None)
 
 
 def test_a_resumed_run_continues_exactly_where_it_stopped(tmp_path):

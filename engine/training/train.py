@@ -13,8 +13,9 @@ One step, for a batch of self-distilled sequences (prompt + the target's greedy 
    features do not exist yet) and its own B slots, nothing else.
 4. Slot k (1..B-1) predicts the token at position ``a + k`` (same-position labels), with
    weight ``exp(-(k-1)/gamma)``: early slots decide most of the acceptance length. The
-   loss mixes cross-entropy on the data token with KL to the target's distribution at
-   position ``a + k - 1`` (``--distill-weight``).
+   loss mixes cross-entropy on the label (the reply's token, or with ``--labels greedy`` the
+   target's own argmax, what greedy decoding accepts) with KL to the target's distribution
+   at position ``a + k - 1`` (``--distill-weight``).
 
 The target's embedding and lm_head are shared and frozen; only the drafter learns.
 Training is time-bounded (``--max-minutes``) and resumable (``--resume``), so it can be
@@ -45,11 +46,12 @@ from engine.target import Target, load_target
 from engine.training.data import SequenceData
 from engine.training.export import export_drafter
 from engine.training.generation import device_and_dtype
-from engine.training.objective import StepMetrics, block_loss, chunk_terms, fused_block_loss
+from engine.training.objective import StepMetrics, block_loss, chunk_terms, fused_block_loss, target_logits
 
 STATE_FILE = "train-state.pt"
 LOG_FILE = "train-log.jsonl"
 EXPORT_FOLDER = "drafter"
+LABEL_SOURCES = ("data", "greedy")
 
 
 @dataclass
@@ -62,7 +64,8 @@ class TrainSettings:
     warmup_fraction: float = 0.03
     weight_decay: float = 0.01
     gamma: float = 7.0  # slot k weighs exp(-(k-1)/gamma)
-    distill_weight: float = 0.5  # 0: cross-entropy on the data token only; 1: KL to the target only
+    distill_weight: float = 0.5  # 0: cross-entropy on the label only; 1: KL to the target only
+    labels: str = "data"  # "data": the reply's own tokens; "greedy": the target's argmax at each position
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 50
@@ -174,12 +177,14 @@ def block_visibility(anchors: torch.Tensor, context_length: int, block_size: int
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 
 
-def block_labels(batch: Batch, blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot k of a block at ``a`` predicts the token at ``a + k``: labels and validity ``[b, n, B-1]``."""
+def block_labels(label_ids: torch.Tensor, lengths: torch.Tensor, blocks: Blocks,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot k of a block at ``a`` predicts the token at ``a + k`` of ``label_ids`` (the batch's
+    ids or ``greedy_tokens``): labels and validity ``[b, n, B-1]``."""
     b, n = blocks.anchors.shape
-    positions = blocks.anchors[:, :, None] + torch.arange(1, block_size, device=batch.ids.device)
-    valid = (positions < batch.lengths[:, None, None]) & blocks.valid[:, :, None]
-    labels = batch.ids.gather(1, positions.clamp(max=batch.ids.shape[1] - 1).view(b, -1)).view(b, n, -1)
+    positions = blocks.anchors[:, :, None] + torch.arange(1, block_size, device=label_ids.device)
+    valid = (positions < lengths[:, None, None]) & blocks.valid[:, :, None]
+    labels = label_ids.gather(1, positions.clamp(max=label_ids.shape[1] - 1).view(b, -1)).view(b, n, -1)
     return labels, valid
 
 
@@ -189,6 +194,16 @@ def target_pass(target: Target, drafter: DFlashDrafter, ids: torch.Tensor) -> tu
     Right padding needs no attention mask: causal attention keeps it out of real positions."""
     out = target.model.base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
     return drafter.context_features(out.hidden_states), out.last_hidden_state
+
+
+@torch.no_grad()
+def greedy_tokens(target: Target, final_hidden: torch.Tensor, ids: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """``ids`` with every token after the first replaced by the target's greedy choice there (its
+    argmax one position earlier): what greedy decoding accepts, where a sampled reply's token is
+    one draw. Chunked: a whole batch's logits would be [b*S, vocab]."""
+    flat = final_hidden[:, :-1].reshape(-1, final_hidden.shape[-1])
+    choices = torch.cat([target_logits(target, part).argmax(-1) for part in flat.split(rows)])
+    return torch.cat([ids[:, :1], choices.view(len(ids), -1).to(ids.dtype)], dim=1)
 
 
 def draft_hidden(drafter: DFlashDrafter, target: Target, ids: torch.Tensor, anchors: torch.Tensor,
@@ -212,7 +227,8 @@ def train_step(drafter, target, batch: Batch, settings: TrainSettings, optimizer
                loss: Callable) -> StepMetrics:
     features, final_hidden = target_pass(target, drafter, batch.ids)
     blocks = sample_anchors(batch, settings.blocks_per_sequence, generator)
-    labels, valid = block_labels(batch, blocks, drafter.block_size)
+    label_ids = greedy_tokens(target, final_hidden, batch.ids) if settings.labels == "greedy" else batch.ids
+    labels, valid = block_labels(label_ids, batch.lengths, blocks, drafter.block_size)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if batch.ids.is_cuda else nullcontext()
     with autocast:
         hidden = draft_hidden(drafter, target, batch.ids, blocks.anchors, features)
@@ -430,7 +446,7 @@ def save_outputs(trainer: Trainer, out: Path, shard_mb: float | None) -> None:
     progress = trainer.progress
     extra = {"training": {"steps": progress.step, "tokens": progress.tokens,
                           "minutes": round(progress.trained_seconds / 60, 2),
-                          "distill_weight": trainer.settings.distill_weight,
+                          "distill_weight": trainer.settings.distill_weight, "labels": trainer.settings.labels,
                           "blocks_per_sequence": trainer.settings.blocks_per_sequence}}
     export_drafter(trainer.drafter, out / EXPORT_FOLDER, shard_mb=shard_mb, extra=extra)
 
@@ -469,7 +485,8 @@ def parse_args(argv=None):
                         help="first train this many steps under torch.profiler and print where their time went "
                              "(they are ordinary training steps; the table goes to the log)")
     for name, value in asdict(TrainSettings()).items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
+                            choices=LABEL_SOURCES if name == "labels" else None)
     return parser.parse_args(argv)
 
 
