@@ -444,6 +444,9 @@ def _main(args: argparse.Namespace) -> int:
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
     kernels = count_kernels(decoder, prompts[0], jobs, base) if args.count_kernels else {}
     if native_jobs:
+        # vLLM's own decoding starts a second engine and compiles its graphs: minutes at real shapes. Whatever
+        # stops the run there (a device call's time limit), the Studio's numbers are already out and on disk.
+        report(args, decoder, dtype, prompts, jobs, runs, notes, kernels, started, native_pending=True)
         native_runs, native_notes = benchmark_native(decoder, prompts, native_jobs, args, dtype,
                                                      progress=not args.no_progress)
         runs += native_runs
@@ -452,6 +455,13 @@ def _main(args: argparse.Namespace) -> int:
                                                 "vllm_ar", "vLLM AR")
     if reference:
         notes += compare_outputs(runs, reference, "reference", f"{Path(args.compare_to).name}'s AR")
+    report(args, decoder, dtype, prompts, jobs, runs, notes, kernels, started)
+    return 0
+
+
+def report(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict], jobs: list[Job], runs: list[dict],
+           notes: list[str], kernels: dict[str, KernelProfile], started: float, native_pending: bool = False) -> None:
+    """Summarise the runs so far: the results file (when --out names one) and the tables on stdout."""
     summary = summarize_runs(runs, jobs)
     for label, profile in kernels.items():
         summary[label]["kernels_per_step"] = profile.counts
@@ -464,22 +474,27 @@ def _main(args: argparse.Namespace) -> int:
         "timing_only": args.random_weights,
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype, "draft_dtype": decoder.draft_dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
-        "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_step": args.compile_step,
-        "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if native_jobs else None,
+        "cuda_graphs": not args.no_cuda_graphs if args.engine == "vllm" or args.device.startswith("cuda") else None,
+        "step": args.step, "compile_step": args.compile_step,
+        "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if args.native else None,
+        "native_pending": native_pending,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
-        "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(), "total_s": time.perf_counter() - started,
+        "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(),
+        "total_s": time.perf_counter() - started,
     }
-    result = {"config": config, "runs": runs, "summary": summary, "best": best, "notes": notes}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        Path(args.out).write_text(json.dumps({"config": config, "runs": runs, "summary": summary, "best": best,
+                                              "notes": notes}, indent=1))
+    if native_pending:  # tables once, at the end: gpu_session.sh's `tables` stops at the first kernel table
+        print(f"the Studio's runs are in {args.out or '(no --out)'}; vLLM's own decoding follows", flush=True)
+        return
     for note in notes:
         print(note)
     print(format_summary(summary, best))
     if kernels:
         print(format_kernels(kernels))
-    return 0
 
 
 def count_kernels(decoder, prompt: dict, jobs: list[Job], base: DecodeSettings) -> dict[str, KernelProfile]:

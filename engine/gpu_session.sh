@@ -6,14 +6,16 @@
 # Studio's) takes 1-2 minutes to start the first time (compilation, graphs), ~10 s once its
 # compile cache in /tmp/vcache is warm; the minutes below are for a cold machine.
 #   check      kernels + tests + float32 (~8 min)
-#   kernels    the two Triton fast paths against their references, natively (~1 min)
+#   kernels    the two Triton fast paths against their references, natively (~1 min warm; on a cold machine
+#              each tested budget compiles the beam kernel anew: past 90 s on 2026-12-02, so it may take 4)
 #   tests      the GPU tests of the fixed step and the vLLM engine (~5 min)
 #   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
 #              brought back) (~7 min)
 #   app        the app on the vLLM engine through its API (carry [".whl"]: gradio's wheels) (~4 min)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
-#   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, a drafter scripted with
+#   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
+#              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
 #              the engine's own AR in HYBRID_DTYPE (deep acceptance) (carry [".whl"] with compressed-tensors and loguru, which
 #              vLLM's Qwen3.5 module imports and the trimmed bundle lacks) (3.7 min on 2026-12-02, float32)
 #   hybrid-exact  after hybrid: AR, DFlash, DDTree@16/@64 against vLLM's AR, float32 (vLLM 0.23's chunked
@@ -23,7 +25,9 @@
 #   hybrid-margins  after hybrid: how far vLLM's float32 strays from float64 (engine.margin_check), by prompt
 #              length: the tiny Qwen3.5 with Triton's float32 dots as TF32 (their default) and as IEEE, and its
 #              all-attention twin (~5 min)
-#   shape      Qwen3-8B shape, random weights + projection (4.6 min at TOKENS=64)
+#   shape      Qwen3-8B shape, random weights + projection (4.6 min at TOKENS=64; with STEP=--compile-step on a
+#              cold machine 7+ min: give it a call of its own. The bench saves the Studio's results before
+#              vLLM's own AR starts, so a cut-off run keeps them)
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (4.0 min at LIMIT=3)
@@ -43,7 +47,7 @@ case "$phase" in
 check)
   for part in kernels tests float32; do bash "$0" "$part"; done ;;
 kernels)
-  timeout 90 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py tests/test_beam_kernel.py \
+  timeout 240 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py tests/test_beam_kernel.py \
       > "$OUT/pytest-kernels.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-kernels.txt" | tail -n 10 ;;
 tests)
@@ -73,7 +77,7 @@ humaneval)
       --tree-budget "${BUDGETS:-16,32,64,128}" --max-new-tokens "$TOKENS" --reduced-traces --out "$OUT/gpu-vllm-humaneval$TAG.json" > "$OUT/bench-humaneval.txt" 2>&1
   tables "$OUT/bench-humaneval.txt" 20 ;;
 shape)
-  timeout 420 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 \
+  timeout 560 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 \
       --native ar --gpu-memory-utilization 0.4 --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP --count-kernels \
       --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-1,16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
       --out "$OUT/gpu-qwen3-8b-random$TAG.json" > "$OUT/bench-shape.txt" 2>&1
@@ -90,6 +94,10 @@ hybrid)  # the folders, the kernels under trees, and a drafter scripted with the
   tail -n 1 "$OUT/hybrid-build.txt"
   timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_gdn_tree.py > "$OUT/pytest-gdn.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
+  # which float32 prefill kernel strays on prompts past 64 tokens (exact dots: a Triton cache of their own)
+  TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/tcache-ieee timeout 150 python3 -m pytest -q -rfE --tb=line -p no:cacheprovider \
+      tests/test_vllm_prefill_kernels.py > "$OUT/pytest-prefill.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed|^/.*assert' "$OUT/pytest-prefill.txt" | tail -n 24
   # the script is the vLLM engine's own AR in the dtype hybrid-exact runs, for trees accepted levels deep
   # (a random tiny model's logits are nearly flat: 16% of its bf16 steps are within 2 bf16 steps of a tie)
   timeout 240 python3 -m engine.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-shape" \

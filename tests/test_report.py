@@ -230,6 +230,10 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     data["config"]["compile_step"] = True  # a compiled step is another setting: its title says so
     path.write_text(json.dumps(data))
     assert load_setting(path).title == "tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · float64 · inline (1) prompts"
+    data["config"]["native_pending"] = True  # the bench's file written before vLLM's own AR ran, and nothing after
+    path.write_text(json.dumps(data))
+    assert load_setting(path).title == ("tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · cut off "
+                                        "before vLLM's own AR · float64 · inline (1) prompts")
     markdown = build_report([setting], tmp_path / "B.md", tmp_path / "assets", "test")
     assert "| DDTree (budget 16) | 41 | 380 | 0 | 421 |" in markdown
     assert "| DDTree (budget 16) | verify | `sm90_gemm` | 812.5 |" in markdown.split("### Slowest kernels per step")[1]
