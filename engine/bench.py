@@ -442,59 +442,73 @@ def _main(args: argparse.Namespace) -> int:
     if traces_dir is not None:
         traces_dir.mkdir(parents=True, exist_ok=True)
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
-    kernels = count_kernels(decoder, prompts[0], jobs, base) if args.count_kernels else {}
+    measured = Measured(jobs, runs, notes, count_kernels(decoder, prompts[0], jobs, base) if args.count_kernels else {})
+    config = run_config(args, decoder, dtype, prompts, jobs)
     if native_jobs:
         # vLLM's own decoding starts a second engine and compiles its graphs: minutes at real shapes. Whatever
-        # stops the run there (a device call's time limit), the Studio's numbers are already out and on disk.
-        report(args, decoder, dtype, prompts, jobs, runs, notes, kernels, started, native_pending=True)
+        # stops the run there (a device call's time limit), the Studio's numbers are already on disk.
+        report(args.out, config, started, measured, native_pending=True)
         native_runs, native_notes = benchmark_native(decoder, prompts, native_jobs, args, dtype,
                                                      progress=not args.no_progress)
         runs += native_runs
-        jobs = jobs + [job for job in native_jobs if any(run["label"] == job.label for run in native_runs)]
+        jobs += [job for job in native_jobs if any(run["label"] == job.label for run in native_runs)]
         notes += native_notes + compare_outputs(runs, {r["prompt_id"]: r for r in runs if r["label"] == NATIVE_AR},
                                                 "vllm_ar", "vLLM AR")
     if reference:
         notes += compare_outputs(runs, reference, "reference", f"{Path(args.compare_to).name}'s AR")
-    report(args, decoder, dtype, prompts, jobs, runs, notes, kernels, started)
+    report(args.out, config, started, measured)
     return 0
 
 
-def report(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict], jobs: list[Job], runs: list[dict],
-           notes: list[str], kernels: dict[str, KernelProfile], started: float, native_pending: bool = False) -> None:
-    """Summarise the runs so far: the results file (when --out names one) and the tables on stdout."""
-    summary = summarize_runs(runs, jobs)
-    for label, profile in kernels.items():
-        summary[label]["kernels_per_step"] = profile.counts
-        summary[label]["slowest_kernels"] = profile.slowest
-    best = best_budget(summary)
-    config = {
+@dataclass
+class Measured:
+    """What a bench run has measured so far (its lists grow as vLLM's own decoding adds to them)."""
+
+    jobs: list[Job]
+    runs: list[dict]
+    notes: list[str]
+    kernels: dict[str, KernelProfile]
+
+
+def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict], jobs: list[Job]) -> dict:
+    """How the run was made: the results file's ``config``."""
+    gpu = args.engine == "vllm" or args.device.startswith("cuda")
+    return {
         "command": _command(),
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
         "drafter_revision": None if args.random_weights else _drafter_revision(args),
         "timing_only": args.random_weights,
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype, "draft_dtype": decoder.draft_dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
-        "cuda_graphs": not args.no_cuda_graphs if args.engine == "vllm" or args.device.startswith("cuda") else None,
-        "step": args.step, "compile_step": args.compile_step,
+        "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_step": args.compile_step,
         "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if args.native else None,
-        "native_pending": native_pending,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
         "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(),
-        "total_s": time.perf_counter() - started,
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"config": config, "runs": runs, "summary": summary, "best": best,
-                                              "notes": notes}, indent=1))
-    if native_pending:  # tables once, at the end: gpu_session.sh's `tables` stops at the first kernel table
-        print(f"the Studio's runs are in {args.out or '(no --out)'}; vLLM's own decoding follows", flush=True)
+
+
+def report(out: str | None, config: dict, started: float, measured: Measured, native_pending: bool = False) -> None:
+    """The results file (when ``out`` names one) with everything measured so far; the tables on stdout, once
+    vLLM's own decoding is no longer pending (gpu_session.sh's `tables` stops at the first kernel table)."""
+    summary = summarize_runs(measured.runs, measured.jobs)
+    for label, profile in measured.kernels.items():
+        summary[label]["kernels_per_step"] = profile.counts
+        summary[label]["slowest_kernels"] = profile.slowest
+    best = best_budget(summary)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        config = config | {"native_pending": native_pending, "total_s": time.perf_counter() - started}
+        Path(out).write_text(json.dumps({"config": config, "runs": measured.runs, "summary": summary, "best": best,
+                                         "notes": measured.notes}, indent=1))
+    if native_pending:
+        print(f"the Studio's runs are in {out or '(no --out)'}; vLLM's own decoding follows", flush=True)
         return
-    for note in notes:
+    for note in measured.notes:
         print(note)
     print(format_summary(summary, best))
-    if kernels:
-        print(format_kernels(kernels))
+    if measured.kernels:
+        print(format_kernels(measured.kernels))
 
 
 def count_kernels(decoder, prompt: dict, jobs: list[Job], base: DecodeSettings) -> dict[str, KernelProfile]:
