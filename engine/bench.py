@@ -418,12 +418,16 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(_main, parse_args(argv))
 
 
+def on_gpu(args: argparse.Namespace) -> bool:
+    return args.engine == "vllm" or args.device.startswith("cuda")
+
+
 def _main(args: argparse.Namespace) -> int:
     prompts = per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
     jobs = plan_jobs(args.methods, args.tree_budget)
     if args.reduced_traces:
         jobs = with_reduced_traces(jobs)
-    gpu = args.engine == "vllm" or args.device.startswith("cuda")
+    gpu = on_gpu(args)
     if args.native and not gpu:
         raise EngineError("--native times vLLM's own decoding: it needs --engine vllm (or --device cuda)")
     if args.count_kernels and not gpu:
@@ -472,7 +476,7 @@ class Measured:
 
 def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict], jobs: list[Job]) -> dict:
     """How the run was made: the results file's ``config``."""
-    gpu = args.engine == "vllm" or args.device.startswith("cuda")
+    gpu = on_gpu(args)
     return {
         "command": _command(),
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
