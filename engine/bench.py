@@ -200,6 +200,11 @@ def best_budget(summary: dict) -> dict | None:
     return {"label": label, "tree_budget": int(label.removeprefix("ddtree@")), **ddtree[label]}
 
 
+def prompt_tokens(decoder, prompt: dict) -> list[int]:
+    """The tokens to decode for ``prompt``: those ``tokenize_prompts`` set, else its chat template's."""
+    return prompt.get("ids") or decoder.target.chat_ids(prompt["prompt"])
+
+
 def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: DecodeSettings,
               traces_dir: Path | None = None, progress: bool = True) -> tuple[list[dict], list[str]]:
     """Run every job on every prompt; returns run records and human-readable notes."""
@@ -208,7 +213,8 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
     # captured) here and not in a timed run
     warm_up_tokens = min(WARM_UP_TOKENS, base.max_new_tokens)
     for job in tqdm(jobs, desc="warm-up", disable=not progress, leave=False):
-        decoder.run(prompts[0]["prompt"], _settings(base, job, max_new_tokens=warm_up_tokens))
+        decoder.run(prompts[0]["prompt"], _settings(base, job, max_new_tokens=warm_up_tokens),
+                    prompt_ids=prompt_tokens(decoder, prompts[0]))
     # every prompt's first step once: on a GPU each fixed program captures a graph per padded prompt
     # length, for the target's pass and the drafter's first one (on the CPU nothing is captured)
     first_steps = [Job("ar", "ar", None)]
@@ -216,14 +222,14 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
         first_steps += list({(job.method, job.tree_budget): job for job in jobs if job.method != "ar"}.values())
     for prompt in prompts[1:]:
         for job in first_steps:
-            decoder.run(prompt["prompt"], _settings(base, job, max_new_tokens=1))
+            decoder.run(prompt["prompt"], _settings(base, job, max_new_tokens=1), prompt_ids=prompt_tokens(decoder, prompt))
     runs: list[dict] = []
     bar = tqdm(total=len(prompts) * len(jobs), desc="bench", disable=not progress)
     for prompt in prompts:
         ar_trace = None
         for job in jobs:
             bar.set_postfix_str(f"{prompt['id']} {job.label}")
-            trace = decoder.run(prompt["prompt"], _settings(base, job))
+            trace = decoder.run(prompt["prompt"], _settings(base, job), prompt_ids=prompt_tokens(decoder, prompt))
             record = run_record(prompt, job, trace)
             if job.label == "ar":
                 ar_trace = trace
@@ -255,7 +261,7 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
     prompts. A baseline vLLM refuses to start is reported in the notes; the runs already made stay."""
     from engine.vllm_engine import VllmOptions, native_acceptance, native_generate, native_llm
 
-    prompt_ids = [decoder.target.chat_ids(p["prompt"]) for p in prompts]
+    prompt_ids = [prompt_tokens(decoder, p) for p in prompts]
     runs: list[dict] = []
     notes: list[str] = []
     options = getattr(decoder, "options", None) or VllmOptions()  # the torch engine on a GPU has none
@@ -309,13 +315,20 @@ def compare_outputs(runs: list[dict], reference: dict[str, dict], key: str, name
     return notes
 
 
+def read_results(path: str) -> dict:
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EngineError(f"{path}: not a readable bench result ({exc})") from None
+    if not isinstance(results, dict) or not isinstance(results.get("runs"), list):
+        raise EngineError(f"{path}: not a readable bench result (no runs)")
+    return results
+
+
 def recorded_runs(path: str, label: str | None = None) -> tuple[str, dict[str, dict]]:
     """A bench result's runs of one label, by prompt id: ``label``, or where none is given vLLM's own
     AR if that run timed it, else the Studio's AR. Returns the label too."""
-    try:
-        runs = json.loads(Path(path).read_text())["runs"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise EngineError(f"{path}: not a readable bench result ({exc})") from None
+    runs = read_results(path)["runs"]
     label = label or (NATIVE_AR if any(run.get("label") == NATIVE_AR for run in runs) else "ar")
     # a run without a label (an older file) is named by its method
     return label, {run["prompt_id"]: run for run in runs if (run.get("label") or run.get("method")) == label}
@@ -330,6 +343,23 @@ def reference_outputs(path: str, prompts: list[dict]) -> dict[str, dict]:
         raise EngineError(f"--compare-to {path}: no {label} run for {len(missing)} of these prompts "
                           f"(first: {missing[0]}); bench it on the same prompts with --methods ar")
     return {prompt["id"]: answers[prompt["id"]] for prompt in prompts}
+
+
+def tokenize_prompts(target, prompts: list[dict], reference: str | None) -> list[str]:
+    """Each prompt's token ids (``prompt["ids"]``): the ``--compare-to`` run's where it recorded them, else
+    this target's chat template. Two machines can tokenize one text apart (transformers 5.24 loads a
+    Qwen3.5 folder's tokenizer with Qwen's own split, which makes "\n\n" one token where 5.17 kept
+    two): a comparison must decode the same tokens. Returns a note per prompt that differs."""
+    recorded = read_results(reference).get("config", {}).get("prompt_ids", {}) if reference else {}
+    notes = []
+    for prompt in prompts:
+        prompt["ids"] = ours = target.chat_ids(prompt["prompt"])
+        theirs = recorded.get(prompt["id"])
+        if theirs is not None and theirs != ours:
+            prompt["ids"] = theirs
+            notes.append(f"{prompt['id']}: tokenized here as {len(ours)} tokens, by {Path(reference).name}'s run as "
+                         f"{len(theirs)}: decoding that run's tokens")
+    return notes
 
 
 def _settings(base: DecodeSettings, job: Job, **overrides) -> DecodeSettings:
@@ -440,12 +470,14 @@ def _main(args: argparse.Namespace) -> int:
     decoder = _load(args, dtype)
     if any(job.method == "dflash" for job in native_jobs) and decoder.drafter is None:
         raise EngineError("--native dflash needs a drafter: pass --drafter")
+    tokenized = tokenize_prompts(decoder.target, prompts, args.compare_to)
     base = DecodeSettings("ar", max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           block_size=args.block_size, tree_budget=32)
     traces_dir = Path(args.traces) if args.traces else None
     if traces_dir is not None:
         traces_dir.mkdir(parents=True, exist_ok=True)
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
+    notes = tokenized + notes
     measured = Measured(jobs, runs, notes, count_kernels(decoder, prompts[0], jobs, base) if args.count_kernels else {})
     config = run_config(args, decoder, dtype, prompts, jobs)
     if native_jobs:
@@ -489,6 +521,7 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
         "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(),
+        "prompt_ids": {prompt["id"]: prompt_tokens(decoder, prompt) for prompt in prompts},  # for --compare-to
     }
 
 
@@ -517,8 +550,7 @@ def report(out: str | None, config: dict, started: float, measured: Measured, na
 
 def count_kernels(decoder, prompt: dict, jobs: list[Job], base: DecodeSettings) -> dict[str, KernelProfile]:
     """Kernels per step by stage, and the slowest, for every full-trace job, on one run of ``prompt`` each."""
-    prompt_ids = decoder.target.chat_ids(prompt["prompt"])
-    return {job.label: decoder.kernel_profile(prompt_ids, _settings(base, job)) for job in jobs
+    return {job.label: decoder.kernel_profile(prompt_tokens(decoder, prompt), _settings(base, job)) for job in jobs
             if job.trace_detail == "full"}
 
 
@@ -576,8 +608,10 @@ def _command() -> str:
 
 
 def _host() -> dict:
+    import transformers  # its version decides how some tokenizers split a prompt
+
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+            "transformers": transformers.__version__, "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

@@ -7,7 +7,7 @@
 # compile cache in /tmp/vcache is warm; the minutes below are for a cold machine.
 #   check      kernels + tests + float32 (~8 min)
 #   kernels    the two Triton fast paths against their references, natively (~1 min warm; on a cold machine
-#              each tested budget compiles the beam kernel anew: past 90 s on 2026-12-02, so it may take 4)
+#              each tested budget compiles the beam kernel anew: 2.1 min on 2026-12-02)
 #   tests      the GPU tests of the fixed step and the vLLM engine (~5 min)
 #   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
@@ -22,11 +22,14 @@
 #              GDN prefill refuses float32: engine.vllm_gdn runs it through vLLM's recurrent kernel, in
 #              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (2.1 min)
 #   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (3.0 min)
+#   hybrid-modules  after hybrid: which module of vLLM's float32 prompt pass leaves float64 (engine.module_check: every
+#              decoder module's inputs and outputs captured in vLLM, replayed in float64 by transformers there), the
+#              tiny Qwen3.5 and its all-attention twin, exact dots; the captures (~30 MB each) stay there (~3 min)
 #   hybrid-margins  after hybrid: how far vLLM's float32 strays from float64 (engine.margin_check), by prompt
 #              length: the tiny Qwen3.5 with Triton's float32 dots as TF32 (their default) and as IEEE, and its
 #              all-attention twin (~5 min)
-#   shape      Qwen3-8B shape, random weights + projection (4.6 min at TOKENS=64; with STEP=--compile-step on a
-#              cold machine 7+ min: give it a call of its own. The bench saves the Studio's results before
+#   shape      Qwen3-8B shape, random weights + projection (4.6 min at TOKENS=64; with STEP=--compile-step LIMIT=2
+#              BUDGETS=16,64,256 8.8 min on 2026-12-02: give it a call of its own. The bench saves the Studio's results before
 #              vLLM's own AR starts, so a cut-off run keeps them)
 #   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
@@ -35,7 +38,7 @@
 # (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
-PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-margins, shape, shape27 or exact'
+PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, shape27 or exact'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -94,7 +97,7 @@ hybrid)  # the folders, the kernels under trees, and a drafter scripted with the
   tail -n 1 "$OUT/hybrid-build.txt"
   timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_gdn_tree.py > "$OUT/pytest-gdn.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
-  # which float32 prefill kernel strays on prompts past 64 tokens (exact dots: a Triton cache of their own)
+  # vLLM's float32 prefill kernels against float64 around their length switches (exact dots: a Triton cache of their own)
   TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/tcache-ieee timeout 150 python3 -m pytest -q -rfE --tb=line -p no:cacheprovider \
       tests/test_vllm_prefill_kernels.py > "$OUT/pytest-prefill.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed|^/.*assert' "$OUT/pytest-prefill.txt" | tail -n 24
@@ -115,6 +118,14 @@ hybrid-cost)  # verify cost vs tree size: the same shape with and without its Ga
         --limit 2 --methods ar,ddtree --tree-budget 1,16,64,256 --max-new-tokens 32 \
         --out "$OUT/gpu-vllm-$(basename "$model")-cost.json" > "$OUT/bench-$(basename "$model")-cost.txt" 2>&1
     tables "$OUT/bench-$(basename "$model")-cost.txt" 8
+  done ;;
+hybrid-modules)  # after hybrid: module by module, vLLM's float32 against float64 on vLLM's own inputs
+  for model in "$HYBRID" "$HYBRID-attention"; do
+    name=$(basename "$model")
+    TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/tcache-ieee timeout 200 python3 -m engine.module_check capture --model "$model" \
+        --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --out "/tmp/modules-$name.pt" > "$OUT/modules-$name.txt" 2>&1
+    timeout 120 python3 -m engine.module_check compare "/tmp/modules-$name.pt" >> "$OUT/modules-$name.txt" 2>&1
+    echo "$name"; grep -E '^\||^error' "$OUT/modules-$name.txt"
   done ;;
 hybrid-margins)  # after hybrid: where vLLM's float32 leaves exact arithmetic, with and without Gated DeltaNets;
   # Triton's float32 dots default to TF32 on NVIDIA (vLLM's attention kernel takes that default): "ieee" runs them exact

@@ -46,8 +46,10 @@ def exact_margins(target, prompt_ids: list[int], output_ids: list[int]) -> tuple
     return top.values[:, 0] - top.values[:, 1], top.indices[:, 0]
 
 
-def check_run(target, prompt: str, run: dict) -> MarginCheck:
-    prompt_ids = target.chat_ids(prompt)
+def check_run(target, prompt: str, run: dict, prompt_ids: list[int] | None = None) -> MarginCheck:
+    """``prompt_ids``: the tokens the run decoded, where it recorded them (another machine's tokenizer
+    can split the text apart: replaying other tokens is not the same pass)."""
+    prompt_ids = prompt_ids or target.chat_ids(prompt)
     output = run["output_ids"]
     exact, argmax = exact_margins(target, prompt_ids, output)
     engine = torch.tensor(run["margins"][: len(output)], dtype=torch.float64)
@@ -85,7 +87,9 @@ def _main(args: argparse.Namespace) -> int:
     if missing:
         raise EngineError(f"the prompts file has no prompt {missing[0]!r}: pass the run's own with --prompts")
     target = load_target(args.model or results["config"]["model"], device="cpu", dtype="float64")
-    print(format_checks([check_run(target, prompts[run["prompt_id"]], run) for run in runs]))
+    decoded = results["config"].get("prompt_ids", {})
+    checks = [check_run(target, prompts[run["prompt_id"]], run, decoded.get(run["prompt_id"])) for run in runs]
+    print(format_checks(checks))
     return 0
 
 

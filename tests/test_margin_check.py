@@ -53,6 +53,17 @@ def test_an_output_that_leaves_float64s_choice_is_named_at_its_first_such_token(
     assert check.leaves_float64_at == 4
 
 
+def test_the_gaps_are_replayed_on_the_tokens_the_run_decoded(target_and_output):
+    """A run made on another machine may have tokenized the prompt apart: replaying the text's tokens
+    here would compare two different passes."""
+    target, ar = target_and_output
+    decoded = target.chat_ids(PROMPT)[1:]  # the run's own tokens, not this tokenizer's
+    margins, _ = exact_margins(target, decoded, ar.output_ids)
+    run = {"prompt_id": "sea", "output_ids": ar.output_ids, "margins": margins.tolist()}
+    assert check_run(target, PROMPT, run, decoded).worst == 0.0
+    assert check_run(target, PROMPT, run).first > 0.0
+
+
 def test_results_without_vllms_own_ar_are_one_clear_line(tmp_path, capsys):
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"config": {"prompts": "assets/prompts/smoke.jsonl"}, "runs": [{"label": "ar"}]}))

@@ -120,6 +120,30 @@ def test_the_bench_counts_its_outputs_identical_to_another_runs_ar(shape, tmp_pa
     assert "Outputs identical to the AR of" in "\n".join(measurement_lines(load_setting(second)))
 
 
+def test_a_comparison_decodes_the_prompt_tokens_the_other_run_recorded(shape, tmp_path):
+    """Two machines can tokenize one text apart (transformers 5.17 and 5.24 split "\n\n" differently
+    for a Qwen3.5 folder): --compare-to decodes the other run's recorded tokens, and says where they differ."""
+    target, drafter = shape
+    common = ["--prompts", "assets/prompts/smoke.jsonl", "--limit", "2", "--model", str(target), "--drafter",
+              str(drafter), "--random-weights", "--max-new-tokens", "6", "--no-progress", "--methods", "ar"]
+    first = tmp_path / "first.json"
+    assert bench_main(common + ["--out", str(first)]) == 0
+    results = json.loads(first.read_text())
+    recorded = results["config"]["prompt_ids"]
+    assert set(recorded) == {run["prompt_id"] for run in results["runs"]} and all(recorded.values())
+    other_id = results["runs"][1]["prompt_id"]
+    ours = list(recorded[other_id])
+    recorded[other_id] = ours[:-1] + [ours[-2]] + ours[-1:]  # one token more, as another tokenizer might make
+    (tmp_path / "other.json").write_text(json.dumps(results))
+    second = tmp_path / "second.json"
+    assert bench_main(common + ["--compare-to", str(tmp_path / "other.json"), "--out", str(second)]) == 0
+    compared = json.loads(second.read_text())
+    assert compared["config"]["prompt_ids"] == recorded
+    assert f"{other_id}: tokenized here as {len(ours)} tokens, by other.json's run as {len(ours) + 1}: decoding " \
+           "that run's tokens" in compared["notes"]
+    assert next(run for run in compared["runs"] if run["prompt_id"] != other_id)["identical_to_reference"]
+
+
 def test_a_comparison_without_every_prompts_ar_is_one_clear_line_before_any_model_loads(tmp_path, capsys):
     results = {"config": {}, "runs": [{"prompt_id": "nobody-asked", "label": "ar", "output_ids": [1]}], "summary": {}}
     (tmp_path / "other.json").write_text(json.dumps(results))

@@ -1,16 +1,13 @@
 """vLLM's float32 prefill kernels for a hybrid target, each against a float64 reference, at the
-tiny Qwen3.5's shapes and at prompt lengths on both sides of where the H200's float32 hybrid
-leaves float64 (prompts of 74 and 84 tokens stray by 0.05-0.2 logits at the first new token,
-prompts of up to 52 by ~1.5e-4: ``engine.margin_check`` on ``benchmarks/hybrid/gpu-vllm-hybrid-float32-ieee.json``).
-
-Each kernel here switches something on the prompt's length: the gated RMSNorm takes 2 rows per
-program past 264 rows (66 tokens of 4 heads, on 132 SMs), the attention reads a third 32-token
-KV block past 64 tokens, the conv and the post-conv prep tile tokens by 8 and 16. A float32
-kernel that computes what its reference computes stays within ~1e-5 here; one that strays on
-the long prompts only names the culprit. Needs vLLM and a GPU (``engine/gpu_session.sh hybrid``, the
-attention with ``TRITON_F32_DEFAULT=ieee``, as vLLM's float32 run it explains);
-the conv's and the norm's logic were checked on the CPU under Triton's interpreter (exact there
-at every length), which cannot see what the GPU's compiled code does.
+tiny Qwen3.5's shapes and at prompt lengths on both sides of where each kernel switches something
+on the prompt's length: the gated RMSNorm takes 2 rows per program past 264 rows (66 tokens of 4
+heads, on 132 SMs), the attention reads a third 32-token KV block past 64 tokens, the conv and the
+post-conv prep tile tokens by 8 and 16. A float32 kernel that computes what its reference computes
+stays within ~1e-5 here. Written when two prompts of 74 and 84 tokens seemed to leave float64 in
+vLLM (they had been tokenized apart on the two machines: README, Hybrid targets); all of them pass
+on the H200, and they stay as a guard. Needs vLLM and a GPU (``engine/gpu_session.sh hybrid``, the
+attention with ``TRITON_F32_DEFAULT=ieee``); the conv's and the norm's logic were checked on the CPU
+under Triton's interpreter, which cannot see what the GPU's compiled code does.
 """
 
 from __future__ import annotations

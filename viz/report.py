@@ -392,7 +392,8 @@ def measurement_lines(setting: Setting) -> list[str]:
     device = str(config.get("device", "?"))
     if host.get("gpu"):
         device += f" ({host['gpu']})"
-    host_bits = [host[k] if k != "torch" else f"torch {host[k]}" for k in ("platform", "torch") if host.get(k)]
+    host_bits = [host["platform"]] if host.get("platform") else []
+    host_bits += [f"{package} {host[package]}" for package in ("torch", "transformers") if host.get(package)]
     if host.get("threads"):
         host_bits.append(f"{host['threads']} CPU threads")
     lines.append(f"Device: {device}" + (f" — {', '.join(host_bits)}" if host_bits else ""))
