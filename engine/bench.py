@@ -346,10 +346,11 @@ def reference_outputs(path: str, prompts: list[dict]) -> dict[str, dict]:
 
 
 def tokenize_prompts(target, prompts: list[dict], reference: str | None) -> list[str]:
-    """Each prompt's token ids (``prompt["ids"]``): the ``--compare-to`` run's where it recorded them, else
-    this target's chat template. Two machines can tokenize one text apart (transformers 5.24 loads a
-    Qwen3.5 folder's tokenizer with Qwen's own split, which makes "\n\n" one token where 5.17 kept
-    two): a comparison must decode the same tokens. Returns a note per prompt that differs."""
+    """Each prompt's token ids (``prompt["ids"]``): those the ``reference`` run (``--compare-to``, a
+    replay's ``--ar-outputs``) recorded, else this target's chat template. Two machines can tokenize
+    one text apart (transformers 5.24 loads a Qwen3.5 folder's tokenizer with Qwen's own split, which
+    makes a blank line one token where 5.17 kept two): a comparison must decode the same tokens.
+    Returns a note per prompt that differs."""
     recorded = read_results(reference).get("config", {}).get("prompt_ids", {}) if reference else {}
     notes = []
     for prompt in prompts:

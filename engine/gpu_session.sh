@@ -28,17 +28,17 @@
 #   hybrid-margins  after hybrid: how far vLLM's float32 strays from float64 (engine.margin_check), by prompt
 #              length: the tiny Qwen3.5 with Triton's float32 dots as TF32 (their default) and as IEEE, and its
 #              all-attention twin (~5 min)
-#   shape      Qwen3-8B shape, random weights + projection (4.6 min at TOKENS=64; with STEP=--compile-step LIMIT=2
-#              BUDGETS=16,64,256 8.8 min on 2026-12-02: give it a call of its own. The bench saves the Studio's results before
-#              vLLM's own AR starts, so a cut-off run keeps them)
-#   shape27    Qwen3.6-27B hybrid shape, random weights (~9 min)
+#   shape      a real-size shape with random weights + projection: Qwen3-8B by default (4.6 min at TOKENS=64; with
+#              STEP=--compile-step LIMIT=2 BUDGETS=16,64,256 8.8 min on 2026-12-02: give it a call of its own. The bench
+#              saves the Studio's results before vLLM's own AR starts, so a cut-off run keeps them). The 27B shapes:
+#              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.85 LIMIT=3 BUDGETS=16,64,256 TOKENS=64
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
 # (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
-PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, shape27 or exact'
+PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape or exact'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -79,14 +79,17 @@ humaneval)
       --prompts assets/prompts/humaneval.jsonl --limit "${LIMIT:-20}" --methods ar,dflash,ddtree \
       --tree-budget "${BUDGETS:-16,32,64,128}" --max-new-tokens "$TOKENS" --reduced-traces --out "$OUT/gpu-vllm-humaneval$TAG.json" > "$OUT/bench-humaneval.txt" 2>&1
   tables "$OUT/bench-humaneval.txt" 20 ;;
-shape)
-  timeout 560 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 \
-      --native ar --gpu-memory-utilization 0.4 --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP --count-kernels \
+shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; UTIL: vLLM's share of GPU memory
+  shape=${SHAPE:-qwen3-8b}
+  results="$OUT/gpu-$shape-random$TAG.json"
+  timeout 560 python3 -m engine.bench --engine vllm --no-progress --random-weights --model "assets/shapes/$shape" \
+      --drafter "assets/shapes/$shape-dflash-b16" --native ar --gpu-memory-utilization "${UTIL:-0.4}" \
+      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP --count-kernels \
       --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-1,16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
-      --out "$OUT/gpu-qwen3-8b-random$TAG.json" > "$OUT/bench-shape.txt" 2>&1
-  tables "$OUT/bench-shape.txt" 30
-  sed -n '/^slowest kernels/,$p' "$OUT/bench-shape.txt" | grep -E '^\| (ar|dflash|ddtree@64) \|'  # the rest: in the JSON
-  python3 -m engine.projection "$OUT/gpu-qwen3-8b-random$TAG.json" | tee "$OUT/projection.txt" ;;
+      --out "$results" > "$OUT/bench-shape-$shape.txt" 2>&1
+  tables "$OUT/bench-shape-$shape.txt" 30
+  sed -n '/^slowest kernels/,$p' "$OUT/bench-shape-$shape.txt" | grep -E '^\| (ar|dflash|ddtree@64) \|'  # the rest: in the JSON
+  python3 -m engine.projection "$results" | tee "$OUT/projection-$shape.txt" ;;
 hybrid)  # the folders, the kernels under trees, and a drafter scripted with the Studio's own bf16 answers
   python3 -c 'import vllm.model_executor.models.qwen3_5' > "$OUT/import.txt" 2>&1 \
       || { tail -n 2 "$OUT/import.txt"; echo "vLLM's Qwen3.5 module does not import: carry .whl (see above)"; exit 1; }
@@ -138,13 +141,6 @@ hybrid-margins)  # after hybrid: where vLLM's float32 leaves exact arithmetic, w
         --methods ar --max-new-tokens 16 --out "$OUT/gpu-vllm-$name-margins.json" > "$OUT/bench-$name-margins.txt" 2>&1
     echo "$name"; python3 -m engine.margin_check "$OUT/gpu-vllm-$name-margins.json" 2> /dev/null | tee "$OUT/margins-$name.txt"
   done ;;
-shape27)
-  timeout 540 python3 -m engine.bench --engine vllm --no-progress --random-weights --model assets/shapes/qwen3.6-27b --drafter assets/shapes/qwen3.6-27b-dflash-b16 \
-      --native ar --gpu-memory-utilization 0.85 --prompts assets/prompts/fresh.jsonl --limit 3 \
-      --methods ar,dflash,ddtree --tree-budget 16,64,256 --max-new-tokens 64 \
-      --out "$OUT/gpu-qwen3.6-27b-random.json" > "$OUT/bench-shape27.txt" 2>&1
-  tables "$OUT/bench-shape27.txt" 12
-  python3 -m engine.projection "$OUT/gpu-qwen3.6-27b-random.json" | tee "$OUT/projection27.txt" ;;
 exact)
   shape=assets/shapes/qwen3-1.7b drafter=assets/shapes/qwen3-1.7b-dflash-b16 scripted=/tmp/qwen3-1.7b-scripted
   timeout 200 python3 -m engine.bench --engine vllm --no-progress --random-weights --model "$shape" --drafter "$drafter" --dtype float32 --native ar \

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 import ddtree
-from engine.bench import Job, per_category, plan_jobs, read_prompts, recorded_runs
+from engine.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
+                          tokenize_prompts)
 from engine.decode import DecodeSettings, Decoder
 from engine.errors import EngineError, run_command
 from engine.models import AUTO, load_decoder
@@ -83,7 +84,7 @@ def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]
     top_k = max([job.tree_budget or 1 for job in jobs])  # a tree of B nodes uses no rank past B at any depth
     lengths: dict[str, dict[str, list[int]]] = {job.label: {} for job in jobs}
     for prompt in prompts:
-        proposals = proposals_along(decoder, decoder.target.chat_ids(prompt["prompt"]), outputs[prompt["id"]], top_k)
+        proposals = proposals_along(decoder, prompt_tokens(decoder, prompt), outputs[prompt["id"]], top_k)
         for job in jobs:
             steps = replay(proposals, job.method, job.tree_budget or 0)
             lengths[job.label].setdefault(prompt.get("category") or "-", []).extend(steps)
@@ -107,7 +108,7 @@ def recorded_outputs(prompts: list[dict], results: str) -> dict[str, list[int]]:
 
 def decoded_outputs(decoder: Decoder, prompts: list[dict], max_new_tokens: int) -> dict[str, list[int]]:
     settings = DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens")
-    return {p["id"]: decoder.run(p["prompt"], settings).output_ids for p in prompts}
+    return {p["id"]: decoder.run(p["prompt"], settings, prompt_ids=prompt_tokens(decoder, p)).output_ids for p in prompts}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,6 +136,8 @@ def _main(args: argparse.Namespace) -> int:
     jobs = [job for job in plan_jobs(args.methods, args.tree_budget) if job.method != "ar"]
     outputs = recorded_outputs(prompts, args.ar_outputs) if args.ar_outputs else None  # before the slow load
     decoder = load_decoder(args.model, args.drafter, draft_dtype=args.draft_dtype)
+    for note in tokenize_prompts(decoder.target, prompts, args.ar_outputs):  # the tokens the outputs followed
+        print(note)
     if outputs is None:
         outputs = decoded_outputs(decoder, prompts, args.max_new_tokens)
     summary = estimate(decoder, prompts, outputs, jobs)

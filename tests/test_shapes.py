@@ -121,7 +121,7 @@ def test_the_bench_counts_its_outputs_identical_to_another_runs_ar(shape, tmp_pa
 
 
 def test_a_comparison_decodes_the_prompt_tokens_the_other_run_recorded(shape, tmp_path):
-    """Two machines can tokenize one text apart (transformers 5.17 and 5.24 split "\n\n" differently
+    """Two machines can tokenize one text apart (transformers 5.17 and 5.24 split a blank line differently
     for a Qwen3.5 folder): --compare-to decodes the other run's recorded tokens, and says where they differ."""
     target, drafter = shape
     common = ["--prompts", "assets/prompts/smoke.jsonl", "--limit", "2", "--model", str(target), "--drafter",
