@@ -87,10 +87,11 @@ def capture(args: argparse.Namespace) -> int:
     from vllm import SamplingParams, TokensPrompt
 
     from engine.bench import read_prompts
-    from engine.target import load_target
+    from engine.target import Target, shape_tokenizer
     from engine.vllm_engine import native_llm
 
-    chat = load_target(args.model, device="cpu", dtype="float32")  # the chat template, as the bench applies it
+    # the chat template as the bench applies it, without the weights (vLLM holds the model)
+    chat = Target(model=None, tokenizer=shape_tokenizer(args.model), name=args.model, stop_ids=[])
     prompts = read_prompts(args.prompts)[: args.limit]
     llm = native_llm(args.model, "float32", enforce_eager=True)
     records, expected = {}, [0]
