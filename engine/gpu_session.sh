@@ -31,7 +31,7 @@
 #   shape      a real-size shape with random weights + projection: Qwen3-8B by default (4.6 min at TOKENS=64; with
 #              STEP=--compile-step LIMIT=2 BUDGETS=16,64,256 8.8 min on 2026-12-02: give it a call of its own. The bench
 #              saves the Studio's results before vLLM's own AR starts, so a cut-off run keeps them). The 27B shapes:
-#              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.85 LIMIT=3 BUDGETS=16,64,256 TOKENS=64
+#              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
@@ -79,7 +79,8 @@ humaneval)
       --prompts assets/prompts/humaneval.jsonl --limit "${LIMIT:-20}" --methods ar,dflash,ddtree \
       --tree-budget "${BUDGETS:-16,32,64,128}" --max-new-tokens "$TOKENS" --reduced-traces --out "$OUT/gpu-vllm-humaneval$TAG.json" > "$OUT/bench-humaneval.txt" 2>&1
   tables "$OUT/bench-humaneval.txt" 20 ;;
-shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; UTIL: vLLM's share of GPU memory
+shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; UTIL: the GPU share of each of the two
+  # engines (the Studio's, then vLLM's own AR beside it): 0.45 for the 27B shapes
   shape=${SHAPE:-qwen3-8b}
   results="$OUT/gpu-$shape-random$TAG.json"
   timeout 560 python3 -m engine.bench --engine vllm --no-progress --random-weights --model "assets/shapes/$shape" \

@@ -161,3 +161,18 @@ def test_a_baseline_vllm_refuses_to_start_becomes_a_note(decoder, monkeypatch):
     assert notes == [f"{label} not timed: vLLM did not start it: "
                      "1 validation error for SpeculativeConfig Value error, heads (9) must divide by 2"
                      for label in ("vllm-ar", "vllm-dflash")]
+
+
+def test_a_baseline_vllm_without_room_beside_ours_is_one_line_with_the_share_that_fits():
+    """vLLM's own engine starts beside the Studio's at the same share of the GPU: where the two do not
+    fit, one line names the share at which they do, and at that share they do."""
+    from engine.vllm_engine import check_room_beside
+
+    gib, total = 2**30, 140 * 2**30
+    in_use = 140 - 15.8 - 0.85 * 140  # besides the Studio's share: contexts, the driver
+    with pytest.raises(EngineError, match=r"^vLLM's own engine wants 0.85 of the GPU \(119.0 GiB\) and 15.8 GiB is free "
+                                          r"beside the Studio's engine: run both at --gpu-memory-utilization 0.48 or less$"):
+        check_room_beside(0.85, int(15.8 * gib), total)
+    check_room_beside(0.48, int((140 - in_use - 0.48 * 140) * gib), total)
+    with pytest.raises(EngineError):
+        check_room_beside(0.49, int((140 - in_use - 0.49 * 140) * gib), total)
