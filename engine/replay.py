@@ -10,7 +10,11 @@ among drafters, checkpoints and budgets quickly (the 69 fresh prompts: ~2.5 min 
 cores against ~28 min for the bench at five budgets).
 
     python -m engine.replay --prompts assets/prompts/fresh.jsonl --drafter FOLDER \\
-        --methods dflash,ddtree --tree-budget 4,8,16,32,64 [--ar-outputs RESULTS.json]
+        --methods dflash,ddtree --tree-budget 4,8,16,32,64 [--ar-outputs RESULTS.json] [--first-slot]
+
+``--first-slot`` also tells where the drafter misses: how often its first slot holds AR's next token,
+by category and by how sure the target itself was of that token (two prompt sets whose drafts differ
+at equal target confidence differ in what the drafter learned, not in how hard the text is).
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ class Proposals:
     output_ids: list[int]
     log_probs: torch.Tensor  # [len(output_ids), block - 1, top_k]
     tokens: torch.Tensor  # [len(output_ids), block - 1, top_k] vocabulary ids
+    confidence: torch.Tensor  # [len(output_ids) - 1]: the target's probability of output_ids[j + 1]
+
+    def first_slot_hits(self) -> list[tuple[bool, float]]:
+        """Per root but the last: (the first slot's top token is AR's next one, the target's confidence)."""
+        hits = (self.tokens[:-1, 0, 0] == torch.tensor(self.output_ids[1:])).tolist()
+        return list(zip(hits, self.confidence.tolist()))
 
 
 def proposals_along(decoder: Decoder, prompt_ids: list[int], output_ids: list[int], top_k: int) -> Proposals:
@@ -49,8 +59,10 @@ def proposals_along(decoder: Decoder, prompt_ids: list[int], output_ids: list[in
     device = target.device
     positions = torch.arange(len(ids) - 1, device=device)
     with torch.inference_mode():
-        _, hidden = target.forward(torch.tensor([ids[:-1]], device=device), positions[None], target.new_cache(),
-                                   hidden_states=True)
+        logits, hidden = target.forward(torch.tensor([ids[:-1]], device=device), positions[None], target.new_cache(),
+                                        hidden_states=True)
+        # AR's tokens are the target's argmax: the top probability is the one it gave the next token
+        confidence = logits[len(prompt_ids): len(ids) - 1].float().softmax(-1).amax(-1).cpu()
         features = drafter.context_features(hidden)
         draft = decoder.draft_pass(drafter.config.block_size)
         rows, seen = [], 0
@@ -59,7 +71,8 @@ def proposals_along(decoder: Decoder, prompt_ids: list[int], output_ids: list[in
             log_probs = draft(root, start, features[:, seen:start], positions[None, seen:start])
             seen = start
             rows.append(log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1))
-    return Proposals(output_ids, torch.stack([r.values for r in rows]).cpu(), torch.stack([r.indices for r in rows]).cpu())
+    return Proposals(output_ids, torch.stack([r.values for r in rows]).cpu(),
+                     torch.stack([r.indices for r in rows]).cpu(), confidence)
 
 
 def replay(proposals: Proposals, method: str, tree_budget: int) -> list[int]:
@@ -79,22 +92,47 @@ def replay(proposals: Proposals, method: str, tree_budget: int) -> list[int]:
     return lengths
 
 
-def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]], jobs: list[Job]) -> dict:
-    """τ per job (overall and per category) from every prompt's proposals along its AR output."""
+def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]],
+             jobs: list[Job]) -> tuple[dict, dict[str, list[tuple[bool, float]]]]:
+    """τ per job (overall and per category) from every prompt's proposals along its AR output, and
+    per category every root's first-slot hit with the target's confidence (``first_slot_table``)."""
     top_k = max([job.tree_budget or 1 for job in jobs])  # a tree of B nodes uses no rank past B at any depth
     lengths: dict[str, dict[str, list[int]]] = {job.label: {} for job in jobs}
+    first_slot: dict[str, list[tuple[bool, float]]] = {}
     for prompt in prompts:
+        category = prompt.get("category") or "-"
         proposals = proposals_along(decoder, prompt_tokens(decoder, prompt), outputs[prompt["id"]], top_k)
+        first_slot.setdefault(category, []).extend(proposals.first_slot_hits())
         for job in jobs:
-            steps = replay(proposals, job.method, job.tree_budget or 0)
-            lengths[job.label].setdefault(prompt.get("category") or "-", []).extend(steps)
+            lengths[job.label].setdefault(category, []).extend(replay(proposals, job.method, job.tree_budget or 0))
 
     def tau(values: list[int]) -> float:
         return sum(values) / len(values) if values else 0.0
 
-    return {label: {"tau": tau([n for values in by_category.values() for n in values]),
-                    "tau_by_category": {c: tau(v) for c, v in sorted(by_category.items())}}
-            for label, by_category in lengths.items()}
+    return ({label: {"tau": tau([n for values in by_category.values() for n in values]),
+                     "tau_by_category": {c: tau(v) for c, v in sorted(by_category.items())}}
+             for label, by_category in lengths.items()}, first_slot)
+
+
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)
+
+
+def first_slot_table(first_slot: dict[str, list[tuple[bool, float]]]) -> list[str]:
+    """How often the first slot holds AR's next token, per category and per band of the target's own
+    confidence in that token; each cell is "rate (roots)"."""
+    bands = list(zip((0.0,) + CONFIDENCE_EDGES, CONFIDENCE_EDGES + (1.01,)))
+
+    def cell(hits: list[tuple[bool, float]]) -> str:
+        return f"{sum(hit for hit, _ in hits) / len(hits):.2f} ({len(hits)})" if hits else "–"
+
+    headers = [f"target {low:g}–{high:g}" if high <= 1 else f"target ≥ {low:g}" for low, high in bands]
+    lines = ["| category | first slot right | mean target confidence | " + " | ".join(headers) + " |",
+             "|---|---|---|" + "---|" * len(bands)]
+    for category, hits in sorted(first_slot.items()) + [("all", [h for v in first_slot.values() for h in v])]:
+        if hits:
+            lines.append(f"| {category} | {cell(hits)} | {sum(c for _, c in hits) / len(hits):.2f} | "
+                         + " | ".join(cell([h for h in hits if low <= h[1] < high]) for low, high in bands) + " |")
+    return lines
 
 
 def recorded_outputs(prompts: list[dict], results: str) -> dict[str, list[int]]:
@@ -123,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree-budget", default="4,8,16,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ar-outputs", default=None, help="a bench results JSON whose AR runs give the outputs")
+    parser.add_argument("--first-slot", action="store_true",
+                        help="also: how often the first slot is right, by the target's confidence")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
@@ -140,7 +180,7 @@ def _main(args: argparse.Namespace) -> int:
         print(note)
     if outputs is None:
         outputs = decoded_outputs(decoder, prompts, args.max_new_tokens)
-    summary = estimate(decoder, prompts, outputs, jobs)
+    summary, first_slot = estimate(decoder, prompts, outputs, jobs)
     categories = sorted({c for entry in summary.values() for c in entry["tau_by_category"]})
     print(f"estimated τ (greedy steps replayed along AR's output; {len(prompts)} prompts, "
           f"drafter {decoder.drafter_info.name}, draft dtype {decoder.drafter.dtype})")
@@ -149,6 +189,9 @@ def _main(args: argparse.Namespace) -> int:
     for label, entry in summary.items():
         print(f"| {label} | {entry['tau']:.2f} | "
               + " | ".join(f"{entry['tau_by_category'].get(c, 0.0):.2f}" for c in categories) + " |")
+    if args.first_slot:
+        print("\nthe first slot against AR's next token, by the target's own confidence in it (rate (roots))")
+        print("\n".join(first_slot_table(first_slot)))
     if args.out:
         Path(args.out).write_text(json.dumps({"prompts": args.prompts, "drafter": decoder.drafter_info.name,
                                               "summary": summary}, indent=1) + "\n")

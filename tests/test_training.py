@@ -398,6 +398,9 @@ class TextTokenizer:
     def __call__(self, text):
         return {"input_ids": [ord(c) - 30 if 32 <= ord(c) <= 124 else 0 for c in text]}
 
+    def __len__(self):
+        return VOCAB
+
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i + 30) for i in ids if 2 <= i <= 94)
 
@@ -406,7 +409,8 @@ def test_data_pipeline_writes_split_prompts_and_replies_that_load(tmp_path):
     tiny = tiny_target(seed=1, dtype=torch.float32)
     chat = Target(model=tiny.model, tokenizer=TextTokenizer(), name="tiny", stop_ids=[STOP])
     settings = DataSettings(num_prompts=120, min_heldout=4, max_new_tokens=12, prompt_max_tokens=16,
-                            min_prompt_chars=4, chunk_prompts=64, min_response_tokens=2)
+                            min_prompt_chars=4, chunk_prompts=64, min_response_tokens=2, asked_fraction=0.1,
+                            list_max_tokens=16)
     generator = TransformersGenerator(chat, batch_size=16)
     stats = data_module.run(generator, chat, tmp_path, settings, log=lambda line: None)
     train_prompts = data_module.read_prompts(tmp_path / "prompts.jsonl")
@@ -536,6 +540,52 @@ def test_replies_are_partly_sampled_and_a_second_round_follows_up_or_rereads(tmp
     rereads = [seq for seq, start in zip(sequences, data.response_starts.tolist())
                if seq[:start].count(2) < 3 and "whiskey xray yankee" in chat.tokenizer.decode(seq[:start])]
     assert len(rereads) == counts["rereads"]
+
+
+def test_listed_items_are_the_numbered_lines_of_a_list_or_its_numbered_runs():
+    from engine.training.prompts import listed_items
+
+    text = ('Sure! Here are some questions:\n1. What do bees eat?\n2) "Why do bees buzz?" [2]\n3. Bees?\n'
+            '4. How do bees find their way home?\nI hope these help.')
+    assert listed_items(text) == ["What do bees eat?", "Why do bees buzz?", "How do bees find their way home?"]
+    one_line = "1. What's a perfect recipe? 2. Can you add another recipe? 3. How to cook it?"
+    assert listed_items(one_line) == ["What's a perfect recipe?", "Can you add another recipe?", "How to cook it?"]
+    assert listed_items("It costs 5. Then 12 more.\nNo list here.") == []
+    assert listed_items("1. " + "word " * 60) == [], "longer than a request"
+
+
+class ListWritingGenerator:
+    """Writes the same numbered list for every request: whole for even requests, cut short (no end of
+    turn) for odd ones."""
+
+    def __init__(self, chat: Target, text: str):
+        self.ids = chat.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.requests: list[str] = []
+        self.chat = chat
+
+    def complete(self, prompts, sampling):
+        self.requests += [self.chat.tokenizer.decode(p) for p in prompts]
+        self.sampling = sampling
+        return [as_completion(self.ids + ([2] if i % 2 == 0 else []), [2]) for i in range(len(prompts))]
+
+
+def test_asked_prompts_are_the_items_of_lists_the_target_writes_about_seed_words():
+    chat = smollm2_chat()
+    seeds = data_module.vocabulary_seeds(chat.tokenizer)
+    assert len(seeds) > 10_000 and {"garden", "umbrella", "bicycle"} <= set(seeds)
+    assert all(w.isascii() and w.isalpha() and w.islower() and len(w) >= 5 for w in seeds)
+    generator = ListWritingGenerator(chat, "1. What do bees eat?\n2. Why do bees buzz?\n3. How do bees fly?")
+    settings = DataSettings(items_per_list=3)
+    prompts = data_module.asked_prompts(generator, chat, 12, settings, random.Random(0))
+    assert len(generator.requests) == 4 and all("Number them." in r and "<|im_start|>assistant" in r
+                                                for r in generator.requests)
+    assert generator.sampling.temperature == settings.list_temperature
+    assert {p.source for p in prompts} == {"asked"}
+    texts = [p.text for p in prompts]
+    assert len(texts) == 2 * 3 + 2 * 2, "a list cut short loses its last, maybe cut, item"
+    assert all(t.startswith(("What do bees eat?", "Why do bees buzz?", "How do bees fly?")) for t in texts)
+    assert sum(t.startswith("How do bees fly?") for t in texts) == 2
+    assert data_module.asked_prompts(generator, chat, 0, settings, random.Random(0)) == []
 
 
 def test_near_duplicates_of_evaluation_prompts_are_removed_and_reported():

@@ -40,9 +40,9 @@ from engine.target import Target, load_target
 from engine.training.generation import (Completion, Generator, Sampling, TransformersGenerator, VllmGenerator,
                                        VllmSettings, device_and_dtype)
 from engine.training.overlap import OverlapIndex, OverlapReport
-from engine.training.prompts import (FOLLOW_UPS, FORMATS, Prompt, arithmetic_prompts, code_prompts, function_prompts,
-                                     general_prompts, math_prompts, passage_prompts, polyglot_prompts,
-                                     self_written_openers)
+from engine.training.prompts import (FOLLOW_UPS, FORMATS, GENERAL_TOPICS, Prompt, arithmetic_prompts, code_prompts,
+                                     function_prompts, general_prompts, list_requests, listed_items, math_prompts,
+                                     passage_prompts, polyglot_prompts, self_written_openers)
 from engine.training.stdlib_text import harvest
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -63,6 +63,7 @@ class DataSettings:
     num_prompts: int = 50_000
     # the mix, as fractions of num_prompts; general topic x task templates get the rest
     self_written_fraction: float = 0.36
+    asked_fraction: float = 0.0  # items of question lists the target writes about a seed word
     code_fraction: float = 0.07
     polyglot_fraction: float = 0.08
     math_fraction: float = 0.07
@@ -78,6 +79,9 @@ class DataSettings:
     follow_up_fraction: float = 0.10  # finished conversations that get a second user turn
     reread_fraction: float = 0.05  # replies handed back as a passage to rewrite or summarise
     prompt_max_tokens: int = 64
+    list_max_tokens: int = 192  # a list of up to ten questions
+    list_temperature: float = 0.8  # at 1.0 a list strays from its seed within a few items
+    items_per_list: int = 4  # about what a list keeps after filtering: count / this lists are asked for
     prompt_temperature: float = 1.0
     prompt_top_p: float = 0.95
     min_prompt_chars: int = 12
@@ -126,20 +130,48 @@ def self_written_prompts(generator: Generator, chat: Target, count: int, setting
     return prompts
 
 
+def vocabulary_seeds(tokenizer, min_letters: int = 5) -> list[str]:
+    """Whole lowercase words of the target's own vocabulary: tokens that decode to a space and letters."""
+    words = {text[1:] for text in map(tokenizer.decode, ([i] for i in range(len(tokenizer))))
+             if text[:1] == " " and len(text) > min_letters and text[1:].isascii() and text[1:].isalpha()
+             and text[1:].islower()}
+    return sorted(words)
+
+
+def asked_prompts(generator: Generator, chat: Target, count: int, settings: DataSettings,
+                  rng: random.Random) -> list[Prompt]:
+    """User turns the target lists itself: questions and requests about a seed (a general topic or a
+    word of its vocabulary), sampled; now and then a format request is added."""
+    if count == 0:
+        return []
+    requests = list_requests(GENERAL_TOPICS + vocabulary_seeds(chat.tokenizer),
+                             math.ceil(count / settings.items_per_list), rng)
+    sampling = Sampling(settings.list_max_tokens, settings.list_temperature, settings.prompt_top_p)
+    completions = generator.complete([chat.chat_ids(request) for request in requests], sampling)
+    prompts = []
+    for completion in completions:
+        items = listed_items(chat.decode(completion.token_ids))
+        for item in items if completion.stopped else items[:-1]:  # a list cut short ends in a cut item
+            prompts.append(Prompt(item + (rng.choice(FORMATS) if item.endswith((".", "?", "!")) else ""), "asked"))
+    return prompts
+
+
 def build_prompts(generator: Generator, chat: Target, settings: DataSettings) -> list[Prompt]:
     """All sources, deduplicated, in a seeded random order."""
     rng = random.Random(settings.seed)
     n = settings.num_prompts
-    fractions = {"self": settings.self_written_fraction, "code": settings.code_fraction,
-                 "polyglot": settings.polyglot_fraction, "math": settings.math_fraction,
+    fractions = {"self": settings.self_written_fraction, "asked": settings.asked_fraction,
+                 "code": settings.code_fraction, "polyglot": settings.polyglot_fraction, "math": settings.math_fraction,
                  "arithmetic": settings.arithmetic_fraction, "passage": settings.passage_fraction,
                  "function": settings.function_fraction}
     counts = {name: round(n * fraction) for name, fraction in fractions.items()}
     counts["general"] = max(0, n - sum(counts.values()))
     stdlib = harvest()
-    # a quarter more self-written ones than needed: some are too short or repeat
+    # a quarter more of the target's own user turns than needed: some are too short or repeat
     written = self_written_prompts(generator, chat, math.ceil(counts["self"] * 1.25), settings, rng)
-    prompts = deduplicated(deduplicated(written)[: counts["self"]] + general_prompts(counts["general"], rng)
+    asked = asked_prompts(generator, chat, math.ceil(counts["asked"] * 1.25), settings, rng)
+    prompts = deduplicated(deduplicated(written)[: counts["self"]] + deduplicated(asked)[: counts["asked"]]
+                           + general_prompts(counts["general"], rng)
                            + code_prompts(counts["code"], rng) + polyglot_prompts(counts["polyglot"], rng)
                            + math_prompts(counts["math"], rng) + arithmetic_prompts(counts["arithmetic"], rng)
                            + passage_prompts(list(stdlib.passages), counts["passage"], rng)

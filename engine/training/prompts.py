@@ -3,8 +3,9 @@
 Template families (general topics x tasks, Python coding tasks, code in other
 languages, math word problems and arithmetic with random numbers), requests about real
 text and real code from Python's standard library (``stdlib_text``), follow-up turns,
-and the openers that seed the target's own user turns (``data.self_written_prompts``):
-persona x request x format, so the target writes questions nobody templated. Families
+the openers that seed the target's own user turns (``data.self_written_prompts``):
+persona x request x format, so the target writes questions nobody templated, and requests for
+lists of questions about a seed word whose items become user turns (``data.asked_prompts``). Families
 sample without replacement from a product of lists where they can; ``data`` removes
 duplicates and near-duplicates of the evaluation prompts.
 """
@@ -12,13 +13,14 @@ duplicates and near-duplicates of the evaluation prompts.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    source: str  # the family: "self", "general", "code", "polyglot", "math", "passage", "function", ...
+    source: str  # the family: "self", "asked", "general", "code", "polyglot", "math", "passage", "function", ...
 
 
 GENERAL_TOPICS = [
@@ -368,6 +370,42 @@ def self_written_openers(count: int, rng: random.Random) -> list[str]:
             opener = f"{persona} {start}".strip()
             openers.append(opener[0].upper() + opener[1:])
     return openers
+
+
+# ---- questions the target lists about a seed -----------------------------------------------------
+# People ask about any of thousands of everyday things, in their own words; the templates name a few
+# hundred topics. The target lists questions, opinions asked for, requests and story ideas about a seed
+# (a topic above or a whole word of its vocabulary), and every item of its list becomes a user turn.
+LIST_REQUESTS = [
+    "Write {n} different questions people often ask about {seed}.",
+    "Write {n} questions asking for someone's opinion about {seed}.",
+    "Write {n} requests someone might make to an assistant about {seed}.",
+    "Write {n} short creative writing requests about {seed}.",
+    "Write {n} 'how do I' questions about {seed}.",
+    "Write {n} questions a curious child might ask about {seed}.",
+    "Write {n} questions someone might ask a friend for advice about {seed}.",
+]
+ITEM_NUMBER = re.compile(r"(?:^|(?<=[.?!:]))[ \t]*\d{1,2}[.)][ \t]+", re.MULTILINE)
+REFERENCE_MARK = re.compile(r"\s*\[\d+\]$")
+
+
+def list_requests(seeds: list[str], count: int, rng: random.Random) -> list[str]:
+    return [rng.choice(LIST_REQUESTS).format(n=rng.randint(5, 10), seed=rng.choice(seeds)) + " Number them."
+            for _ in range(count)]
+
+
+def listed_items(text: str, min_words: int = 3, max_chars: int = 200) -> list[str]:
+    """The numbered items of a list the target wrote: an item ends at its line's end or where the
+    next number starts (it may write a whole list on one line); a trailing "[3]" and quotes around
+    the whole item go."""
+    items = []
+    for piece in ITEM_NUMBER.split(text)[1:]:  # what comes before the first number is no item
+        item = REFERENCE_MARK.sub("", piece.split("\n", 1)[0].strip())
+        if len(item) > 2 and item[0] == item[-1] == '"':
+            item = item[1:-1].strip()
+        if len(item.split()) >= min_words and len(item) <= max_chars:
+            items.append(item[0].upper() + item[1:])
+    return items
 
 
 # ---- code in other languages ---------------------------------------------------------------------
