@@ -479,12 +479,17 @@ def _main(args: argparse.Namespace) -> int:
         traces_dir.mkdir(parents=True, exist_ok=True)
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
     notes = tokenized + notes
-    measured = Measured(jobs, runs, notes, count_kernels(decoder, prompts[0], jobs, base) if args.count_kernels else {})
+    measured = Measured(jobs, runs, notes, {})
     config = run_config(args, decoder, dtype, prompts, jobs)
+    # What follows can take minutes at real shapes (kernel counts profile every method once more; vLLM's own
+    # decoding starts a second engine and compiles its graphs): whatever stops the run there (a device call's
+    # time limit), the Studio's numbers are already on disk.
+    pending = (("kernels",) if args.count_kernels else ()) + (("native",) if native_jobs else ())
+    if args.count_kernels:
+        report(args.out, config, started, measured, pending)
+        measured.kernels = count_kernels(decoder, prompts[0], jobs, base)
     if native_jobs:
-        # vLLM's own decoding starts a second engine and compiles its graphs: minutes at real shapes. Whatever
-        # stops the run there (a device call's time limit), the Studio's numbers are already on disk.
-        report(args.out, config, started, measured, native_pending=True)
+        report(args.out, config, started, measured, ("native",))
         native_runs, native_notes = benchmark_native(decoder, prompts, native_jobs, args, dtype,
                                                      progress=not args.no_progress)
         runs += native_runs
@@ -526,9 +531,10 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
     }
 
 
-def report(out: str | None, config: dict, started: float, measured: Measured, native_pending: bool = False) -> None:
-    """The results file (when ``out`` names one) with everything measured so far; the tables on stdout, once
-    vLLM's own decoding is no longer pending (gpu_session.sh's `tables` stops at the first kernel table)."""
+def report(out: str | None, config: dict, started: float, measured: Measured, pending: tuple[str, ...] = ()) -> None:
+    """The results file (when ``out`` names one) with everything measured so far; the tables on stdout once
+    nothing is ``pending`` ("kernels": the kernel counts, "native": vLLM's own decoding; gpu_session.sh's
+    `tables` stops at the first kernel table)."""
     summary = summarize_runs(measured.runs, measured.jobs)
     for label, profile in measured.kernels.items():
         summary[label]["kernels_per_step"] = profile.counts
@@ -536,11 +542,13 @@ def report(out: str | None, config: dict, started: float, measured: Measured, na
     best = best_budget(summary)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        config = config | {"native_pending": native_pending, "total_s": time.perf_counter() - started}
+        config = config | {"native_pending": "native" in pending, "kernels_pending": "kernels" in pending,
+                           "total_s": time.perf_counter() - started}
         Path(out).write_text(json.dumps({"config": config, "runs": measured.runs, "summary": summary, "best": best,
                                          "notes": measured.notes}, indent=1))
-    if native_pending:
-        print(f"the Studio's runs are in {out or '(no --out)'}; vLLM's own decoding follows", flush=True)
+    if pending:
+        follows = " and ".join({"kernels": "the kernel counts", "native": "vLLM's own decoding"}[p] for p in pending)
+        print(f"the Studio's runs are in {out or '(no --out)'}; {follows} follow", flush=True)
         return
     for note in measured.notes:
         print(note)

@@ -30,8 +30,10 @@
 #              all-attention twin (~5 min)
 #   shape      a real-size shape with random weights + projection: Qwen3-8B by default (4.6 min at TOKENS=64; with
 #              STEP=--compile-step LIMIT=2 BUDGETS=16,64,256 8.8 min on 2026-12-02: give it a call of its own. The bench
-#              saves the Studio's results before vLLM's own AR starts, so a cut-off run keeps them). The 27B shapes:
-#              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64
+#              saves the Studio's results before its kernel counts and vLLM's own AR, so a cut-off run keeps them). The 27B shapes:
+#              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64.
+#              The hybrid's readable step runs eager: on 2026-12-03 its engine was ready after 3.2 min and 3 prompts with
+#              kernel counts had not finished 6 min later; run it with KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
@@ -83,9 +85,10 @@ shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; 
   # engines (the Studio's, then vLLM's own AR beside it): 0.45 for the 27B shapes
   shape=${SHAPE:-qwen3-8b}
   results="$OUT/gpu-$shape-random$TAG.json"
+  kernels=$([ "${KERNELS:-1}" = 1 ] && echo --count-kernels)  # KERNELS=0: no kernel counts (each method profiled once more)
   timeout 560 python3 -m engine.bench --engine vllm --no-progress --random-weights --model "assets/shapes/$shape" \
       --drafter "assets/shapes/$shape-dflash-b16" --native ar --gpu-memory-utilization "${UTIL:-0.4}" \
-      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP --count-kernels \
+      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP $kernels \
       --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-1,16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
       --out "$results" > "$OUT/bench-shape-$shape.txt" 2>&1
   tables "$OUT/bench-shape-$shape.txt" 30

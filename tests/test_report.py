@@ -234,6 +234,9 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     path.write_text(json.dumps(data))
     assert load_setting(path).title == ("tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · cut off "
                                         "before vLLM's own AR · float64 · inline (1) prompts")
+    data["config"]["kernels_pending"] = True  # written before the kernel counts too
+    path.write_text(json.dumps(data))
+    assert "cut off before its kernel counts and vLLM's own AR · float64" in load_setting(path).title
     markdown = build_report([setting], tmp_path / "B.md", tmp_path / "assets", "test")
     assert "| DDTree (budget 16) | 41 | 380 | 0 | 421 |" in markdown
     assert "| DDTree (budget 16) | verify | `sm90_gemm` | 812.5 |" in markdown.split("### Slowest kernels per step")[1]
@@ -250,3 +253,24 @@ def test_the_recorded_command_names_the_triton_precision_it_ran_under(monkeypatc
     assert bench._command() == "python -m engine.bench --dtype float32"
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     assert bench._command() == "TRITON_F32_DEFAULT=ieee python -m engine.bench --dtype float32"
+
+
+def test_a_bench_file_written_before_its_kernel_counts_and_native_ar_says_so(results_path, tmp_path, capsys):
+    """The bench writes its runs before what may outlast a device call (kernel counts, vLLM's own AR): the file
+    says which of those is still pending, and the tables wait for the end."""
+    from engine.bench import Measured, report as bench_report
+
+    data = json.loads(results_path.read_text())
+    jobs = plan_jobs("ar,dflash,ddtree", "4,16")
+    measured = Measured(jobs, data["runs"], data["notes"], {})
+    out = tmp_path / "cut.json"
+    bench_report(str(out), data["config"], 0.0, measured, ("kernels", "native"))
+    written = json.loads(out.read_text())
+    assert (written["config"]["kernels_pending"], written["config"]["native_pending"]) == (True, True)
+    assert len(written["runs"]) == len(data["runs"])
+    printed = capsys.readouterr().out
+    assert "the kernel counts and vLLM's own decoding follow" in printed and "| method |" not in printed
+    bench_report(str(out), data["config"], 0.0, measured)
+    written = json.loads(out.read_text())
+    assert (written["config"]["kernels_pending"], written["config"]["native_pending"]) == (False, False)
+    assert "| ddtree@16 |" in capsys.readouterr().out

@@ -68,7 +68,9 @@ class Setting:
         prompts = Path(str(config.get("prompts", "?"))).stem
         step = {"fixed": " · fixed-shape step", "readable": " · readable step"}.get(config.get("step"), "")
         step += " (compiled)" if config.get("compile_step") else ""
-        step += " · cut off before vLLM's own AR" if config.get("native_pending") else ""
+        cut_before = [what for key, what in (("kernels_pending", "its kernel counts"), ("native_pending", "vLLM's own AR"))
+                      if config.get(key)]
+        step += f" · cut off before {' and '.join(cut_before)}" if cut_before else ""
         prompts += f" ({config['num_prompts']})" if config.get("num_prompts") else ""
         dtype = config.get("dtype", "?") + (f" ({config['draft_dtype']} drafts)" if config.get("draft_dtype") else "")
         title = f"{where} · {config.get('engine', '?')} engine{step} · {dtype} · {prompts} prompts"
