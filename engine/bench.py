@@ -258,9 +258,12 @@ def plan_native_jobs(spec: str) -> list[Job]:
 def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argparse.Namespace, dtype: str,
                      progress: bool = True) -> tuple[list[dict], list[str]]:
     """vLLM as it ships (CUDA graphs on): its AR and/or its DFlash with our drafter, on the same
-    prompts. A baseline vLLM refuses to start is reported in the notes; the runs already made stay."""
+    prompts, once the Studio's engine has given the GPU back (at 27B the two do not fit side by side). A
+    baseline vLLM refuses to start is reported in the notes; the runs already made stay."""
     from engine.vllm_engine import VllmOptions, native_acceptance, native_generate, native_llm
 
+    decoder.close()
+    torch.cuda.empty_cache()
     prompt_ids = [prompt_tokens(decoder, p) for p in prompts]
     runs: list[dict] = []
     notes: list[str] = []
@@ -522,7 +525,9 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "timing_only": args.random_weights,
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype, "draft_dtype": decoder.draft_dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
-        "cuda_graphs": not args.no_cuda_graphs if gpu else None, "step": args.step, "compile_step": args.compile_step,
+        "cuda_graphs": not args.no_cuda_graphs if gpu else None,
+        # the step that ran: a hybrid runs the readable one whatever was asked
+        "step": "fixed" if decoder.fixed_step else "readable", "compile_step": args.compile_step and decoder.fixed_step,
         "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if args.native else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
@@ -587,7 +592,8 @@ def _load(args: argparse.Namespace, dtype: str):
     from engine.models import load_decoder
 
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
-                        fixed_step=args.step == "fixed", cuda_graphs=args.step == "fixed" and not args.no_cuda_graphs,
+                        fixed_step=args.step == "fixed",
+                        cuda_graphs=args.step == "fixed" and not args.no_cuda_graphs and on_gpu(args),
                         compile_step=args.compile_step, random_weights=args.random_weights, draft_dtype=args.draft_dtype)
 
 

@@ -94,8 +94,9 @@ class Decoder:
         self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
         self.engine = engine
         self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
-        # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step
-        self.fixed_step = fixed_step
+        # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step;
+        # a hybrid's linear layers fork their states per tree node in the readable step only
+        self.fixed_step = fixed_step and not hybrid.is_hybrid(target.config)
         self.compile_step = compile_step  # the fixed step's own stages (draft, tree, walk) through torch.compile
         self.timing_only = timing_only  # random weights at a real shape: traces say so
         self._graphed_drafts: dict[int, GraphedDraft] = {}
@@ -211,7 +212,7 @@ class Decoder:
     def uses_fixed_step(self, settings: DecodeSettings) -> bool:
         """Greedy decoding on a pure-attention target (with a full-attention drafter if it drafts,
         one a CUDA graph can hold where graphs are on)."""
-        if not self.fixed_step or settings.temperature != 0 or hybrid.is_hybrid(self.target.config):
+        if not self.fixed_step or settings.temperature != 0:
             return False
         drafter = self.drafter
         return settings.method == "ar" or (drafter.full_attention and (drafter.graphable or not self.cuda_graphs))
@@ -232,6 +233,12 @@ class Decoder:
                                                graphs=self.cuda_graphs and self.target.device.type == "cuda",
                                                compile_step=self.compile_step)
         return self._programs[key]
+
+    def close(self) -> None:
+        """Give back the device memory the step's graphs and programs hold before another engine
+        (vLLM's own, in the bench) starts; they are rebuilt if this decoder runs again."""
+        self._graphed_drafts.clear()
+        self._programs.clear()
 
 
 def check_drafter_fits(drafter_config, target_config) -> None:

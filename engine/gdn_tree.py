@@ -141,17 +141,31 @@ def verify_layer(params: GDNParams, mixed_qkv: torch.Tensor, a: torch.Tensor, b:
     return out[0, plan.replay.last], KeptInputs(inputs, convolved, a, b)
 
 
-def commit_layer(params: GDNParams, kept: KeptInputs, plan: GDNTreePlan, path: torch.Tensor, length: torch.Tensor,
+@dataclass(frozen=True)
+class AcceptedPath:
+    """What every linear layer's commit shares, made once per verify pass (a hybrid has dozens of
+    linear layers, and each op made per layer is a launch per layer)."""
+
+    nodes: torch.Tensor  # [L] node indices, root first, padded past the path's length
+    bounds: torch.Tensor  # [2] int32: the path as the delta rule's one sequence (0, its length)
+    window: torch.Tensor  # [W] columns of a layer's kept inputs: the window the leaf leaves behind
+
+    @staticmethod
+    def build(plan: GDNTreePlan, path: torch.Tensor, length: torch.Tensor) -> "AcceptedPath":
+        """From ``path [L]`` (padded past ``length``, a device scalar), all on the device."""
+        leaf = path.gather(0, (length - 1).reshape(1))
+        bounds = torch.cat([torch.zeros_like(plan.one), length.reshape(1).to(torch.int32)])
+        return AcceptedPath(nodes=path, bounds=bounds, window=plan.after.index_select(0, leaf)[0])
+
+
+def commit_layer(params: GDNParams, kept: KeptInputs, plan: GDNTreePlan, accepted: AcceptedPath,
                  conv_state: torch.Tensor, ssm_state: torch.Tensor, kernels: GDNKernels) -> None:
-    """Make the accepted path's state the request's: ``path [L]`` node indices root first
-    (padded past ``length``, a device scalar), all on the device."""
-    leaf = path.gather(0, (length - 1).reshape(1))
-    conv_state[plan.slot].copy_(kept.inputs[:, plan.after.index_select(0, leaf)[0]])
-    query, key, value = params.split(kept.convolved)
-    starts = torch.cat([torch.zeros_like(plan.one), length.reshape(1).to(torch.int32)])
+    """Make the accepted path's state the request's."""
+    conv_state[plan.slot].copy_(kept.inputs[:, accepted.window])
+    query, key, value = params.split(kept.convolved[accepted.nodes])
     kernels.gated_delta_update(
-        A_log=params.A_log, a=kept.a[path], b=kept.b[path], dt_bias=params.dt_bias, q=query[:, path], k=key[:, path],
-        v=value[:, path], initial_state=ssm_state, inplace_final_state=True, cu_seqlens=starts,
+        A_log=params.A_log, a=kept.a[accepted.nodes], b=kept.b[accepted.nodes], dt_bias=params.dt_bias, q=query, k=key,
+        v=value, initial_state=ssm_state, inplace_final_state=True, cu_seqlens=accepted.bounds,
         ssm_state_indices=plan.commit_rows, num_accepted_tokens=plan.one, use_qk_l2norm_in_kernel=True)
 
 

@@ -82,7 +82,7 @@ humaneval)
       --tree-budget "${BUDGETS:-16,32,64,128}" --max-new-tokens "$TOKENS" --reduced-traces --out "$OUT/gpu-vllm-humaneval$TAG.json" > "$OUT/bench-humaneval.txt" 2>&1
   tables "$OUT/bench-humaneval.txt" 20 ;;
 shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; UTIL: the GPU share of each of the two
-  # engines (the Studio's, then vLLM's own AR beside it): 0.45 for the 27B shapes
+  # engines (the Studio's, then vLLM's own AR once the Studio's has closed)
   shape=${SHAPE:-qwen3-8b}
   results="$OUT/gpu-$shape-random$TAG.json"
   kernels=$([ "${KERNELS:-1}" = 1 ] && echo --count-kernels)  # KERNELS=0: no kernel counts (each method profiled once more)

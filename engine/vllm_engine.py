@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
@@ -234,7 +233,7 @@ class VllmDecoder(Decoder):
         trace = Trace.from_json(raw)
         trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
                                   f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}, "
-                                  f"{'fixed-shape' if self.options.fixed_step else 'readable'} step")
+                                  f"{'fixed-shape' if self.fixed_step else 'readable'} step")
         if on_step is not None:
             for step in trace.steps:
                 on_step(trace, step)
@@ -243,6 +242,10 @@ class VllmDecoder(Decoder):
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings) -> KernelProfile:
         self.prepare(settings, len(prompt_ids))
         return KernelProfile(**self.llm.collective_rpc("studio_kernels", args=(list(prompt_ids), asdict(settings)))[0])
+
+    def close(self) -> None:
+        """Stop the workers, whose engine holds its share of the GPU until then; nothing runs here after."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,
@@ -282,26 +285,12 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
         speculative = {"method": "dflash", "model": split_heads_folder(drafter, options.tensor_parallel_size),
                        "num_speculative_tokens": num_speculative_tokens}
     folder = model_folder(model, options.tensor_parallel_size)
-    check_room_beside(options.gpu_memory_utilization, *torch.cuda.mem_get_info())
     return vllm.LLM(model=folder, tokenizer=tokenizer_folder(folder), dtype=dtype, seed=seed,
                     load_format="dummy" if options.random_weights else "auto",
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
                     async_scheduling=speculative is None, **llm_settings(folder, studio=False))
-
-
-def check_room_beside(share: float, free: int, total: int) -> None:
-    """vLLM's own engine starts while the Studio's still holds its share of the GPU; vLLM then
-    refuses deep in its worker ("Engine core initialization failed"). Say it here, with the share
-    at which both fit: each takes ``share`` of ``total``, the rest of what is used stays."""
-    wanted = share * total
-    if free >= wanted:
-        return
-    both_fit = math.floor(100 * (free + wanted) / (2 * total)) / 100
-    raise EngineError(f"vLLM's own engine wants {share:g} of the GPU ({wanted / 2**30:.1f} GiB) and "
-                      f"{free / 2**30:.1f} GiB is free beside the Studio's engine: run both at "
-                      f"--gpu-memory-utilization {both_fit:.2f} or less")
 
 
 def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],

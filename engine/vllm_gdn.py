@@ -176,11 +176,12 @@ class GDNLayers:
         tree = self.pending
         if tree is None:
             raise EngineError("no tree pass to commit: a hybrid target commits once per verify")
-        width = next(iter(tree.plans.values())).commit_rows.shape[1]
+        plan = next(iter(tree.plans.values()))  # the plans differ by state slot only, not by tree
+        width = plan.commit_rows.shape[1]
         path = torch.tensor(accepted + accepted[-1:] * (width - len(accepted)), device=self.device)
-        length = torch.tensor(len(accepted), device=self.device)
+        accepted_path = gdn_tree.AcceptedPath.build(plan, path, torch.tensor(len(accepted), device=self.device))
         for layer, layer_params in zip(self.layers, self.params):
             conv_state, ssm_state = states(layer)
-            gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plans[layer.prefix], path, length,
+            gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plans[layer.prefix], accepted_path,
                                   conv_state, ssm_state, KERNELS)
         self.pending = None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.bench import plan_jobs, read_prompts
-from engine.decode import MAX_TREE_BUDGET, DecodeSettings
+from engine.decode import MAX_TREE_BUDGET, DecodeSettings, Decoder
 from engine.drafter import load_drafter, save_drafter
 from engine.errors import EngineError
 from engine.target import load_target
@@ -163,16 +163,26 @@ def test_a_baseline_vllm_refuses_to_start_becomes_a_note(decoder, monkeypatch):
                      for label in ("vllm-ar", "vllm-dflash")]
 
 
-def test_a_baseline_vllm_without_room_beside_ours_is_one_line_with_the_share_that_fits():
-    """vLLM's own engine starts beside the Studio's at the same share of the GPU: where the two do not
-    fit, one line names the share at which they do, and at that share they do."""
-    from engine.vllm_engine import check_room_beside
+def test_vllm_own_engine_starts_only_after_the_studio_gave_the_gpu_back(decoder, monkeypatch):
+    """At 27B the Studio's engine and vLLM's own do not fit side by side: the bench closes the Studio's
+    decoder (its programs and graphs go) before vLLM's own engine starts."""
+    import argparse
 
-    gib, total = 2**30, 140 * 2**30
-    in_use = 140 - 15.8 - 0.85 * 140  # besides the Studio's share: contexts, the driver
-    with pytest.raises(EngineError, match=r"^vLLM's own engine wants 0.85 of the GPU \(119.0 GiB\) and 15.8 GiB is free "
-                                          r"beside the Studio's engine: run both at --gpu-memory-utilization 0.48 or less$"):
-        check_room_beside(0.85, int(15.8 * gib), total)
-    check_room_beside(0.48, int((140 - in_use - 0.48 * 140) * gib), total)
-    with pytest.raises(EngineError):
-        check_room_beside(0.49, int((140 - in_use - 0.49 * 140) * gib), total)
+    import engine.vllm_engine
+    from engine.bench import benchmark_native, plan_native_jobs
+
+    fixed = Decoder(decoder.target, decoder.drafter, decoder.drafter_info, fixed_step=True)
+    settings = DecodeSettings("ddtree", max_new_tokens=6, tree_budget=8)
+    before = fixed.run(prompt_ids=[3, 4], settings=settings).output_ids
+    programs_at_start = []
+
+    def start(*args, **kwargs):
+        programs_at_start.append(len(fixed._programs))
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(engine.vllm_engine, "native_llm", start)
+    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4)
+    _, notes = benchmark_native(fixed, [{"id": "p", "prompt": "hello"}], plan_native_jobs("ar"), args, "float32",
+                                progress=False)
+    assert programs_at_start == [0] and notes == ["vllm-ar not timed: vLLM did not start it: no GPU here"]
+    assert fixed.run(prompt_ids=[3, 4], settings=settings).output_ids == before  # a closed torch decoder runs again

@@ -14,7 +14,7 @@ import torch
 import ddtree
 from ddtree.forks import depths, path_replay, path_table, window_columns
 from engine import gdn_tree
-from engine.gdn_tree import REFERENCE_KERNELS, GDNParams, GDNTreePlan, commit_layer, verify_layer
+from engine.gdn_tree import REFERENCE_KERNELS, AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
 
 SLOT, SLOTS, WIDTH = 2, 4, 3  # the request's slot among 4; a window of 3 inputs (kernel 4)
 KEY_HEADS, HEADS, HEAD_K, HEAD_V = 2, 4, 8, 8
@@ -168,7 +168,7 @@ def test_commit_leaves_the_caches_as_decoding_the_accepted_path(kernels, seed):
     length = depths(visible)[deepest] + 1
 
     _, kept = verify_layer(params, mixed_qkv.clone(), a, b, conv_state, ssm_state, plan, kernels)
-    commit_layer(params, kept, plan, path, length, conv_state, ssm_state, kernels)
+    commit_layer(params, kept, plan, AcceptedPath.build(plan, path, length), conv_state, ssm_state, kernels)
 
     decode_path(params, kernels, reference_conv, reference_ssm, mixed_qkv, a, b, path[:int(length)].tolist())
     assert same(conv_state, reference_conv, device)

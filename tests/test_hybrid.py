@@ -308,7 +308,9 @@ def exact_marginals(model) -> list[torch.Tensor]:
 # --- a saved hybrid folder is just another target ---------------------------------------------
 
 
-def test_bench_runs_a_saved_hybrid_folder(tmp_path):
+def test_bench_runs_a_saved_hybrid_folder_with_the_readable_step_and_says_so(tmp_path):
+    """The fixed-shape programs hold no forked linear states: asked for them, a hybrid runs the readable
+    step, and the results file names the step that ran (its step costs are compared by it)."""
     folder = save_tiny_hybrid(tmp_path / "tiny-qwen3.5", seed=8)
     target = load_target(str(folder), dtype="float64")
     assert hybrid.is_hybrid(target.config) and isinstance(target.new_cache(), hybrid.TreeCache)
@@ -318,8 +320,10 @@ def test_bench_runs_a_saved_hybrid_folder(tmp_path):
     out = tmp_path / "results.json"
     assert bench.main(["--prompts", str(prompts), "--model", str(folder), "--drafter", "random", "--dtype", "float64",
                        "--methods", "ar,dflash,ddtree", "--tree-budget", "8,32", "--max-new-tokens", "12",
-                       "--out", str(out), "--no-progress"]) == 0
-    summary = json.loads(out.read_text())["summary"]
+                       "--step", "fixed", "--out", str(out), "--no-progress"]) == 0
+    results = json.loads(out.read_text())
+    assert results["config"]["step"] == "readable"
+    summary = results["summary"]
     assert {label: entry["identical_to_ar"] for label, entry in summary.items() if label != "ar"} == {
         "dflash": "1/1", "ddtree@8": "1/1", "ddtree@32": "1/1"}
 
