@@ -32,8 +32,8 @@
 #              STEP=--compile-step LIMIT=2 BUDGETS=16,64,256 8.8 min on 2026-12-02: give it a call of its own. The bench
 #              saves the Studio's results before its kernel counts and vLLM's own AR, so a cut-off run keeps them). The 27B shapes:
 #              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64.
-#              The hybrid's readable step runs eager: on 2026-12-03 its engine was ready after 3.2 min and 3 prompts with
-#              kernel counts had not finished 6 min later; run it with KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32
+#              The hybrid (its readable step) with KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32 took 5.4 min on 2026-12-03;
+#              with kernel counts and 3 prompts it did not finish in one call
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS

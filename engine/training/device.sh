@@ -14,7 +14,7 @@
 # engines side by side: 119k generated tokens/s in all on the H200's 16 cores, against 75k for 3),
 # DATA_MIN (7: the data stage's budget), SEED (0: another seed writes other prompts), MORE_DATA_MIN
 # (0; in a resumed call: first this many minutes of new prompts and replies, into more-K/), DRAFTER_BACK
-# (1; 0 in call A: see the end). Extra
+# (1; 0 keeps the weights on the machine: see the end). Extra
 # arguments go to engine.training.run and from there to engine.training.train (e.g.
 # --init-from DRAFTER_FOLDER to continue a drafter brought back from an earlier session).
 #     bash engine/training/device.sh
@@ -59,9 +59,9 @@ prepare() {
   say "pipeline exit status $status"
 } 2>&1 | tee -a "$log"
 
-# Whatever happened, bring back what exists (at most 8 files of 16 MiB each come back). DRAFTER_BACK=0 in
-# call A: copying the ~39 MB of weights back delays the reply past the machine's 30 s idle window, and
-# call B, which brings them, is then lost with the machine (sessions 10 and 11 lost theirs so).
+# Whatever happened, bring back what exists (at most 8 files of 16 MiB each come back). DRAFTER_BACK=0 leaves
+# the ~39 MB of weights on the machine for a call that a resumed one follows (whether bringing them back cost
+# sessions 10 and 11 their call B is unsettled: session 12's call brought them and the machine stayed warm).
 if [ "${DRAFTER_BACK:-1}" = 1 ]; then
   mkdir -p "$OUT/drafter"
   cp "$WORK"/train/drafter/* "$OUT/drafter/" 2>/dev/null || echo "no drafter exported yet" | tee -a "$log"
