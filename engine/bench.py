@@ -16,13 +16,14 @@ import os
 import platform
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from engine.decode import DecodeSettings, Decoder
+from engine.decode import DecodeSettings, Decoder, step_kind
 from engine.economics import Timing, economics
 from engine.errors import EngineError, run_command
 from engine.kernels import KernelProfile
@@ -122,6 +123,7 @@ def run_record(prompt: dict, job: Job, trace: Trace) -> dict:
         "output_ids": trace.output_ids, "text": trace.text, "new_tokens": summary.new_tokens,
         "verify_steps": summary.steps, "acceptance_lengths": summary.acceptance_lengths, "tau": summary.tau,
         "wall_s": summary.wall_s, "tokens_per_s": summary.tokens_per_s, "stage_s": summary.stage_s,
+        "step": trace.config.step,
     }
 
 
@@ -483,7 +485,7 @@ def _main(args: argparse.Namespace) -> int:
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
     notes = tokenized + notes
     measured = Measured(jobs, runs, notes, {})
-    config = run_config(args, decoder, dtype, prompts, jobs)
+    config = run_config(args, decoder, dtype, prompts, jobs, runs)
     # What follows can take minutes at real shapes (kernel counts profile every method once more; vLLM's own
     # decoding starts a second engine and compiles its graphs): whatever stops the run there (a device call's
     # time limit), the Studio's numbers are already on disk.
@@ -515,9 +517,13 @@ class Measured:
     kernels: dict[str, KernelProfile]
 
 
-def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict], jobs: list[Job]) -> dict:
+def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict], jobs: list[Job],
+               runs: list[dict]) -> dict:
     """How the run was made: the results file's ``config``."""
     gpu = on_gpu(args)
+    # the step the drafting methods ran (AR's may differ: a scripted drafter's never runs as a graph)
+    steps = Counter(run["step"] for run in runs if run["method"] != "ar") or Counter(run["step"] for run in runs)
+    step = steps.most_common(1)[0][0] if steps else step_kind(args.step == "fixed", args.compile_step)
     return {
         "command": _command(),
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
@@ -526,8 +532,7 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype, "draft_dtype": decoder.draft_dtype,
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
         "cuda_graphs": not args.no_cuda_graphs if gpu else None,
-        # the step that ran: a hybrid runs the readable one whatever was asked
-        "step": "fixed" if decoder.fixed_step else "readable", "compile_step": args.compile_step and decoder.fixed_step,
+        "step": "readable" if step == "readable" else "fixed", "compile_step": step == "compiled fixed",
         "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if args.native else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),

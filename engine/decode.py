@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 
 import ddtree
-from engine import hybrid
 from engine.drafter import DFlashDrafter
 from engine.drafting import EagerDraft, GraphedDraft
 from engine.errors import EngineError
@@ -94,9 +93,9 @@ class Decoder:
         self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
         self.engine = engine
         self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
-        # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step;
-        # a hybrid's linear layers fork their states per tree node in the readable step only
-        self.fixed_step = fixed_step and not hybrid.is_hybrid(target.config)
+        # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step,
+        # where the target's cache can take them (``Target.runs_fixed_step``)
+        self.fixed_step = fixed_step and target.runs_fixed_step
         self.compile_step = compile_step  # the fixed step's own stages (draft, tree, walk) through torch.compile
         self.timing_only = timing_only  # random weights at a real shape: traces say so
         self._graphed_drafts: dict[int, GraphedDraft] = {}
@@ -187,6 +186,7 @@ class Decoder:
             prompt_ids = self.target.chat_ids(prompt)
         settings, notes = self.prepare(settings, len(prompt_ids))
         target, device = self.target, self.target.device
+        fixed = self.uses_fixed_step(settings)
         config = RunConfig(
             method=settings.method, engine=self.engine, model=target.name,
             drafter=self.drafter_info.name if settings.method != "ar" else None,
@@ -195,8 +195,9 @@ class Decoder:
             block_size=settings.block_size, tree_budget=settings.tree_budget if settings.method == "ddtree" else None,
             temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
             prompt=prompt, prompt_ids=list(prompt_ids), notes=notes, timing_only=self.timing_only,
+            step=step_kind(fixed, self.compile_step),
         )
-        if self.uses_fixed_step(settings):
+        if fixed:
             from engine.fixed_step import FixedRun
 
             program = self.fixed_program(settings, len(prompt_ids))
@@ -210,12 +211,11 @@ class Decoder:
         return profile_kernels(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
 
     def uses_fixed_step(self, settings: DecodeSettings) -> bool:
-        """Greedy decoding on a pure-attention target (with a full-attention drafter if it drafts,
-        one a CUDA graph can hold where graphs are on)."""
+        """Greedy decoding on a target that runs the fixed step (``Target.runs_fixed_step``), with a
+        drafter a CUDA graph can hold where graphs are on (not a scripted one) if it drafts."""
         if not self.fixed_step or settings.temperature != 0:
             return False
-        drafter = self.drafter
-        return settings.method == "ar" or (drafter.full_attention and (drafter.graphable or not self.cuda_graphs))
+        return settings.method == "ar" or self.drafter.graphable or not self.cuda_graphs
 
     def fixed_program(self, settings: DecodeSettings, prompt_length: int):
         """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""

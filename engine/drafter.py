@@ -208,8 +208,8 @@ class DraftContext:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
-    def visible(self, block: int, added) -> None:
-        return None  # every cached row is real: no mask needed
+    def visible(self, block: int, added, causal: bool = False, window: int | None = None) -> None:
+        return None  # every cached row is real: each layer's own window mask is enough
 
     def advance(self, added) -> None:
         self.length += added
@@ -219,7 +219,9 @@ class StaticDraftContext:
     """The committed context's keys/values in preallocated buffers, so every draft pass has
     the same shapes and can be replayed as a CUDA graph. A pass may bring padding rows after
     its ``added`` real ones: they are written past ``length`` and masked, and the next pass
-    overwrites them. Needs full (non-causal, unwindowed) attention in every layer."""
+    overwrites them. Causal and sliding-window layers (z-lab's) see what the growing context's
+    ``Attention._window_mask`` shows them: row ``r`` of the context stands at index ``r``, the
+    block after the real rows."""
 
     def __init__(self, config: "DrafterConfig", capacity: int, device, dtype: torch.dtype):
         shape = (1, config.num_key_value_heads, capacity, config.head_dim)
@@ -234,10 +236,24 @@ class StaticDraftContext:
         self.values[layer].index_copy_(2, rows, v)
         return self.keys[layer], self.values[layer]
 
-    def visible(self, block: int, added) -> torch.Tensor:
-        """``[1, 1, 1, capacity + block]`` bool: the real context rows, then the whole block."""
-        context = self.rows < self.length + added
-        return torch.cat([context, torch.ones(block, dtype=torch.bool, device=context.device)])[None, None, None]
+    def visible(self, block: int, added, causal: bool = False, window: int | None = None) -> torch.Tensor:
+        """``[1, 1, 1 or block, capacity + block]`` bool: the real context rows, then the block; a
+        causal layer's queries see the block up to themselves, a sliding one's the last ``window``."""
+        count = self.length + added
+        context = self.rows < count
+        if not causal and window is None:
+            return torch.cat([context, torch.ones(block, dtype=torch.bool, device=context.device)])[None, None, None]
+        slots = torch.arange(block, device=context.device)
+        queries = count + slots[:, None]
+        keys = torch.cat([self.rows, count + slots])[None, :]
+        shown = torch.cat([context, torch.ones(block, dtype=torch.bool, device=context.device)])[None, :]
+        if causal:
+            shown = shown & (keys <= queries)
+        if window is not None:
+            shown = shown & (queries - keys < window)
+            if not causal:
+                shown = shown & (keys - queries < window)
+        return shown[None, None]
 
     def advance(self, added) -> None:
         self.length += added
@@ -259,6 +275,11 @@ class Attention(nn.Module):
         sliding = layer_type == "sliding_attention"
         self.is_causal = sliding if config.is_causal is None else bool(config.is_causal)
         self.sliding_window = config.sliding_window if sliding else None
+
+    @property
+    def mask_kind(self) -> tuple[bool, int | None]:
+        """What decides which keys a query sees: causality and the window."""
+        return self.is_causal, self.sliding_window
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, count: int) -> torch.Tensor:
         b, n, _ = x.shape
@@ -342,15 +363,7 @@ class DFlashDrafter(nn.Module):
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
-    @property
-    def full_attention(self) -> bool:
-        """Every layer sees the whole context and block (what ``StaticDraftContext`` needs)."""
-        return all(not layer.self_attn.is_causal and layer.self_attn.sliding_window is None for layer in self.layers)
-
-    @property
-    def graphable(self) -> bool:
-        """Whether its pass can be captured and replayed as a CUDA graph (``engine.drafting``)."""
-        return self.full_attention
+    graphable = True  # its pass can be captured and replayed as a CUDA graph (``engine.drafting``)
 
     @property
     def hidden_state_indices(self) -> list[int]:
@@ -384,15 +397,19 @@ class DFlashDrafter(nn.Module):
         many blocks of one sequence apart.
         """
         added = context_features.shape[1] if context_count is None else context_count
-        if cache is not None and mask is None:
-            mask = cache.visible(block_embeddings.shape[1], added)
+        kinds = [layer.self_attn.mask_kind for layer in self.layers]
+        if cache is not None and mask is None:  # one mask per kind of layer, not per layer
+            masks = {kind: cache.visible(block_embeddings.shape[1], added, *kind) for kind in set(kinds)}
+            layer_masks = [masks[kind] for kind in kinds]
+        else:
+            layer_masks = [mask] * len(kinds)
         dtype = block_embeddings.dtype
         context = self.hidden_norm(self.fc(context_features))
         rope_block = self.rotary(block_positions, dtype)
         rope_context = self.rotary(context_positions, dtype)
         x = block_embeddings
-        for i, layer in enumerate(self.layers):
-            x = layer(x, context, rope_block, rope_context, cache, i, mask)
+        for i, (layer, layer_mask) in enumerate(zip(self.layers, layer_masks)):
+            x = layer(x, context, rope_block, rope_context, cache, i, layer_mask)
         if cache is not None:
             cache.advance(added)
         return self.norm(x)

@@ -32,7 +32,7 @@ class EagerDraft:
 
 
 class GraphedDraft:
-    """The same pass over fixed shapes, captured once and replayed (CUDA, full-attention drafters).
+    """The same pass over fixed shapes, captured once and replayed (CUDA; any drafter but a scripted one).
 
     A step brings at most a block of new context rows, padded to the block; the prompt,
     longer than that, goes through the same buffers eagerly. The first padded pass runs

@@ -62,6 +62,8 @@ class StaticKV:
     tensor), the mask shows every row before ``past`` and the tree's ancestors in the block, and
     a compaction moves the accepted rows down to ``past``; the cache's last row is scratch."""
 
+    forks_states = False  # no linear-attention states: AR's token needs no commit
+
     def __init__(self, target, capacity: int):
         from transformers import StaticCache
 
@@ -231,8 +233,9 @@ class FixedProgram:
         ids, positions, visible = self._plan(tree)
         logits, hidden = self.kv.verify(ids, positions, self.past, visible)
         path, length, bonus, record = self._decide(tree, ids, visible, logits)
-        if self.drafter is not None:  # AR's path is its root, already in place
+        if self.drafter is not None or self.kv.forks_states:  # AR's path is its root, already in place in a KV cache
             self.kv.compact(self.past, path, length)
+        if self.drafter is not None:
             features = self.drafter.context_features(hidden)[0]
             self.features[0].copy_(features.index_select(0, path))
             torch.add(self.slots, self.past, out=self.feature_positions[0])

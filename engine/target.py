@@ -99,6 +99,12 @@ class Target:
             return hybrid.TreeCache(self.config)
         return DynamicCache(config=self.config)
 
+    @property
+    def runs_fixed_step(self) -> bool:
+        """Whether the fixed-shape step (``engine.fixed_step``) can verify on this target: transformers'
+        hybrids fork their linear layers' states per tree node in the readable step only."""
+        return not hybrid.is_hybrid(self.config)
+
     def fixed_kv(self, capacity: int, compiled: bool = False):
         """The KV cache of the fixed-shape step (``engine.fixed_step``): ``capacity`` rows in fixed buffers.
         (``compiled`` asks for a compiled verify pass: the vLLM engine's; a transformers model stays eager.)"""

@@ -130,10 +130,15 @@ class ClientTarget(Target):
         self._dtype, self._context_length = dtype, context_length
 
     device = property(lambda self: torch.device("cuda"))
+    runs_fixed_step = True  # the workers' ``PagedTarget`` forks a hybrid's states in the fixed step too
     dtype = property(lambda self: self._dtype)
     config = property(lambda self: self._config)
     context_length = property(lambda self: self._context_length)
 
+
+# the longest accepted path a step commits: one compaction graph's moves, and a hybrid's deepest
+# path replay (``engine.vllm_gdn``), so its drafter's blocks may be no longer
+MAX_PATH = 32
 
 # hybrid architectures whose Gated DeltaNet layers the vLLM engine forks (``engine.vllm_gdn``);
 # vLLM 0.23 serves Qwen3.5 / Qwen3.6 as their multimodal classes (text-only mode here), never as
@@ -156,6 +161,9 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
             raise EngineError(f"{', '.join(architectures)} is a hybrid (linear-attention) target the vLLM engine cannot "
                               f"run: it forks Gated DeltaNet states for {', '.join(HYBRID_ARCHITECTURES)}; "
                               "use --engine torch, which runs Qwen3.5 / Qwen3-Next hybrids exactly")
+        if drafter is not None and drafter.block_size > MAX_PATH:
+            raise EngineError(f"the vLLM engine verifies a hybrid target's trees at most {MAX_PATH} tokens deep; this "
+                              f"drafter drafts blocks of {drafter.block_size}")
     if drafter is not None:
         check_drafter_fits(drafter.config, text)
 
@@ -233,7 +241,7 @@ class VllmDecoder(Decoder):
         trace = Trace.from_json(raw)
         trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
                                   f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}, "
-                                  f"{'fixed-shape' if self.fixed_step else 'readable'} step")
+                                  f"{trace.config.step} step")
         if on_step is not None:
             for step in trace.steps:
                 on_step(trace, step)
@@ -272,6 +280,11 @@ class NativeRun:
     margins: list[float] | None = None  # top-1 minus top-2 logit per token, when asked for
 
 
+# one request at a time: a handful of batch sizes to capture as CUDA graphs, and a hybrid's state
+# blocks (one per sequence) for that many, not vLLM's default 1024 (a 27B hybrid has 159 at 0.45)
+NATIVE_MAX_SEQS = 8
+
+
 def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_speculative_tokens: int = 15,
                seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False):
     """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, or its DFlash with our
@@ -290,7 +303,8 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
-                    async_scheduling=speculative is None, **llm_settings(folder, studio=False))
+                    async_scheduling=speculative is None, max_num_seqs=NATIVE_MAX_SEQS,
+                    **llm_settings(folder, studio=False))
 
 
 def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],

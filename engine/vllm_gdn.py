@@ -51,6 +51,11 @@ class GDNPass:
     plans: dict[str, gdn_tree.GDNTreePlan]  # by layer name: the plan over its group's state block
     kept: dict[str, gdn_tree.KeptInputs] = field(default_factory=dict)
 
+    @property
+    def width(self) -> int:
+        """The longest path the pass's plans replay."""
+        return next(iter(self.plans.values())).commit_rows.shape[1]
+
 
 class _TreeGDN:
     """The pass the next Gated DeltaNet calls verify; ``None`` outside a tree pass (prefill)."""
@@ -171,15 +176,23 @@ class GDNLayers:
     def end() -> None:
         _TreeGDN.current = None
 
+    def to_commit(self) -> GDNPass:
+        if self.pending is None:
+            raise EngineError("no tree pass to commit: a hybrid target commits once per verify")
+        return self.pending
+
     def commit(self, accepted: list[int]) -> None:
         """The accepted path (node indices, root first) becomes the request's state in every linear layer."""
-        tree = self.pending
-        if tree is None:
-            raise EngineError("no tree pass to commit: a hybrid target commits once per verify")
-        plan = next(iter(tree.plans.values()))  # the plans differ by state slot only, not by tree
-        width = plan.commit_rows.shape[1]
+        width = self.to_commit().width  # padded: one shape per tree size
         path = torch.tensor(accepted + accepted[-1:] * (width - len(accepted)), device=self.device)
-        accepted_path = gdn_tree.AcceptedPath.build(plan, path, torch.tensor(len(accepted), device=self.device))
+        self.commit_path(path, torch.tensor(len(accepted), device=self.device))
+
+    def commit_path(self, path: torch.Tensor, length: torch.Tensor) -> None:
+        """``commit`` from device tensors, no host read (the fixed step's CUDA graph holds it): ``path``
+        node indices, root first, padded with the leaf past ``length``."""
+        tree = self.to_commit()
+        plan = next(iter(tree.plans.values()))  # the plans differ by state slot only, not by tree
+        accepted_path = gdn_tree.AcceptedPath.build(plan, path, length)
         for layer, layer_params in zip(self.layers, self.params):
             conv_state, ssm_state = states(layer)
             gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plans[layer.prefix], accepted_path,

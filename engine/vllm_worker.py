@@ -34,13 +34,13 @@ from engine.errors import EngineError
 from engine.fixed_step import padded_prompt, prefill_bucket
 from engine.kv_moves import RowMover
 from engine.target import Target, stop_token_ids
+from engine.vllm_engine import MAX_PATH
 
 MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
 # longest prompt pass replayed as a graph: beyond it the pass is compute, not launches, and a graph
 # would keep its activations (all-row logits included) in the pool for good
 MAX_PREFILL_GRAPH = 1024
 BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
-MAX_PATH = 32  # accepted-path moves one compaction graph covers (a block of 16 needs 15)
 
 
 class _QueryBias:
@@ -166,6 +166,8 @@ class PagedTarget(Target):
         self.move_rows = RowMover(self.kv_caches, self.block_size)
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
+    runs_fixed_step = True  # a hybrid's linear layers fork and commit their states inside the step's programs too
+
     @property
     def config(self):
         return self.runner.model_config.hf_text_config
@@ -199,8 +201,6 @@ class PagedTarget(Target):
         return PagedCache()
 
     def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor:
-        if self.gdn is not None and int(visible.sum(dim=1).max()) > MAX_PATH:
-            raise EngineError(f"a hybrid target verifies trees at most {MAX_PATH} tokens deep (blocks up to {MAX_PATH})")
         return ddtree.query_bias(visible)
 
     def layer_metadata(self, size: int, slots: torch.Tensor, seq_lens: torch.Tensor, prefill: bool) -> dict:
@@ -346,6 +346,7 @@ class PagedKV:
 
     def __init__(self, target: PagedTarget, compiled: bool = False):
         self.target, self.compiled = target, compiled
+        self.forks_states = target.gdn is not None  # a hybrid's: every step's path enters the linear layers' states
         self.forwards: dict[int, _Forward] = {}  # static inputs and attention metadata per verify size
 
     def prefill_cache(self) -> PagedCache:
@@ -369,6 +370,8 @@ class PagedKV:
 
     def compact(self, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:
         self.target.move_rows(*compaction_rows(past, path, length, self.target.capacity - 1))
+        if self.forks_states:
+            self.target.gdn.commit_path(path, length)
 
 
 def _full_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -51,14 +51,18 @@ def test_zlab_checkpoint_loads_with_its_settings(tmp_path):
     assert (second.is_causal, second.sliding_window) == (False, None)
 
 
-def test_zlab_drafter_decodes_exactly(tmp_path):
+@pytest.mark.parametrize("step", ["readable", "fixed"])
+def test_zlab_drafter_decodes_exactly(tmp_path, step):
+    """Its sliding-window layer's window (4) is shorter than the context: the fixed step's static
+    draft context must window it as the readable step's growing one does."""
     target = tiny_target(2, vocab=40)
     zlab_checkpoint(tmp_path, target)
     drafter = load_drafter(tmp_path).double().eval()
-    decoder = Decoder(target, drafter, DrafterInfo("zlab", trained=True))
+    decoder = Decoder(target, drafter, DrafterInfo("zlab", trained=True), fixed_step=step == "fixed")
     ids = [5, 9, 3, 22, 17, 8]
     ar = decoder.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=30))
     for settings in (DecodeSettings("dflash", max_new_tokens=30), DecodeSettings("ddtree", max_new_tokens=30, tree_budget=24)):
+        assert decoder.uses_fixed_step(settings) == (step == "fixed")
         assert decoder.run(prompt_ids=ids, settings=settings).output_ids == ar.output_ids
 
 
@@ -82,12 +86,18 @@ def test_cached_context_equals_one_pass_over_the_whole_context(tmp_path):
     torch.testing.assert_close(cached, whole, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("layers", ["full", "z-lab sliding"])
 @torch.inference_mode()
-def test_static_context_with_padding_rows_equals_the_growing_context():
-    """The CUDA-graph draft path: fixed buffers, steps padded to a block, padding masked."""
+def test_static_context_with_padding_rows_equals_the_growing_context(tmp_path, layers):
+    """The CUDA-graph draft path: fixed buffers, steps padded to a block, padding masked; z-lab's
+    causal sliding-window layer (a window of 5, shorter than the context) sees what it sees eagerly."""
     target = tiny_target(4, vocab=40)
-    drafter = tiny_drafter(target, layers=2)
-    assert drafter.full_attention
+    if layers == "full":
+        drafter = tiny_drafter(target, layers=2)
+    else:
+        zlab_checkpoint(tmp_path, target, sliding_window=5)
+        drafter = load_drafter(tmp_path).double().eval()
+        assert drafter.layers[0].self_attn.mask_kind == (True, 5)
     generator = torch.Generator().manual_seed(0)
     width, block = 2 * target.config.hidden_size, 4
     growing = DraftContext.empty(2)
@@ -121,7 +131,7 @@ def test_a_scripted_drafter_loads_from_its_folder_and_never_runs_as_a_graph(tmp_
     folder = write_scripted_drafter(tmp_path / "scripted", config, [[5, 6, 7, 8, 9]], demote_every=5)
     scripted = load_drafter(folder).double().eval()
     assert isinstance(scripted, ScriptedDrafter) and scripted.sequences == [[5, 6, 7, 8, 9]]
-    assert scripted.full_attention and not scripted.graphable
+    assert not scripted.graphable
     graphed = Decoder(target, scripted, DrafterInfo("scripted", trained=False), cuda_graphs=True, fixed_step=True)
     assert isinstance(graphed.draft_pass(16), EagerDraft)
     assert not graphed.uses_fixed_step(DecodeSettings("ddtree", tree_budget=8))

@@ -97,7 +97,8 @@ def test_sampling_keeps_the_readable_step_and_says_so(decoders):
     _, fixed = decoders
     trace = fixed.run(prompt_ids=PROMPTS[0], settings=DecodeSettings("ddtree", max_new_tokens=8, temperature=0.8))
     assert "sampling runs the readable step" in " ".join(trace.config.notes)
-    assert "tree_build" in trace.steps[0].stage_s
+    assert "tree_build" in trace.steps[0].stage_s and trace.config.step == "readable"
+    assert fixed.run(prompt_ids=PROMPTS[0], settings=DecodeSettings("ddtree", max_new_tokens=8)).config.step == "fixed"
 
 
 class _HostWork(TorchDispatchMode):

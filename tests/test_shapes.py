@@ -272,6 +272,10 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     deep = fresh_config(config, num_layers=1, mask_token_id=0, target_layer_ids=[1, 7])
     with pytest.raises(EngineError, match=r"drafter taps target layers \[1, 7\] but the target has 4 layers"):
         load_vllm_decoder(str(folder), str(write_scripted_drafter(tmp_path / "deep", deep, [])))
+    long_blocks = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2, block_size=48)
+    with pytest.raises(EngineError, match="a hybrid target's trees at most 32 tokens deep; this drafter drafts blocks "
+                                          "of 48"):
+        load_vllm_decoder(str(folder), str(write_scripted_drafter(tmp_path / "long", long_blocks, [])))
 
 
 def test_a_scripted_drafter_from_a_runs_own_outputs_goes_deep_on_random_weights(shape, tmp_path):

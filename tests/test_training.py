@@ -23,11 +23,14 @@ from engine.training.export import export_drafter
 from engine.training.generation import Sampling, TransformersGenerator, as_completion
 from engine.training.run import Plan
 from engine.training import objective
+from engine.training import prompts as prompt_module
 from engine.training.objective import block_loss, distillation_kl, fused_block_loss, target_logits
 from engine.training.train import (Batch, Blocks, Progress, TrainSettings, Trainer, block_labels, block_visibility,
                                    choose_loss, draft_hidden, greedy_tokens, learning_rate, load_state, make_batch, sample_anchors,
                                    save_state, target_pass)
 from tests.tiny import STOP, VOCAB, tiny_drafter, tiny_target
+
+COMPOSED = Path(DataSettings().composed_file)  # the shipped composed prompts
 
 MASK = 95  # tiny_drafter's mask token: the last id of the tiny vocabulary
 
@@ -410,13 +413,14 @@ def test_data_pipeline_writes_split_prompts_and_replies_that_load(tmp_path):
     chat = Target(model=tiny.model, tokenizer=TextTokenizer(), name="tiny", stop_ids=[STOP])
     settings = DataSettings(num_prompts=120, min_heldout=4, max_new_tokens=12, prompt_max_tokens=16,
                             min_prompt_chars=4, chunk_prompts=64, min_response_tokens=2, asked_fraction=0.1,
-                            list_max_tokens=16)
+                            list_max_tokens=16, composed_fraction=0.05, composed_file=str(COMPOSED))
     generator = TransformersGenerator(chat, batch_size=16)
     stats = data_module.run(generator, chat, tmp_path, settings, log=lambda line: None)
     train_prompts = data_module.read_prompts(tmp_path / "prompts.jsonl")
     heldout = data_module.read_prompts(tmp_path / "heldout.jsonl")
     assert len(heldout) >= 4 and not {p.text for p in heldout} & {p.text for p in train_prompts}
-    assert {"self", "general", "code", "polyglot", "math", "passage", "function"} <= {p.source for p in train_prompts}
+    assert {"self", "general", "code", "polyglot", "math", "passage", "function", "composed"} <= \
+        {p.source for p in train_prompts}
     assert stats["overlap"]["checked"] == len(train_prompts) + len(heldout) + stats["overlap"]["removed"]
     ranges = [tuple(torch.load(p)["prompt_range"]) for p in sorted(tmp_path.glob("responses-*.pt"))]
     assert ranges[0] == (0, 16) and ranges[-1][1] == len(train_prompts), "a quarter-size first chunk, then all"
@@ -586,6 +590,44 @@ def test_asked_prompts_are_the_items_of_lists_the_target_writes_about_seed_words
     assert all(t.startswith(("What do bees eat?", "Why do bees buzz?", "How do bees fly?")) for t in texts)
     assert sum(t.startswith("How do bees fly?") for t in texts) == 2
     assert data_module.asked_prompts(generator, chat, 0, settings, random.Random(0)) == []
+
+
+def test_composed_prompts_come_each_as_written_then_again_with_a_format_request(tmp_path):
+    texts = ["How do bees fly?", "Should I learn the piano at 40?", "Write a haiku about rain."]
+    prompts = prompt_module.composed_prompts(texts, 8, random.Random(0))
+    assert len(prompts) == 8 and {p.source for p in prompts} == {"composed"}
+    assert sorted(p.text for p in prompts[:3]) == sorted(texts)
+    repeats = [p.text for p in prompts[3:]]
+    assert all(any(r.startswith(t) and r != t for t in texts) for r in repeats)
+    assert all(r[len(t):] in prompt_module.FORMATS for r in repeats for t in texts if r.startswith(t))
+    assert [p.text for p in prompt_module.composed_prompts(texts, 2, random.Random(0))] == [p.text for p in prompts[:2]]
+    path = tmp_path / "composed.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t, "category": "x"}) + "\n" for t in texts))
+    assert data_module.read_composed(str(path)) == texts
+    with pytest.raises(SystemExit, match="does not exist"):
+        data_module.read_composed(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_round_of_composed_requests_adds_only_what_is_new_and_far_from_evaluation_prompts(tmp_path):
+    from engine.training.composed import add
+
+    def write(path, texts, category="question"):
+        path.write_text("".join(json.dumps({"prompt": t, "category": category}) + "\n" for t in texts))
+        return path
+
+    evals = write(tmp_path / "fresh.jsonl", ["Why do onions make people cry when they cut them?"])
+    out = tmp_path / "composed.jsonl"
+    first = write(tmp_path / "round1.jsonl", ["How do bees fly?", "how do  BEES fly?", "Is a tomato a fruit?"])
+    assert add([first], out, str(evals))[0] == 2
+    second = write(tmp_path / "round2.jsonl", ["Is a tomato a fruit?", "why do onions make people cry when you cut them",
+                                               "Write a haiku about rain."], category="creative")
+    added, report = add([second], out, str(evals))
+    assert added == 1 and report.removed == 1 and report.eval_prompts_hit == {"fresh": [0]}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["prompt"], r["category"]) for r in rows] == [("How do bees fly?", "question"),
+                                                           ("Is a tomato a fruit?", "question"),
+                                                           ("Write a haiku about rain.", "creative")]
+    assert data_module.read_composed(str(out)) == [r["prompt"] for r in rows]
 
 
 def test_near_duplicates_of_evaluation_prompts_are_removed_and_reported():

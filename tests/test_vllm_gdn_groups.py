@@ -101,7 +101,10 @@ def test_each_group_prefills_into_a_block_of_its_own(vllm_gdn):
     assert 0 < gdn.slot == min(blocks)  # the attention layers take the blocks before them
 
 
-def test_groups_sharing_a_cache_tensor_keep_their_own_states(vllm_gdn):
+@pytest.mark.parametrize("commit", ["readable", "fixed"])
+def test_groups_sharing_a_cache_tensor_keep_their_own_states(vllm_gdn, commit):
+    """``commit``: the readable step's (a list of node indices) or the fixed step's (``commit_path``:
+    device tensors, the path padded with its leaf to a block, a width of its own)."""
     layers, groups = shared_layers()
     gdn = vllm_gdn.GDNLayers(groups, {layer.prefix: layer for layer in layers}, device=torch.device("cpu"))
     channels = layers[0].params.conv_weight.shape[0]
@@ -126,7 +129,10 @@ def test_groups_sharing_a_cache_tensor_keep_their_own_states(vllm_gdn):
                 assert torch.equal(outs[group][node], expected[-1]), (seed, group, node)
         deepest = int(depth.argmax())
         accepted = table[deepest, :int(depth[deepest]) + 1].tolist()
-        gdn.commit(accepted)
+        if commit == "readable":
+            gdn.commit(accepted)
+        else:
+            gdn.commit_path(torch.tensor(accepted + accepted[-1:] * (16 - len(accepted))), torch.tensor(len(accepted)))
         for layer, (mixed_qkv, a, b), (conv, ssm) in zip(layers, inputs, references):
             check.decode_path(layer.params, gdn_tree.REFERENCE_KERNELS, conv, ssm, mixed_qkv, a, b, accepted)
 

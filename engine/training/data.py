@@ -41,8 +41,8 @@ from engine.training.generation import (Completion, Generator, Sampling, Transfo
                                        VllmSettings, device_and_dtype)
 from engine.training.overlap import OverlapIndex, OverlapReport
 from engine.training.prompts import (FOLLOW_UPS, FORMATS, GENERAL_TOPICS, Prompt, arithmetic_prompts, code_prompts,
-                                     function_prompts, general_prompts, list_requests, listed_items, math_prompts,
-                                     passage_prompts, polyglot_prompts, self_written_openers)
+                                     composed_prompts, function_prompts, general_prompts, list_requests, listed_items,
+                                     math_prompts, passage_prompts, polyglot_prompts, self_written_openers)
 from engine.training.stdlib_text import harvest
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -64,6 +64,8 @@ class DataSettings:
     # the mix, as fractions of num_prompts; general topic x task templates get the rest
     self_written_fraction: float = 0.36
     asked_fraction: float = 0.0  # items of question lists the target writes about a seed word
+    composed_fraction: float = 0.0  # requests from ``composed_file``, written apart from these templates
+    composed_file: str = str(REPO / "assets" / "training" / "composed-prompts.jsonl")
     code_fraction: float = 0.07
     polyglot_fraction: float = 0.08
     math_fraction: float = 0.07
@@ -156,11 +158,24 @@ def asked_prompts(generator: Generator, chat: Target, count: int, settings: Data
     return prompts
 
 
+def read_composed(path: str) -> list[str]:
+    """The requests of a composed-prompts file (JSON lines with a "prompt")."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise SystemExit(f"--composed-fraction needs --composed-file: {path} does not exist") from None
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    if not texts:
+        raise SystemExit(f"{path} holds no prompts")
+    return texts
+
+
 def build_prompts(generator: Generator, chat: Target, settings: DataSettings) -> list[Prompt]:
     """All sources, deduplicated, in a seeded random order."""
     rng = random.Random(settings.seed)
     n = settings.num_prompts
     fractions = {"self": settings.self_written_fraction, "asked": settings.asked_fraction,
+                 "composed": settings.composed_fraction,
                  "code": settings.code_fraction, "polyglot": settings.polyglot_fraction, "math": settings.math_fraction,
                  "arithmetic": settings.arithmetic_fraction, "passage": settings.passage_fraction,
                  "function": settings.function_fraction}
@@ -170,7 +185,8 @@ def build_prompts(generator: Generator, chat: Target, settings: DataSettings) ->
     # a quarter more of the target's own user turns than needed: some are too short or repeat
     written = self_written_prompts(generator, chat, math.ceil(counts["self"] * 1.25), settings, rng)
     asked = asked_prompts(generator, chat, math.ceil(counts["asked"] * 1.25), settings, rng)
-    prompts = deduplicated(deduplicated(written)[: counts["self"]] + deduplicated(asked)[: counts["asked"]]
+    composed = composed_prompts(read_composed(settings.composed_file), counts["composed"], rng) if counts["composed"] else []
+    prompts = deduplicated(deduplicated(written)[: counts["self"]] + deduplicated(asked)[: counts["asked"]] + composed
                            + general_prompts(counts["general"], rng)
                            + code_prompts(counts["code"], rng) + polyglot_prompts(counts["polyglot"], rng)
                            + math_prompts(counts["math"], rng) + arithmetic_prompts(counts["arithmetic"], rng)

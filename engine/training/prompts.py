@@ -338,6 +338,20 @@ REQUEST_STARTS = [
 FORMATS = ["", "", "", "", "", "", " Answer in three sentences.", " Please use a list.", " Explain step by step.",
            " Include an example.", " Keep it brief.", " Go into detail.", " Use a table if it helps.",
            " Write for a beginner.", " Use plain English.", " Give pros and cons."]
+
+
+def composed_prompts(texts: list[str], count: int, rng: random.Random) -> list[Prompt]:
+    """``count`` prompts from requests written apart from these templates, in a random order: each as
+    written once, and beyond that again with a format request (distinct texts, so they survive
+    deduplication and draw other replies)."""
+    order = rng.sample(texts, len(texts))
+    prompts = [Prompt(text, "composed") for text in order[:count]]
+    while len(prompts) < count:
+        text = order[len(prompts) % len(order)]
+        prompts.append(Prompt(text + rng.choice([f for f in FORMATS if f]), "composed"))
+    return prompts
+
+
 # Starts of user turns that name a topic or a coding task (a third of the openers).
 TOPIC_OPENERS = [
     "Tell me about {topic}", "I'm curious about {topic}.", "Can you help me with {topic}?",
