@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.decode import DecodeSettings, Decoder, step_kind
+from engine.decode import DecodeSettings, Decoder
 from engine.economics import Timing, economics
 from engine.errors import EngineError, run_command
 from engine.kernels import KernelProfile
@@ -523,7 +523,7 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
     gpu = on_gpu(args)
     # the step the drafting methods ran (AR's may differ: a scripted drafter's never runs as a graph)
     steps = Counter(run["step"] for run in runs if run["method"] != "ar") or Counter(run["step"] for run in runs)
-    step = steps.most_common(1)[0][0] if steps else step_kind(args.step == "fixed", args.compile_step)
+    step = steps.most_common(1)[0][0]
     return {
         "command": _command(),
         "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
