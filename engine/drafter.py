@@ -240,13 +240,12 @@ class StaticDraftContext:
         """``[1, 1, 1 or block, capacity + block]`` bool: the real context rows, then the block; a
         causal layer's queries see the block up to themselves, a sliding one's the last ``window``."""
         count = self.length + added
-        context = self.rows < count
+        shown = torch.cat([self.rows < count, torch.ones(block, dtype=torch.bool, device=self.rows.device)])[None, :]
         if not causal and window is None:
-            return torch.cat([context, torch.ones(block, dtype=torch.bool, device=context.device)])[None, None, None]
-        slots = torch.arange(block, device=context.device)
+            return shown[None, None]
+        slots = torch.arange(block, device=self.rows.device)
         queries = count + slots[:, None]
         keys = torch.cat([self.rows, count + slots])[None, :]
-        shown = torch.cat([context, torch.ones(block, dtype=torch.bool, device=context.device)])[None, :]
         if causal:
             shown = shown & (keys <= queries)
         if window is not None:

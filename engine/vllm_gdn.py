@@ -52,9 +52,14 @@ class GDNPass:
     kept: dict[str, gdn_tree.KeptInputs] = field(default_factory=dict)
 
     @property
+    def tree_plan(self) -> gdn_tree.GDNTreePlan:
+        """One of the plans: they differ by state slot only, not by tree."""
+        return next(iter(self.plans.values()))
+
+    @property
     def width(self) -> int:
         """The longest path the pass's plans replay."""
-        return next(iter(self.plans.values())).commit_rows.shape[1]
+        return self.tree_plan.commit_rows.shape[1]
 
 
 class _TreeGDN:
@@ -191,8 +196,7 @@ class GDNLayers:
         """``commit`` from device tensors, no host read (the fixed step's CUDA graph holds it): ``path``
         node indices, root first, padded with the leaf past ``length``."""
         tree = self.to_commit()
-        plan = next(iter(tree.plans.values()))  # the plans differ by state slot only, not by tree
-        accepted_path = gdn_tree.AcceptedPath.build(plan, path, length)
+        accepted_path = gdn_tree.AcceptedPath.build(tree.tree_plan, path, length)
         for layer, layer_params in zip(self.layers, self.params):
             conv_state, ssm_state = states(layer)
             gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plans[layer.prefix], accepted_path,
