@@ -17,7 +17,7 @@ import platform
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -269,7 +269,8 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
     prompt_ids = [prompt_tokens(decoder, p) for p in prompts]
     runs: list[dict] = []
     notes: list[str] = []
-    options = getattr(decoder, "options", None) or VllmOptions()  # the torch engine on a GPU has none
+    options = replace(getattr(decoder, "options", None) or VllmOptions(),  # the torch engine on a GPU has none
+                      native_max_seqs=args.native_max_seqs)
     for job in jobs:
         drafter = str(_drafter_folder(args)) if job.method == "dflash" else None
         try:
@@ -447,6 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "run's outputs identical to its AR (vLLM's own AR where it ran)")
     parser.add_argument("--native", default="", metavar="ar,dflash",
                         help="vllm engine: also time vLLM's own AR and/or DFlash (CUDA graphs on) on the same prompts")
+    parser.add_argument("--native-max-seqs", type=int, default=None, metavar="N",
+                        help="--native: vLLM's max_num_seqs for its own runs (default: vLLM's own; a hybrid's 8)")
     return parser.parse_args(argv)
 
 
@@ -466,6 +469,9 @@ def _main(args: argparse.Namespace) -> int:
     gpu = on_gpu(args)
     if args.native and not gpu:
         raise EngineError("--native times vLLM's own decoding: it needs --engine vllm (or --device cuda)")
+    if args.native_max_seqs is not None and (not args.native or args.native_max_seqs < 1):
+        raise EngineError(f"--native-max-seqs sets vLLM's own runs: it needs --native and a count of 1 or more, "
+                          f"got {args.native_max_seqs}" + ("" if args.native else " without --native"))
     if args.count_kernels and not gpu:
         raise EngineError("--count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda")
     native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench

@@ -12,6 +12,10 @@
 #   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
 #              brought back) (~7 min)
+#   baseline   vLLM's own AR at its default max_num_seqs and at 8, then the default again (drift), same prompts
+#              and machine: at 135M vLLM's AR is host-bound, and a setting of the baseline must not pass for a
+#              machine's pace (2026-12-03's fresh run had 8, and vLLM's AR there ran below every earlier run;
+#              not run yet: ~6 min estimated, each bench capped at 3)
 #   app        the app on the vLLM engine through its API (carry [".whl"]: gradio's wheels) (~4 min)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
@@ -41,7 +45,7 @@
 # (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
-PHASES='check, kernels, tests, float32, fresh, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape or exact'
+PHASES='check, kernels, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape or exact'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -74,6 +78,14 @@ fresh)
       --max-new-tokens "$TOKENS" --reduced-traces --count-kernels --out "$OUT/gpu-vllm-fresh$TAG.json" > "$OUT/bench-fresh.txt" 2>&1
   tables "$OUT/bench-fresh.txt"
   python3 -m engine.calibration record "$OUT/gpu-vllm-fresh$TAG.json" && cp assets/budgets.json "$OUT/budgets.json" ;;
+baseline)
+  for seqs in default 8 default-again; do
+    max_seqs=$([ "$seqs" = 8 ] && echo --native-max-seqs 8)
+    timeout 180 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar $max_seqs \
+        --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar --max-new-tokens "$TOKENS" \
+        --out "$OUT/gpu-vllm-baseline-$seqs.json" > "$OUT/bench-baseline-$seqs.txt" 2>&1
+    echo "max_num_seqs $seqs: $(grep -E '^\| (ar|vllm-ar) \|.*×' "$OUT/bench-baseline-$seqs.txt" | cut -d'|' -f2,6 | tr '\n' ' ')"
+  done ;;
 app)
   timeout 300 python3 -m engine.app_check --launch "python3 app.py --engine vllm $MODELS" --limit 5 \
       --max-new-tokens "$TOKENS" --out "$OUT/app-check.json" > "$OUT/app-check.txt" 2>&1

@@ -44,6 +44,7 @@ class VllmOptions:
     random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
+    native_max_seqs: int | None = None  # vLLM's own runs: max_num_seqs (None: vLLM's default, a hybrid's 8)
 
 
 def require_cuda() -> None:
@@ -168,6 +169,12 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
         check_drafter_fits(drafter.config, text)
 
 
+# vLLM's own AR on a hybrid: state blocks (one per sequence) for 8 sequences, not vLLM's default 1,024, which
+# do not fit beside the Studio's engine (a 27B hybrid has 159 at 0.45); one request needs one. Everywhere else
+# vLLM's own runs keep its defaults: the baseline as it ships.
+NATIVE_HYBRID_MAX_SEQS = 8
+
+
 def llm_settings(folder: str, studio: bool) -> dict:
     """``vllm.LLM`` settings a target's folder needs: for a multimodal checkpoint (Qwen3.5 / 3.6,
     hybrid or not) its language model alone, the Studio sends text (else vLLM builds the vision
@@ -175,7 +182,7 @@ def llm_settings(folder: str, studio: bool) -> dict:
     vLLM's own Triton kernels for the prompt's Gated DeltaNet prefill (its FlashInfer one is
     JIT-built, and absent from the GPU bundle), and ``engine.vllm_gdn`` in its workers before the
     model is built (its float32 prefill), through the worker extension: the Studio's (``studio``)
-    or one with nothing in it (vLLM's own runs)."""
+    or one with nothing in it (vLLM's own runs, which also take ``NATIVE_HYBRID_MAX_SEQS``)."""
     from engine.hybrid import is_hybrid
 
     config = shape_config(folder)
@@ -184,6 +191,8 @@ def llm_settings(folder: str, studio: bool) -> dict:
     if hybrid:
         settings["additional_config"] = {"gdn_prefill_backend": "triton"}
         settings["worker_extension_cls"] = "engine.vllm_gdn." + ("HybridStudioWorker" if studio else "HybridPrefill")
+        if not studio:
+            settings["max_num_seqs"] = NATIVE_HYBRID_MAX_SEQS
     elif studio:
         settings["worker_extension_cls"] = "engine.vllm_worker.StudioWorker"
     if hasattr(config, "text_config"):
@@ -280,11 +289,6 @@ class NativeRun:
     margins: list[float] | None = None  # top-1 minus top-2 logit per token, when asked for
 
 
-# one request at a time: a handful of batch sizes to capture as CUDA graphs, and a hybrid's state
-# blocks (one per sequence) for that many, not vLLM's default 1024 (a 27B hybrid has 159 at 0.45)
-NATIVE_MAX_SEQS = 8
-
-
 def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_speculative_tokens: int = 15,
                seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False):
     """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, or its DFlash with our
@@ -303,8 +307,16 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
-                    async_scheduling=speculative is None, max_num_seqs=NATIVE_MAX_SEQS,
-                    **llm_settings(folder, studio=False))
+                    async_scheduling=speculative is None, **native_settings(folder, options))
+
+
+def native_settings(folder: str, options: VllmOptions) -> dict:
+    """``llm_settings`` for vLLM's own runs, with ``options.native_max_seqs`` where it is given (to
+    time the baseline at another setting than the one it ships with)."""
+    settings = llm_settings(folder, studio=False)
+    if options.native_max_seqs is not None:
+        settings["max_num_seqs"] = options.native_max_seqs
+    return settings
 
 
 def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],

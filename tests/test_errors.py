@@ -130,6 +130,8 @@ def test_a_tree_budget_below_one_or_not_a_number_is_one_clear_line(budgets):
     (["--engine", "vllm"], "error: the vLLM engine needs a CUDA GPU; on this machine use --engine torch"),
     (["--native", "ar"], "error: --native times vLLM's own decoding: it needs --engine vllm (or --device cuda)"),
     (["--count-kernels"], "error: --count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda"),
+    (["--native-max-seqs", "8"], "error: --native-max-seqs sets vLLM's own runs: it needs --native and a count of 1 "
+                                 "or more, got 8 without --native"),
 ])
 def test_vllm_engine_without_a_gpu_is_a_clear_error(extra, message):
     result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl", *extra],
@@ -150,14 +152,17 @@ def test_a_baseline_vllm_refuses_to_start_becomes_a_note(decoder, monkeypatch):
     import engine.vllm_engine
     from engine.bench import benchmark_native, plan_native_jobs
 
+    max_seqs = []
+
     def refuse(*args, **kwargs):
+        max_seqs.append(kwargs["options"].native_max_seqs)
         raise ValueError("1 validation error for SpeculativeConfig\n  Value error, heads (9) must divide by 2")
 
     monkeypatch.setattr(engine.vllm_engine, "native_llm", refuse)
-    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4)
+    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=8)
     prompts = [{"id": "p", "prompt": "hello"}]
     runs, notes = benchmark_native(decoder, prompts, plan_native_jobs("ar,dflash"), args, "float32", progress=False)
-    assert runs == []
+    assert runs == [] and max_seqs == [8, 8]  # --native-max-seqs reaches both of vLLM's own engines
     assert notes == [f"{label} not timed: vLLM did not start it: "
                      "1 validation error for SpeculativeConfig Value error, heads (9) must divide by 2"
                      for label in ("vllm-ar", "vllm-dflash")]
@@ -181,7 +186,7 @@ def test_vllm_own_engine_starts_only_after_the_studio_gave_the_gpu_back(decoder,
         raise RuntimeError("no GPU here")
 
     monkeypatch.setattr(engine.vllm_engine, "native_llm", start)
-    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4)
+    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=None)
     _, notes = benchmark_native(fixed, [{"id": "p", "prompt": "hello"}], plan_native_jobs("ar"), args, "float32",
                                 progress=False)
     assert programs_at_start == [0] and notes == ["vllm-ar not timed: vLLM did not start it: no GPU here"]

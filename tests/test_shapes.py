@@ -247,7 +247,7 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
 
     from engine.drafter import drafter_shape, fresh_config, write_scripted_drafter
     from engine.target import shape_config
-    from engine.vllm_engine import llm_settings, load_vllm_decoder, preflight
+    from engine.vllm_engine import VllmOptions, llm_settings, load_vllm_decoder, native_settings, preflight
     from tests.hybrid_models import save_tiny_hybrid
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched
@@ -260,9 +260,14 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     assert llm_settings(str(folder), studio=True) == {
         "additional_config": {"gdn_prefill_backend": "triton"}, "language_model_only": True,
         "worker_extension_cls": "engine.vllm_gdn.HybridStudioWorker"}
-    assert llm_settings(str(folder), studio=False)["worker_extension_cls"] == "engine.vllm_gdn.HybridPrefill"
+    native = llm_settings(str(folder), studio=False)
+    assert native["worker_extension_cls"] == "engine.vllm_gdn.HybridPrefill"
+    assert native["max_num_seqs"] == 8  # one state block per sequence: vLLM's default 1,024 do not fit at 27B
     assert llm_settings(str(SHAPES / "qwen3.6-27b"), studio=False)["language_model_only"] is True
-    assert llm_settings(str(SHAPES / "qwen3-8b"), studio=False) == {}
+    assert llm_settings(str(SHAPES / "qwen3-8b"), studio=False) == {}  # vLLM's own baseline: its defaults
+    assert native_settings(str(SHAPES / "qwen3-8b"), VllmOptions()) == {}
+    assert native_settings(str(SHAPES / "qwen3-8b"), VllmOptions(native_max_seqs=8)) == {"max_num_seqs": 8}
+    assert native_settings(str(folder), VllmOptions(native_max_seqs=2))["max_num_seqs"] == 2
     assert llm_settings(str(SHAPES / "qwen3-8b"), studio=True) == {
         "worker_extension_cls": "engine.vllm_worker.StudioWorker"}
     narrow = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)
