@@ -29,6 +29,7 @@ from engine.errors import EngineError, run_command
 from engine.kernels import KernelProfile
 from engine.models import AUTO, DRAFT_DTYPE_HELP
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
+from engine.vllm_engine import NATIVE_MAX_SEQS
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
 NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
@@ -269,8 +270,9 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
     prompt_ids = [prompt_tokens(decoder, p) for p in prompts]
     runs: list[dict] = []
     notes: list[str] = []
-    options = replace(getattr(decoder, "options", None) or VllmOptions(),  # the torch engine on a GPU has none
-                      native_max_seqs=args.native_max_seqs)
+    options = getattr(decoder, "options", None) or VllmOptions()  # the torch engine on a GPU has none
+    if args.native_max_seqs is not None:
+        options = replace(options, native_max_seqs=args.native_max_seqs)
     for job in jobs:
         drafter = str(_drafter_folder(args)) if job.method == "dflash" else None
         try:
@@ -297,6 +299,13 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
         del llm
         torch.cuda.empty_cache()
     return runs, notes
+
+
+def native_ar_settings(max_seqs: int | None) -> str:
+    """How vLLM's own AR ran, for the results (``--native-max-seqs``: None is the baseline's own)."""
+    max_seqs = NATIVE_MAX_SEQS if max_seqs is None else max_seqs
+    return "CUDA graphs (piecewise), async scheduling, " + (f"max_num_seqs {max_seqs}" if max_seqs else
+                                                            "vLLM's default max_num_seqs")
 
 
 def compare_outputs(runs: list[dict], reference: dict[str, dict], key: str, name: str) -> list[str]:
@@ -449,7 +458,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--native", default="", metavar="ar,dflash",
                         help="vllm engine: also time vLLM's own AR and/or DFlash (CUDA graphs on) on the same prompts")
     parser.add_argument("--native-max-seqs", type=int, default=None, metavar="N",
-                        help="--native: vLLM's max_num_seqs for its own runs (default: vLLM's own; a hybrid's 8)")
+                        help="--native: vLLM's max_num_seqs for its own runs (default: "
+                             f"{NATIVE_MAX_SEQS}, its fastest measured for one request; 0: vLLM's shipped default)")
     return parser.parse_args(argv)
 
 
@@ -469,9 +479,9 @@ def _main(args: argparse.Namespace) -> int:
     gpu = on_gpu(args)
     if args.native and not gpu:
         raise EngineError("--native times vLLM's own decoding: it needs --engine vllm (or --device cuda)")
-    if args.native_max_seqs is not None and (not args.native or args.native_max_seqs < 1):
-        raise EngineError(f"--native-max-seqs sets vLLM's own runs: it needs --native and a count of 1 or more, "
-                          f"got {args.native_max_seqs}" + ("" if args.native else " without --native"))
+    if args.native_max_seqs is not None and (not args.native or args.native_max_seqs < 0):
+        raise EngineError(f"--native-max-seqs sets vLLM's own runs: it needs --native and a count (0: vLLM's "
+                          f"default), got {args.native_max_seqs}" + ("" if args.native else " without --native"))
     if args.count_kernels and not gpu:
         raise EngineError("--count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda")
     native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench
@@ -539,7 +549,7 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
         "cuda_graphs": not args.no_cuda_graphs if gpu else None,
         "step": "readable" if step == "readable" else "fixed", "compile_step": step == "compiled fixed",
-        "vllm_ar_settings": "CUDA graphs (piecewise), async scheduling" if args.native else None,
+        "vllm_ar_settings": native_ar_settings(args.native_max_seqs) if args.native else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
         "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(),

@@ -12,10 +12,10 @@
 #   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
 #              brought back) (~7 min)
-#   baseline   vLLM's own AR at its default max_num_seqs and at 8, then the default again (drift), same prompts
-#              and machine: at 135M vLLM's AR is host-bound, and a setting of the baseline must not pass for a
-#              machine's pace (2026-12-03's fresh run had 8, and vLLM's AR there ran below every earlier run;
-#              not run yet: ~6 min estimated, each bench capped at 3)
+#   baseline   vLLM's own AR at the baseline's max_num_seqs (8), at vLLM's shipped default, then at 8 again (drift),
+#              same prompts and machine: at 135M vLLM's AR is host-bound, and a setting of the baseline must not
+#              pass for a machine's pace (2026-12-03: 494 tokens/s at 8, 416 at the default; the first bench of
+#              a cold machine compiles for ~3 min, so it gets the longest cap) (~7.5 min)
 #   app        the app on the vLLM engine through its API (carry [".whl"]: gradio's wheels) (~4 min)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
@@ -38,7 +38,9 @@
 #              saves the Studio's results before its kernel counts and vLLM's own AR, so a cut-off run keeps them). The 27B shapes:
 #              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64.
 #              The hybrid with KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32 took 3.5 min on 2026-12-03 (vLLM's own AR
-#              included; 5.4 min in its readable step); with kernel counts and 3 prompts it did not finish in one call
+#              included; 5.4 min in its readable step), BUDGETS=16 TOKENS=128 6.3 min; with kernel counts and 3
+#              prompts it did not finish in one call. Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
+#              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
@@ -79,9 +81,10 @@ fresh)
   tables "$OUT/bench-fresh.txt"
   python3 -m engine.calibration record "$OUT/gpu-vllm-fresh$TAG.json" && cp assets/budgets.json "$OUT/budgets.json" ;;
 baseline)
-  for seqs in default 8 default-again; do
-    max_seqs=$([ "$seqs" = 8 ] && echo --native-max-seqs 8)
-    timeout 180 python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar $max_seqs \
+  for seqs in 8 default 8-again; do
+    cap=$([ "$seqs" = 8 ] && echo 250 || echo 170)
+    timeout $cap python3 -m engine.bench --engine vllm --no-progress $MODELS --native ar \
+        --native-max-seqs "$([ "$seqs" = default ] && echo 0 || echo 8)" \
         --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar --max-new-tokens "$TOKENS" \
         --out "$OUT/gpu-vllm-baseline-$seqs.json" > "$OUT/bench-baseline-$seqs.txt" 2>&1
     echo "max_num_seqs $seqs: $(grep -E '^\| (ar|vllm-ar) \|.*×' "$OUT/bench-baseline-$seqs.txt" | cut -d'|' -f2,6 | tr '\n' ' ')"

@@ -33,6 +33,11 @@ from engine.trace import Step, Trace
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
 REPO = Path(__file__).resolve().parent.parent
 CONVERTED = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree-studio"))
+# vLLM's own runs (the baseline) serve one request at a time with room for 8: on one H200, 2026-12-03, its AR on
+# the bundled model ran 494 tokens/s at 8 and 416 at its shipped default (1,024 here) on the same prompts, each
+# output first leaving the Studio's AR at the same token in both (`gpu_session.sh baseline`); and a hybrid's
+# state blocks (one per sequence) for that default do not fit beside the Studio's engine at 27B (159 at 0.45).
+NATIVE_MAX_SEQS = 8
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class VllmOptions:
     random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
-    native_max_seqs: int | None = None  # vLLM's own runs: max_num_seqs (None: vLLM's default, a hybrid's 8)
+    native_max_seqs: int = NATIVE_MAX_SEQS  # vLLM's own runs' max_num_seqs (0: vLLM's shipped default)
 
 
 def require_cuda() -> None:
@@ -169,12 +174,6 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
         check_drafter_fits(drafter.config, text)
 
 
-# vLLM's own AR on a hybrid: state blocks (one per sequence) for 8 sequences, not vLLM's default 1,024, which
-# do not fit beside the Studio's engine (a 27B hybrid has 159 at 0.45); one request needs one. Everywhere else
-# vLLM's own runs keep its defaults: the baseline as it ships.
-NATIVE_HYBRID_MAX_SEQS = 8
-
-
 def llm_settings(folder: str, studio: bool) -> dict:
     """``vllm.LLM`` settings a target's folder needs: for a multimodal checkpoint (Qwen3.5 / 3.6,
     hybrid or not) its language model alone, the Studio sends text (else vLLM builds the vision
@@ -182,7 +181,7 @@ def llm_settings(folder: str, studio: bool) -> dict:
     vLLM's own Triton kernels for the prompt's Gated DeltaNet prefill (its FlashInfer one is
     JIT-built, and absent from the GPU bundle), and ``engine.vllm_gdn`` in its workers before the
     model is built (its float32 prefill), through the worker extension: the Studio's (``studio``)
-    or one with nothing in it (vLLM's own runs, which also take ``NATIVE_HYBRID_MAX_SEQS``)."""
+    or one with nothing in it (vLLM's own runs)."""
     from engine.hybrid import is_hybrid
 
     config = shape_config(folder)
@@ -191,8 +190,6 @@ def llm_settings(folder: str, studio: bool) -> dict:
     if hybrid:
         settings["additional_config"] = {"gdn_prefill_backend": "triton"}
         settings["worker_extension_cls"] = "engine.vllm_gdn." + ("HybridStudioWorker" if studio else "HybridPrefill")
-        if not studio:
-            settings["max_num_seqs"] = NATIVE_HYBRID_MAX_SEQS
     elif studio:
         settings["worker_extension_cls"] = "engine.vllm_worker.StudioWorker"
     if hasattr(config, "text_config"):
@@ -311,10 +308,9 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
 
 
 def native_settings(folder: str, options: VllmOptions) -> dict:
-    """``llm_settings`` for vLLM's own runs, with ``options.native_max_seqs`` where it is given (to
-    time the baseline at another setting than the one it ships with)."""
+    """``llm_settings`` for vLLM's own runs, with ``options.native_max_seqs`` (0 keeps vLLM's own)."""
     settings = llm_settings(folder, studio=False)
-    if options.native_max_seqs is not None:
+    if options.native_max_seqs:
         settings["max_num_seqs"] = options.native_max_seqs
     return settings
 

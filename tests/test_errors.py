@@ -130,8 +130,8 @@ def test_a_tree_budget_below_one_or_not_a_number_is_one_clear_line(budgets):
     (["--engine", "vllm"], "error: the vLLM engine needs a CUDA GPU; on this machine use --engine torch"),
     (["--native", "ar"], "error: --native times vLLM's own decoding: it needs --engine vllm (or --device cuda)"),
     (["--count-kernels"], "error: --count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda"),
-    (["--native-max-seqs", "8"], "error: --native-max-seqs sets vLLM's own runs: it needs --native and a count of 1 "
-                                 "or more, got 8 without --native"),
+    (["--native-max-seqs", "8"], "error: --native-max-seqs sets vLLM's own runs: it needs --native and a count (0: "
+                                 "vLLM's default), got 8 without --native"),
 ])
 def test_vllm_engine_without_a_gpu_is_a_clear_error(extra, message):
     result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl", *extra],
@@ -159,10 +159,10 @@ def test_a_baseline_vllm_refuses_to_start_becomes_a_note(decoder, monkeypatch):
         raise ValueError("1 validation error for SpeculativeConfig\n  Value error, heads (9) must divide by 2")
 
     monkeypatch.setattr(engine.vllm_engine, "native_llm", refuse)
-    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=8)
+    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=2)
     prompts = [{"id": "p", "prompt": "hello"}]
     runs, notes = benchmark_native(decoder, prompts, plan_native_jobs("ar,dflash"), args, "float32", progress=False)
-    assert runs == [] and max_seqs == [8, 8]  # --native-max-seqs reaches both of vLLM's own engines
+    assert runs == [] and max_seqs == [2, 2]  # --native-max-seqs reaches both of vLLM's own engines
     assert notes == [f"{label} not timed: vLLM did not start it: "
                      "1 validation error for SpeculativeConfig Value error, heads (9) must divide by 2"
                      for label in ("vllm-ar", "vllm-dflash")]
@@ -182,12 +182,12 @@ def test_vllm_own_engine_starts_only_after_the_studio_gave_the_gpu_back(decoder,
     programs_at_start = []
 
     def start(*args, **kwargs):
-        programs_at_start.append(len(fixed._programs))
+        programs_at_start.append((len(fixed._programs), kwargs["options"].native_max_seqs))
         raise RuntimeError("no GPU here")
 
     monkeypatch.setattr(engine.vllm_engine, "native_llm", start)
     args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=None)
     _, notes = benchmark_native(fixed, [{"id": "p", "prompt": "hello"}], plan_native_jobs("ar"), args, "float32",
                                 progress=False)
-    assert programs_at_start == [0] and notes == ["vllm-ar not timed: vLLM did not start it: no GPU here"]
+    assert programs_at_start == [(0, 8)] and notes == ["vllm-ar not timed: vLLM did not start it: no GPU here"]
     assert fixed.run(prompt_ids=[3, 4], settings=settings).output_ids == before  # a closed torch decoder runs again

@@ -212,7 +212,7 @@ def test_drafts_in_another_dtype_than_the_target_are_another_setting(results_pat
 
 
 def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_path, tmp_path):
-    from engine.bench import with_reduced_traces
+    from engine.bench import native_ar_settings, with_reduced_traces
     from viz.report import build_report
 
     data = json.loads(results_path.read_text())
@@ -230,6 +230,11 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     data["config"]["compile_step"] = True  # a compiled step is another setting: its title says so
     path.write_text(json.dumps(data))
     assert load_setting(path).title == "tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · float64 · inline (1) prompts"
+    data["config"]["vllm_ar_settings"] = native_ar_settings(0)  # vLLM's own AR at another setting: another setting
+    path.write_text(json.dumps(data))
+    assert load_setting(path).title.endswith("(compiled) · vLLM AR: vLLM's default max_num_seqs · float64 · inline (1) "
+                                             "prompts")
+    data["config"]["vllm_ar_settings"] = None
     data["config"]["native_pending"] = True  # the bench's file written before vLLM's own AR ran, and nothing after
     path.write_text(json.dumps(data))
     assert load_setting(path).title == ("tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · cut off "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from engine.bench import main as bench_main
+from engine.bench import main as bench_main, native_ar_settings
 from engine.decode import DecodeSettings
 from engine.drafter import drafter_shape
 from engine.errors import EngineError
@@ -262,12 +262,16 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
         "worker_extension_cls": "engine.vllm_gdn.HybridStudioWorker"}
     native = llm_settings(str(folder), studio=False)
     assert native["worker_extension_cls"] == "engine.vllm_gdn.HybridPrefill"
-    assert native["max_num_seqs"] == 8  # one state block per sequence: vLLM's default 1,024 do not fit at 27B
+    # one state block per sequence: vLLM's default 1,024 do not fit at 27B
+    assert native_settings(str(folder), VllmOptions())["max_num_seqs"] == 8
     assert llm_settings(str(SHAPES / "qwen3.6-27b"), studio=False)["language_model_only"] is True
-    assert llm_settings(str(SHAPES / "qwen3-8b"), studio=False) == {}  # vLLM's own baseline: its defaults
-    assert native_settings(str(SHAPES / "qwen3-8b"), VllmOptions()) == {}
-    assert native_settings(str(SHAPES / "qwen3-8b"), VllmOptions(native_max_seqs=8)) == {"max_num_seqs": 8}
+    assert llm_settings(str(SHAPES / "qwen3-8b"), studio=False) == {}
+    assert native_settings(str(SHAPES / "qwen3-8b"), VllmOptions()) == {"max_num_seqs": 8}  # fastest for one request
+    assert native_settings(str(SHAPES / "qwen3-8b"), VllmOptions(native_max_seqs=0)) == {}  # vLLM's as it ships
     assert native_settings(str(folder), VllmOptions(native_max_seqs=2))["max_num_seqs"] == 2
+    # and the results say which the baseline ran
+    assert native_ar_settings(None).endswith("max_num_seqs 8") and native_ar_settings(2).endswith("max_num_seqs 2")
+    assert native_ar_settings(0).endswith("vLLM's default max_num_seqs")
     assert llm_settings(str(SHAPES / "qwen3-8b"), studio=True) == {
         "worker_extension_cls": "engine.vllm_worker.StudioWorker"}
     narrow = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)

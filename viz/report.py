@@ -71,6 +71,10 @@ class Setting:
         cut_before = [what for key, what in (("kernels_pending", "its kernel counts"), ("native_pending", "vLLM's own AR"))
                       if config.get(key)]
         step += f" · cut off before {' and '.join(cut_before)}" if cut_before else ""
+        # the baseline's pace at 135M depends on it (README, the H200 table): say it where the run recorded it
+        native = str(config.get("vllm_ar_settings") or "")
+        max_seqs = [part for part in native.split(", ") if "max_num_seqs" in part]
+        step += f" · vLLM AR: {max_seqs[0]}" if max_seqs else ""
         prompts += f" ({config['num_prompts']})" if config.get("num_prompts") else ""
         dtype = config.get("dtype", "?") + (f" ({config['draft_dtype']} drafts)" if config.get("draft_dtype") else "")
         title = f"{where} · {config.get('engine', '?')} engine{step} · {dtype} · {prompts} prompts"
