@@ -304,8 +304,8 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
 def native_ar_settings(max_seqs: int | None) -> str:
     """How vLLM's own AR ran, for the results (``--native-max-seqs``: None is the baseline's own)."""
     max_seqs = NATIVE_MAX_SEQS if max_seqs is None else max_seqs
-    return "CUDA graphs (piecewise), async scheduling, " + (f"max_num_seqs {max_seqs}" if max_seqs else
-                                                            "vLLM's default max_num_seqs")
+    seqs = f"max_num_seqs {max_seqs}" if max_seqs else "vLLM's default max_num_seqs"
+    return f"CUDA graphs (vLLM's default mode: full and piecewise), async scheduling, {seqs}"
 
 
 def compare_outputs(runs: list[dict], reference: dict[str, dict], key: str, name: str) -> list[str]:
