@@ -28,7 +28,7 @@ from engine.economics import Timing, economics
 from engine.errors import EngineError, run_command
 from engine.kernels import KernelProfile
 from engine.models import AUTO, DRAFT_DTYPE_HELP
-from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
+from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP, STAGES, TOKENS_ONLY, Trace
 from engine.vllm_engine import NATIVE_MAX_SEQS
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
@@ -148,7 +148,8 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
     timings = {job.label: run_timing([r for r in runs if r["label"] == job.label]) for job in jobs}
     ar_speed = timings["ar"].tokens_per_s if "ar" in timings else None
     vllm_ar_speed = timings[NATIVE_AR].tokens_per_s if NATIVE_AR in timings else None
-    steps = economics({label: timing for label, timing in timings.items() if label not in (NATIVE_AR, NATIVE_DFLASH)})
+    steps = economics({label: timing for label, timing in timings.items()
+                       if label not in (NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP)})
     summary = {}
     for job in jobs:
         mine = [r for r in runs if r["label"] == job.label]
@@ -249,13 +250,15 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
     return runs, notes
 
 
+NATIVE_METHODS = ((NATIVE_AR, "ar"), (NATIVE_DFLASH, "dflash"), (NATIVE_MTP, "mtp"))
+
+
 def plan_native_jobs(spec: str) -> list[Job]:
-    """``--native ar,dflash``: which of vLLM's own decoders to time beside ours."""
+    """``--native ar,dflash,mtp``: which of vLLM's own decoders to time beside ours."""
     wanted = {m.strip() for m in spec.split(",") if m.strip()}
-    if wanted - {"ar", "dflash"}:
-        raise EngineError(f"--native takes ar and/or dflash, got {spec!r}")
-    return [Job(label, method, None) for label, method in ((NATIVE_AR, "ar"), (NATIVE_DFLASH, "dflash"))
-            if method in wanted]
+    if wanted - {method for _, method in NATIVE_METHODS}:
+        raise EngineError(f"--native takes ar, dflash and/or mtp, got {spec!r}")
+    return [Job(label, method, None) for label, method in NATIVE_METHODS if method in wanted]
 
 
 def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argparse.Namespace, dtype: str,
@@ -275,9 +278,10 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
         options = replace(options, native_max_seqs=args.native_max_seqs)
     for job in jobs:
         drafter = str(_drafter_folder(args)) if job.method == "dflash" else None
+        drafted = {"ar": 0, "dflash": decoder.drafter.block_size - 1 if drafter else 0, "mtp": args.native_mtp_tokens}
         try:
-            llm = native_llm(args.model, dtype, drafter, decoder.drafter.block_size - 1 if drafter else 0,
-                             seed=args.seed, options=options)
+            llm = native_llm(args.model, dtype, drafter, drafted[job.method], seed=args.seed, options=options,
+                             mtp=job.method == "mtp")
         except Exception as exc:  # vLLM's own checks raise pydantic, value and runtime errors alike
             notes.append(f"{job.label} not timed: vLLM did not start it: {' '.join(str(exc).split())}")
             continue
@@ -290,7 +294,7 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
                       "output_ids": run.output_ids, "text": decoder.target.decode(run.output_ids),
                       "new_tokens": len(run.output_ids), "verify_steps": None, "acceptance_lengths": [],
                       "wall_s": run.wall_s, "tokens_per_s": len(run.output_ids) / run.wall_s, "stage_s": {}}
-            if job.method == "dflash":
+            if job.method in ("dflash", "mtp"):
                 record["drafts"], record["accepted"] = after[0] - before[0], after[1] - before[1]
             if job.method == "ar":  # where a run leaves vLLM's output, how close was vLLM to a tie?
                 record["margins"] = native_generate(llm, ids, args.max_new_tokens, decoder.target.stop_ids,
@@ -455,8 +459,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare-to", default=None, metavar="RESULTS.json",
                         help="another bench run on the same prompts (another engine, machine or dtype): count this "
                              "run's outputs identical to its AR (vLLM's own AR where it ran)")
-    parser.add_argument("--native", default="", metavar="ar,dflash",
-                        help="vllm engine: also time vLLM's own AR and/or DFlash (CUDA graphs on) on the same prompts")
+    parser.add_argument("--native", default="", metavar="ar,dflash,mtp",
+                        help="vllm engine: also time vLLM's own AR, DFlash and/or MTP (the target's own multi-token "
+                             "prediction layers, e.g. Qwen3.5 / 3.6; CUDA graphs on) on the same prompts")
+    parser.add_argument("--native-mtp-tokens", type=int, default=3, metavar="N",
+                        help="--native mtp: tokens its MTP layers draft per step (default 3, the vLLM and SGLang recipes' "
+                             "setting for Qwen3-Next / Qwen3.5)")
     parser.add_argument("--native-max-seqs", type=int, default=None, metavar="N",
                         help="--native: vLLM's max_num_seqs for its own runs (default: "
                              f"{NATIVE_MAX_SEQS}, its fastest measured for one request; 0: vLLM's shipped default)")
@@ -550,6 +558,7 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "cuda_graphs": not args.no_cuda_graphs if gpu else None,
         "step": "readable" if step == "readable" else "fixed", "compile_step": step == "compiled fixed",
         "vllm_ar_settings": native_ar_settings(args.native_max_seqs) if args.native else None,
+        "vllm_mtp_tokens": args.native_mtp_tokens if "mtp" in args.native else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
         "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(),

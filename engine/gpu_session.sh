@@ -104,7 +104,7 @@ shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; 
   results="$OUT/gpu-$shape-random$TAG.json"
   kernels=$([ "${KERNELS:-1}" = 1 ] && echo --count-kernels)  # KERNELS=0: no kernel counts (each method profiled once more)
   timeout 560 python3 -m engine.bench --engine vllm --no-progress --random-weights --model "assets/shapes/$shape" \
-      --drafter "assets/shapes/$shape-dflash-b16" --native ar --gpu-memory-utilization "${UTIL:-0.4}" \
+      --drafter "assets/shapes/$shape-dflash-b16" --native "${NATIVE:-ar}" --gpu-memory-utilization "${UTIL:-0.4}" \
       --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP $kernels \
       --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-1,16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
       --out "$results" > "$OUT/bench-shape-$shape.txt" 2>&1

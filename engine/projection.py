@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import EngineError
-from engine.trace import NATIVE_AR
+from engine.trace import NATIVE_AR, NATIVE_MTP
 
 # DDTree paper (arXiv 2604.12989), Qwen3-8B, MATH-500, T=0, 8×H200: τ and measured speed-up vs AR per
 # node budget (Figure 3, read from the figure's points, ±0.01), and plain DFlash on the same task.
@@ -34,6 +34,10 @@ PAPER_QWEN3_8B = {
     "baseline": "the reference code's own AR (transformers, eager, sdpa: benchmark.py's block-size-1 run), a slower "
                 "baseline than vLLM's CUDA-graph AR, so there a tree costs fewer AR steps than here",
 }
+
+# The anchors the people deploying Qwen3.5 / 3.6 quote for the model's own multi-token prediction
+PUBLISHED_MTP = {"tau": 5.3, "source": "Qwen3.5-27B MTP acceptance length on MT-Bench, as z-lab's DFlash model card "
+                 "quotes it (its draft length is not stated)"}
 
 ASSUMPTIONS = (
     "Projection, not measurement: step costs were timed at the model's shape with random weights "
@@ -95,6 +99,34 @@ def project(results: dict, curve: dict) -> tuple[str, float, list[Projection]]:
     return name, ar_ms, rows
 
 
+@dataclass(frozen=True)
+class MtpProjection:
+    """vLLM's own MTP timed in the run: its step (a verify of ``drafted`` + 1 tokens and the MTP layers'
+    drafts) in baseline AR steps, and the speed-up the published acceptance would give (at most
+    ``drafted`` + 1 tokens a step)."""
+
+    drafted: int
+    step_ms: float
+    cost: float
+
+    @property
+    def tau(self) -> float:
+        return min(PUBLISHED_MTP["tau"], self.drafted + 1)
+
+    @property
+    def speedup(self) -> float:
+        return self.tau / self.cost
+
+
+def project_mtp(results: dict, ar_ms: float) -> MtpProjection | None:
+    runs = [run for run in results["runs"] if run["label"] == NATIVE_MTP]
+    if not runs:
+        return None
+    steps = sum(run["new_tokens"] - run.get("accepted", 0) for run in runs)  # each step: its accepted drafts + 1
+    step_ms = 1000 * sum(run["wall_s"] for run in runs) / steps
+    return MtpProjection(results["config"].get("vllm_mtp_tokens") or 0, step_ms, step_ms / ar_ms)
+
+
 def format_projection(results: dict, name: str, ar_ms: float, rows: list[Projection], curve_source: str) -> str:
     def times(value: float | None) -> str:
         return "–" if value is None else f"{value:.2f}×"
@@ -112,8 +144,16 @@ def format_projection(results: dict, name: str, ar_ms: float, rows: list[Project
         lines.append(f"| {row.label} | {row.step_ms:.2f} | {row.cost:.2f} | {number(row.tau_ours)} | "
                      f"{times(row.speedup_ours)} | {number(row.tau_paper)} | {times(row.speedup_paper)} | "
                      f"{times(row.paper_speedup)} |")
+    mtp = project_mtp(results, ar_ms)
+    if mtp is not None:
+        lines.append(f"| vllm-mtp ({mtp.drafted} drafted) | {mtp.step_ms:.2f} | {mtp.cost:.2f} | – | – | "
+                     f"{mtp.tau:.2f} (published) | {times(mtp.speedup)} | – |")
     lines += ["", f"τ ours: {curve_source}. τ paper: {PAPER_QWEN3_8B['source']}. Paper reported: speed-ups over "
-                  f"{PAPER_QWEN3_8B['baseline']}.", "", ASSUMPTIONS]
+                  f"{PAPER_QWEN3_8B['baseline']}."]
+    if mtp is not None:
+        lines.append(f"vllm-mtp: vLLM's own MTP, its step timed here; τ: {PUBLISHED_MTP['source']}, at most its "
+                     "drafted tokens + 1.")
+    lines += ["", ASSUMPTIONS]
     if not config.get("timing_only"):
         lines.append("Note: these results are not from a random-weights run of a model shape.")
     return "\n".join(lines)

@@ -287,10 +287,11 @@ class NativeRun:
 
 
 def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_speculative_tokens: int = 15,
-               seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False):
-    """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, or its DFlash with our
-    drafter when ``drafter`` is given. AR runs with async scheduling, its fastest single-request
-    setting that keeps the outputs (FULL graph mode is faster and changes them)."""
+               seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False, mtp: bool = False):
+    """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, its DFlash with our drafter
+    when ``drafter`` is given, or (``mtp``) the target's own multi-token-prediction layers drafting
+    ``num_speculative_tokens``. AR runs with async scheduling, its fastest single-request setting that
+    keeps the outputs (FULL graph mode is faster and changes them)."""
     vllm = require_vllm()
     speculative = None
     if drafter is not None and options.random_weights:
@@ -298,6 +299,8 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
     if drafter is not None:
         speculative = {"method": "dflash", "model": split_heads_folder(drafter, options.tensor_parallel_size),
                        "num_speculative_tokens": num_speculative_tokens}
+    if mtp:
+        speculative = {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
     folder = model_folder(model, options.tensor_parallel_size)
     return vllm.LLM(model=folder, tokenizer=tokenizer_folder(folder), dtype=dtype, seed=seed,
                     load_format="dummy" if options.random_weights else "auto",

@@ -3,7 +3,10 @@
 Qwen3-Next and Qwen3.5 / Qwen3.6 mix full-attention layers, which verify a tree with the
 query bias like any target (``engine.vllm_worker``), with Gated DeltaNet layers
 (``QwenGatedDeltaNetAttention``), whose state must fork at every tree node. Those layers
-verify a tree with vLLM's own kernels as ``engine.gdn_tree`` lays it out: each node
+verify a tree in one Triton program a layer and commit the accepted path in one more
+(``engine.gdn_fused``: each node walks its own path, convolving and applying each token as
+vLLM's one-token decode does). With ``DDTREE_GDN=vllm-kernels`` in the environment they run the
+readable reference instead, vLLM's own kernels as ``engine.gdn_tree`` lays it out: each node
 convolves the window of its own ancestors (``causal_conv1d_update`` over gathered windows),
 and each node's path is replayed from the request's committed state in one launch of
 ``fused_sigmoid_gating_delta_rule_update`` (its varlen, per-sequence state-index mode),
@@ -27,6 +30,7 @@ And ``ChunkGatedDeltaRule.forward`` runs float32 prefills through vLLM's recurre
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +40,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from engine import gdn_tree
+from engine import gdn_fused, gdn_tree
 from engine.errors import EngineError
 from engine.vllm_worker import StudioWorker
 
@@ -44,12 +48,18 @@ KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_r
                               fused_recurrent_gated_delta_rule)
 
 
+FUSED = os.environ.get("DDTREE_GDN", "fused") != "vllm-kernels"
+
+
 @dataclass
 class GDNPass:
-    """One verify pass's plan and what each linear layer kept of it (by layer name)."""
+    """One verify pass's plan and what each linear layer kept of it (by layer name): the fused
+    programs' paths, or the readable step's plans (one per state slot)."""
 
-    plans: dict[str, gdn_tree.GDNTreePlan]  # by layer name: the plan over its group's state block
-    kept: dict[str, gdn_tree.KeptInputs] = field(default_factory=dict)
+    slots: dict[str, int]  # by layer name: its group's state block
+    paths: gdn_fused.TreePaths | None
+    plans: dict[str, gdn_tree.GDNTreePlan] | None
+    kept: dict[str, gdn_tree.KeptInputs | gdn_fused.KeptNodes] = field(default_factory=dict)
 
     @property
     def tree_plan(self) -> gdn_tree.GDNTreePlan:
@@ -58,8 +68,8 @@ class GDNPass:
 
     @property
     def width(self) -> int:
-        """The longest path the pass's plans replay."""
-        return self.tree_plan.commit_rows.shape[1]
+        """The longest path the pass verifies."""
+        return self.paths.table.shape[1] if self.paths is not None else self.tree_plan.commit_rows.shape[1]
 
 
 class _TreeGDN:
@@ -72,9 +82,14 @@ def _forward_core_with_tree(self, mixed_qkv, b, a, core_attn_out):
     tree = _TreeGDN.current
     if tree is None:
         return _forward_core(self, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+    conv_state, ssm_state = states(self)
+    if tree.paths is not None:
+        q = tree.paths.depth.shape[0]
+        tree.kept[self.prefix] = gdn_fused.verify(params(self), mixed_qkv[:q], a[:q], b[:q], conv_state, ssm_state,
+                                                  tree.slots[self.prefix], tree.paths, core_attn_out[:q])
+        return
     plan = tree.plans[self.prefix]
     q = plan.before.shape[0]
-    conv_state, ssm_state = states(self)
     out, tree.kept[self.prefix] = gdn_tree.verify_layer(params(self), mixed_qkv[:q], a[:q], b[:q], conv_state,
                                                         ssm_state, plan, KERNELS)
     core_attn_out[:q] = out.to(core_attn_out.dtype)
@@ -149,6 +164,7 @@ class GDNLayers:
         self.slots = {name: slot for group, slot in zip(groups, self.group_slots) for name in group.layer_names}
         self.slot = self.group_slots[-1]  # the lowest block the states take: attention rows stay below it
         self.device, self.width = device, conv_state.shape[-1]
+        self.fused = FUSED and gdn_fused.fused_fits(device)
         self.block_tables = [torch.full((1, 1), slot, dtype=torch.int32, device=device) for slot in self.group_slots]
         self.pending: GDNPass | None = None  # the last verify pass, until its commit
 
@@ -171,9 +187,12 @@ class GDNLayers:
 
     def begin(self, visible: torch.Tensor, path_length: int) -> GDNPass:
         """A verify pass of the tree ``visible [q, q]`` (on the device); paths at most ``path_length`` long."""
-        plan = gdn_tree.GDNTreePlan.build(visible, self.group_slots[0], self.width, path_length)
-        by_slot = {slot: plan if slot == plan.slot else plan.for_slot(slot) for slot in self.group_slots}
-        self.pending = GDNPass({name: by_slot[slot] for name, slot in self.slots.items()})
+        if self.fused:
+            self.pending = GDNPass(self.slots, gdn_fused.TreePaths.build(visible, path_length), None)
+        else:
+            plan = gdn_tree.GDNTreePlan.build(visible, self.group_slots[0], self.width, path_length)
+            by_slot = {slot: plan if slot == plan.slot else plan.for_slot(slot) for slot in self.group_slots}
+            self.pending = GDNPass(self.slots, None, {name: by_slot[slot] for name, slot in self.slots.items()})
         _TreeGDN.current = self.pending
         return self.pending
 
@@ -196,9 +215,16 @@ class GDNLayers:
         """``commit`` from device tensors, no host read (the fixed step's CUDA graph holds it): ``path``
         node indices, root first, padded with the leaf past ``length``."""
         tree = self.to_commit()
-        accepted_path = gdn_tree.AcceptedPath.build(tree.tree_plan, path, length)
-        for layer, layer_params in zip(self.layers, self.params):
-            conv_state, ssm_state = states(layer)
-            gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plans[layer.prefix], accepted_path,
-                                  conv_state, ssm_state, KERNELS)
+        if tree.paths is not None:
+            path, length = path.to(torch.int32), length.to(torch.int32).reshape(1)
+            for layer, layer_params in zip(self.layers, self.params):
+                conv_state, ssm_state = states(layer)
+                gdn_fused.commit(layer_params, tree.kept[layer.prefix], conv_state, ssm_state, tree.slots[layer.prefix],
+                                 path, length)
+        else:
+            accepted_path = gdn_tree.AcceptedPath.build(tree.tree_plan, path, length)
+            for layer, layer_params in zip(self.layers, self.params):
+                conv_state, ssm_state = states(layer)
+                gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plans[layer.prefix], accepted_path,
+                                      conv_state, ssm_state, KERNELS)
         self.pending = None

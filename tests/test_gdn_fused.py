@@ -1,0 +1,158 @@
+"""The fused tree verify and commit (``engine.gdn_fused``) against one-token decoding.
+
+Every node's output must be what decoding its root-to-node path token by token gives, verifying
+must leave the caches alone, and a commit must leave them as decoding the accepted path would.
+On a GPU the reference is vLLM's own decode kernels (``causal_conv1d_update``, then
+``fused_recurrent_gated_delta_rule_packed_decode``, what vLLM's AR runs), and the fused programs
+must match them bit for bit. On the CPU, under Triton's interpreter
+(``TRITON_INTERPRET=1 python -m pytest -q tests/test_gdn_fused.py``, with ``triton`` installed),
+the reference is ``engine.gdn_tree``'s readable torch kernels, to float32 rounding (their l2 norm
+multiplies by a reciprocal square root where the packed kernel divides). Elsewhere it is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.forks import depths, path_table
+from engine import gdn_fused
+from engine.gdn_tree import REFERENCE_KERNELS
+from tests.test_gdn_tree import SLOT, WIDTH, decode_path, layer, node_inputs, wide_deep_tree
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not gdn_fused.fused_fits(DEVICE), reason="Triton does not run here")
+
+
+def vllm_decode():
+    """vLLM's AR decode of one token, or None without vLLM."""
+    try:
+        from vllm.model_executor.layers.fla.ops import fused_recurrent_gated_delta_rule_packed_decode
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+    except ImportError:
+        return None
+
+    def decode(params, conv_state, ssm_state, mixed_qkv, a, b, path):
+        slot = torch.tensor([SLOT], dtype=torch.int32, device=conv_state.device)
+        outputs = []
+        for node in path:
+            convolved = causal_conv1d_update(mixed_qkv[node:node + 1].clone(), conv_state, params.conv_weight,
+                                             params.conv_bias, params.activation, conv_state_indices=slot)
+            heads = params.value_dim // params.head_v_dim
+            out = torch.empty(1, 1, heads, params.head_v_dim, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+            fused_recurrent_gated_delta_rule_packed_decode(
+                mixed_qkv=convolved, a=a[node:node + 1], b=b[node:node + 1], A_log=params.A_log,
+                dt_bias=params.dt_bias, scale=params.head_k_dim ** -0.5, initial_state=ssm_state, out=out,
+                ssm_state_indices=slot, use_qk_l2norm_in_kernel=True)
+            outputs.append(out[0, 0])
+        return torch.stack(outputs)
+
+    return decode
+
+
+def decoded(params, conv_state, ssm_state, mixed_qkv, a, b, path: list[int]) -> torch.Tensor:
+    """Each token's output along ``path``, decoding in place on the caches given."""
+    if DEVICE.type == "cuda":
+        return vllm_decode()(params, conv_state, ssm_state, mixed_qkv, a, b, path)
+    return decode_path(params, REFERENCE_KERNELS, conv_state, ssm_state, mixed_qkv, a, b, path)
+
+
+def same(ours: torch.Tensor, reference: torch.Tensor) -> bool:
+    if DEVICE.type == "cuda":
+        return torch.equal(ours, reference)
+    return torch.allclose(ours, reference, rtol=2e-6, atol=2e-6)
+
+
+needs_reference = pytest.mark.skipif(DEVICE.type == "cuda" and vllm_decode() is None,
+                                     reason="on a GPU the reference is vLLM's decode kernels")
+
+
+def run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b, length: int = 8):
+    heads = params.value_dim // params.head_v_dim
+    out = torch.zeros(visible.shape[0], heads, params.head_v_dim, dtype=mixed_qkv.dtype, device=DEVICE)
+    kept = gdn_fused.verify(params, mixed_qkv, a, b, conv_state, ssm_state, SLOT,
+                            gdn_fused.TreePaths.build(visible, length), out)
+    return out, kept
+
+
+@needs_reference
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_node_scores_like_its_path_decoded_alone_and_verify_writes_nothing(seed):
+    params, conv_state, ssm_state = layer(seed, DEVICE.type)
+    visible = wide_deep_tree(seed).to(DEVICE)
+    mixed_qkv, a, b = node_inputs(visible.shape[0], seed, params, DEVICE.type)
+    # vLLM's inputs are a view into the projection's output, rows wider than the channels
+    mixed_qkv = torch.cat([mixed_qkv, torch.full_like(mixed_qkv[:, :5], 7.0)], dim=1)[:, :mixed_qkv.shape[1]]
+    inputs_before, conv_before, ssm_before = mixed_qkv.clone(), conv_state.clone(), ssm_state.clone()
+
+    out, _ = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b)
+
+    assert torch.equal(conv_state, conv_before) and torch.equal(ssm_state, ssm_before)
+    assert torch.equal(mixed_qkv, inputs_before)
+    table = path_table(visible, 8).cpu()
+    for node, depth in enumerate(depths(visible).tolist()):
+        path = table[node, :depth + 1].tolist()
+        expected = decoded(params, conv_before.clone(), ssm_before.clone(), mixed_qkv, a, b, path)
+        assert same(out[node], expected[-1]), node
+
+
+@needs_reference
+@pytest.mark.parametrize("seed, pick", [(0, "deepest"), (3, "deepest"), (4, "root"), (5, "shallow")])
+def test_commit_leaves_the_caches_as_decoding_the_accepted_path(seed, pick):
+    """Paths shorter than the window too: the window keeps columns of the committed one."""
+    params, conv_state, ssm_state = layer(seed, DEVICE.type)
+    visible = wide_deep_tree(seed).to(DEVICE)
+    mixed_qkv, a, b = node_inputs(visible.shape[0], seed, params, DEVICE.type)
+    reference_conv, reference_ssm = conv_state.clone(), ssm_state.clone()
+    depth = depths(visible)
+    node = {"deepest": int(depth.argmax()), "root": 0, "shallow": int((depth == 1).nonzero()[0])}[pick]
+    length = depth[node] + 1
+    path = path_table(visible, 8)[node].to(torch.int32)
+
+    _, kept = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b)
+    gdn_fused.commit(params, kept, conv_state, ssm_state, SLOT, path, length.to(torch.int32).reshape(1))
+
+    decoded(params, reference_conv, reference_ssm, mixed_qkv, a, b, path[:int(length)].tolist())
+    assert torch.equal(conv_state, reference_conv)  # a window is inputs moved, never computed
+    assert same(ssm_state, reference_ssm)  # other slots untouched too
+
+
+@needs_reference
+def test_a_lone_root_and_a_chain_are_trees_too():
+    params, conv_state, ssm_state = layer(5, DEVICE.type)
+    for q in (1, 6):
+        visible = torch.ones(q, q, dtype=torch.bool, device=DEVICE).tril()
+        mixed_qkv, a, b = node_inputs(q, 5, params, DEVICE.type)
+        out, _ = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b, length=q)
+        expected = decoded(params, conv_state.clone(), ssm_state.clone(), mixed_qkv, a, b, list(range(q)))
+        assert same(out, expected)
+
+
+def test_a_node_forked_from_its_sibling_is_caught():
+    """The checks above can fail: hand node 5 its sibling's path instead of its parent's."""
+    params, conv_state, ssm_state = layer(0, DEVICE.type)
+    visible = ddtree.ancestor_mask(torch.tensor([0, 0, 1, 1, 3, 2])).to(DEVICE)  # node 3's sibling is node 4
+    mixed_qkv, a, b = node_inputs(7, 0, params, DEVICE.type)
+    wrong = visible.clone()
+    wrong[5, 3], wrong[5, 4] = False, True
+    right_out, _ = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b, length=5)
+    wrong_out, _ = run_verify(params, conv_state, ssm_state, wrong, mixed_qkv, a, b, length=5)
+    assert torch.equal(right_out[:5], wrong_out[:5]) and not torch.allclose(right_out[5], wrong_out[5], atol=1e-3)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="bf16 as a GPU runs it")
+@needs_reference
+def test_bf16_nodes_are_vllm_decode_bit_for_bit():
+    params, conv_state, ssm_state = layer(6, "cuda")
+    params = type(params)(**{name: (value.bfloat16() if torch.is_tensor(value) and name.startswith("conv") else value)
+                             for name, value in vars(params).items()})
+    conv_state = conv_state.bfloat16()
+    visible = wide_deep_tree(6).to(DEVICE)
+    mixed_qkv, a, b = (t.bfloat16() for t in node_inputs(visible.shape[0], 6, params, "cuda"))
+    out, _ = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b)
+    table = path_table(visible, 8).cpu()
+    for node, depth in enumerate(depths(visible).tolist()):
+        expected = decoded(params, conv_state.clone(), ssm_state.clone(), mixed_qkv, a, b,
+                           table[node, :depth + 1].tolist())
+        assert torch.equal(out[node], expected[-1]), node
