@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.decode import Decoder, DecodeSettings, DrafterInfo
-from engine.drafter import load_drafter, weights_digest
-from engine.target import Target
+from engine.loop.decode import Decoder, DecodeSettings, DrafterInfo
+from engine.models.drafter import load_drafter, weights_digest
+from engine.models.target import Target
 from engine.training import data as data_module
 from engine.training.data import DataSettings, SequenceData, repetition_cut, user_turn_ids
 from engine.training.export import export_drafter
@@ -440,7 +440,7 @@ def smollm2_chat() -> Target:
     """The bundled SmolLM2's tokenizer (read from its GGUF, a few seconds), without weights."""
     from transformers import AutoTokenizer
 
-    from engine.target import bundled_gguf
+    from engine.models.target import bundled_gguf
 
     gguf = bundled_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import ScriptedDrafter, fresh_config
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.drafter import ScriptedDrafter, fresh_config
 from tests.tiny import tiny_drafter, tiny_target
 from viz.video import (HOLD_S, INTRO_S, PRESETS, THEME, Column, Scene, Timeline, VideoError, column_states,
                        load_font, main, pick_traces, render_video, visible_lines, wrap_text)

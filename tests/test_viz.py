@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ddtree
-from engine.decode import DecodeSettings
+from engine.loop.decode import DecodeSettings
 from engine.trace import Step, Trace
 from tests.tiny import tiny_decoder
 from viz.figures import acceptance_histogram, draft_rank, economics_figure, economics_text, explain_stop, \
@@ -278,7 +278,7 @@ def test_visible_whitespace():
 
 # ---------------------------------------------------------------- traces from the vLLM engine
 
-VLLM_SAMPLE = "assets/traces/h200-vllm-heldout-f664308deb20.json"  # recorded on an H200 (engine.bench --traces)
+VLLM_SAMPLE = "assets/traces/h200-vllm-heldout-f664308deb20.json"  # recorded on an H200 (engine.tools.bench --traces)
 
 
 def test_vllm_engine_traces_open_in_the_inspector_unchanged():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.fixed import FixedTree
-from engine.triton_support import tl, triton, triton_runs_on
+from engine.gpu.triton_support import tl, triton, triton_runs_on
 
 MAX_PAIRS = 1024  # keys one program sorts per depth (budget 128)
 

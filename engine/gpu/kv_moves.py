@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 import ddtree
-from engine.triton_support import tl, triton, triton_runs_on
+from engine.gpu.triton_support import tl, triton, triton_runs_on
 
 MAX_ELEMENTS = 4096  # a program holds moves x columns values: keep it in registers
 

@@ -1,7 +1,7 @@
 """Pick the DDTree budget that is fastest on this machine: measured by the bench, or timed at start-up.
 
 Where a bench run on this kind of machine (device, engine, dtype, step, drafter weights) has been
-recorded in ``assets/budgets.json`` (``python -m engine.calibration record RESULTS.json``), its
+recorded in ``assets/budgets.json`` (``python -m engine.loop.calibration record RESULTS.json``), its
 best budget is the page's default: the app then starts with what the bench found fastest there.
 Otherwise the start-up timing below chooses.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from engine.decode import DecodeSettings, Decoder, step_kind
-from engine.economics import Economics, Timing, economics
+from engine.loop.decode import DecodeSettings, Decoder, step_kind
+from engine.loop.economics import Economics, Timing, economics
 
 CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
 CALIBRATION_PROMPT = "Explain briefly how a refrigerator keeps food cold."
@@ -134,10 +134,10 @@ def record_best(results_path: str, path: Path = MEASURED_BUDGETS) -> tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.calibration",
+    parser = argparse.ArgumentParser(prog="python -m engine.loop.calibration",
                                      description="record a bench run's best DDTree budget as its machine's default")
     parser.add_argument("command", choices=["record"])
-    parser.add_argument("results", help="results JSON written by engine.bench (--out)")
+    parser.add_argument("results", help="results JSON written by engine.tools.bench (--out)")
     args = parser.parse_args(argv)
     try:
         key, entry = record_best(args.results)

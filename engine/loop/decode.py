@@ -20,11 +20,11 @@ from typing import Callable
 import torch
 
 import ddtree
-from engine.drafter import DFlashDrafter
-from engine.drafting import EagerDraft, GraphedDraft
+from engine.models.drafter import DFlashDrafter
+from engine.loop.draft_pass import EagerDraft, GraphedDraft
 from engine.errors import EngineError
-from engine.kernels import STAGE_MARK
-from engine.target import Target
+from engine.gpu.profiling import STAGE_MARK
+from engine.models.target import Target
 from engine.trace import METHODS, Prefill, RunConfig, Step, Trace, summarize
 
 MAX_TREE_BUDGET = 1024
@@ -51,7 +51,7 @@ class DrafterInfo:
 
     name: str
     trained: bool
-    revision: str | None = None  # the weights' fingerprint (``engine.drafter.weights_digest``)
+    revision: str | None = None  # the weights' fingerprint (``engine.models.drafter.weights_digest``)
 
 
 class StageClock:
@@ -93,7 +93,7 @@ class Decoder:
         self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
         self.engine = engine
         self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
-        # greedy DFlash / DDTree as fixed-shape device programs (engine.fixed_step) instead of the readable step,
+        # greedy DFlash / DDTree as fixed-shape device programs (engine.loop.fixed_step) instead of the readable step,
         # where the target's cache can take them (``Target.runs_fixed_step``)
         self.fixed_step = fixed_step and target.runs_fixed_step
         self.compile_step = compile_step  # the fixed step's own stages (draft, tree, walk) through torch.compile
@@ -105,7 +105,7 @@ class Decoder:
 
     @property
     def step_kind(self) -> str:
-        """How greedy steps run: "fixed" (device programs, ``engine.fixed_step``), "compiled fixed"
+        """How greedy steps run: "fixed" (device programs, ``engine.loop.fixed_step``), "compiled fixed"
         (their stages through torch.compile) or "readable"."""
         return step_kind(self.fixed_step, self.compile_step)
 
@@ -198,15 +198,15 @@ class Decoder:
             step=step_kind(fixed, self.compile_step),
         )
         if fixed:
-            from engine.fixed_step import FixedRun
+            from engine.loop.fixed_step import FixedRun
 
             program = self.fixed_program(settings, len(prompt_ids))
             return FixedRun(self, settings, config, on_step, should_stop, program).execute()
         return _Run(self, settings, config, on_step, should_stop).execute()
 
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):
-        """Kernels per verify step by stage for one generation, and the slowest (``engine.kernels``; CUDA only)."""
-        from engine.kernels import profile_kernels
+        """Kernels per verify step by stage for one generation, and the slowest (``engine.gpu.profiling``; CUDA only)."""
+        from engine.gpu.profiling import profile_kernels
 
         return profile_kernels(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
 
@@ -219,7 +219,7 @@ class Decoder:
 
     def fixed_program(self, settings: DecodeSettings, prompt_length: int):
         """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
-        from engine.fixed_step import FixedProgram
+        from engine.loop.fixed_step import FixedProgram
 
         budget = settings.tree_budget if settings.method == "ddtree" else None
         # the last step may pass max_new_tokens by a block, and its tree's rows sit after that; one scratch row

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafter import DFlashDrafter, DraftContext, StaticDraftContext
+from engine.models.drafter import DFlashDrafter, DraftContext, StaticDraftContext
 
 
 class EagerDraft:

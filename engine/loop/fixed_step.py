@@ -6,17 +6,17 @@ A step is two programs over buffers that never change shape:
 - ``draft`` (DFlash, DDTree): the drafter's pass over ``StaticDraftContext``, fed the previous
   step's accepted rows (padded to the block) and their count;
 - ``advance``: the tree (``ddtree.fixed``: beam tree, chain, or none for AR; on a GPU the beam
-  tree is one Triton program, ``engine.beam_kernel``, for budgets up to 64), the ancestor
+  tree is one Triton program, ``engine.gpu.beam_kernel``, for budgets up to 64), the ancestor
   closure, one verify pass of the target over a KV cache whose write cursor is a device tensor,
   the pointer-jumping walk, the KV compaction of the accepted path and the drafter's next
   context, all in place; it ends by packing what the step decided into one tensor
   (``StepLayout``), so the host reads once.
 
 The KV cache is the engine's: ``StaticKV`` (a Hugging Face model; transformers' ``StaticCache``)
-or the vLLM engine's ``PagedKV`` (``engine.vllm_worker``); both have ``verify`` and ``compact``.
+or the vLLM engine's ``PagedKV`` (``engine.on_vllm.vllm_worker``); both have ``verify`` and ``compact``.
 Nothing in the programs depends on a host value, so on CUDA each is captured once and replayed
 as a CUDA graph (``graphs=True``); on the CPU they run as written. ``FixedRun`` is
-``engine.decode``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
+``engine.loop.decode``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
 stay in the readable loop), pipelined: the host finishes a step (one read of its record, the
 detokenizing, the trace) while the device runs the next. Tests hold its output to the readable
 loop's, token for token.
@@ -32,12 +32,12 @@ import torch
 
 import ddtree
 from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain, compaction_rows
-from engine.beam_kernel import fused_beam_tree, fused_fits
-from engine.decode import _Outcome, _Run
-from engine.kernels import STAGE_MARK
+from engine.gpu.beam_kernel import fused_beam_tree, fused_fits
+from engine.loop.decode import _Outcome, _Run
+from engine.gpu.profiling import STAGE_MARK
 from engine.trace import Step, Trace, summarize
-from engine.drafter import StaticDraftContext
-from engine.drafting import _log_probs
+from engine.models.drafter import StaticDraftContext
+from engine.loop.draft_pass import _log_probs
 
 
 SMALLEST_PREFILL = 16
@@ -294,7 +294,7 @@ class StageMarks:
     """Where a launched step's stages end, without waiting for them: CUDA events on the stream
     (read once the step's record has arrived), or clock readings on the CPU, where work is
     synchronous. Under the profiler each stage is also synchronised and marked, so that
-    ``engine.kernels`` can attribute its kernels."""
+    ``engine.gpu.profiling`` can attribute its kernels."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.names, self.points = cuda, [], []
@@ -339,7 +339,7 @@ class _Launched:
 
 
 class FixedRun(_Run):
-    """``engine.decode``'s loop with the fixed-shape step, pipelined: the host launches a step
+    """``engine.loop.decode``'s loop with the fixed-shape step, pipelined: the host launches a step
     (the draft and the advance programs, then an asynchronous copy of the step's packed record
     into host memory) and, while the device runs it, finishes the step before: reads that
     record once, detokenizes, records the trace. It stays one step ahead unless the step in

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from engine.decode import Decoder, DrafterInfo
-from engine.drafter import SCRIPT, DFlashDrafter, fresh_config, load_drafter, weights_digest
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.models.drafter import SCRIPT, DFlashDrafter, fresh_config, load_drafter, weights_digest
 from engine.errors import EngineError
-from engine.target import BUNDLED_MODEL, load_target, resolve_dtype
+from engine.models.target import BUNDLED_MODEL, load_target, resolve_dtype
 from engine.trace import SCRIPTED, TIMING_ONLY
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -81,7 +81,7 @@ def cpu_has_bf16() -> bool:
 
 def drafter_info(folder: str, timing_only: bool = False) -> DrafterInfo:
     """How traces name a drafter folder: trained weights (and their digest), a scripted drafter
-    (``engine.drafter.ScriptedDrafter``: it knows the answers), or a shape's random weights."""
+    (``engine.models.drafter.ScriptedDrafter``: it knows the answers), or a shape's random weights."""
     name, scripted = display_name(folder), (Path(folder) / SCRIPT).is_file()
     tags = ([SCRIPTED] if scripted else []) + ([TIMING_ONLY] if timing_only else [])
     if tags:

@@ -1,7 +1,7 @@
 """Turn a GGUF target (the bundled SmolLM2 is Q4_1) into a plain HF folder that vLLM and
 transformers load: weights dequantized to bf16 safetensors, config.json, tokenizer.
 
-    python -m engine.training.convert /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol-hf
+    python -m engine.models.convert /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smol-hf
 
 ``save_pretrained`` refuses GGUF-quantized models, hence the manual save. A tied lm_head
 is left out (the config's tie_word_embeddings restores it). Needs the ``gguf`` package.

@@ -362,7 +362,7 @@ class DFlashDrafter(nn.Module):
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
-    graphable = True  # its pass can be captured and replayed as a CUDA graph (``engine.drafting``)
+    graphable = True  # its pass can be captured and replayed as a CUDA graph (``engine.loop.draft_pass``)
 
     @property
     def hidden_state_indices(self) -> list[int]:

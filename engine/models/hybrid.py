@@ -25,7 +25,7 @@ chain is just a width-1 tree through the same code.
 The prompt's prefill is a plain causal sequence and runs through the model's own forward
 (chunked delta rule); ``tree_forward`` takes over once the cache holds a state.
 
-    python -m engine.hybrid --cost    # verify time vs tree budget, hybrid vs pure attention (CPU)
+    python -m engine.models.hybrid --cost    # verify time vs tree budget, hybrid vs pure attention (CPU)
 """
 
 from __future__ import annotations
@@ -440,7 +440,7 @@ def format_cost(rows: list[CostRow], setup: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.hybrid", description="Hybrid-target tree verification.")
+    parser = argparse.ArgumentParser(prog="python -m engine.models.hybrid", description="Hybrid-target tree verification.")
     parser.add_argument("--cost", action="store_true", help="verify time vs tree budget, hybrid vs pure attention")
     parser.add_argument("--budgets", default="1,4,16,64,256")
     parser.add_argument("--hidden-size", type=int, default=512)

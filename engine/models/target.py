@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import ddtree
-from engine import hybrid
+from engine.models import hybrid
 from engine.errors import EngineError
 
 BUNDLED_MODEL = "smollm2"
@@ -101,14 +101,14 @@ class Target:
 
     @property
     def runs_fixed_step(self) -> bool:
-        """Whether the fixed-shape step (``engine.fixed_step``) can verify on this target: transformers'
+        """Whether the fixed-shape step (``engine.loop.fixed_step``) can verify on this target: transformers'
         hybrids fork their linear layers' states per tree node in the readable step only."""
         return not hybrid.is_hybrid(self.config)
 
     def fixed_kv(self, capacity: int, compiled: bool = False):
-        """The KV cache of the fixed-shape step (``engine.fixed_step``): ``capacity`` rows in fixed buffers.
+        """The KV cache of the fixed-shape step (``engine.loop.fixed_step``): ``capacity`` rows in fixed buffers.
         (``compiled`` asks for a compiled verify pass: the vLLM engine's; a transformers model stays eager.)"""
-        from engine.fixed_step import StaticKV
+        from engine.loop.fixed_step import StaticKV
 
         return StaticKV(self, capacity)
 

@@ -1,7 +1,7 @@
 """The vLLM engine: AR, DFlash and DDTree on an embedded ``vllm.LLM``, emitting the torch engine's Trace.
 
 The driver (this module) owns the tokenizer and checks settings; vLLM's workers run the
-decode loop on vLLM's model and paged KV cache (``engine.vllm_worker``, loaded as a worker
+decode loop on vLLM's model and paged KV cache (``engine.on_vllm.vllm_worker``, loaded as a worker
 extension), and rank 0's trace comes back. vLLM's own AR and DFlash are kept as baselines
 (``native_generate``): the yardstick a speed claim is measured against.
 
@@ -22,11 +22,11 @@ from typing import Callable
 
 import torch
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import DFlashDrafter, drafter_shape
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.drafter import DFlashDrafter, drafter_shape
 from engine.errors import EngineError
-from engine.kernels import KernelProfile
-from engine.target import (BUNDLED_MODEL, Target, bundled_gguf, has_tokenizer, resolve_dtype, shape_config,
+from engine.gpu.profiling import KernelProfile
+from engine.models.target import (BUNDLED_MODEL, Target, bundled_gguf, has_tokenizer, resolve_dtype, shape_config,
                            shape_tokenizer, stop_token_ids)
 from engine.trace import Step, Trace
 
@@ -44,7 +44,7 @@ NATIVE_MAX_SEQS = 8
 class VllmOptions:
     tensor_parallel_size: int = 1
     cuda_graphs: bool = True  # the Studio's own graphs: vLLM itself runs eager (see module doc)
-    fixed_step: bool = True  # greedy runs as fixed-shape device programs (engine.fixed_step)
+    fixed_step: bool = True  # greedy runs as fixed-shape device programs (engine.loop.fixed_step)
     compile_step: bool = False  # their own stages (draft, tree, walk) through torch.compile
     random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
     gpu_memory_utilization: float = 0.3
@@ -80,7 +80,7 @@ def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
     name = name or BUNDLED_MODEL
     if name != BUNDLED_MODEL and not name.endswith(".gguf"):
         return name
-    from engine.training.convert import convert
+    from engine.models.convert import convert
 
     gguf = bundled_gguf() if name == BUNDLED_MODEL else Path(name)
     if not gguf.is_file():
@@ -92,13 +92,13 @@ def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
 
 def split_heads_folder(folder: str | Path, tensor_parallel_size: int) -> str:
     """``folder`` itself, or (once converted, in the cache) its equivalent copy whose attention
-    heads split over ``tensor_parallel_size`` GPUs: ``engine.training.convert.tensor_parallel_copy``.
+    heads split over ``tensor_parallel_size`` GPUs: ``engine.models.convert.tensor_parallel_copy``.
     Used for the bundled target and for the drafter vLLM's own DFlash loads (ours is replicated)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if not (config["num_attention_heads"] % tensor_parallel_size or config["num_key_value_heads"] % tensor_parallel_size):
         return str(folder)
-    from engine.training.convert import tensor_parallel_copy
+    from engine.models.convert import tensor_parallel_copy
 
     weights = sorted(folder.glob("*.safetensors"))
     source = f"{folder.resolve()}|" + "|".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
@@ -143,10 +143,10 @@ class ClientTarget(Target):
 
 
 # the longest accepted path a step commits: one compaction graph's moves, and a hybrid's deepest
-# path replay (``engine.vllm_gdn``), so its drafter's blocks may be no longer
+# path replay (``engine.on_vllm.vllm_gdn``), so its drafter's blocks may be no longer
 MAX_PATH = 32
 
-# hybrid architectures whose Gated DeltaNet layers the vLLM engine forks (``engine.vllm_gdn``);
+# hybrid architectures whose Gated DeltaNet layers the vLLM engine forks (``engine.on_vllm.vllm_gdn``);
 # vLLM 0.23 serves Qwen3.5 / Qwen3.6 as their multimodal classes (text-only mode here), never as
 # text-only checkpoints
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
@@ -156,8 +156,8 @@ HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration
 def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
     """What can be checked before vLLM takes the GPU: the target's config, its family, and the
     drafter's fit; each failure is one clear line."""
-    from engine.decode import check_drafter_fits
-    from engine.hybrid import is_hybrid
+    from engine.loop.decode import check_drafter_fits
+    from engine.models.hybrid import is_hybrid
 
     config = shape_config(folder)
     text = getattr(config, "text_config", config)
@@ -179,19 +179,19 @@ def llm_settings(folder: str, studio: bool) -> dict:
     hybrid or not) its language model alone, the Studio sends text (else vLLM builds the vision
     tower and loads the image processor, which a text-only test folder lacks); for a hybrid,
     vLLM's own Triton kernels for the prompt's Gated DeltaNet prefill (its FlashInfer one is
-    JIT-built, and absent from the GPU bundle), and ``engine.vllm_gdn`` in its workers before the
+    JIT-built, and absent from the GPU bundle), and ``engine.on_vllm.vllm_gdn`` in its workers before the
     model is built (its float32 prefill), through the worker extension: the Studio's (``studio``)
     or one with nothing in it (vLLM's own runs)."""
-    from engine.hybrid import is_hybrid
+    from engine.models.hybrid import is_hybrid
 
     config = shape_config(folder)
     hybrid = is_hybrid(getattr(config, "text_config", config))
     settings = {}
     if hybrid:
         settings["additional_config"] = {"gdn_prefill_backend": "triton"}
-        settings["worker_extension_cls"] = "engine.vllm_gdn." + ("HybridStudioWorker" if studio else "HybridPrefill")
+        settings["worker_extension_cls"] = "engine.on_vllm.vllm_gdn." + ("HybridStudioWorker" if studio else "HybridPrefill")
     elif studio:
-        settings["worker_extension_cls"] = "engine.vllm_worker.StudioWorker"
+        settings["worker_extension_cls"] = "engine.on_vllm.vllm_worker.StudioWorker"
     if hasattr(config, "text_config"):
         settings["language_model_only"] = True
     return settings
@@ -264,8 +264,8 @@ class VllmDecoder(Decoder):
 
 def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,
                       options: VllmOptions = VllmOptions()) -> VllmDecoder:
-    """The vLLM twin of ``engine.models.load_decoder`` (the shipped drafter for the bundled model)."""
-    from engine.models import RANDOM, drafter_info, shipped_drafter
+    """The vLLM twin of ``engine.loop.loading.load_decoder`` (the shipped drafter for the bundled model)."""
+    from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
 
     if drafter == RANDOM:
         raise EngineError("the vLLM engine runs trained drafters only: pass a drafter folder")

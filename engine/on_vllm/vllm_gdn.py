@@ -1,9 +1,9 @@
 """Hybrid targets in the vLLM engine: tree verification through vLLM's Gated DeltaNet layers.
 
 Qwen3-Next and Qwen3.5 / Qwen3.6 mix full-attention layers, which verify a tree with the
-query bias like any target (``engine.vllm_worker``), with Gated DeltaNet layers
+query bias like any target (``engine.on_vllm.vllm_worker``), with Gated DeltaNet layers
 (``QwenGatedDeltaNetAttention``), whose state must fork at every tree node. Those layers
-verify a tree with vLLM's own kernels as ``engine.gdn_tree`` lays it out: each node
+verify a tree with vLLM's own kernels as ``engine.on_vllm.gdn_tree`` lays it out: each node
 convolves the window of its own ancestors (``causal_conv1d_update`` over gathered windows),
 and each node's path is replayed from the request's committed state in one launch of
 ``fused_sigmoid_gating_delta_rule_update`` (its varlen, per-sequence state-index mode),
@@ -36,9 +36,9 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from engine import gdn_tree
+from engine.on_vllm import gdn_tree
 from engine.errors import EngineError
-from engine.vllm_worker import StudioWorker
+from engine.on_vllm.vllm_worker import StudioWorker
 
 KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update,
                               fused_recurrent_gated_delta_rule)

@@ -2,7 +2,7 @@
 
 vLLM loads ``StudioWorker`` as a worker extension (``worker_extension_cls``), so this module
 is imported in every worker process, also under tensor parallelism. Each rank runs the same
-loop (``engine.decode``) in lockstep: the target's logits are all-gathered, so every rank
+loop (``engine.loop.decode``) in lockstep: the target's logits are all-gathered, so every rank
 builds the same tree and takes the same path, and their collectives line up. The loop talks
 to vLLM through ``PagedTarget``, which gives a vLLM model the torch engine's ``Target``
 interface.
@@ -10,7 +10,7 @@ interface.
 vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
 is wrapped so that a verify pass can add a query-query bias (``qq_bias``, a parameter the
 kernel still has from vLLM's removed tree-attention backend). Hybrid targets (Gated DeltaNet
-layers) add two more, in ``engine.vllm_gdn``, imported only for them. Nothing else is patched.
+layers) add two more, in ``engine.on_vllm.vllm_gdn``, imported only for them. Nothing else is patched.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 import ddtree
 from ddtree.fixed import compaction_rows
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import load_drafter
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.drafter import load_drafter
 from engine.errors import EngineError
-from engine.fixed_step import padded_prompt, prefill_bucket
-from engine.kv_moves import RowMover
-from engine.target import Target, stop_token_ids
-from engine.vllm_engine import MAX_PATH
+from engine.loop.fixed_step import padded_prompt, prefill_bucket
+from engine.gpu.kv_moves import RowMover
+from engine.models.target import Target, stop_token_ids
+from engine.on_vllm.vllm_engine import MAX_PATH
 
 MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
 # longest prompt pass replayed as a graph: beyond it the pass is compute, not launches, and a graph
@@ -142,7 +142,7 @@ class PagedTarget(Target):
         blocks = self.kv_caches[0].shape[0]
         self.gdn = None
         if linear:
-            from engine.vllm_gdn import GDNLayers
+            from engine.on_vllm.vllm_gdn import GDNLayers
 
             # a hybrid's layers share each block's memory across KV-cache groups: the request's
             # states take one block per Gated DeltaNet group at the pool's end, the attention
@@ -205,7 +205,7 @@ class PagedTarget(Target):
 
     def layer_metadata(self, size: int, slots: torch.Tensor, seq_lens: torch.Tensor, prefill: bool) -> dict:
         """Each layer's attention metadata for a pass of ``size`` tokens; a hybrid's linear layers
-        get vLLM's for a prefill, and verify trees on their own otherwise (``engine.vllm_gdn``)."""
+        get vLLM's for a prefill, and verify trees on their own otherwise (``engine.on_vllm.vllm_gdn``)."""
         metadata = self.attention_metadata(size, slots, seq_lens)
         layers = {name: metadata for name in self.attention_names}
         if self.gdn is not None and prefill:
@@ -339,7 +339,7 @@ class _Compaction:
 
 
 class PagedKV:
-    """The fixed-shape step's view of the paged cache (``engine.fixed_step``): a verify pass whose
+    """The fixed-shape step's view of the paged cache (``engine.loop.fixed_step``): a verify pass whose
     slots, sequence length and tree bias are computed on the device from the write cursor
     ``past``, so the caller records it into its own CUDA graph; the compaction moves the rows
     ``ddtree.fixed.compaction_rows`` names, the cache's last row taking the padding moves."""
@@ -410,6 +410,6 @@ class StudioWorker:
         return trace.to_json()
 
     def studio_kernels(self, prompt_ids: list[int], settings: dict) -> dict:
-        """Kernels per step by stage for one generation, and the slowest (``engine.kernels.KernelProfile``'s
+        """Kernels per step by stage for one generation, and the slowest (``engine.gpu.profiling.KernelProfile``'s
         fields: the reply crosses vLLM's process boundary as plain data, like every other one here)."""
         return asdict(self.studio.kernel_profile(prompt_ids, DecodeSettings(**settings)))

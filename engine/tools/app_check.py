@@ -3,10 +3,10 @@ what it says about speed: per prompt and method τ, step cost in AR steps, the p
 τ ÷ cost and the measured one; the budget the page started with and why; the Budget sweep tab on
 the first ``--sweep-prompts`` prompts, and on how many of them some budget beat AR.
 
-    python -m engine.app_check --launch "python app.py --engine vllm" --prompts assets/prompts/fresh.jsonl \\
+    python -m engine.tools.app_check --launch "python app.py --engine vllm" --prompts assets/prompts/fresh.jsonl \\
         --limit 5 --max-new-tokens 64 --out app-check.json
-    python -m engine.app_check --url http://127.0.0.1:7860/ --limit 3
-    python -m engine.app_check --limit 0 --sweep-prompts 69   # the sweep alone, every fresh prompt
+    python -m engine.tools.app_check --url http://127.0.0.1:7860/ --limit 3
+    python -m engine.tools.app_check --limit 0 --sweep-prompts 69   # the sweep alone, every fresh prompt
 
 Predicted and measured are the same quantity up to the prefill (in the measured wall times,
 not in the per-step cost) and warm-up (the app warms every method and candidate budget while
@@ -26,7 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from engine.bench import read_prompts
+from engine.tools.bench import read_prompts
 from engine.trace import METHODS
 
 RUN_OUTPUTS_SUMMARY = 4  # the /run outputs: status, three columns, then the summary

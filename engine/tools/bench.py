@@ -1,6 +1,6 @@
 """Benchmark AR, DFlash and DDTree on a prompt set, in one process, one clock.
 
-    python -m engine.bench --prompts PROMPTS.jsonl --methods ar,dflash,ddtree --tree-budget 32 \\
+    python -m engine.tools.bench --prompts PROMPTS.jsonl --methods ar,dflash,ddtree --tree-budget 32 \\
         --max-new-tokens 64 --device cpu --out results.json
 
 Each method runs warm (one untimed warm-up per method first, long enough for a second step, and
@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.decode import DecodeSettings, Decoder
-from engine.economics import Timing, economics
+from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.economics import Timing, economics
 from engine.errors import EngineError, run_command
-from engine.kernels import KernelProfile
-from engine.models import AUTO, DRAFT_DTYPE_HELP
+from engine.gpu.profiling import KernelProfile
+from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
-from engine.vllm_engine import NATIVE_MAX_SEQS
+from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
 NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
@@ -263,7 +263,7 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
     """vLLM as it ships (CUDA graphs on): its AR and/or its DFlash with our drafter, on the same
     prompts, once the Studio's engine has given the GPU back (at 27B the two do not fit side by side). A
     baseline vLLM refuses to start is reported in the notes; the runs already made stay."""
-    from engine.vllm_engine import VllmOptions, native_acceptance, native_generate, native_llm
+    from engine.on_vllm.vllm_engine import VllmOptions, native_acceptance, native_generate, native_llm
 
     decoder.close()
     torch.cuda.empty_cache()
@@ -415,7 +415,7 @@ def _times(ratio: float | None) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", required=True, help="JSONL file, one {\"id\", \"prompt\"} per line")
     parser.add_argument("--methods", default="ar,dflash,ddtree")
     parser.add_argument("--tree-budget", default="32", help="DDTree node budget; a comma list sweeps")
@@ -604,13 +604,13 @@ def format_kernels(kernels: dict[str, KernelProfile]) -> str:
 
 def _load(args: argparse.Namespace, dtype: str):
     if args.engine == "vllm":
-        from engine.vllm_engine import VllmOptions, load_vllm_decoder
+        from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
         options = VllmOptions(tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.no_cuda_graphs,
                               fixed_step=args.step == "fixed", compile_step=args.compile_step,
                               random_weights=args.random_weights, gpu_memory_utilization=args.gpu_memory_utilization)
         return load_vllm_decoder(args.model, args.drafter, dtype=dtype, seed=args.seed, options=options)
-    from engine.models import load_decoder
+    from engine.loop.loading import load_decoder
 
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
                         fixed_step=args.step == "fixed",
@@ -620,8 +620,8 @@ def _load(args: argparse.Namespace, dtype: str):
 
 def _drafter_folder(args: argparse.Namespace):
     """The drafter folder the run uses: ``--drafter``, or the shipped one for the bundled model."""
-    from engine.models import RANDOM, shipped_drafter
-    from engine.target import BUNDLED_MODEL
+    from engine.loop.loading import RANDOM, shipped_drafter
+    from engine.models.target import BUNDLED_MODEL
 
     if args.drafter == RANDOM:
         return None
@@ -630,7 +630,7 @@ def _drafter_folder(args: argparse.Namespace):
 
 def _drafter_revision(args: argparse.Namespace) -> str | None:
     """The weights' fingerprint of the drafter folder the run used (none for a random drafter)."""
-    from engine.drafter import weights_digest
+    from engine.models.drafter import weights_digest
 
     folder = _drafter_folder(args)
     return weights_digest(folder) if folder else None
@@ -640,7 +640,7 @@ def _command() -> str:
     """The command line, behind the settings of the environment that change the numbers (Triton's
     float32 dots: TF32 unless ``TRITON_F32_DEFAULT`` says otherwise)."""
     settings = [f"{name}={os.environ[name]}" for name in NUMERICS_ENVIRONMENT if name in os.environ]
-    return " ".join([*settings, "python -m engine.bench", *sys.argv[1:]])
+    return " ".join([*settings, "python -m engine.tools.bench", *sys.argv[1:]])
 
 
 def _host() -> dict:

@@ -1,6 +1,6 @@
 """How far a GPU engine's logits stray from exact arithmetic, prompt by prompt.
 
-    python -m engine.margin_check RESULTS.json [--model FOLDER] [--prompts PROMPTS.jsonl]
+    python -m engine.tools.margin_check RESULTS.json [--model FOLDER] [--prompts PROMPTS.jsonl]
 
 A bench run with ``--native ar`` records, at every token vLLM's own AR chose, the gap between its
 two best logits (``margins``). This replays each of those outputs through the transformers target
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import read_prompts
+from engine.tools.bench import read_prompts
 from engine.errors import EngineError, run_command
-from engine.target import load_target
+from engine.models.target import load_target
 from engine.trace import NATIVE_AR
 
 
@@ -94,8 +94,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.margin_check", description=__doc__.splitlines()[0])
-    parser.add_argument("results", help="engine.bench results with vLLM's own AR (--native ar)")
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.margin_check", description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="engine.tools.bench results with vLLM's own AR (--native ar)")
     parser.add_argument("--model", default=None, help="the target here (default: the run's --model)")
     parser.add_argument("--prompts", default=None, help="the run's prompts file (default: the one it names)")
     return run_command(_main, parser.parse_args(argv))

@@ -1,10 +1,10 @@
 """Which module of vLLM's float32 forward leaves exact arithmetic: every decoder layer's norms, token
 mixer (attention or Gated DeltaNet) and MLP, each replayed here in float64 on vLLM's own inputs.
 
-    on the GPU:  python -m engine.module_check capture --model FOLDER --prompts P.jsonl --limit N --out CAPTURE.pt
-    here:        python -m engine.module_check compare CAPTURE.pt --model FOLDER
+    on the GPU:  python -m engine.tools.module_check capture --model FOLDER --prompts P.jsonl --limit N --out CAPTURE.pt
+    here:        python -m engine.tools.module_check compare CAPTURE.pt --model FOLDER
 
-``engine.margin_check`` says how far vLLM's logits stray, prompt by prompt; this says where. The
+``engine.tools.margin_check`` says how far vLLM's logits stray, prompt by prompt; this says where. The
 capture runs vLLM's own AR (eager, one prompt pass per prompt, its engine in this process) with a
 hook around every such module that keeps what went in and what came out, for the prompt's tokens.
 The compare feeds each module's captured inputs to the transformers twin of that module in float64
@@ -86,9 +86,9 @@ def capture(args: argparse.Namespace) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: hooks see plain Python objects
     from vllm import SamplingParams, TokensPrompt
 
-    from engine.bench import read_prompts
-    from engine.target import Target, shape_tokenizer
-    from engine.vllm_engine import native_llm
+    from engine.tools.bench import read_prompts
+    from engine.models.target import Target, shape_tokenizer
+    from engine.on_vllm.vllm_engine import native_llm
 
     # the chat template as the bench applies it, without the weights (vLLM holds the model)
     chat = Target(model=None, tokenizer=shape_tokenizer(args.model), name=args.model, stop_ids=[])
@@ -148,14 +148,14 @@ def module_errors(model: torch.nn.Module, passes: list[dict]) -> dict[str, list[
 
 
 def compare(args: argparse.Namespace) -> int:
-    from engine.target import load_target
+    from engine.models.target import load_target
 
     try:
         captured = torch.load(args.capture, weights_only=False)
     except (OSError, RuntimeError, pickle.UnpicklingError) as exc:
         captured = exc
     if not (isinstance(captured, dict) and "passes" in captured):
-        raise EngineError(f"{args.capture}: not a capture of engine.module_check")
+        raise EngineError(f"{args.capture}: not a capture of engine.tools.module_check")
     model = load_target(args.model or captured["model"], device="cpu", dtype="float64").model
     passes = sorted(captured["passes"], key=lambda p: p["tokens"])
     print("max |vLLM float32 − float64 replay of vLLM's inputs| / max |output|, by prompt (tokens); "
@@ -168,7 +168,7 @@ def compare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.module_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.module_check", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     on_gpu = commands.add_parser("capture", help="vLLM's float32 prompt passes, every decoder module's inputs and outputs")
     on_gpu.add_argument("--model", required=True)

@@ -1,10 +1,10 @@
 """What DDTree would give at a real model size: speed-up(budget) = τ(budget) ÷ step cost(budget).
 
-    python -m engine.projection benchmarks/shapes/gpu-qwen3-8b-random.json [--curve DRAFTER_FOLDER]
-    python -m engine.projection --memory assets/shapes/qwen3-8b assets/shapes/qwen3-8b-dflash-b16 [--memory ...]
+    python -m engine.tools.projection benchmarks/shapes/gpu-qwen3-8b-random.json [--curve DRAFTER_FOLDER]
+    python -m engine.tools.projection --memory assets/shapes/qwen3-8b assets/shapes/qwen3-8b-dflash-b16 [--memory ...]
 
 The step cost comes from a bench run at the model's real shape with random weights
-(``engine.bench --random-weights``): the kernels, shapes and so the milliseconds are the real
+(``engine.tools.bench --random-weights``): the kernels, shapes and so the milliseconds are the real
 model's, the tokens are not. τ cannot come from random weights, so it is taken from elsewhere:
 (a) a drafter's measured acceptance curve (``acceptance`` in its ``config.json``; ours is
 SmolLM2's, measured on the fresh prompts), and (b) the DDTree paper's acceptance for Qwen3-8B
@@ -237,13 +237,13 @@ def memory_plan(target: dict, drafter: dict, gpu_gib: float, utilization: float,
 
 def shape_folder(name: str) -> Path:
     """The folder a result's model or drafter name points at: a drafter's name ends in its tags,
-    in brackets ("... (random weights: timing only)", ``engine.models.drafter_info``)."""
+    in brackets ("... (random weights: timing only)", ``engine.loop.loading.drafter_info``)."""
     return Path(name.split(" (", 1)[0])
 
 
 def read_curve(folder: str | None) -> tuple[dict, str]:
     """A drafter's measured acceptance curve (its ``config.json``), default: the shipped drafter's."""
-    from engine.models import shipped_drafter
+    from engine.loop.loading import shipped_drafter
 
     path = Path(folder) if folder else shipped_drafter()
     if path is None or not (path / "config.json").is_file():
@@ -285,8 +285,8 @@ def memory_table(pairs: list[tuple[str, str]], gpu_gib: float, utilization: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.projection", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="?", help="results JSON of engine.bench --random-weights at a model shape")
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.projection", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="?", help="results JSON of engine.tools.bench --random-weights at a model shape")
     parser.add_argument("--curve", default=None, help="drafter folder whose config.json holds an acceptance curve "
                                                       "(default: the shipped drafter)")
     parser.add_argument("--memory", nargs=2, action="append", metavar=("TARGET", "DRAFTER"), default=[],

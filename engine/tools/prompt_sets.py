@@ -1,6 +1,6 @@
 """Prompt sets for the bench that come from installed packages, written as bench JSONL.
 
-    python -m engine.prompt_sets humaneval --out assets/prompts/humaneval.jsonl
+    python -m engine.tools.prompt_sets humaneval --out assets/prompts/humaneval.jsonl
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def humaneval_prompts() -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.prompt_sets")
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.prompt_sets")
     parser.add_argument("name", choices=["humaneval"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -9,7 +9,7 @@ estimates acceptance, not speed or exactness; the bench measures those. It is fo
 among drafters, checkpoints and budgets quickly (the 69 fresh prompts: ~2.5 min on 2 CPU
 cores against ~28 min for the bench at five budgets).
 
-    python -m engine.replay --prompts assets/prompts/fresh.jsonl --drafter FOLDER \\
+    python -m engine.tools.replay --prompts assets/prompts/fresh.jsonl --drafter FOLDER \\
         --methods dflash,ddtree --tree-budget 4,8,16,32,64 [--ar-outputs RESULTS.json] [--first-slot]
 
 ``--first-slot`` also tells where the drafter misses: how often its first slot holds AR's next token,
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 import ddtree
-from engine.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
+from engine.tools.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
                           tokenize_prompts)
-from engine.decode import DecodeSettings, Decoder
+from engine.loop.decode import DecodeSettings, Decoder
 from engine.errors import EngineError, run_command
-from engine.models import AUTO, load_decoder
+from engine.loop.loading import AUTO, load_decoder
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """A scripted drafter from a bench run's own outputs, for exactness runs that go deep.
 
-    python -m engine.scripted RESULTS.json --shape DRAFTER_FOLDER --out OUT [--label vllm-ar]
+    python -m engine.tools.scripted RESULTS.json --shape DRAFTER_FOLDER --out OUT [--label vllm-ar]
 
 The sequences are RESULTS' prompts (the tokens the run recorded, else chat-encoded as the bench
 encodes them) followed by the outputs of its runs labelled LABEL (vLLM's own AR where the run has
 it, else the Studio's AR); the config is DRAFTER_FOLDER's, so the drafter fits the same target.
 Bench again with ``--drafter OUT`` and every method is accepted levels deep
-(``engine.drafter.ScriptedDrafter``), on random weights too: vLLM's dummy weights and the torch engine's random ones are seeded.
+(``engine.models.drafter.ScriptedDrafter``), on random weights too: vLLM's dummy weights and the torch engine's random ones are seeded.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from engine.bench import read_prompts
-from engine.drafter import read_drafter_config, write_scripted_drafter
+from engine.tools.bench import read_prompts
+from engine.models.drafter import read_drafter_config, write_scripted_drafter
 from engine.errors import EngineError
-from engine.target import Target, shape_tokenizer
+from engine.models.target import Target, shape_tokenizer
 from engine.trace import NATIVE_AR
 
 
@@ -38,8 +38,8 @@ def sequences_from(results: dict, label: str | None = None) -> tuple[str, list[l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.scripted", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="results JSON of engine.bench")
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.scripted", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="results JSON of engine.tools.bench")
     parser.add_argument("--shape", required=True, help="the drafter folder whose config the scripted drafter takes")
     parser.add_argument("--out", required=True)
     parser.add_argument("--label", default=None, help="whose outputs to script (default: vllm-ar, else ar)")

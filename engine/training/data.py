@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.target import Target, load_target
+from engine.models.target import Target, load_target
 from engine.training.generation import (Completion, Generator, Sampling, TransformersGenerator, VllmGenerator,
                                        VllmSettings, device_and_dtype)
 from engine.training.overlap import OverlapIndex, OverlapReport
@@ -469,7 +469,7 @@ def tokenizer_only_target(folder: str) -> Target:
     """Tokenizer and stop ids without weights: vLLM holds the model."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.target import stop_token_ids
+    from engine.models.target import stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return Target(model=None, tokenizer=tokenizer, name=folder,

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.drafter import DFlashDrafter
-from engine.target import Target
+from engine.models.drafter import DFlashDrafter
+from engine.models.target import Target
 
 if TYPE_CHECKING:
     from engine.training.train import TrainSettings

@@ -41,8 +41,8 @@ from typing import Callable
 
 import torch
 
-from engine.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, parameter_count
-from engine.target import Target, load_target
+from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, parameter_count
+from engine.models.target import Target, load_target
 from engine.training.data import SequenceData
 from engine.training.export import export_drafter
 from engine.training.generation import device_and_dtype
