@@ -31,14 +31,14 @@ from pathlib import Path
 
 import gradio as gr
 
+from engine.errors import EngineError
 from engine.loop.calibration import BudgetChoice, choose_budget
 from engine.loop.decode import DecodeSettings, Decoder
-from engine.errors import EngineError
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
 from engine.models.target import resolve_device
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
-from viz.figures import acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop, \
-    probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics
+from viz.figures import (acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop,
+                         probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics)
 from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
 from viz.tokens import TokenText, pieces_token_text
 from viz.tree_figure import tree_figure

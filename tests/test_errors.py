@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from engine.tools.bench import plan_jobs, read_prompts
+from engine.errors import EngineError
 from engine.loop.decode import MAX_TREE_BUDGET, DecodeSettings, Decoder
 from engine.models.drafter import load_drafter, save_drafter
-from engine.errors import EngineError
 from engine.models.target import load_target
+from engine.tools.bench import plan_jobs, read_prompts
 from tests.tiny import tiny_decoder, tiny_drafter, tiny_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,9 +15,9 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import ddtree
 from engine import bench, hybrid
+from engine.errors import EngineError
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.models.drafter import ScriptedDrafter, fresh_config
-from engine.errors import EngineError
 from engine.models.target import load_target
 from tests.hybrid_models import (FAMILIES, FULL, LINEAR, hybrid_decoder, hybrid_model, hybrid_target, reference_greedy,
                                  save_tiny_hybrid, scripted_drafter_for)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engine.tools.bench import margins_of
 from engine.loop.decode import DecodeSettings, Decoder
+from engine.tools.bench import margins_of
 from engine.tools.margin_check import check_run, exact_margins, main
 from tests.tiny import tiny_drafter, tiny_target
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.tools.module_check import MODULE, install_hooks, main, module_errors
 from engine.models.target import load_target
+from engine.tools.module_check import MODULE, install_hooks, main, module_errors
 from tests.hybrid_models import LAYER_TYPES, save_tiny_hybrid
 
 PROMPTS = ["Tell me about the sea.", "Write a short poem about a fox that learns to fly over the mountains at night."]

@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.tools.bench import Job, benchmark, plan_jobs, summarize_runs
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.models.drafter import ScriptedDrafter, fresh_config
+from engine.tools.bench import Job, benchmark, plan_jobs, summarize_runs
 from engine.trace import SCRIPTED
 from tests.tiny import tiny_drafter, tiny_target
 from viz.report import headline_table, load_setting, main, per_position_acceptance

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from engine.tools.bench import main as bench_main, native_ar_settings
-from engine.loop.decode import DecodeSettings
-from engine.models.drafter import drafter_shape
 from engine.errors import EngineError
+from engine.loop.decode import DecodeSettings
 from engine.loop.loading import load_decoder
+from engine.models.drafter import drafter_shape
+from engine.tools.bench import main as bench_main, native_ar_settings
 from engine.tools.projection import PAPER_QWEN3_8B, main as projection_main, project
 from engine.trace import SCRIPTED, TIMING_ONLY, Trace
 from viz.figures import economics_figure
@@ -259,7 +259,7 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     # and a hybrid's workers import engine.on_vllm.vllm_gdn before the model is built (its float32 prefill)
     assert llm_settings(str(folder), studio=True) == {
         "additional_config": {"gdn_prefill_backend": "triton"}, "language_model_only": True,
-        "worker_extension_cls": "engine.on_vllm.vllm_gdn.HybridStudioWorker"}
+        "worker_extension_cls": "engine.on_vllm.hybrid_worker.HybridStudioWorker"}
     native = llm_settings(str(folder), studio=False)
     assert native["worker_extension_cls"] == "engine.on_vllm.vllm_gdn.HybridPrefill"
     # one state block per sequence: vLLM's default 1,024 do not fit at 27B

@@ -11,8 +11,8 @@ import ddtree
 from engine.loop.decode import DecodeSettings
 from engine.trace import Step, Trace
 from tests.tiny import tiny_decoder
-from viz.figures import acceptance_histogram, draft_rank, economics_figure, economics_text, explain_stop, \
-    probability_figure, race_chart, stage_figure, sweep_figure
+from viz.figures import (acceptance_histogram, draft_rank, economics_figure, economics_text, explain_stop,
+                         probability_figure, race_chart, stage_figure, sweep_figure)
 from viz.text_view import column_html, run_stats, tokens_html
 from viz.tokens import committed_origins, pieces_token_text, visible
 from viz.tree_figure import NODE_STYLES, tidy_layout, tree_figure, tree_height

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ddtree
-from engine.loop.decode import DecodeSettings
 from engine.errors import EngineError
+from engine.loop.decode import DecodeSettings
 from tests.test_fixed_step_gpu import ONCE_PER_RUN
 
 pytestmark = [

@@ -50,7 +50,6 @@ def vllm_gdn(monkeypatch):
             fused_recurrent_gated_delta_rule=gdn_tree.recurrent_reference),
         "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn": dict(
             QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention, ChunkGatedDeltaRule=ChunkGatedDeltaRule),
-        "engine.on_vllm.vllm_worker": dict(StudioWorker=type("StudioWorker", (), {})),
         "vllm.model_executor.layers.mamba.mamba_utils": dict(is_conv_state_dim_first=lambda: False),
         "vllm.model_executor.layers.mamba.ops.causal_conv1d": dict(causal_conv1d_update=gdn_tree.conv_update_reference),
         "vllm.v1.attention.backend": dict(CommonAttentionMetadata=types.SimpleNamespace),

@@ -76,7 +76,6 @@ def check_glue(kernels, check) -> None:
     _module("vllm.model_executor.layers.mamba.gdn")
     _module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
             QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention, ChunkGatedDeltaRule=type("ChunkGatedDeltaRule", (), {"forward": None}))
-    _module("engine.on_vllm.vllm_worker", StudioWorker=type("StudioWorker", (), {}))
     _module("vllm.model_executor.layers.mamba.mamba_utils", is_conv_state_dim_first=lambda: False)
     _module("vllm.model_executor.layers.mamba.ops.causal_conv1d", causal_conv1d_update=kernels.conv_update)
     _module("vllm.v1.attention.backend", CommonAttentionMetadata=object)

@@ -1,4 +1,5 @@
-"""AR, DFlash and DDTree decoding on the torch engine, as one loop.
+"""AR, DFlash and DDTree decoding: the ``Decoder`` (settings, checks, which step runs) and the
+readable step, ``ReadableRun``, on ``engine.loop.run``'s loop.
 
 Every step drafts a tree below the last committed token (AR: no tree; DFlash: a
 chain; DDTree: the best-first tree), verifies root + nodes in one target pass with
@@ -11,21 +12,22 @@ target's distribution.
 from __future__ import annotations
 
 import functools
-import os
-import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 import ddtree
-from engine.models.drafter import DFlashDrafter
-from engine.loop.draft_pass import EagerDraft, GraphedDraft
 from engine.errors import EngineError
-from engine.gpu.profiling import STAGE_MARK
-from engine.models.target import Target
-from engine.trace import METHODS, Prefill, RunConfig, Step, Trace, summarize
+from engine.gpu.profiling import profile_kernels
+from engine.loop.draft_pass import EagerDraft, GraphedDraft
+from engine.loop.fixed_step import FixedProgram, FixedRun
+from engine.loop.run import Outcome, Run, logit_margins
+from engine.models.drafter import DFlashDrafter
+from engine.models.protocols import TargetModel
+from engine.trace import METHODS, RunConfig, Step, Trace
 
 MAX_TREE_BUDGET = 1024
 MAX_NEW_TOKENS = 4096
@@ -54,38 +56,12 @@ class DrafterInfo:
     revision: str | None = None  # the weights' fingerprint (``engine.models.drafter.weights_digest``)
 
 
-class StageClock:
-    """Wall time per stage; on CUDA it synchronises so each stage owns its kernels."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.times: dict[str, float] = {}
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    @contextmanager
-    def stage(self, name: str):
-        marked = torch.autograd.profiler.record_function(STAGE_MARK + name) if torch.autograd._profiler_enabled() else None
-        begin = self.now()
-        with marked or nullcontext():
-            yield
-            end = self.now()
-        self.times[name] = self.times.get(name, 0.0) + end - begin
-
-    def take(self) -> dict[str, float]:
-        times, self.times = self.times, {}
-        return times
-
-
 def step_kind(fixed_step: bool, compile_step: bool) -> str:
     return ("compiled fixed" if compile_step else "fixed") if fixed_step else "readable"
 
 
 class Decoder:
-    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
                  engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False,
                  compile_step: bool = False, timing_only: bool = False):
         self.target = target
@@ -94,7 +70,7 @@ class Decoder:
         self.engine = engine
         self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
         # greedy DFlash / DDTree as fixed-shape device programs (engine.loop.fixed_step) instead of the readable step,
-        # where the target's cache can take them (``Target.runs_fixed_step``)
+        # where the target's cache can take them (``TargetModel.runs_fixed_step``)
         self.fixed_step = fixed_step and target.runs_fixed_step
         self.compile_step = compile_step  # the fixed step's own stages (draft, tree, walk) through torch.compile
         self.timing_only = timing_only  # random weights at a real shape: traces say so
@@ -198,20 +174,16 @@ class Decoder:
             step=step_kind(fixed, self.compile_step),
         )
         if fixed:
-            from engine.loop.fixed_step import FixedRun
-
             program = self.fixed_program(settings, len(prompt_ids))
             return FixedRun(self, settings, config, on_step, should_stop, program).execute()
-        return _Run(self, settings, config, on_step, should_stop).execute()
+        return ReadableRun(self, settings, config, on_step, should_stop).execute()
 
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):
         """Kernels per verify step by stage for one generation, and the slowest (``engine.gpu.profiling``; CUDA only)."""
-        from engine.gpu.profiling import profile_kernels
-
         return profile_kernels(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
 
     def uses_fixed_step(self, settings: DecodeSettings) -> bool:
-        """Greedy decoding on a target that runs the fixed step (``Target.runs_fixed_step``), with a
+        """Greedy decoding on a target that runs the fixed step (``TargetModel.runs_fixed_step``), with a
         drafter a CUDA graph can hold where graphs are on (not a scripted one) if it drafts."""
         if not self.fixed_step or settings.temperature != 0:
             return False
@@ -219,8 +191,6 @@ class Decoder:
 
     def fixed_program(self, settings: DecodeSettings, prompt_length: int):
         """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
-        from engine.loop.fixed_step import FixedProgram
-
         budget = settings.tree_budget if settings.method == "ddtree" else None
         # the last step may pass max_new_tokens by a block, and its tree's rows sit after that; one scratch row
         nodes = budget if budget is not None else settings.block_size - 1
@@ -251,79 +221,17 @@ def check_drafter_fits(drafter_config, target_config) -> None:
                           f"{target_config.num_hidden_layers} layers: it was trained for another model")
 
 
-@dataclass
-class _Outcome:
-    """What one verify pass decided."""
-
-    tree: ddtree.DraftTree
-    target_tokens: list[int]
-    accepted: list[int]
-    bonus: int
-    committed: list[int]
-    pieces: list[str]
-    margins: list[float]
-
-
-class _Run:
-    """The state of one generation; ``execute`` is the whole loop."""
+class ReadableRun(Run):
+    """The readable step: each stage a plain call (draft, tree, verify, walk, commit), timed one by one;
+    greedy or sampled, on any target."""
 
     def __init__(self, decoder: Decoder, settings: DecodeSettings, config: RunConfig, on_step, should_stop):
-        self.target, self.drafter, self.settings, self.config = decoder.target, decoder.drafter, settings, config
-        self.on_step, self.should_stop = on_step, should_stop
-        self.device = self.target.device
-        self.clock = StageClock(self.device)
-        self.generator = torch.Generator(self.device).manual_seed(settings.seed)
-        self.drafts = settings.method != "ar"
-        self.cache = self.target.new_cache()
+        super().__init__(decoder, settings, config, on_step, should_stop)
         self.draft_pass = decoder.draft_pass(settings.block_size) if self.drafts else None
-        self.output_ids: list[int] = []
-        self.text = TextStream(self.target.decode)
 
-    def execute(self) -> Trace:
-        self.t0 = self.clock.now()
-        trace = Trace(config=self.config, prefill=self.prefill())
-        stop_reason = self.stop_reason()
-        while stop_reason is None:
-            step = self.step(len(trace.steps))
-            trace.steps.append(step)
-            if self.on_step is not None:
-                self.on_step(trace, step)
-            stop_reason = self.stop_reason()
-        trace.summary = summarize(self.config, trace.prefill, trace.steps, self.clock.now() - self.t0, stop_reason)
-        return trace
-
-    def elapsed(self) -> float:
-        """Seconds since the run started (on CUDA, once the work so far is done)."""
-        return self.clock.now() - self.t0
-
-    def stop_reason(self) -> str | None:
-        if self.output_ids and self.output_ids[-1] in self.target.stop_ids:
-            return "eos"
-        if len(self.output_ids) >= self.settings.max_new_tokens:
-            return "max_new_tokens"
-        if self.should_stop is not None and self.should_stop():
-            return "cancelled"
-        return None
-
-    def prefill(self) -> Prefill:
-        prompt = torch.tensor([self.config.prompt_ids], device=self.device)
-        positions = torch.arange(prompt.shape[1], device=self.device)[None]
-        with self.clock.stage("target"):
-            logits, hidden = self.target.forward(prompt, positions, self.cache, hidden_states=self.drafts)
-            first = int(ddtree.sample_tokens(logits[-1:], self.settings.temperature, self.generator)[0])
-        self.start = prompt.shape[1]  # position of the root: the last committed token, not yet in the KV cache
-        self.root = first
-        if self.drafts:
-            with self.clock.stage("context"):
-                self.new_context = self.drafter.context_features(hidden)
-            self.new_context_positions = positions
-        self.prepare_steps()
-        self.output_ids.append(first)
-        return Prefill(t_end=self.clock.now() - self.t0, first_token=first, first_text=self.text.push(first),
-                       first_margin=_margins(logits[-1:])[0], stage_s=self.clock.take())
-
-    def prepare_steps(self) -> None:
-        """What the steps need once the prompt is in (the readable loop: nothing)."""
+    def steps(self) -> Iterator[Step]:
+        for index in itertools.count():
+            yield self.step(index)
 
     def draft(self) -> torch.Tensor:
         """Log-probabilities ``[block-1, vocab]`` for the slots after the root, in one drafter pass."""
@@ -361,42 +269,15 @@ class _Run:
                 self.new_context_positions = (self.start + torch.arange(len(accepted), device=self.device))[None]
             path_tokens = [int(t) for t in inputs.input_ids[0, accepted[1:]].tolist()]
             committed = self.clip(path_tokens + [bonus])
-            margins = _margins(logits.index_select(0, torch.tensor(accepted, device=self.device)))
+            margins = logit_margins(logits.index_select(0, torch.tensor(accepted, device=self.device)))
             self.output_ids.extend(committed)
-            outcome = _Outcome(tree, target_tokens, accepted, bonus, committed,
+            outcome = Outcome(tree, target_tokens, accepted, bonus, committed,
                                pieces=[self.text.push(token) for token in committed], margins=margins[: len(committed)])
             self.start += len(accepted)
             self.root = bonus
         full = self.settings.trace_detail == "full"
         return self.record(index, t_start, root, _draft_top(log_probs, self.settings.record_top_k) if full else ([], []),
                            outcome)
-
-    def clip(self, tokens: list[int]) -> list[int]:
-        """Cut at the first stop token (kept) and at the new-token limit."""
-        room = self.settings.max_new_tokens - len(self.output_ids)
-        tokens = tokens[:room]
-        for i, token in enumerate(tokens):
-            if token in self.target.stop_ids:
-                return tokens[: i + 1]
-        return tokens
-
-    def record(self, index: int, t_start: float, root: int, draft_top: tuple[list[list[int]], list[list[float]]],
-               outcome: "_Outcome", stage_s: dict[str, float] | None = None) -> Step:
-        """The step as the trace keeps it: all of it, or (trace detail "tokens") what it committed.
-        ``stage_s``: the stage times, when the stage clock did not take them."""
-        full = self.settings.trace_detail == "full"
-        tree = outcome.tree if full else ddtree.DraftTree.empty()
-        top_tokens, top_probs = draft_top
-        return Step(
-            index=index, t_start=t_start, t_end=self.elapsed(), stage_s=self.clock.take() if stage_s is None else stage_s,
-            root_token=root,
-            draft_top_tokens=top_tokens, draft_top_probs=top_probs,
-            tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),
-            tree_node_probs=tree.log_probs.exp().tolist(), tree_path_probs=tree.path_log_probs.exp().tolist(),
-            tree_ranks=tree.ranks.tolist(), target_tokens=[int(t) for t in outcome.target_tokens] if full else [],
-            accepted=outcome.accepted, bonus_token=int(outcome.bonus), committed_ids=outcome.committed,
-            committed_text=outcome.pieces, committed_margins=outcome.margins,
-        )
 
 
 def _draft_top(log_probs: torch.Tensor | None, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -407,39 +288,3 @@ def _draft_top(log_probs: torch.Tensor | None, k: int) -> tuple[list[list[int]],
     return tokens.tolist(), values.exp().tolist()
 
 
-def _margins(logits: torch.Tensor) -> list[float]:
-    """Top-1 minus top-2 logit per row: how close the target's choice was to a tie."""
-    if logits.shape[-1] < 2:
-        return [float("inf")] * logits.shape[0]
-    top2 = logits.float().topk(2, dim=-1).values
-    return (top2[:, 0] - top2[:, 1]).tolist()
-
-
-@dataclass
-class TextStream:
-    """Incremental detokenization: one piece per token, and the pieces join to the full decode.
-
-    Decoding only a short window keeps each token O(1). A character split across tokens
-    decodes to U+FFFD until its last byte arrives, so its piece is held back until then.
-    The window restarts on the last token, decoded alone, so tokenizers that drop a
-    leading space at the start of a decode still give the next token its space.
-    """
-
-    decode: Callable[[list[int]], str]
-    ids: list[int] = field(default_factory=list)
-    start: int = 0  # the window: decode(ids[start:]) begins with ``emitted``
-    emitted: str = ""
-
-    WINDOW = 16
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.decode(self.ids[self.start:])
-        if text.endswith("\ufffd"):
-            return ""
-        shared = len(os.path.commonprefix([text, self.emitted]))
-        piece, self.emitted = text[shared:], text
-        if len(self.ids) - self.start > self.WINDOW:
-            self.start = len(self.ids) - 1
-            self.emitted = self.decode(self.ids[self.start:])
-        return piece

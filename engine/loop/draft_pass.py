@@ -27,7 +27,7 @@ class EagerDraft:
         block = torch.full((1, self.block_size), self.drafter.mask_token_id, device=device)
         block[0, 0] = root
         positions = torch.arange(start, start + self.block_size, device=device)[None]
-        return _log_probs(self.drafter, self.embedding, self.lm_head, block, positions, features, feature_positions,
+        return draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions, features, feature_positions,
                           self.context)
 
 
@@ -77,11 +77,13 @@ class GraphedDraft:
         return log_probs
 
     def _pass(self, features, feature_positions, added) -> torch.Tensor:
-        return _log_probs(self.drafter, self.embedding, self.lm_head, self.block, self.positions, features,
+        return draft_log_probs(self.drafter, self.embedding, self.lm_head, self.block, self.positions, features,
                           feature_positions, self.context, added)
 
 
-def _log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None):
+def draft_log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None):
+    """The drafter's log-probabilities ``[block-1, vocab]`` for the slots after the root: the pass both
+    steps run (the fixed step through its own buffers)."""
     hidden = drafter(drafter.embed(block, embedding), features.to(embedding.dtype), block_positions=positions,
                      context_positions=feature_positions, cache=context, context_count=added)
     return torch.log_softmax(drafter.logits(hidden[0, 1:], lm_head).float(), dim=-1)

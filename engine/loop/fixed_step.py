@@ -12,11 +12,11 @@ A step is two programs over buffers that never change shape:
   context, all in place; it ends by packing what the step decided into one tensor
   (``StepLayout``), so the host reads once.
 
-The KV cache is the engine's: ``StaticKV`` (a Hugging Face model; transformers' ``StaticCache``)
-or the vLLM engine's ``PagedKV`` (``engine.on_vllm.vllm_worker``); both have ``verify`` and ``compact``.
+The KV cache is the target's (``engine.models.protocols.FixedKV``): ``StaticKV`` (a Hugging Face model,
+``engine.models.target``) or the vLLM engine's ``PagedKV`` (``engine.on_vllm.vllm_worker``).
 Nothing in the programs depends on a host value, so on CUDA each is captured once and replayed
 as a CUDA graph (``graphs=True``); on the CPU they run as written. ``FixedRun`` is
-``engine.loop.decode``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
+``engine.loop.run``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
 stay in the readable loop), pipelined: the host finishes a step (one read of its record, the
 detokenizing, the trace) while the device runs the next. Tests hold its output to the readable
 loop's, token for token.
@@ -26,18 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 import ddtree
-from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain, compaction_rows
+from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain
 from engine.gpu.beam_kernel import fused_beam_tree, fused_fits
-from engine.loop.decode import _Outcome, _Run
 from engine.gpu.profiling import STAGE_MARK
-from engine.trace import Step, Trace, summarize
+from engine.loop.draft_pass import draft_log_probs
+from engine.loop.run import Outcome, Run
 from engine.models.drafter import StaticDraftContext
-from engine.loop.draft_pass import _log_probs
+from engine.models.protocols import FixedKV
+from engine.trace import Step
 
 
 SMALLEST_PREFILL = 16
@@ -54,51 +56,6 @@ def padded_prompt(ids: torch.Tensor, positions: torch.Tensor, length: int) -> tu
     extra = length - ids.numel()
     return (torch.cat([ids, ids.new_zeros(extra)]),
             torch.cat([positions, positions[-1] + 1 + torch.arange(extra, device=positions.device)]))
-
-
-class StaticKV:
-    """A Hugging Face target's KV cache in fixed buffers (transformers' ``StaticCache``): a verify
-    writes its block at rows ``past .. past + n`` (the cache's write cursor, set from a device
-    tensor), the mask shows every row before ``past`` and the tree's ancestors in the block, and
-    a compaction moves the accepted rows down to ``past``; the cache's last row is scratch."""
-
-    forks_states = False  # no linear-attention states: AR's token needs no commit
-
-    def __init__(self, target, capacity: int):
-        from transformers import StaticCache
-
-        self.target, self.capacity = target, capacity
-        self.cache = StaticCache(config=target.config, max_cache_len=capacity)
-        self.rows = torch.arange(capacity, device=target.device)
-
-    def prefill_cache(self):
-        """The cache a run's prefill writes the prompt into (stale rows are overwritten or masked)."""
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.zero_()
-        return self.cache
-
-    def capturing(self):
-        """The context a CUDA graph of these passes is captured in; yields the capture stream."""
-        return contextlib.nullcontext(None)
-
-    def verify(self, ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor):
-        n = ids.shape[0]
-        for layer in self.cache.layers:
-            layer.cumulative_length.copy_(past)
-        shown = (self.rows < past)[None, :].expand(n, -1).clone()
-        block = (self.rows[None, :] - past).clamp(0, n - 1)
-        in_block = (self.rows >= past) & (self.rows < past + n)
-        shown |= in_block[None, :] & visible.gather(1, block.expand(n, -1))
-        dtype = self.target.dtype
-        bias = torch.zeros(n, self.capacity, dtype=dtype, device=ids.device).masked_fill_(~shown, torch.finfo(dtype).min)
-        return self.target.forward(ids[None], positions[None], self.cache, bias[None, None], hidden_states=True)
-
-    def compact(self, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:
-        sources, targets = compaction_rows(past, path, length, self.capacity - 1)
-        for layer in self.cache.layers:
-            for cache in (layer.keys, layer.values):
-                cache.index_copy_(2, targets, cache.index_select(2, sources))
 
 
 @dataclass(frozen=True)
@@ -146,7 +103,7 @@ class FixedProgram:
         nodes = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
         top_k = min(top_k, target.config.vocab_size) if self.drafter is not None else 0
         self.layout = StepLayout(self.depth, nodes, top_k)
-        self.kv = target.fixed_kv(capacity, compiled=compile_step)
+        self.kv: FixedKV = target.fixed_kv(capacity, compiled=compile_step)
         long = dict(dtype=torch.long, device=device)
         self.root = torch.zeros(1, **long)
         self.past = torch.zeros((), **long)
@@ -166,7 +123,7 @@ class FixedProgram:
             self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by bucket
         # the step's own stages have fixed shapes: inductor can fuse their hundreds of small kernels
         compiled = (lambda stage: torch.compile(stage, dynamic=False)) if compile_step else (lambda stage: stage)
-        self._draft_pass, self._plan, self._decide = compiled(_log_probs), compiled(self._plan_step), \
+        self._draft_pass, self._plan, self._decide = compiled(draft_log_probs), compiled(self._plan_step), \
             compiled(self._decide_step)
         self._beam = fused_beam_tree if method == "ddtree" and fused_fits(device, budget) else compiled(beam_tree)
         self._chain = compiled(chain)
@@ -192,7 +149,7 @@ class FixedProgram:
         count = features.shape[1]
         bucket = prefill_bucket(count)
         if bucket > self.prompt_rows:  # a prompt near the context's end: its own length, eagerly
-            self._draft_from(_log_probs, features, positions, count)
+            self._draft_from(draft_log_probs, features, positions, count)
             return
         if bucket not in self.prompts:
             # zeros, not empty: masked rows still pass through the attention, and 0 x NaN is NaN
@@ -205,7 +162,7 @@ class FixedProgram:
         padded_positions[:, :count].copy_(positions)
         padded_count.fill_(count)
         self._run(f"first draft {bucket}",
-                  lambda: self._draft_from(_log_probs, padded, padded_positions, padded_count))
+                  lambda: self._draft_from(draft_log_probs, padded, padded_positions, padded_count))
 
     def draft(self) -> None:
         self._run("draft", lambda: self._draft_from(self._draft_pass, self.features, self.feature_positions,
@@ -338,8 +295,8 @@ class _Launched:
     arrived: torch.cuda.Event | None  # set once the copy is done (CUDA)
 
 
-class FixedRun(_Run):
-    """``engine.loop.decode``'s loop with the fixed-shape step, pipelined: the host launches a step
+class FixedRun(Run):
+    """``engine.loop.run``'s loop with the fixed-shape step, pipelined: the host launches a step
     (the draft and the advance programs, then an asynchronous copy of the step's packed record
     into host memory) and, while the device runs it, finishes the step before: reads that
     record once, detokenizes, records the trace. It stays one step ahead unless the step in
@@ -351,7 +308,6 @@ class FixedRun(_Run):
         super().__init__(decoder, settings, config, on_step, should_stop)
         self.program = program
         self.cache = program.prefill_cache()
-        self.draft_pass = None
         self.cuda = self.device.type == "cuda"
         layout = program.layout
         size = layout.size if settings.trace_detail == "full" else layout.reduced_size
@@ -364,25 +320,16 @@ class FixedRun(_Run):
         with self.clock.stage("start"):
             self.program.start(self.root, self.start)
 
-    def execute(self) -> Trace:
-        self.t0 = self.clock.now()
-        trace = Trace(config=self.config, prefill=self.prefill())
-        stop_reason = self.stop_reason()
-        launched = None if stop_reason is not None else self.launch(0)
-        while launched is not None:
+    def steps(self) -> Iterator[Step]:
+        launched = self.launch(0)
+        while True:
             ahead = self.launch(launched.index + 1) if self.may_run_ahead() else None
-            step = self.finish(launched)
-            trace.steps.append(step)
-            if self.on_step is not None:
-                self.on_step(trace, step)
-            stop_reason = self.stop_reason()
-            if stop_reason is not None:
-                break
+            yield self.finish(launched)
             launched = ahead if ahead is not None else self.launch(launched.index + 1)
+
+    def settle(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()  # a step launched ahead of the end is this run's cost, not the next one's
-        trace.summary = summarize(self.config, trace.prefill, trace.steps, self.elapsed(), stop_reason)
-        return trace
 
     def may_run_ahead(self) -> bool:
         """Whether the step in flight cannot reach the token limit, so launching the next one is not waste."""
@@ -419,7 +366,7 @@ class FixedRun(_Run):
         committed = self.clip(tokens)
         self.output_ids.extend(committed)
         tree = _draft_tree(step) if full else ddtree.DraftTree.empty()
-        outcome = _Outcome(tree, [int(t) for t in step["target_tokens"]], [int(i) for i in step["path"][:length]],
+        outcome = Outcome(tree, [int(t) for t in step["target_tokens"]], [int(i) for i in step["path"][:length]],
                            tokens[-1], committed, pieces=[self.text.push(token) for token in committed],
                            margins=step["margins"][: len(committed)])
         self.start += length

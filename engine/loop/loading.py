@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
+from engine.errors import EngineError
 from engine.loop.decode import Decoder, DrafterInfo
 from engine.models.drafter import SCRIPT, DFlashDrafter, fresh_config, load_drafter, weights_digest
-from engine.errors import EngineError
 from engine.models.target import BUNDLED_MODEL, load_target, resolve_dtype
 from engine.trace import SCRIPTED, TIMING_ONLY
 

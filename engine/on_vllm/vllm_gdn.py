@@ -36,9 +36,8 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from engine.on_vllm import gdn_tree
 from engine.errors import EngineError
-from engine.on_vllm.vllm_worker import StudioWorker
+from engine.on_vllm import gdn_tree
 
 KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update,
                               fused_recurrent_gated_delta_rule)
@@ -105,11 +104,8 @@ qwen_gdn_linear_attn.ChunkGatedDeltaRule.forward = _chunked_or_recurrent
 
 class HybridPrefill:
     """A worker extension with nothing in it: naming it (``worker_extension_cls``) imports this module
-    into vLLM's workers before the model is built and profiled, so a float32 prefill runs there too."""
-
-
-class HybridStudioWorker(StudioWorker):
-    """The Studio's worker extension for hybrid targets (this module imported before the model is built)."""
+    into vLLM's workers before the model is built and profiled, so a float32 prefill runs there too
+    (the Studio's own: ``engine.on_vllm.hybrid_worker``)."""
 
 
 def states(layer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,11 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 import ddtree
 from ddtree.fixed import compaction_rows
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.models.drafter import load_drafter
 from engine.errors import EngineError
-from engine.loop.fixed_step import padded_prompt, prefill_bucket
 from engine.gpu.kv_moves import RowMover
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.fixed_step import padded_prompt, prefill_bucket
+from engine.models.drafter import load_drafter
 from engine.models.target import Target, stop_token_ids
 from engine.on_vllm.vllm_engine import MAX_PATH
 

@@ -23,13 +23,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.loop.decode import DecodeSettings, Decoder
-from engine.loop.economics import Timing, economics
 from engine.errors import EngineError, run_command
 from engine.gpu.profiling import KernelProfile
-from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP
+from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.economics import Timing, economics
+from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, RANDOM, load_decoder, shipped_drafter
+from engine.models.drafter import weights_digest
+from engine.models.target import BUNDLED_MODEL
+from engine.on_vllm.vllm_engine import (NATIVE_MAX_SEQS, VllmOptions, load_vllm_decoder, native_acceptance,
+                                        native_generate, native_llm)
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
-from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
 NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
@@ -263,8 +266,6 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
     """vLLM as it ships (CUDA graphs on): its AR and/or its DFlash with our drafter, on the same
     prompts, once the Studio's engine has given the GPU back (at 27B the two do not fit side by side). A
     baseline vLLM refuses to start is reported in the notes; the runs already made stay."""
-    from engine.on_vllm.vllm_engine import VllmOptions, native_acceptance, native_generate, native_llm
-
     decoder.close()
     torch.cuda.empty_cache()
     prompt_ids = [prompt_tokens(decoder, p) for p in prompts]
@@ -604,14 +605,10 @@ def format_kernels(kernels: dict[str, KernelProfile]) -> str:
 
 def _load(args: argparse.Namespace, dtype: str):
     if args.engine == "vllm":
-        from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
-
         options = VllmOptions(tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.no_cuda_graphs,
                               fixed_step=args.step == "fixed", compile_step=args.compile_step,
                               random_weights=args.random_weights, gpu_memory_utilization=args.gpu_memory_utilization)
         return load_vllm_decoder(args.model, args.drafter, dtype=dtype, seed=args.seed, options=options)
-    from engine.loop.loading import load_decoder
-
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
                         fixed_step=args.step == "fixed",
                         cuda_graphs=args.step == "fixed" and not args.no_cuda_graphs and on_gpu(args),
@@ -620,9 +617,6 @@ def _load(args: argparse.Namespace, dtype: str):
 
 def _drafter_folder(args: argparse.Namespace):
     """The drafter folder the run uses: ``--drafter``, or the shipped one for the bundled model."""
-    from engine.loop.loading import RANDOM, shipped_drafter
-    from engine.models.target import BUNDLED_MODEL
-
     if args.drafter == RANDOM:
         return None
     return args.drafter or (shipped_drafter() if args.model in (None, BUNDLED_MODEL) else None)
@@ -630,8 +624,6 @@ def _drafter_folder(args: argparse.Namespace):
 
 def _drafter_revision(args: argparse.Namespace) -> str | None:
     """The weights' fingerprint of the drafter folder the run used (none for a random drafter)."""
-    from engine.models.drafter import weights_digest
-
     folder = _drafter_folder(args)
     return weights_digest(folder) if folder else None
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from engine.tools.bench import read_prompts
 from engine.errors import EngineError, run_command
 from engine.models.target import load_target
+from engine.tools.bench import read_prompts
 from engine.trace import NATIVE_AR
 
 

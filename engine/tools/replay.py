@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 import ddtree
-from engine.tools.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
-                          tokenize_prompts)
-from engine.loop.decode import DecodeSettings, Decoder
 from engine.errors import EngineError, run_command
+from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, load_decoder
+from engine.tools.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
+                                tokenize_prompts)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from engine.tools.bench import read_prompts
-from engine.models.drafter import read_drafter_config, write_scripted_drafter
 from engine.errors import EngineError
+from engine.models.drafter import read_drafter_config, write_scripted_drafter
 from engine.models.target import Target, shape_tokenizer
+from engine.tools.bench import read_prompts
 from engine.trace import NATIVE_AR
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models.drafter import DFlashDrafter, DrafterError, load_drafter, read_drafter_config, weights_digest
 from engine.errors import run_command
+from engine.models.drafter import DFlashDrafter, DrafterError, load_drafter, read_drafter_config, weights_digest
 from engine.training.export import acceptance_record, export_drafter
 
 # Fields that describe a checkpoint's history or measurements, not its shape: they may differ.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.drafter import DFlashDrafter, save_drafter
+from engine.models.drafter import ARCHITECTURE, DFlashDrafter, load_drafter, save_drafter
 
 INDEX_FILE = "model.safetensors.index.json"
 HEADER_BYTES = 256  # per tensor, an upper bound on its entry in a safetensors JSON header (plus its name)
@@ -69,8 +69,6 @@ def main(argv=None) -> None:
         python -m engine.training.export OUT/drafter assets/drafters/NAME --shard-mb 0
     """
     import argparse
-
-    from engine.models.drafter import ARCHITECTURE, load_drafter
 
     parser = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path)
