@@ -30,8 +30,7 @@ from engine.loop.economics import Timing, economics
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, RANDOM, load_decoder, shipped_drafter
 from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
-from engine.on_vllm.vllm_engine import (NATIVE_MAX_SEQS, VllmOptions, load_vllm_decoder, native_acceptance,
-                                        native_generate, native_llm)
+from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS, VllmOptions, load_vllm_decoder
 from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, STAGES, TOKENS_ONLY, Trace
 
 NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
@@ -266,6 +265,8 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
     """vLLM as it ships (CUDA graphs on): its AR and/or its DFlash with our drafter, on the same
     prompts, once the Studio's engine has given the GPU back (at 27B the two do not fit side by side). A
     baseline vLLM refuses to start is reported in the notes; the runs already made stay."""
+    from engine.on_vllm.vllm_engine import native_acceptance, native_generate, native_llm
+
     decoder.close()
     torch.cuda.empty_cache()
     prompt_ids = [prompt_tokens(decoder, p) for p in prompts]
