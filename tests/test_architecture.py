@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.loop.calibration import MEASURED_BUDGETS
+from engine.loop.loading import SHIPPED_DRAFTER, shipped_drafter
 from engine.models.protocols import FixedKV, TargetModel
+from engine.on_vllm.vllm_engine import REPO
 from tests.tiny import tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,3 +156,10 @@ def test_the_targets_and_caches_keep_their_protocols():
 
 def test_a_protocol_miss_is_seen():
     assert not isinstance(torch.nn.Linear(2, 2), TargetModel)
+
+
+def test_paths_from_a_room_reach_the_repository():
+    """Modules a floor deeper than before still find the repository's files."""
+    assert REPO == ROOT
+    assert MEASURED_BUDGETS.is_file()
+    assert shipped_drafter() == SHIPPED_DRAFTER and SHIPPED_DRAFTER.is_relative_to(ROOT / "assets")

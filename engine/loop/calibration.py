@@ -32,7 +32,7 @@ CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
 CALIBRATION_PROMPT = "Explain briefly how a refrigerator keeps food cold."
 CALIBRATION_TOKENS = 16
 FALLBACK_BUDGET = 32  # no drafter to calibrate
-MEASURED_BUDGETS = Path(__file__).resolve().parent.parent / "assets" / "budgets.json"
+MEASURED_BUDGETS = Path(__file__).resolve().parent.parent.parent / "assets" / "budgets.json"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from engine.models.drafter import SCRIPT, DFlashDrafter, fresh_config, load_draf
 from engine.models.target import BUNDLED_MODEL, load_target, resolve_dtype
 from engine.trace import SCRIPTED, TIMING_ONLY
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafters" / "smollm2-135m-dflash-b16"
 RANDOM = "random"
 # <empty_output>: a SmolLM2 special token that chat text never produces

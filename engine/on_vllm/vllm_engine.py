@@ -34,7 +34,7 @@ from engine.models.target import (BUNDLED_MODEL, Target, bundled_gguf, has_token
 from engine.trace import Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 CONVERTED = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree-studio"))
 # vLLM's own runs (the baseline) serve one request at a time with room for 8: on one H200, 2026-12-03, its AR on
 # the bundled model ran 494 tokens/s at 8 and 416 at its shipped default (1,024 here) on the same prompts, each
