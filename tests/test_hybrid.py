@@ -14,11 +14,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import ddtree
-from engine import bench, hybrid
 from engine.errors import EngineError
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models import hybrid
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.models.target import load_target
+from engine.tools import bench
 from tests.hybrid_models import (FAMILIES, FULL, LINEAR, hybrid_decoder, hybrid_model, hybrid_target, reference_greedy,
                                  save_tiny_hybrid, scripted_drafter_for)
 from tests.test_sampling import CHI2_CRITICAL_DF5, chi_square, three_token_marginals

@@ -1,8 +1,8 @@
 """The replayed acceptance (engine.tools.replay) is the decoder's own, step for step."""
 
-from engine import replay as replay_cli
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.models.drafter import ScriptedDrafter
+from engine.tools import replay as replay_cli
 from engine.tools.replay import first_slot_table, proposals_along, replay
 from tests.tiny import tiny_decoder, tiny_target
 

@@ -252,7 +252,7 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
 
 
 def test_the_recorded_command_names_the_triton_precision_it_ran_under(monkeypatch):
-    from engine import bench
+    from engine.tools import bench
     monkeypatch.setattr(bench.sys, "argv", ["bench.py", "--dtype", "float32"])
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     assert bench._command() == "python -m engine.tools.bench --dtype float32"

@@ -291,7 +291,7 @@ def test_a_scripted_drafter_from_a_runs_own_outputs_goes_deep_on_random_weights(
     """Random weights are seeded, so a second run decodes what the first did: a drafter scripted
     with the first run's outputs (``engine.tools.scripted``) is accepted levels deep, and exactness then
     means something at any shape."""
-    from engine import bench
+    from engine.tools import bench
     from engine.tools.scripted import main as scripted_main
 
     target, drafter = shape

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from engine.loop.decode import DecodeSettings, TextStream
+from engine.loop.decode import DecodeSettings
 from engine.loop.loading import load_decoder
+from engine.loop.run import TextStream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

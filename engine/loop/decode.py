@@ -61,7 +61,8 @@ def step_kind(fixed_step: bool, compile_step: bool) -> str:
 
 
 class Decoder:
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None, drafter_info: DrafterInfo | None = None,
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None,
+                 drafter_info: DrafterInfo | None = None,
                  engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False,
                  compile_step: bool = False, timing_only: bool = False):
         self.target = target
@@ -179,7 +180,8 @@ class Decoder:
         return ReadableRun(self, settings, config, on_step, should_stop).execute()
 
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):
-        """Kernels per verify step by stage for one generation, and the slowest (``engine.gpu.profiling``; CUDA only)."""
+        """Kernels per verify step by stage for one generation, and the slowest (``engine.gpu.profiling``;
+        CUDA only)."""
         return profile_kernels(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
 
     def uses_fixed_step(self, settings: DecodeSettings) -> bool:

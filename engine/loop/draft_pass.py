@@ -27,8 +27,8 @@ class EagerDraft:
         block = torch.full((1, self.block_size), self.drafter.mask_token_id, device=device)
         block[0, 0] = root
         positions = torch.arange(start, start + self.block_size, device=device)[None]
-        return draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions, features, feature_positions,
-                          self.context)
+        return draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions, features,
+                               feature_positions, self.context)
 
 
 class GraphedDraft:

@@ -72,7 +72,7 @@ class FixedKV(Protocol):
 
     def prefill_cache(self): ...  # the cache a run's prefill writes its prompt into (``TargetModel.forward``)
 
-    def capturing(self) -> AbstractContextManager: ...  # where a CUDA graph of the passes is captured; yields its stream
+    def capturing(self) -> AbstractContextManager: ...  # a CUDA graph's capture context; yields its stream
 
     def verify(self, ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor,
                visible: torch.Tensor) -> tuple[torch.Tensor, tuple]: ...
