@@ -31,14 +31,14 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.calibration import BudgetChoice, choose_budget
-from engine.decode import DecodeSettings, Decoder
 from engine.errors import EngineError
-from engine.models import AUTO, DRAFT_DTYPE_HELP, load_decoder
-from engine.target import resolve_device
+from engine.loop.calibration import BudgetChoice, choose_budget
+from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
+from engine.models.target import resolve_device
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
-from viz.figures import acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop, \
-    probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics
+from viz.figures import (acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop,
+                         probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics)
 from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
 from viz.tokens import TokenText, pieces_token_text
 from viz.tree_figure import tree_figure
@@ -682,13 +682,13 @@ CSS = """
 
 def load_studio_decoder(args: argparse.Namespace) -> Decoder:
     if args.engine == "vllm":  # imported here: the torch engine never needs vLLM
-        from engine.vllm_engine import VllmOptions, load_vllm_decoder
+        from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
         return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
                                  options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
                                                      fixed_step=args.step != "readable",
                                                      compile_step=args.compile_step))
-    # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.fixed_step)
+    # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.loop.fixed_step)
     fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
     return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
                         cuda_graphs=fixed, compile_step=fixed and args.compile_step, draft_dtype=args.draft_dtype)

@@ -1,0 +1,3 @@
+"""DDTree Studio's engine, in rooms by role: ``loop``, ``models``, ``on_vllm``, ``gpu``, ``tools`` and
+``training``, on ``errors`` and ``trace`` (the ``Trace`` that the app and ``viz`` read). ARCHITECTURE.md
+draws the floors."""

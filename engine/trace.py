@@ -43,7 +43,7 @@ class RunConfig:
     prompt_ids: list[int]
     notes: list[str] = field(default_factory=list)  # settings the engine adjusted, said plainly
     timing_only: bool = False  # random weights at a real model's shape: the costs are real, the text is not
-    step: str = "readable"  # the step that ran: "readable", "fixed" or "compiled fixed" (``engine.decode.step_kind``)
+    step: str = "readable"  # the step that ran: "readable", "fixed" or "compiled fixed" (``engine.loop.decode.step_kind``)
 
     @property
     def label(self) -> str:

@@ -4,7 +4,7 @@ and the reference they must match: the model's own forward, one token at a time.
     python -m tests.hybrid_models FOLDER               # a tiny Qwen3.5 hybrid the app and bench load
     python -m tests.hybrid_models FOLDER --vllm-shape  # one at a shape vLLM's kernels take (the GPU check)
     python -m tests.hybrid_models --scripted-drafter OUT --model FOLDER --prompts FILE
-        # a drafter that knows FOLDER's own greedy answers to FILE's prompts (engine.drafter.ScriptedDrafter)
+        # a drafter that knows FOLDER's own greedy answers to FILE's prompts (engine.models.drafter.ScriptedDrafter)
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.target import Target, bundled_gguf
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.target import Target, bundled_gguf
 from tests.tiny import STOP, CharTokenizer, tiny_drafter
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -133,7 +133,7 @@ def scripted_drafter_for(folder: str | Path, target: Target, prompts: list[list[
                          demote_every: int = 4) -> Path:
     """A ``ScriptedDrafter`` folder holding ``target``'s own greedy answers to ``prompts``
     (its AR run through the Studio's torch engine), shaped to fit ``target``."""
-    from engine.drafter import fresh_config, write_scripted_drafter
+    from engine.models.drafter import fresh_config, write_scripted_drafter
 
     decoder = Decoder(target, None, DrafterInfo("none", trained=False))
     sequences = [ids + decoder.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=max_new_tokens)).output_ids
@@ -153,13 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-only", action="store_true", help="every layer full attention (a cost baseline)")
     parser.add_argument("--scripted-drafter", metavar="OUT", help="write a scripted drafter for --model instead")
     parser.add_argument("--model", help="the hybrid folder the scripted drafter knows the answers of")
-    parser.add_argument("--prompts", help="a prompt set (engine.prompt_sets)")
+    parser.add_argument("--prompts", help="a prompt set (engine.tools.prompt_sets)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     args = parser.parse_args(argv)
     if args.scripted_drafter:
-        from engine.bench import read_prompts
-        from engine.target import load_target
+        from engine.tools.bench import read_prompts
+        from engine.models.target import load_target
 
         target = load_target(args.model, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
         prompts = [target.chat_ids(p["prompt"]) for p in read_prompts(args.prompts)[:args.limit]]

@@ -1,6 +1,6 @@
-"""The one-program tree build (engine.beam_kernel) against ``beam_tree`` and the heap.
+"""The one-program tree build (engine.gpu.beam_kernel) against ``beam_tree`` and the heap.
 
-It runs where Triton runs: natively on a GPU (``engine/gpu_session.sh check``), or on the
+It runs where Triton runs: natively on a GPU (``engine/tools/gpu_session.sh check``), or on the
 CPU under Triton's interpreter with ``triton`` installed beside the requirements:
 ``TRITON_INTERPRET=1 python -m pytest -q tests/test_beam_kernel.py``. Elsewhere it is skipped.
 """
@@ -12,7 +12,7 @@ import torch
 
 import ddtree
 from ddtree.fixed import beam_tree
-from engine.beam_kernel import fused_beam_tree, fused_fits
+from engine.gpu.beam_kernel import fused_beam_tree, fused_fits
 from tests.test_fixed import random_log_probs, token_paths
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.calibration import BudgetChoice, choose_budget
-from engine.decode import Decoder, DrafterInfo
-from engine.economics import Economics
+from engine.loop.calibration import BudgetChoice, choose_budget
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.economics import Economics
 from engine.training.export import acceptance_record
 from tests.tiny import tiny_decoder
 
@@ -55,7 +55,7 @@ def test_a_bench_result_becomes_the_drafters_recorded_curve():
 def test_a_recorded_bench_best_is_the_default_on_its_machine_and_drafter(decoder, tmp_path, monkeypatch):
     import json
 
-    import engine.calibration as calibration
+    import engine.loop.calibration as calibration
 
     results = tmp_path / "cpu-fresh.json"
     results.write_text(json.dumps({
@@ -80,7 +80,7 @@ def test_a_recorded_bench_best_is_the_default_on_its_machine_and_drafter(decoder
 def test_a_compiled_fixed_step_is_recorded_apart_from_the_plain_one(tmp_path):
     import json
 
-    import engine.calibration as calibration
+    import engine.loop.calibration as calibration
 
     table = tmp_path / "budgets.json"
     keys = []
@@ -100,7 +100,7 @@ def test_a_compiled_fixed_step_is_recorded_apart_from_the_plain_one(tmp_path):
 def test_recording_a_result_without_a_best_budget_is_one_clear_line(tmp_path, capsys):
     import json
 
-    from engine.calibration import main
+    from engine.loop.calibration import main
 
     results = tmp_path / "r.json"
     results.write_text(json.dumps({"config": {}, "best": None}))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import DraftContext, StaticDraftContext, load_drafter
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.drafter import DraftContext, StaticDraftContext, load_drafter
 from tests.tiny import tiny_drafter, tiny_target
 
 
@@ -123,8 +123,8 @@ def test_static_context_with_padding_rows_equals_the_growing_context(tmp_path, l
 def test_a_scripted_drafter_loads_from_its_folder_and_never_runs_as_a_graph(tmp_path):
     """Its proposals come from the host, so a CUDA graph would freeze the first step's: the draft
     pass stays eager and the fixed-shape step (graphs on) is not taken, whatever the settings say."""
-    from engine.drafter import ScriptedDrafter, fresh_config, write_scripted_drafter
-    from engine.drafting import EagerDraft
+    from engine.models.drafter import ScriptedDrafter, fresh_config, write_scripted_drafter
+    from engine.loop.draft_pass import EagerDraft
 
     target = tiny_target(3)
     config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1, num_taps=2)
@@ -149,7 +149,7 @@ def test_a_scripted_drafter_loads_from_its_folder_and_never_runs_as_a_graph(tmp_
 
 
 def test_the_drafter_runs_in_bf16_beside_a_float32_target_only_where_the_cpu_has_bf16(monkeypatch):
-    import engine.models as models
+    import engine.loop.loading as models
     from engine.errors import EngineError
 
     target = tiny_target(0, dtype=torch.float32)

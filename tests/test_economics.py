@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.bench import Job, best_budget, per_category, read_prompts, summarize_runs
-from engine.decode import DecodeSettings
-from engine.economics import Timing, economics, explain
+from engine.loop.decode import DecodeSettings
+from engine.loop.economics import Timing, economics, explain
+from engine.tools.bench import Job, best_budget, per_category, read_prompts, summarize_runs
 from engine.trace import Summary, Trace
 from tests.tiny import tiny_decoder
 
@@ -67,7 +67,7 @@ def test_the_bench_summary_carries_the_economics_categories_and_the_best_budget(
 
 
 def test_reduced_traces_time_the_same_decoding_and_the_best_budget_keeps_full_traces(tmp_path):
-    from engine.bench import benchmark, plan_jobs, with_reduced_traces
+    from engine.tools.bench import benchmark, plan_jobs, with_reduced_traces
 
     decoder = tiny_decoder(0)
     jobs = with_reduced_traces(plan_jobs("ar,ddtree", "4,8"))

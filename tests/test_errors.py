@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from engine.bench import plan_jobs, read_prompts
-from engine.decode import MAX_TREE_BUDGET, DecodeSettings, Decoder
-from engine.drafter import load_drafter, save_drafter
 from engine.errors import EngineError
-from engine.target import load_target
+from engine.loop.decode import MAX_TREE_BUDGET, DecodeSettings, Decoder
+from engine.models.drafter import load_drafter, save_drafter
+from engine.models.target import load_target
+from engine.tools.bench import plan_jobs, read_prompts
 from tests.tiny import tiny_decoder, tiny_drafter, tiny_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +71,7 @@ def test_not_a_dflash_checkpoint(tmp_path):
 
 
 def test_drafter_for_another_model(tmp_path):
-    from engine.decode import Decoder
+    from engine.loop.decode import Decoder
 
     other = tiny_drafter(tiny_target())
     other.config.target_layer_ids = [0, 9]
@@ -108,7 +108,7 @@ def test_model_id_that_cannot_be_fetched(monkeypatch):
 
 
 def test_cli_reports_errors_without_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", str(tmp_path / "none.jsonl")],
+    result = subprocess.run([sys.executable, "-m", "engine.tools.bench", "--prompts", str(tmp_path / "none.jsonl")],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: cannot read prompts file")
@@ -117,7 +117,7 @@ def test_cli_reports_errors_without_traceback(tmp_path):
 
 @pytest.mark.parametrize("budgets", ["0", "-4", "8,0", "x", "8,,"])
 def test_a_tree_budget_below_one_or_not_a_number_is_one_clear_line(budgets):
-    result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl",
+    result = subprocess.run([sys.executable, "-m", "engine.tools.bench", "--prompts", "assets/prompts/smoke.jsonl",
                              "--tree-budget", budgets], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout
     lines = result.stderr.strip().splitlines()
@@ -134,38 +134,55 @@ def test_a_tree_budget_below_one_or_not_a_number_is_one_clear_line(budgets):
                                  "vLLM's default), got 8 without --native"),
 ])
 def test_vllm_engine_without_a_gpu_is_a_clear_error(extra, message):
-    result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl", *extra],
+    result = subprocess.run([sys.executable, "-m", "engine.tools.bench", "--prompts", "assets/prompts/smoke.jsonl", *extra],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip() == message
 
 
 def test_the_app_and_the_torch_engine_never_import_vllm():
-    code = "import sys, app, engine.bench, engine.models; assert 'vllm' not in sys.modules, 'vllm imported'"
+    code = "import sys, app, engine.tools.bench, engine.loop.loading; assert 'vllm' not in sys.modules, 'vllm imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_mtp_needs_a_target_with_its_own_mtp_layers():
+    from engine.on_vllm.vllm_engine import check_mtp_layers
+
+    assert check_mtp_layers("assets/shapes/qwen3.6-27b") == 1  # Qwen3.6-27B ships one MTP layer
+    with pytest.raises(EngineError, match=r"^--native mtp times the target's own multi-token-prediction layers: "
+                                          r"assets/shapes/dense-27b's config names none \(mtp_num_hidden_layers or "
+                                          r"num_nextn_predict_layers\)$"):
+        check_mtp_layers("assets/shapes/dense-27b")
+    with pytest.raises(EngineError, match="the bundled GGUF has none"):
+        check_mtp_layers(None)
 
 
 def test_a_baseline_vllm_refuses_to_start_becomes_a_note(decoder, monkeypatch):
     """The bench times vLLM's own decoders after ours: one vLLM will not start must not lose the rest."""
     import argparse
 
-    import engine.vllm_engine
-    from engine.bench import benchmark_native, plan_native_jobs
+    import engine.on_vllm.vllm_engine
+    from engine.tools.bench import benchmark_native, plan_native_jobs
 
-    max_seqs = []
+    max_seqs, asked = [], []
 
-    def refuse(*args, **kwargs):
+    def refuse(model, dtype, drafter, drafted, **kwargs):
         max_seqs.append(kwargs["options"].native_max_seqs)
+        asked.append((drafter is not None, drafted, kwargs["mtp"]))
         raise ValueError("1 validation error for SpeculativeConfig\n  Value error, heads (9) must divide by 2")
 
-    monkeypatch.setattr(engine.vllm_engine, "native_llm", refuse)
-    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=2)
+    monkeypatch.setattr(engine.on_vllm.vllm_engine, "native_llm", refuse)
+    args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=2,
+                              native_mtp_tokens=3)
     prompts = [{"id": "p", "prompt": "hello"}]
-    runs, notes = benchmark_native(decoder, prompts, plan_native_jobs("ar,dflash"), args, "float32", progress=False)
-    assert runs == [] and max_seqs == [2, 2]  # --native-max-seqs reaches both of vLLM's own engines
+    runs, notes = benchmark_native(decoder, prompts, plan_native_jobs("mtp,ar,dflash"), args, "float32",
+                                   progress=False)
+    assert runs == [] and max_seqs == [2, 2, 2]  # --native-max-seqs reaches each of vLLM's own engines
+    # AR drafts nothing; DFlash a block less its anchor with our drafter; MTP --native-mtp-tokens with its own layers
+    assert asked == [(False, 0, False), (True, decoder.drafter.block_size - 1, False), (False, 3, True)]
     assert notes == [f"{label} not timed: vLLM did not start it: "
                      "1 validation error for SpeculativeConfig Value error, heads (9) must divide by 2"
-                     for label in ("vllm-ar", "vllm-dflash")]
+                     for label in ("vllm-ar", "vllm-dflash", "vllm-mtp")]
 
 
 def test_vllm_own_engine_starts_only_after_the_studio_gave_the_gpu_back(decoder, monkeypatch):
@@ -173,8 +190,8 @@ def test_vllm_own_engine_starts_only_after_the_studio_gave_the_gpu_back(decoder,
     decoder (its programs and graphs go) before vLLM's own engine starts."""
     import argparse
 
-    import engine.vllm_engine
-    from engine.bench import benchmark_native, plan_native_jobs
+    import engine.on_vllm.vllm_engine
+    from engine.tools.bench import benchmark_native, plan_native_jobs
 
     fixed = Decoder(decoder.target, decoder.drafter, decoder.drafter_info, fixed_step=True)
     settings = DecodeSettings("ddtree", max_new_tokens=6, tree_budget=8)
@@ -185,7 +202,7 @@ def test_vllm_own_engine_starts_only_after_the_studio_gave_the_gpu_back(decoder,
         programs_at_start.append((len(fixed._programs), kwargs["options"].native_max_seqs))
         raise RuntimeError("no GPU here")
 
-    monkeypatch.setattr(engine.vllm_engine, "native_llm", start)
+    monkeypatch.setattr(engine.on_vllm.vllm_engine, "native_llm", start)
     args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=None)
     _, notes = benchmark_native(fixed, [{"id": "p", "prompt": "hello"}], plan_native_jobs("ar"), args, "float32",
                                 progress=False)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import ScriptedDrafter, fresh_config
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.drafter import ScriptedDrafter, fresh_config
 from tests.tiny import tiny_decoder, tiny_drafter, tiny_target
 
 

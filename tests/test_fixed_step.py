@@ -1,4 +1,4 @@
-"""The fixed-shape step (engine.fixed_step) against AR and against the readable step."""
+"""The fixed-shape step (engine.loop.fixed_step) against AR and against the readable step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.decode import DecodeSettings, Decoder
-from engine.fixed_step import padded_prompt, prefill_bucket
+from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.fixed_step import padded_prompt, prefill_bucket
 from tests.test_fixed import token_paths
 from tests.tiny import tiny_decoder
 
@@ -81,7 +81,7 @@ def test_an_unknown_trace_detail_is_refused(decoders):
 def test_a_trained_drafter_goes_deep_through_the_fixed_step(decoders):
     """A drafter that knows the answer (the oracle) is accepted many levels deep: the compaction
     and the drafter's next context must then be right for the output to stay AR's."""
-    from engine.drafter import ScriptedDrafter
+    from engine.models.drafter import ScriptedDrafter
 
     readable, _ = decoders
     prompt = PROMPTS[1]
@@ -156,7 +156,7 @@ def test_the_pipelined_loop_stops_where_the_readable_one_does_and_wastes_at_most
 def test_under_the_profiler_each_stage_is_marked(decoders):
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.kernels import STAGE_MARK
+    from engine.gpu.profiling import STAGE_MARK
 
     _, fixed = decoders
     with profile(activities=[ProfilerActivity.CPU]) as profiler:

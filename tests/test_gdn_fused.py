@@ -1,4 +1,4 @@
-"""The fused tree verify and commit (``engine.gdn_fused``) against one-token decoding.
+"""The fused tree verify and commit (``engine.on_vllm.gdn_fused``) against one-token decoding.
 
 Every node's output must be what decoding its root-to-node path token by token gives, verifying
 must leave the caches alone, and a commit must leave them as decoding the accepted path would.
@@ -6,7 +6,7 @@ On a GPU the reference is vLLM's own decode kernels (``causal_conv1d_update``, t
 ``fused_recurrent_gated_delta_rule_packed_decode``, what vLLM's AR runs), and the fused programs
 must match them bit for bit. On the CPU, under Triton's interpreter
 (``TRITON_INTERPRET=1 python -m pytest -q tests/test_gdn_fused.py``, with ``triton`` installed),
-the reference is ``engine.gdn_tree``'s readable torch kernels, to float32 rounding (their l2 norm
+the reference is ``engine.on_vllm.gdn_tree``'s readable torch kernels, to float32 rounding (their l2 norm
 multiplies by a reciprocal square root where the packed kernel divides). Elsewhere it is skipped.
 """
 
@@ -17,9 +17,9 @@ import torch
 
 import ddtree
 from ddtree.forks import depths, path_table
-from engine import gdn_fused
-from engine.gdn_tree import REFERENCE_KERNELS
-from tests.test_gdn_tree import SLOT, WIDTH, decode_path, layer, node_inputs, wide_deep_tree
+from engine.on_vllm import gdn_fused
+from engine.on_vllm.gdn_tree import REFERENCE_KERNELS
+from tests.test_gdn_tree import SLOT, decode_path, layer, node_inputs, wide_deep_tree
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not gdn_fused.fused_fits(DEVICE), reason="Triton does not run here")

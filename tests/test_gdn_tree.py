@@ -1,4 +1,4 @@
-"""A Gated DeltaNet layer verifying a tree on vLLM-style state caches (``engine.gdn_tree``).
+"""A Gated DeltaNet layer verifying a tree on vLLM-style state caches (``engine.on_vllm.gdn_tree``).
 
 The reference is the layer decoding one path token by token, as vLLM's decode does: each
 token convolves and shifts the request's window and runs the recurrence from the request's
@@ -13,8 +13,8 @@ import torch
 
 import ddtree
 from ddtree.forks import depths, path_replay, path_table, window_columns
-from engine import gdn_tree
-from engine.gdn_tree import REFERENCE_KERNELS, AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
+from engine.on_vllm import gdn_tree
+from engine.on_vllm.gdn_tree import REFERENCE_KERNELS, AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
 
 SLOT, SLOTS, WIDTH = 2, 4, 3  # the request's slot among 4; a window of 3 inputs (kernel 4)
 KEY_HEADS, HEADS, HEAD_K, HEAD_V = 2, 4, 8, 8

@@ -14,11 +14,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import ddtree
-from engine import bench, hybrid
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import ScriptedDrafter, fresh_config
 from engine.errors import EngineError
-from engine.target import load_target
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models import hybrid
+from engine.models.drafter import ScriptedDrafter, fresh_config
+from engine.models.target import load_target
+from engine.tools import bench
 from tests.hybrid_models import (FAMILIES, FULL, LINEAR, hybrid_decoder, hybrid_model, hybrid_target, reference_greedy,
                                  save_tiny_hybrid, scripted_drafter_for)
 from tests.test_sampling import CHI2_CRITICAL_DF5, chi_square, three_token_marginals
@@ -329,7 +330,7 @@ def test_bench_runs_a_saved_hybrid_folder_with_the_readable_step_and_says_so(tmp
 
 
 def test_the_tiny_hybrid_of_the_vllm_check_decodes_exactly_and_deep(tmp_path):
-    """The GPU check's model and drafter (``engine/gpu_session.sh hybrid``), on the torch engine:
+    """The GPU check's model and drafter (``engine/tools/gpu_session.sh hybrid``), on the torch engine:
     a scripted drafter that knows the answers gets every method accepted levels deep, and the
     outputs stay AR's."""
     folder = save_tiny_hybrid(tmp_path / "tiny-qwen3.5", vllm_shape=True)

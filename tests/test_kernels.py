@@ -1,8 +1,8 @@
-"""engine.kernels: kernels go to the stage their start falls in, counted and timed per verify step."""
+"""engine.gpu.profiling: kernels go to the stage their start falls in, counted and timed per verify step."""
 
 from __future__ import annotations
 
-from engine.kernels import NAME_CHARS, KernelEvent, attribute
+from engine.gpu.profiling import NAME_CHARS, KernelEvent, attribute
 
 
 def test_kernels_are_counted_and_timed_per_step_in_the_stage_they_start_in():

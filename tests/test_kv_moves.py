@@ -1,6 +1,6 @@
-"""The one-launch KV compaction (engine.kv_moves) against the readable per-layer moves.
+"""The one-launch KV compaction (engine.gpu.kv_moves) against the readable per-layer moves.
 
-It runs where Triton runs: natively on a GPU (``engine/gpu_session.sh check``), or on the
+It runs where Triton runs: natively on a GPU (``engine/tools/gpu_session.sh check``), or on the
 CPU under Triton's interpreter with ``triton`` installed beside the requirements:
 ``TRITON_INTERPRET=1 python -m pytest -q tests/test_kv_moves.py``. Elsewhere it is skipped.
 """
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ddtree
-from engine.kv_moves import RowMover
-from engine.triton_support import triton_runs_on
+from engine.gpu.kv_moves import RowMover
+from engine.gpu.triton_support import triton_runs_on
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not triton_runs_on(DEVICE), reason="Triton does not run here")

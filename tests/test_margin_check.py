@@ -1,4 +1,4 @@
-"""engine.margin_check: an engine's top-2 logit gaps against float64 teacher forcing."""
+"""engine.tools.margin_check: an engine's top-2 logit gaps against float64 teacher forcing."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from engine.bench import margins_of
-from engine.decode import DecodeSettings, Decoder
-from engine.margin_check import check_run, exact_margins, main
+from engine.loop.decode import DecodeSettings, Decoder
+from engine.tools.bench import margins_of
+from engine.tools.margin_check import check_run, exact_margins, main
 from tests.tiny import tiny_drafter, tiny_target
 
 PROMPT = "Tell,me,about,the,sea"  # the tiny tokenizer has no space character

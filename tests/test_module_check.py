@@ -1,4 +1,4 @@
-"""engine.module_check: each decoder module of a float32 engine replayed in float64 on the engine's own
+"""engine.tools.module_check: each decoder module of a float32 engine replayed in float64 on the engine's own
 inputs. Here the "engine" is the transformers twin itself in float32, captured through the same hooks
 the vLLM capture installs, so its modules stray by float32 rounding alone; one of them then gets a
 deliberate error, and the check must name that module and no other."""
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.module_check import MODULE, install_hooks, main, module_errors
-from engine.target import load_target
+from engine.models.target import load_target
+from engine.tools.module_check import MODULE, install_hooks, main, module_errors
 from tests.hybrid_models import LAYER_TYPES, save_tiny_hybrid
 
 PROMPTS = ["Tell me about the sea.", "Write a short poem about a fox that learns to fly over the mountains at night."]
@@ -23,7 +23,7 @@ def folder(tmp_path_factory):
 
 
 def capture_passes(engine) -> list[dict]:
-    """What ``engine.module_check capture`` records, from a transformers model in place of vLLM's."""
+    """What ``engine.tools.module_check capture`` records, from a transformers model in place of vLLM's."""
     records, expected = {}, [0]
     hooked = install_hooks(SimpleNamespace(model_runner=SimpleNamespace(model=engine.model)), records, expected)
     assert hooked == 4 * len(LAYER_TYPES)  # two norms, a token mixer and an MLP per layer
@@ -62,4 +62,4 @@ def test_the_compare_command_prints_a_row_per_module_and_refuses_what_is_not_a_c
     assert len(rows) == 4 * len(LAYER_TYPES)
     (tmp_path / "junk.pt").write_text("not a capture")
     assert main(["compare", str(tmp_path / "junk.pt"), "--model", folder]) == 2
-    assert "not a capture of engine.module_check" in capsys.readouterr().err
+    assert "not a capture of engine.tools.module_check" in capsys.readouterr().err

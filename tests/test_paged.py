@@ -97,8 +97,8 @@ def test_tensor_parallel_copy_splits_the_heads_and_keeps_every_logit(tmp_path, t
     """SmolLM2's 9 query / 3 KV heads do not split over 2 GPUs; the rewritten copy does, and is the same model."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from engine.target import bundled_gguf
-    from engine.training.convert import tensor_parallel_copy
+    from engine.models.target import bundled_gguf
+    from engine.models.convert import tensor_parallel_copy
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
@@ -120,8 +120,8 @@ def test_a_split_heads_drafter_drafts_the_same_block(tmp_path, monkeypatch):
     """vLLM's own DFlash shards its drafter too: at tensor parallel 2 it loads the split copy of
     our 9-head drafter, which must compute the same hidden states; a folder that splits already
     is used as it is."""
-    import engine.vllm_engine as vllm_engine
-    from engine.drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
+    import engine.on_vllm.vllm_engine as vllm_engine
+    from engine.models.drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
 
     monkeypatch.setattr(vllm_engine, "CONVERTED", tmp_path / "cache")
     config = DrafterConfig(hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,

@@ -1,9 +1,9 @@
-"""The replayed acceptance (engine.replay) is the decoder's own, step for step."""
+"""The replayed acceptance (engine.tools.replay) is the decoder's own, step for step."""
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import ScriptedDrafter
-from engine import replay as replay_cli
-from engine.replay import first_slot_table, proposals_along, replay
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.drafter import ScriptedDrafter
+from engine.tools import replay as replay_cli
+from engine.tools.replay import first_slot_table, proposals_along, replay
 from tests.tiny import tiny_decoder, tiny_target
 
 PROMPTS = [[3, 14, 15, 9, 2, 6], [27, 18, 28, 18], [5, 5, 5, 5, 5, 5, 5, 5]]

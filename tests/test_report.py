@@ -1,4 +1,4 @@
-"""The benchmark report, from a results file built by engine.bench's own code on the tiny model."""
+"""The benchmark report, from a results file built by engine.tools.bench's own code on the tiny model."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.bench import Job, benchmark, plan_jobs, summarize_runs
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import ScriptedDrafter, fresh_config
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.drafter import ScriptedDrafter, fresh_config
+from engine.tools.bench import Job, benchmark, plan_jobs, summarize_runs
 from engine.trace import SCRIPTED
 from tests.tiny import tiny_drafter, tiny_target
 from viz.report import headline_table, load_setting, main, per_position_acceptance
@@ -33,7 +33,7 @@ def results_path(tmp_path_factory):
     runs, notes = benchmark(decoder, [PROMPT], jobs, DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS),
                             progress=False)
     results = {
-        "config": {"command": "python -m engine.bench (test)", "model": target.name, "drafter": "oracle",
+        "config": {"command": "python -m engine.tools.bench (test)", "model": target.name, "drafter": "oracle",
                    "drafter_trained": False, "engine": "torch", "device": "cpu", "dtype": "float64",
                    "block_size": BLOCK_SIZE, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "seed": 0,
                    "tree_budgets": [4, 16], "prompts": "inline.jsonl", "num_prompts": 1,
@@ -58,13 +58,13 @@ def test_report_has_a_row_per_method(report):
     for row in ("| AR | 1.00 |", "| DFlash |", "| DDTree (budget 4) |", "| DDTree (budget 16) |"):
         assert row in markdown
     assert "| baseline |" in markdown
-    assert "| 1/1 |" in markdown  # identical to AR, as engine.bench counts it
+    assert "| 1/1 |" in markdown  # identical to AR, as engine.tools.bench counts it
 
 
 def test_report_says_where_and_how_it_was_measured(report):
     markdown = report["markdown"]
     for fact in ("Device: cpu", "Engine: torch, dtype float64", "drafter: oracle (untrained)", "`inline.jsonl`",
-                 "up to 24 new tokens", "Command: `python -m engine.bench (test)`"):
+                 "up to 24 new tokens", "Command: `python -m engine.tools.bench (test)`"):
         assert fact in markdown
 
 
@@ -109,7 +109,7 @@ def test_a_file_that_is_not_results_is_refused(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"runs": []}))
     assert main(["--results", str(bad), "--headline"]) == 1
-    assert "not an engine.bench results file" in capsys.readouterr().err
+    assert "not an engine.tools.bench results file" in capsys.readouterr().err
 
 
 def test_stage_table_is_milliseconds_per_verify_step(report, results_path):
@@ -212,7 +212,7 @@ def test_drafts_in_another_dtype_than_the_target_are_another_setting(results_pat
 
 
 def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_path, tmp_path):
-    from engine.bench import native_ar_settings, with_reduced_traces
+    from engine.tools.bench import native_ar_settings, with_reduced_traces
     from viz.report import build_report
 
     data = json.loads(results_path.read_text())
@@ -252,18 +252,18 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
 
 
 def test_the_recorded_command_names_the_triton_precision_it_ran_under(monkeypatch):
-    from engine import bench
+    from engine.tools import bench
     monkeypatch.setattr(bench.sys, "argv", ["bench.py", "--dtype", "float32"])
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
-    assert bench._command() == "python -m engine.bench --dtype float32"
+    assert bench._command() == "python -m engine.tools.bench --dtype float32"
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
-    assert bench._command() == "TRITON_F32_DEFAULT=ieee python -m engine.bench --dtype float32"
+    assert bench._command() == "TRITON_F32_DEFAULT=ieee python -m engine.tools.bench --dtype float32"
 
 
 def test_a_bench_file_written_before_its_kernel_counts_and_native_ar_says_so(results_path, tmp_path, capsys):
     """The bench writes its runs before what may outlast a device call (kernel counts, vLLM's own AR): the file
     says which of those is still pending, and the tables wait for the end."""
-    from engine.bench import Measured, report as bench_report
+    from engine.tools.bench import Measured, report as bench_report
 
     data = json.loads(results_path.read_text())
     jobs = plan_jobs("ar,dflash,ddtree", "4,16")

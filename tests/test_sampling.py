@@ -8,7 +8,7 @@ distribution is compared with the exact marginal computed from the target.
 
 import torch
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from tests.tiny import tiny_drafter, tiny_target
 
 VOCAB = 6

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from engine.bench import main as bench_main, native_ar_settings
-from engine.decode import DecodeSettings
-from engine.drafter import drafter_shape
 from engine.errors import EngineError
-from engine.models import load_decoder
-from engine.projection import PAPER_QWEN3_8B, main as projection_main, project
+from engine.loop.decode import DecodeSettings
+from engine.loop.loading import load_decoder
+from engine.models.drafter import drafter_shape
+from engine.tools.bench import main as bench_main, native_ar_settings
+from engine.tools.projection import PAPER_QWEN3_8B, main as projection_main, project
 from engine.trace import SCRIPTED, TIMING_ONLY, Trace
 from viz.figures import economics_figure
 from viz.report import load_setting, measurement_lines
@@ -78,7 +78,7 @@ def test_random_weights_need_config_folders():
 def test_the_bench_times_a_shape_and_the_projection_reads_it(shape, tmp_path, capsys):
     target, drafter = shape
     out = tmp_path / "shape.json"
-    result = subprocess.run([sys.executable, "-m", "engine.bench", "--prompts", "assets/prompts/smoke.jsonl",
+    result = subprocess.run([sys.executable, "-m", "engine.tools.bench", "--prompts", "assets/prompts/smoke.jsonl",
                              "--limit", "1", "--model", str(target), "--drafter", str(drafter), "--random-weights",
                              "--methods", "ar,dflash,ddtree", "--tree-budget", "8,16", "--max-new-tokens", "16",
                              "--no-progress", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -167,6 +167,23 @@ def test_the_projection_divides_tau_by_the_step_cost():
     assert b512.paper_speedup == PAPER_QWEN3_8B["speedup"][512]
 
 
+def test_the_mtp_row_counts_steps_by_accepted_drafts_and_caps_the_published_tau():
+    from engine.tools.projection import PUBLISHED_MTP, format_projection, project_mtp
+
+    results = {"config": {"model": "qwen3.6-27b", "drafter": "d", "timing_only": True, "vllm_mtp_tokens": 3},
+               "runs": [{"label": "vllm-ar", "wall_s": 1.0, "new_tokens": 100},  # 10 ms per token
+                        {"label": "vllm-mtp", "wall_s": 1.2, "new_tokens": 80, "accepted": 20}],  # 60 steps
+               "summary": {"dflash": {"step_ms": 15.0}}}
+    mtp = project_mtp(results, 10.0)
+    assert mtp.step_ms == pytest.approx(20.0) and mtp.cost == pytest.approx(2.0)
+    assert PUBLISHED_MTP["tau"] > 4 and mtp.tau == 4  # 3 drafted tokens accept at most 4 a step
+    assert mtp.speedup == pytest.approx(2.0)
+    name, ar_ms, rows = project(results, {})
+    assert "| vllm-mtp (3 drafted) | 20.00 | 2.00 | – | – | 4.00 (published) | 2.00× | – |" in \
+        format_projection(results, name, ar_ms, rows, "a curve")
+    assert project_mtp({"config": {}, "runs": []}, 10.0) is None
+
+
 def test_a_projection_without_a_baseline_is_one_clear_line(tmp_path, capsys):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"config": {}, "runs": [], "summary": {"ddtree@16": {"step_ms": 2.0}}}))
@@ -176,7 +193,7 @@ def test_a_projection_without_a_baseline_is_one_clear_line(tmp_path, capsys):
 
 
 def test_the_memory_estimate_counts_qwen3_8b_as_published():
-    from engine.projection import memory_plan, parameter_count
+    from engine.tools.projection import memory_plan, parameter_count
 
     target = json.loads((SHAPES / "qwen3-8b" / "config.json").read_text())
     drafter = json.loads((SHAPES / "qwen3-8b-dflash-b16" / "config.json").read_text())
@@ -201,7 +218,7 @@ def test_the_memory_estimates_of_the_shipped_shapes_print_as_one_table(capsys):
 
 def test_the_memory_estimate_of_the_qwen3_6_hybrid_grows_with_its_attention_layers_only():
     """48 of its 64 layers are Gated DeltaNets: a fixed state per request, no KV per token."""
-    from engine.projection import memory_plan, parameter_count
+    from engine.tools.projection import memory_plan, parameter_count
 
     target = json.loads((SHAPES / "qwen3.6-27b" / "config.json").read_text())
     drafter = json.loads((SHAPES / "qwen3.6-27b-dflash-b16" / "config.json").read_text())
@@ -219,7 +236,7 @@ def test_the_vllm_engine_refuses_unfit_pairs_before_it_starts(shape, tmp_path, m
     """Checked before vLLM is imported or the GPU used, so with CUDA said to be there this runs anywhere."""
     import torch
 
-    from engine.vllm_engine import VllmOptions, load_vllm_decoder
+    from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
     from tests.hybrid_models import save_tiny_hybrid
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -245,9 +262,9 @@ def test_the_vllm_engine_refuses_unfit_pairs_before_it_starts(shape, tmp_path, m
 def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fits(tmp_path, monkeypatch):
     import torch
 
-    from engine.drafter import drafter_shape, fresh_config, write_scripted_drafter
-    from engine.target import shape_config
-    from engine.vllm_engine import VllmOptions, llm_settings, load_vllm_decoder, native_settings, preflight
+    from engine.models.drafter import drafter_shape, fresh_config, write_scripted_drafter
+    from engine.models.target import shape_config
+    from engine.on_vllm.vllm_engine import VllmOptions, llm_settings, load_vllm_decoder, native_settings, preflight
     from tests.hybrid_models import save_tiny_hybrid
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched
@@ -256,12 +273,12 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     fits = write_scripted_drafter(tmp_path / "fits", fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2), [])
     preflight(str(folder), drafter_shape(fits))  # no error
     # the Studio sends text: the multimodal checkpoint runs its language model alone
-    # and a hybrid's workers import engine.vllm_gdn before the model is built (its float32 prefill)
+    # and a hybrid's workers import engine.on_vllm.vllm_gdn before the model is built (its float32 prefill)
     assert llm_settings(str(folder), studio=True) == {
         "additional_config": {"gdn_prefill_backend": "triton"}, "language_model_only": True,
-        "worker_extension_cls": "engine.vllm_gdn.HybridStudioWorker"}
+        "worker_extension_cls": "engine.on_vllm.hybrid_worker.HybridStudioWorker"}
     native = llm_settings(str(folder), studio=False)
-    assert native["worker_extension_cls"] == "engine.vllm_gdn.HybridPrefill"
+    assert native["worker_extension_cls"] == "engine.on_vllm.vllm_gdn.HybridPrefill"
     # one state block per sequence: vLLM's default 1,024 do not fit at 27B
     assert native_settings(str(folder), VllmOptions())["max_num_seqs"] == 8
     assert llm_settings(str(SHAPES / "qwen3.6-27b"), studio=False)["language_model_only"] is True
@@ -273,7 +290,7 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     assert native_ar_settings(None).endswith("max_num_seqs 8") and native_ar_settings(2).endswith("max_num_seqs 2")
     assert native_ar_settings(0).endswith("vLLM's default max_num_seqs")
     assert llm_settings(str(SHAPES / "qwen3-8b"), studio=True) == {
-        "worker_extension_cls": "engine.vllm_worker.StudioWorker"}
+        "worker_extension_cls": "engine.on_vllm.vllm_worker.StudioWorker"}
     narrow = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)
     narrow.hidden_size = 128
     with pytest.raises(EngineError, match="drafter hidden size 128 does not match the target's 256"):
@@ -289,10 +306,10 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
 
 def test_a_scripted_drafter_from_a_runs_own_outputs_goes_deep_on_random_weights(shape, tmp_path):
     """Random weights are seeded, so a second run decodes what the first did: a drafter scripted
-    with the first run's outputs (``engine.scripted``) is accepted levels deep, and exactness then
+    with the first run's outputs (``engine.tools.scripted``) is accepted levels deep, and exactness then
     means something at any shape."""
-    from engine import bench
-    from engine.scripted import main as scripted_main
+    from engine.tools import bench
+    from engine.tools.scripted import main as scripted_main
 
     target, drafter = shape
     common = ["--prompts", str(ROOT / "assets" / "prompts" / "smoke.jsonl"), "--model", str(target), "--random-weights",

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from engine.decode import DecodeSettings, TextStream
-from engine.models import load_decoder
+from engine.loop.decode import DecodeSettings
+from engine.loop.loading import load_decoder
+from engine.loop.run import TextStream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +36,7 @@ def test_random_drafter_outputs_equal_ar_in_float32(decoder, prompt):
 
 
 def test_the_fixed_step_with_the_shipped_drafter_equals_ar_in_float32():
-    from engine.decode import Decoder
+    from engine.loop.decode import Decoder
 
     shipped = load_decoder()
     assert shipped.drafter_info.trained, "the shipped drafter"
@@ -54,7 +55,7 @@ def test_bench_cli_on_default_model(tmp_path):
     prompts.write_text(json.dumps({"id": "colours", "prompt": "Name three colours."}) + "\n")
     out = tmp_path / "results.json"
     result = subprocess.run(
-        [sys.executable, "-m", "engine.bench", "--prompts", str(prompts), "--methods", "ar,dflash,ddtree",
+        [sys.executable, "-m", "engine.tools.bench", "--prompts", str(prompts), "--methods", "ar,dflash,ddtree",
          "--tree-budget", "4,16", "--max-new-tokens", "12", "--device", "cpu", "--out", str(out),
          "--traces", str(tmp_path / "traces"), "--no-progress"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -14,19 +14,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.decode import Decoder, DecodeSettings, DrafterInfo
-from engine.drafter import load_drafter, weights_digest
-from engine.target import Target
+from engine.loop.decode import Decoder, DecodeSettings, DrafterInfo
+from engine.models.drafter import load_drafter, weights_digest
+from engine.models.target import Target
 from engine.training import data as data_module
+from engine.training import objective
+from engine.training import prompts as prompt_module
 from engine.training.data import DataSettings, SequenceData, repetition_cut, user_turn_ids
 from engine.training.export import export_drafter
 from engine.training.generation import Sampling, TransformersGenerator, as_completion
-from engine.training.run import Plan
-from engine.training import objective
-from engine.training import prompts as prompt_module
 from engine.training.objective import block_loss, distillation_kl, fused_block_loss, target_logits
-from engine.training.train import (Batch, Blocks, Progress, TrainSettings, Trainer, block_labels, block_visibility,
-                                   choose_loss, draft_hidden, greedy_tokens, learning_rate, load_state, make_batch, sample_anchors,
+from engine.training.run import Plan
+from engine.training.settings import TrainSettings
+from engine.training.train import (Batch, Blocks, Progress, Trainer, block_labels, block_visibility, choose_loss,
+                                   draft_hidden, greedy_tokens, learning_rate, load_state, make_batch, sample_anchors,
                                    save_state, target_pass)
 from tests.tiny import STOP, VOCAB, tiny_drafter, tiny_target
 
@@ -440,7 +441,7 @@ def smollm2_chat() -> Target:
     """The bundled SmolLM2's tokenizer (read from its GGUF, a few seconds), without weights."""
     from transformers import AutoTokenizer
 
-    from engine.target import bundled_gguf
+    from engine.models.target import bundled_gguf
 
     gguf = bundled_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.drafter import ScriptedDrafter, fresh_config
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.models.drafter import ScriptedDrafter, fresh_config
 from tests.tiny import tiny_drafter, tiny_target
-from viz.video import (HOLD_S, INTRO_S, PRESETS, THEME, Column, Scene, Timeline, VideoError, column_states,
-                       load_font, main, pick_traces, render_video, visible_lines, wrap_text)
+from viz.video import (HOLD_S, INTRO_S, PRESETS, THEME, Column, Scene, Timeline, VideoError, column_states, load_font,
+                       main, pick_traces, render_video, visible_lines, wrap_text)
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 MAX_NEW_TOKENS = 24

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import ddtree
-from engine.decode import DecodeSettings
+from engine.loop.decode import DecodeSettings
 from engine.trace import Step, Trace
 from tests.tiny import tiny_decoder
-from viz.figures import acceptance_histogram, draft_rank, economics_figure, economics_text, explain_stop, \
-    probability_figure, race_chart, stage_figure, sweep_figure
+from viz.figures import (acceptance_histogram, draft_rank, economics_figure, economics_text, explain_stop,
+                         probability_figure, race_chart, stage_figure, sweep_figure)
 from viz.text_view import column_html, run_stats, tokens_html
 from viz.tokens import committed_origins, pieces_token_text, visible
 from viz.tree_figure import NODE_STYLES, tidy_layout, tree_figure, tree_height
@@ -278,7 +278,7 @@ def test_visible_whitespace():
 
 # ---------------------------------------------------------------- traces from the vLLM engine
 
-VLLM_SAMPLE = "assets/traces/h200-vllm-heldout-f664308deb20.json"  # recorded on an H200 (engine.bench --traces)
+VLLM_SAMPLE = "assets/traces/h200-vllm-heldout-f664308deb20.json"  # recorded on an H200 (engine.tools.bench --traces)
 
 
 def test_vllm_engine_traces_open_in_the_inspector_unchanged():

@@ -3,7 +3,7 @@ agreement with the torch engine, tensor parallelism. Skipped without CUDA and vL
 
     DDTREE_VLLM_MODEL=... DDTREE_VLLM_DRAFTER=... python -m pytest -q -m gpu tests/test_vllm_engine.py
 
-(defaults: the bundled SmolLM2 and the shipped drafter; ``engine/vllm_device.sh`` runs this.)
+(defaults: the bundled SmolLM2 and the shipped drafter; ``engine/tools/vllm_device.sh`` runs this.)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ddtree
-from engine.decode import DecodeSettings
 from engine.errors import EngineError
+from engine.loop.decode import DecodeSettings
 from tests.test_fixed_step_gpu import ONCE_PER_RUN
 
 pytestmark = [
@@ -41,7 +41,7 @@ def prompts(count: int) -> list[str]:
 @pytest.fixture(scope="module")
 def studio():
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the tests send functions to the workers
-    from engine.vllm_engine import load_vllm_decoder
+    from engine.on_vllm.vllm_engine import load_vllm_decoder
 
     return load_vllm_decoder(MODEL, DRAFTER, dtype="float32")
 
@@ -49,7 +49,7 @@ def studio():
 @pytest.fixture(scope="module")
 def readable(studio):
     """The same engine with the readable step (host-side tree, walk and compaction)."""
-    from engine.vllm_engine import VllmOptions, load_vllm_decoder
+    from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
     return load_vllm_decoder(MODEL, DRAFTER, dtype="float32",
                              options=VllmOptions(fixed_step=False, gpu_memory_utilization=0.2))
@@ -58,10 +58,10 @@ def readable(studio):
 @pytest.fixture(scope="module")
 def torch_engine(studio):
     """The torch engine on the same GPU, same float32 weights (the folder vLLM loaded)."""
-    from engine.decode import Decoder
-    from engine.drafter import load_drafter
-    from engine.target import load_target
-    from engine.vllm_engine import model_folder
+    from engine.loop.decode import Decoder
+    from engine.models.drafter import load_drafter
+    from engine.models.target import load_target
+    from engine.on_vllm.vllm_engine import model_folder
 
     target = load_target(model_folder(MODEL), device="cuda", dtype="float32")
     drafter = load_drafter(studio.drafter_path).to(device="cuda", dtype=torch.float32).eval()
@@ -122,7 +122,7 @@ def test_tree_verify_and_compaction_match_the_torch_engine(studio, torch_engine)
 
 
 def test_greedy_dflash_and_ddtree_equal_vllm_ar_in_float32(studio, readable, torch_engine):
-    from engine.vllm_engine import native_generate, native_llm
+    from engine.on_vllm.vllm_engine import native_generate, native_llm
 
     native = native_llm(MODEL, "float32", options=studio.options, enforce_eager=True)
     for prompt in prompts(3):
@@ -187,7 +187,7 @@ def test_bad_settings_fail_in_the_driver_and_the_engine_keeps_serving(studio):
 def test_tensor_parallel_ddtree_equals_one_gpu(studio):
     """Both runs use the same weights: for 2 GPUs the bundled SmolLM2 is served as its equivalent
     12-head copy (``model_folder``), since its own 9 heads do not split over 2."""
-    from engine.vllm_engine import VllmOptions, load_vllm_decoder, model_folder
+    from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder, model_folder
 
     split_weights = model_folder(MODEL, tensor_parallel_size=2)
     cases = [(prompt, DecodeSettings("ddtree", NEW_TOKENS, tree_budget=32)) for prompt in prompts(3)]

@@ -1,4 +1,4 @@
-"""``engine.vllm_gdn`` over vLLM's hybrid KV-cache layout, on the CPU (stub vLLM modules, the torch kernels).
+"""``engine.on_vllm.vllm_gdn`` over vLLM's hybrid KV-cache layout, on the CPU (stub vLLM modules, the torch kernels).
 
 vLLM puts layers of different types in different KV-cache groups of equal size (the tiny Qwen3.5,
 3 linear : 1 full, gets four groups of one layer) and gives layer i of every group the same cache
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddtree.forks import depths, path_table
-from engine import gdn_tree
+from engine.on_vllm import gdn_tree
 from tests import test_gdn_tree as check
 
 BLOCKS, GROUPS = 6, 3
@@ -50,7 +50,6 @@ def vllm_gdn(monkeypatch):
             fused_recurrent_gated_delta_rule=gdn_tree.recurrent_reference),
         "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn": dict(
             QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention, ChunkGatedDeltaRule=ChunkGatedDeltaRule),
-        "engine.vllm_worker": dict(StudioWorker=type("StudioWorker", (), {})),
         "vllm.model_executor.layers.mamba.mamba_utils": dict(is_conv_state_dim_first=lambda: False),
         "vllm.model_executor.layers.mamba.ops.causal_conv1d": dict(causal_conv1d_update=gdn_tree.conv_update_reference),
         "vllm.v1.attention.backend": dict(CommonAttentionMetadata=types.SimpleNamespace),
@@ -62,13 +61,13 @@ def vllm_gdn(monkeypatch):
         module.__dict__.update(attributes)
         monkeypatch.setitem(sys.modules, name, module)
     package.qwen_gdn_linear_attn = sys.modules["vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"]
-    previous = sys.modules.pop("engine.vllm_gdn", None)
+    previous = sys.modules.pop("engine.on_vllm.vllm_gdn", None)
     try:
-        yield importlib.import_module("engine.vllm_gdn")
+        yield importlib.import_module("engine.on_vllm.vllm_gdn")
     finally:
-        sys.modules.pop("engine.vllm_gdn", None)
+        sys.modules.pop("engine.on_vllm.vllm_gdn", None)
         if previous is not None:
-            sys.modules["engine.vllm_gdn"] = previous
+            sys.modules["engine.on_vllm.vllm_gdn"] = previous
 
 
 def shared_layers():

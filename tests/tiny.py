@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.decode import Decoder, DrafterInfo
-from engine.drafter import DFlashDrafter, fresh_config
-from engine.target import Target
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.models.drafter import DFlashDrafter, fresh_config
+from engine.models.target import Target
 
 VOCAB = 96
 STOP = 1

@@ -8,9 +8,9 @@ Triton's interpreter runs vLLM 0.23's ``causal_conv1d_update``,
 files (``vllm.triton_utils`` stubbed; one interpreter-only edit: the recurrent kernel's
 ``range(T)`` over a loaded scalar). With them it runs ``tests/test_gdn_tree.py``'s checks
 (every tree node, and every commit, against vLLM-style one-token decoding) and drives
-``engine.vllm_gdn``'s glue through three tree steps with the stub modules it imports, the
+``engine.on_vllm.vllm_gdn``'s glue through three tree steps with the stub modules it imports, the
 conv state in vLLM's default layout. A GPU runs the same checks with compiled kernels
-(``engine/gpu_session.sh hybrid``).
+(``engine/tools/gpu_session.sh hybrid``).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class QwenGatedDeltaNetAttention:
 
 
 def check_glue(kernels, check) -> None:
-    """``engine.vllm_gdn`` over stub vLLM modules: three tree steps, each committed."""
+    """``engine.on_vllm.vllm_gdn`` over stub vLLM modules: three tree steps, each committed."""
     from ddtree.forks import depths, path_table
 
     _module("vllm.model_executor.layers.fla.ops", fused_sigmoid_gating_delta_rule_update=kernels.gated_delta_update,
@@ -76,11 +76,10 @@ def check_glue(kernels, check) -> None:
     _module("vllm.model_executor.layers.mamba.gdn")
     _module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
             QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention, ChunkGatedDeltaRule=type("ChunkGatedDeltaRule", (), {"forward": None}))
-    _module("engine.vllm_worker", StudioWorker=type("StudioWorker", (), {}))
     _module("vllm.model_executor.layers.mamba.mamba_utils", is_conv_state_dim_first=lambda: False)
     _module("vllm.model_executor.layers.mamba.ops.causal_conv1d", causal_conv1d_update=kernels.conv_update)
     _module("vllm.v1.attention.backend", CommonAttentionMetadata=object)
-    from engine import vllm_gdn
+    from engine.on_vllm import vllm_gdn
 
     params, conv, ssm = check.layer(3, "cpu")
     layer = QwenGatedDeltaNetAttention()
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("triton") is None:
         print("needs triton (pip install triton==3.6.0) and TRITON_INTERPRET=1")
         return 2
-    from engine.gdn_tree import REFERENCE_KERNELS, GDNKernels
+    from engine.on_vllm.gdn_tree import REFERENCE_KERNELS, GDNKernels
     from tests import test_gdn_tree as check
 
     loaded = load_kernels(Path(argv[0]))
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                for each in (kernels, REFERENCE_KERNELS)]
     print(f"the torch doubles against vLLM's kernels: max |difference| {(outputs[0] - outputs[1]).abs().max():.1e}")
     check_glue(kernels, check)
-    print("engine.vllm_gdn's glue: three tree steps and commits bit-identical to one-token decoding")
+    print("engine.on_vllm.vllm_gdn's glue: three tree steps and commits bit-identical to one-token decoding")
     return 0
 
 

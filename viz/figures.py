@@ -10,7 +10,7 @@ from collections import Counter
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.economics import Economics, Timing, economics, explain
+from engine.loop.economics import Economics, Timing, economics, explain
 from engine.trace import STAGES, TIMING_ONLY, Step, Trace
 from viz.tokens import TokenText, shown
 

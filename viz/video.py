@@ -359,7 +359,7 @@ def drafter_name(trace: Trace) -> str | None:
     config = trace.config
     if config.method == "ar" or not config.drafter:
         return None
-    if config.drafter_trained or "untrained" in config.drafter.lower():  # engine.models already says so
+    if config.drafter_trained or "untrained" in config.drafter.lower():  # engine.loop.loading already says so
         return config.drafter
     return f"{config.drafter} (untrained)"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from engine.drafter import DFlashDrafter, DrafterError, load_drafter, read_drafter_config, weights_digest
 from engine.errors import run_command
+from engine.models.drafter import DFlashDrafter, DrafterError, load_drafter, read_drafter_config, weights_digest
 from engine.training.export import acceptance_record, export_drafter
 
 # Fields that describe a checkpoint's history or measurements, not its shape: they may differ.
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("out", type=Path, help="the averaged drafter's folder (config.json + one bf16 safetensors)")
     parser.add_argument("drafters", type=Path, nargs="+", help="drafter folders of one shape")
     parser.add_argument("--acceptance", type=Path, default=None,
-                        help="an engine.bench results file measured with the averaged drafter: its τ goes into "
+                        help="an engine.tools.bench results file measured with the averaged drafter: its τ goes into "
                              "config.json, as with engine.training.export")
     return parser.parse_args(argv)
 

@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.target import Target, load_target
+from engine.models.target import Target, load_target, stop_token_ids
 from engine.training.generation import (Completion, Generator, Sampling, TransformersGenerator, VllmGenerator,
-                                       VllmSettings, device_and_dtype)
+                                        VllmSettings, device_and_dtype)
 from engine.training.overlap import OverlapIndex, OverlapReport
 from engine.training.prompts import (FOLLOW_UPS, FORMATS, GENERAL_TOPICS, Prompt, arithmetic_prompts, code_prompts,
                                      composed_prompts, function_prompts, general_prompts, list_requests, listed_items,
@@ -468,8 +468,6 @@ def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timin
 def tokenizer_only_target(folder: str) -> Target:
     """Tokenizer and stop ids without weights: vLLM holds the model."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from engine.target import stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return Target(model=None, tokenizer=tokenizer, name=folder,

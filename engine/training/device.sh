@@ -43,7 +43,7 @@ prepare() {
   if [ ! -f "$MODEL/config.json" ]; then
     gguf=$(ls "$STAGE"/*.gguf 2>/dev/null | head -n 1)
     [ -n "$gguf" ] || { say "no GGUF in $STAGE: stage SmolLM2-135M-Instruct.Q4_1.gguf first"; return 1; }
-    python3 -m engine.training.convert "$gguf" "$MODEL" || return 1
+    python3 -m engine.models.convert "$gguf" "$MODEL" || return 1
     say "target converted"
   fi
 }

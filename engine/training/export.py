@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.drafter import DFlashDrafter, save_drafter
+from engine.models.drafter import ARCHITECTURE, DFlashDrafter, load_drafter, save_drafter
 
 INDEX_FILE = "model.safetensors.index.json"
 HEADER_BYTES = 256  # per tensor, an upper bound on its entry in a safetensors JSON header (plus its name)
@@ -70,14 +70,12 @@ def main(argv=None) -> None:
     """
     import argparse
 
-    from engine.drafter import ARCHITECTURE, load_drafter
-
     parser = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path)
     parser.add_argument("destination", type=Path)
     parser.add_argument("--shard-mb", type=float, default=0.0, help="max MiB per weight file; 0: one file")
     parser.add_argument("--acceptance", type=Path, default=None,
-                        help="an engine.bench results file on prompts the drafter never saw: its τ per method goes "
+                        help="an engine.tools.bench results file on prompts the drafter never saw: its τ per method goes "
                              "into config.json (the app's start-up budget calibration reads it)")
     args = parser.parse_args(argv)
     raw = json.loads((args.source / "config.json").read_text())
@@ -90,7 +88,7 @@ def main(argv=None) -> None:
 
 
 def acceptance_record(results: dict) -> dict:
-    """τ per method from an ``engine.bench`` results file, as ``DrafterConfig.acceptance`` holds it."""
+    """τ per method from an ``engine.tools.bench`` results file, as ``DrafterConfig.acceptance`` holds it."""
     summary, config = results["summary"], results["config"]
     ddtree = {label.split("@")[1]: round(entry["tau"], 3) for label, entry in summary.items()
               if label.startswith("ddtree@")}

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from engine.target import Target
+from engine.models.target import Target
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,13 @@ Two implementations of one loss:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from engine.drafter import DFlashDrafter
-from engine.target import Target
-
-if TYPE_CHECKING:
-    from engine.training.train import TrainSettings
+from engine.models.drafter import DFlashDrafter
+from engine.models.target import Target
+from engine.training.settings import TrainSettings
 
 CHUNK_ROWS = 2048  # slots per chunk of the fused loss: [2048, 49k] float32 is 0.4 GB
 

@@ -41,35 +41,18 @@ from typing import Callable
 
 import torch
 
-from engine.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, parameter_count
-from engine.target import Target, load_target
+from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, parameter_count
+from engine.models.target import Target, load_target
 from engine.training.data import SequenceData
 from engine.training.export import export_drafter
 from engine.training.generation import device_and_dtype
 from engine.training.objective import StepMetrics, block_loss, chunk_terms, fused_block_loss, target_logits
+from engine.training.settings import TrainSettings
 
 STATE_FILE = "train-state.pt"
 LOG_FILE = "train-log.jsonl"
 EXPORT_FOLDER = "drafter"
 LABEL_SOURCES = ("data", "greedy")
-
-
-@dataclass
-class TrainSettings:
-    batch_size: int = 64  # sequences per step
-    blocks_per_sequence: int = 32
-    max_length: int = 768  # longer sequences are cut (most prompts + a 256-token reply fit)
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_fraction: float = 0.03
-    weight_decay: float = 0.01
-    gamma: float = 7.0  # slot k weighs exp(-(k-1)/gamma)
-    distill_weight: float = 0.5  # 0: cross-entropy on the label only; 1: KL to the target only
-    labels: str = "data"  # "data": the reply's own tokens; "greedy": the target's argmax at each position
-    grad_clip: float = 1.0
-    seed: int = 0
-    log_every: int = 50
-    save_every_minutes: float = 2.0
 
 
 @dataclass

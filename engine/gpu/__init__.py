@@ -1,0 +1,2 @@
+"""GPU fast paths and measurement: Triton kernels (``beam_kernel``, ``kv_moves``, both on
+``triton_support``) and CUDA kernels per decoding stage (``profiling``)."""

@@ -1,0 +1,292 @@
+"""AR, DFlash and DDTree decoding: the ``Decoder`` (settings, checks, which step runs) and the
+readable step, ``ReadableRun``, on ``engine.loop.run``'s loop.
+
+Every step drafts a tree below the last committed token (AR: no tree; DFlash: a
+chain; DDTree: the best-first tree), verifies root + nodes in one target pass with
+an ancestors-only mask, walks it with the target's own tokens, keeps the accepted
+path's KV and hands the accepted tokens' hidden states to the drafter as new
+context. Greedy output therefore equals AR exactly, and sampled output follows the
+target's distribution.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+import ddtree
+from engine.errors import EngineError
+from engine.gpu.profiling import profile_kernels
+from engine.loop.draft_pass import EagerDraft, GraphedDraft
+from engine.loop.fixed_step import FixedProgram, FixedRun
+from engine.loop.run import Outcome, Run, logit_margins
+from engine.models.drafter import DFlashDrafter
+from engine.models.protocols import TargetModel
+from engine.trace import METHODS, RunConfig, Step, Trace
+
+MAX_TREE_BUDGET = 1024
+MAX_NEW_TOKENS = 4096
+FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
+TRACE_DETAILS = ("full", "tokens")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    method: str
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    seed: int = 0
+    block_size: int | None = None  # None: the drafter's own
+    tree_budget: int = 32
+    record_top_k: int = 8
+    trace_detail: str = "full"  # "tokens": steps keep what they commit, not the tree (timing a lean loop)
+
+
+@dataclass
+class DrafterInfo:
+    """How the drafter is presented in traces: its name and whether it was trained."""
+
+    name: str
+    trained: bool
+    revision: str | None = None  # the weights' fingerprint (``engine.models.drafter.weights_digest``)
+
+
+def step_kind(fixed_step: bool, compile_step: bool) -> str:
+    return ("compiled fixed" if compile_step else "fixed") if fixed_step else "readable"
+
+
+class Decoder:
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None = None,
+                 drafter_info: DrafterInfo | None = None,
+                 engine: str = "torch", cuda_graphs: bool = False, fixed_step: bool = False,
+                 compile_step: bool = False, timing_only: bool = False):
+        self.target = target
+        self.drafter = drafter
+        self.drafter_info = drafter_info or DrafterInfo(name="none", trained=False)
+        self.engine = engine
+        self.cuda_graphs = cuda_graphs  # replay the draft pass as a CUDA graph where the drafter allows it
+        # greedy DFlash / DDTree as fixed-shape device programs (engine.loop.fixed_step) instead of the readable step,
+        # where the target's cache can take them (``TargetModel.runs_fixed_step``)
+        self.fixed_step = fixed_step and target.runs_fixed_step
+        self.compile_step = compile_step  # the fixed step's own stages (draft, tree, walk) through torch.compile
+        self.timing_only = timing_only  # random weights at a real shape: traces say so
+        self._graphed_drafts: dict[int, GraphedDraft] = {}
+        self._programs: dict[tuple, object] = {}
+        if drafter is not None:
+            check_drafter_fits(drafter.config, target.config)
+
+    @property
+    def step_kind(self) -> str:
+        """How greedy steps run: "fixed" (device programs, ``engine.loop.fixed_step``), "compiled fixed"
+        (their stages through torch.compile) or "readable"."""
+        return step_kind(self.fixed_step, self.compile_step)
+
+    @property
+    def draft_dtype(self) -> str | None:
+        """The drafter's dtype where it is not the target's (the vLLM engine's workers keep the target's)."""
+        if self.engine != "torch" or self.drafter is None or self.drafter.dtype == self.target.dtype:
+            return None
+        return str(self.drafter.dtype).removeprefix("torch.")
+
+    @functools.cached_property
+    def draft_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's embedding and lm_head as the drafter reads them: in the drafter's own dtype
+        (a bf16 drafter beside a float32 target drafts at bf16 speed; the target still verifies);
+        the same tensors when it is the target's."""
+        target = self.target
+        dtype = self.drafter.dtype if self.drafter is not None else target.dtype
+        if dtype == target.dtype:
+            return target.embedding, target.lm_head
+        embedding = target.embedding.to(dtype)
+        tied = target.lm_head.data_ptr() == target.embedding.data_ptr()
+        return embedding, embedding if tied else target.lm_head.to(dtype)
+
+    def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
+        if not (self.cuda_graphs and self.drafter.graphable):
+            return EagerDraft(self.drafter, *self.draft_weights, block_size)
+        if block_size not in self._graphed_drafts:
+            self._graphed_drafts[block_size] = GraphedDraft(self.drafter, *self.draft_weights, block_size,
+                                                            self.target.context_length)
+        graphed = self._graphed_drafts[block_size]
+        graphed.reset()
+        return graphed
+
+    def prepare(self, settings: DecodeSettings, prompt_length: int) -> tuple[DecodeSettings, list[str]]:
+        """Check settings against the models; return them adjusted, with notes saying how."""
+        notes: list[str] = []
+        if settings.method not in METHODS:
+            raise EngineError(f"unknown method {settings.method!r}; choose from {', '.join(METHODS)}")
+        if not 1 <= settings.max_new_tokens <= MAX_NEW_TOKENS:
+            raise EngineError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, got {settings.max_new_tokens}")
+        if settings.temperature < 0:
+            raise EngineError(f"temperature must be >= 0, got {settings.temperature}")
+        if settings.trace_detail not in TRACE_DETAILS:
+            raise EngineError(f"trace detail must be one of {', '.join(TRACE_DETAILS)}, got {settings.trace_detail!r}")
+        if prompt_length == 0:
+            raise EngineError("the prompt is empty: type a message for the model to answer")
+        block_size = 1
+        if settings.method != "ar":
+            if self.drafter is None:
+                raise EngineError(f"{settings.method} needs a DFlash drafter; pass one (or 'random')")
+            native = self.drafter.block_size
+            block_size = settings.block_size or native
+            if not 2 <= block_size <= native:
+                raise EngineError(f"block size {block_size} is not supported by this drafter: "
+                                  f"choose 2..{native} (it was trained with blocks of {native})")
+        if settings.method == "ddtree":
+            if settings.tree_budget < 1:
+                raise EngineError(f"tree budget must be at least 1, got {settings.tree_budget}")
+            if settings.tree_budget > MAX_TREE_BUDGET:
+                notes.append(f"tree budget {settings.tree_budget} capped to {MAX_TREE_BUDGET}")
+                settings = replace(settings, tree_budget=MAX_TREE_BUDGET)
+        if self.fixed_step and settings.temperature > 0:
+            notes.append("sampling runs the readable step: the fixed-shape step walks greedily")
+        limit = self.target.context_length
+        needed = prompt_length + settings.max_new_tokens + block_size
+        if needed > limit:
+            raise EngineError(f"prompt of {prompt_length} tokens + {settings.max_new_tokens} new tokens exceeds the "
+                              f"model's context of {limit} tokens: shorten the prompt or lower max new tokens")
+        return replace(settings, block_size=block_size), notes
+
+    @torch.inference_mode()
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *, prompt_ids: list[int] | None = None,
+            on_step: Callable[[Trace, Step], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Trace:
+        if prompt_ids is None:
+            if not prompt.strip():
+                raise EngineError("the prompt is empty: type a message for the model to answer")
+            prompt_ids = self.target.chat_ids(prompt)
+        settings, notes = self.prepare(settings, len(prompt_ids))
+        target, device = self.target, self.target.device
+        fixed = self.uses_fixed_step(settings)
+        config = RunConfig(
+            method=settings.method, engine=self.engine, model=target.name,
+            drafter=self.drafter_info.name if settings.method != "ar" else None,
+            drafter_trained=self.drafter_info.trained if settings.method != "ar" else False,
+            device=str(device), dtype=str(target.dtype).removeprefix("torch."),
+            block_size=settings.block_size, tree_budget=settings.tree_budget if settings.method == "ddtree" else None,
+            temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
+            prompt=prompt, prompt_ids=list(prompt_ids), notes=notes, timing_only=self.timing_only,
+            step=step_kind(fixed, self.compile_step),
+        )
+        if fixed:
+            program = self.fixed_program(settings, len(prompt_ids))
+            return FixedRun(self, settings, config, on_step, should_stop, program).execute()
+        return ReadableRun(self, settings, config, on_step, should_stop).execute()
+
+    def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):
+        """Kernels per verify step by stage for one generation, and the slowest (``engine.gpu.profiling``;
+        CUDA only)."""
+        return profile_kernels(lambda: self.run(prompt_ids=prompt_ids, settings=settings))
+
+    def uses_fixed_step(self, settings: DecodeSettings) -> bool:
+        """Greedy decoding on a target that runs the fixed step (``TargetModel.runs_fixed_step``), with a
+        drafter a CUDA graph can hold where graphs are on (not a scripted one) if it drafts."""
+        if not self.fixed_step or settings.temperature != 0:
+            return False
+        return settings.method == "ar" or self.drafter.graphable or not self.cuda_graphs
+
+    def fixed_program(self, settings: DecodeSettings, prompt_length: int):
+        """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
+        budget = settings.tree_budget if settings.method == "ddtree" else None
+        # the last step may pass max_new_tokens by a block, and its tree's rows sit after that; one scratch row
+        nodes = budget if budget is not None else settings.block_size - 1
+        needed = prompt_length + settings.max_new_tokens + settings.block_size + nodes + 2
+        capacity = -(-needed // FIXED_CAPACITY_STEP) * FIXED_CAPACITY_STEP
+        key = (settings.method, budget, settings.block_size, capacity, settings.record_top_k)
+        if key not in self._programs:
+            self._programs[key] = FixedProgram(self, settings.method, budget, settings.block_size, capacity,
+                                               settings.record_top_k,
+                                               graphs=self.cuda_graphs and self.target.device.type == "cuda",
+                                               compile_step=self.compile_step)
+        return self._programs[key]
+
+    def close(self) -> None:
+        """Give back the device memory the step's graphs and programs hold before another engine
+        (vLLM's own, in the bench) starts; they are rebuilt if this decoder runs again."""
+        self._graphed_drafts.clear()
+        self._programs.clear()
+
+
+def check_drafter_fits(drafter_config, target_config) -> None:
+    """A drafter trained for another model (width, tapped layers) is refused before anything runs."""
+    if drafter_config.hidden_size != target_config.hidden_size:
+        raise EngineError(f"drafter hidden size {drafter_config.hidden_size} does not match the target's "
+                          f"{target_config.hidden_size}: it was trained for another model")
+    if max(drafter_config.target_layer_ids) >= target_config.num_hidden_layers:
+        raise EngineError(f"drafter taps target layers {drafter_config.target_layer_ids} but the target has "
+                          f"{target_config.num_hidden_layers} layers: it was trained for another model")
+
+
+class ReadableRun(Run):
+    """The readable step: each stage a plain call (draft, tree, verify, walk, commit), timed one by one;
+    greedy or sampled, on any target."""
+
+    def __init__(self, decoder: Decoder, settings: DecodeSettings, config: RunConfig, on_step, should_stop):
+        super().__init__(decoder, settings, config, on_step, should_stop)
+        self.draft_pass = decoder.draft_pass(settings.block_size) if self.drafts else None
+
+    def steps(self) -> Iterator[Step]:
+        for index in itertools.count():
+            yield self.step(index)
+
+    def draft(self) -> torch.Tensor:
+        """Log-probabilities ``[block-1, vocab]`` for the slots after the root, in one drafter pass."""
+        return self.draft_pass(self.root, self.start, self.new_context, self.new_context_positions)
+
+    def build(self, log_probs: torch.Tensor | None) -> ddtree.DraftTree:
+        if log_probs is None:
+            return ddtree.DraftTree.empty()
+        if self.settings.method == "dflash":
+            return ddtree.chain_tree(log_probs)
+        return ddtree.build_tree(log_probs, self.settings.tree_budget)
+
+    def step(self, index: int) -> Step:
+        t_start = self.elapsed()
+        root = self.root
+        log_probs = None
+        if self.drafts:
+            with self.clock.stage("draft"):
+                log_probs = self.draft()
+        with self.clock.stage("tree_build"):
+            tree = self.build(log_probs)
+        with self.clock.stage("tree_compile"):
+            inputs = ddtree.compile_tree(tree, self.root, self.start)
+            bias = self.target.tree_bias(inputs.visible, self.start) if tree.size else None
+        with self.clock.stage("verify"):
+            logits, hidden = self.target.forward(inputs.input_ids.to(self.device), inputs.position_ids.to(self.device),
+                                                 self.cache, bias, hidden_states=self.drafts)
+        with self.clock.stage("commit"):
+            target_tokens = ddtree.sample_tokens(logits, self.settings.temperature, self.generator).tolist()
+            accepted, bonus = ddtree.follow_tree(tree, target_tokens)
+            self.target.commit(self.cache, self.start, accepted)
+            if self.drafts:
+                kept = torch.tensor(accepted, device=self.device)
+                self.new_context = self.drafter.context_features(hidden).index_select(1, kept)
+                self.new_context_positions = (self.start + torch.arange(len(accepted), device=self.device))[None]
+            path_tokens = [int(t) for t in inputs.input_ids[0, accepted[1:]].tolist()]
+            committed = self.clip(path_tokens + [bonus])
+            margins = logit_margins(logits.index_select(0, torch.tensor(accepted, device=self.device)))
+            self.output_ids.extend(committed)
+            outcome = Outcome(tree, target_tokens, accepted, bonus, committed,
+                               pieces=[self.text.push(token) for token in committed], margins=margins[: len(committed)])
+            self.start += len(accepted)
+            self.root = bonus
+        full = self.settings.trace_detail == "full"
+        return self.record(index, t_start, root, _draft_top(log_probs, self.settings.record_top_k) if full else ([], []),
+                           outcome)
+
+
+def _draft_top(log_probs: torch.Tensor | None, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The drafter's ``k`` most probable tokens per depth, and their probabilities."""
+    if log_probs is None:
+        return [], []
+    values, tokens = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+    return tokens.tolist(), values.exp().tolist()
+
+

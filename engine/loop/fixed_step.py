@@ -1,0 +1,397 @@
+"""AR, DFlash and DDTree steps as fixed-shape programs: the device holds the loop's state and the
+host reads one small tensor per step.
+
+A step is two programs over buffers that never change shape:
+
+- ``draft`` (DFlash, DDTree): the drafter's pass over ``StaticDraftContext``, fed the previous
+  step's accepted rows (padded to the block) and their count;
+- ``advance``: the tree (``ddtree.fixed``: beam tree, chain, or none for AR; on a GPU the beam
+  tree is one Triton program, ``engine.gpu.beam_kernel``, for budgets up to 64), the ancestor
+  closure, one verify pass of the target over a KV cache whose write cursor is a device tensor,
+  the pointer-jumping walk, the KV compaction of the accepted path and the drafter's next
+  context, all in place; it ends by packing what the step decided into one tensor
+  (``StepLayout``), so the host reads once.
+
+The KV cache is the target's (``engine.models.protocols.FixedKV``): ``StaticKV`` (a Hugging Face model,
+``engine.models.target``) or the vLLM engine's ``PagedKV`` (``engine.on_vllm.vllm_worker``).
+Nothing in the programs depends on a host value, so on CUDA each is captured once and replayed
+as a CUDA graph (``graphs=True``); on the CPU they run as written. ``FixedRun`` is
+``engine.loop.run``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
+stay in the readable loop), pipelined: the host finishes a step (one read of its record, the
+detokenizing, the trace) while the device runs the next. Tests hold its output to the readable
+loop's, token for token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+import ddtree
+from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain
+from engine.gpu.beam_kernel import fused_beam_tree, fused_fits
+from engine.gpu.profiling import STAGE_MARK
+from engine.loop.draft_pass import draft_log_probs
+from engine.loop.run import Outcome, Run
+from engine.models.drafter import StaticDraftContext
+from engine.models.protocols import FixedKV
+from engine.trace import Step
+
+
+SMALLEST_PREFILL = 16
+
+
+def prefill_bucket(size: int) -> int:
+    """The length a prompt's pass is padded to, so that it replays as one of a few CUDA graphs:
+    the next power of two, at least 16 (at most twice the tokens, a handful of lengths to capture)."""
+    return max(SMALLEST_PREFILL, 1 << (size - 1).bit_length())
+
+
+def padded_prompt(ids: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's ids and positions ``[n]`` padded to ``length``: token 0 at the positions after it."""
+    extra = length - ids.numel()
+    return (torch.cat([ids, ids.new_zeros(extra)]),
+            torch.cat([positions, positions[-1] + 1 + torch.arange(extra, device=positions.device)]))
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each part of a step's packed record sits. The record is float64 (token ids are
+    exact in it); the parts a reduced trace needs come first, so it reads a prefix."""
+
+    depth: int  # D: draft depths (0 for AR)
+    nodes: int  # n: tree nodes below the root
+    top_k: int  # draft top-k kept per depth
+
+    @property
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        d1, n, dk = self.depth + 1, self.nodes, self.depth * self.top_k
+        return (("length", 1), ("committed", d1), ("path", d1), ("margins", d1), ("target_tokens", n + 1),
+                ("tree_tokens", n), ("tree_parents", n), ("tree_depths", n), ("tree_ranks", n), ("tree_valid", n),
+                ("top_tokens", dk), ("tree_log_probs", n), ("tree_path_log_probs", n), ("top_log_probs", dk))
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, size in self.parts)
+
+    @property
+    def reduced_size(self) -> int:
+        return 1 + 3 * (self.depth + 1)
+
+    def unpack(self, values: list[float]) -> dict[str, list[float]]:
+        out, at = {}, 0
+        for name, size in self.parts:
+            out[name] = values[at: at + size]
+            at += size
+        return out
+
+
+class FixedProgram:
+    """The buffers and the two programs of one (method, budget, block size, capacity) for one decoder."""
+
+    def __init__(self, decoder, method: str, budget: int | None, block_size: int, capacity: int, top_k: int,
+                 graphs: bool = False, compile_step: bool = False):
+        target = decoder.target
+        device = target.device
+        self.target, self.method, self.budget, self.graphs = target, method, budget, graphs
+        self.drafter = decoder.drafter if method != "ar" else None
+        self.depth = block_size - 1
+        nodes = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
+        top_k = min(top_k, target.config.vocab_size) if self.drafter is not None else 0
+        self.layout = StepLayout(self.depth, nodes, top_k)
+        self.kv: FixedKV = target.fixed_kv(capacity, compiled=compile_step)
+        long = dict(dtype=torch.long, device=device)
+        self.root = torch.zeros(1, **long)
+        self.past = torch.zeros((), **long)
+        self.slots = torch.arange(self.depth + 1, **long)
+        if self.drafter is not None:
+            config, dtype = self.drafter.config, self.drafter.dtype
+            self.embedding, self.lm_head = decoder.draft_weights
+            self.context = StaticDraftContext(config, capacity + block_size, device, dtype)
+            self.block = torch.full((1, block_size), self.drafter.mask_token_id, **long)
+            self.block_positions = torch.zeros(1, block_size, **long)
+            self.features = torch.zeros(1, block_size, len(config.target_layer_ids) * config.hidden_size,
+                                        dtype=dtype, device=device)
+            self.feature_positions = torch.zeros(1, block_size, **long)
+            self.feature_count = torch.zeros((), **long)
+            self.log_probs = torch.zeros(self.depth, config.vocab_size, device=device)  # the draft, for advance
+            self.prompt_rows = capacity  # the context holds a padded prompt and a block after it
+            self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by bucket
+        # the step's own stages have fixed shapes: inductor can fuse their hundreds of small kernels
+        compiled = (lambda stage: torch.compile(stage, dynamic=False)) if compile_step else (lambda stage: stage)
+        self._draft_pass, self._plan, self._decide = compiled(draft_log_probs), compiled(self._plan_step), \
+            compiled(self._decide_step)
+        self._beam = fused_beam_tree if method == "ddtree" and fused_fits(device, budget) else compiled(beam_tree)
+        self._chain = compiled(chain)
+        self._graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
+
+    def prefill_cache(self):
+        """Before a run's prefill: the target cache to write the prompt into; the drafter's emptied."""
+        if self.drafter is not None:
+            self.context.length.zero_()
+        return self.kv.prefill_cache()
+
+    def start(self, root: int, past: int) -> None:
+        """After the prefill: the first committed token and its position."""
+        self.root.fill_(root)
+        self.past.fill_(past)
+
+    # -- the draft
+
+    def first_draft(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """After the prefill the new context is the whole prompt, longer than a block. It is padded
+        to the prompt's bucket (``prefill_bucket``; rows past the count are masked, as every draft's
+        padding is), so that with graphs each bucket is captured once and then replayed."""
+        count = features.shape[1]
+        bucket = prefill_bucket(count)
+        if bucket > self.prompt_rows:  # a prompt near the context's end: its own length, eagerly
+            self._draft_from(draft_log_probs, features, positions, count)
+            return
+        if bucket not in self.prompts:
+            # zeros, not empty: masked rows still pass through the attention, and 0 x NaN is NaN
+            self.prompts[bucket] = (torch.zeros(1, bucket, features.shape[2], dtype=features.dtype,
+                                                device=features.device),
+                                    torch.zeros(1, bucket, dtype=torch.long, device=features.device),
+                                    torch.zeros((), dtype=torch.long, device=features.device))
+        padded, padded_positions, padded_count = self.prompts[bucket]
+        padded[:, :count].copy_(features)
+        padded_positions[:, :count].copy_(positions)
+        padded_count.fill_(count)
+        self._run(f"first draft {bucket}",
+                  lambda: self._draft_from(draft_log_probs, padded, padded_positions, padded_count))
+
+    def draft(self) -> None:
+        self._run("draft", lambda: self._draft_from(self._draft_pass, self.features, self.feature_positions,
+                                                    self.feature_count))
+
+    def _draft_from(self, draft_pass, features, positions, count) -> torch.Tensor:
+        self.block[0, :1].copy_(self.root)
+        torch.add(self.slots, self.past, out=self.block_positions[0])
+        return self.log_probs.copy_(draft_pass(self.drafter, self.embedding, self.lm_head, self.block,
+                                               self.block_positions, features, positions, self.context, count))
+
+    # -- tree, verify, walk, commit
+
+    def advance(self) -> torch.Tensor:
+        """The step after its draft (in ``self.log_probs``); returns its packed record."""
+        return self._run("advance", self._advance)
+
+    def _tree(self) -> FixedTree:
+        if self.method == "ar":
+            return FixedTree.empty(self.root.device)
+        return self._chain(self.log_probs) if self.method == "dflash" else self._beam(self.log_probs, self.budget)
+
+    def _advance(self) -> torch.Tensor:
+        tree = self._tree()  # outside the compiled plan: the fused tree build is a Triton program of its own
+        ids, positions, visible = self._plan(tree)
+        logits, hidden = self.kv.verify(ids, positions, self.past, visible)
+        path, length, bonus, record = self._decide(tree, ids, visible, logits)
+        if self.drafter is not None or self.kv.forks_states:  # AR's path is its root, already in place in a KV cache
+            self.kv.compact(self.past, path, length)
+        if self.drafter is not None:
+            features = self.drafter.context_features(hidden)[0]
+            self.features[0].copy_(features.index_select(0, path))
+            torch.add(self.slots, self.past, out=self.feature_positions[0])
+            self.feature_count.copy_(length)
+        self.past.add_(length)
+        self.root.copy_(bonus[None])
+        return record
+
+    def _plan_step(self, tree: FixedTree):
+        """The verify pass's ids, positions and ancestor mask for the tree below the root."""
+        ids = torch.cat([self.root, tree.tokens])
+        positions = self.past + torch.cat([torch.zeros_like(self.root), tree.depths])
+        return ids, positions, ancestor_closure(tree.parents, self.depth)
+
+    def _decide_step(self, tree: FixedTree, ids, visible, logits):
+        """The walk along the target's choices, what it commits, and the step's packed record."""
+        target_tokens = logits.argmax(dim=-1)
+        path, length, bonus = accepted_path(tree, target_tokens, visible, self.depth)
+        along = ids.index_select(0, torch.cat([path[1:], path[-1:]]))
+        committed = torch.where(self.slots < length - 1, along, bonus)
+        top2 = logits.index_select(0, path).float().topk(2, dim=-1).values
+        return path, length, bonus, self._pack(length, committed, path, top2[:, 0] - top2[:, 1], target_tokens, tree)
+
+    def _pack(self, length, committed, path, margins, target_tokens, tree: FixedTree) -> torch.Tensor:
+        """The step's record in ``StepLayout`` order, as float64, in a few kernels (integers together,
+        reals together): one tensor for the host to read."""
+        if self.layout.top_k:
+            top_log_probs, top_tokens = self.log_probs.topk(self.layout.top_k, dim=-1)
+        else:
+            top_log_probs, top_tokens = (torch.empty(0, device=path.device),
+                                         torch.empty(0, dtype=torch.long, device=path.device))
+        head = torch.cat([length[None], committed, path])
+        tail = torch.cat([target_tokens, tree.tokens, tree.parents, tree.depths, tree.ranks, tree.valid.long(),
+                          top_tokens.reshape(-1)])
+        reals = torch.cat([tree.log_probs, tree.path_log_probs, top_log_probs.reshape(-1)])
+        return torch.cat([head.double(), margins.double(), tail.double(), reals.double()])
+
+    def _run(self, name: str, program):
+        """``program()`` eagerly, or (``graphs``) replayed from the CUDA graph captured at its first call."""
+        if not self.graphs:
+            return program()
+        if name not in self._graphs:
+            out = program()  # this call's result is the eager run; the capture below only records
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with self.kv.capturing() as stream, torch.cuda.graph(graph, stream=stream):
+                captured = program()
+            self._graphs[name] = (graph, captured)
+            return out
+        graph, captured = self._graphs[name]
+        graph.replay()
+        return captured
+
+
+class StageMarks:
+    """Where a launched step's stages end, without waiting for them: CUDA events on the stream
+    (read once the step's record has arrived), or clock readings on the CPU, where work is
+    synchronous. Under the profiler each stage is also synchronised and marked, so that
+    ``engine.gpu.profiling`` can attribute its kernels."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.names, self.points = cuda, [], []
+        self._mark()
+
+    def _mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        profiled = torch.autograd._profiler_enabled()
+        if profiled and self.cuda:
+            torch.cuda.synchronize()
+        with torch.autograd.profiler.record_function(STAGE_MARK + name) if profiled else contextlib.nullcontext():
+            yield
+            if profiled and self.cuda:
+                torch.cuda.synchronize()
+        self.names.append(name)
+        self._mark()
+
+    def seconds(self) -> dict[str, float]:
+        spans = zip(self.points, self.points[1:])
+        if self.cuda:
+            return {name: begin.elapsed_time(end) / 1000 for name, (begin, end) in zip(self.names, spans)}
+        return {name: end - begin for name, (begin, end) in zip(self.names, spans)}
+
+
+@dataclass
+class _Launched:
+    """A step on its way: the device runs it while the host finishes the one before."""
+
+    index: int
+    t_start: float
+    marks: StageMarks
+    record: torch.Tensor  # host memory the step's record is copied into
+    arrived: torch.cuda.Event | None  # set once the copy is done (CUDA)
+
+
+class FixedRun(Run):
+    """``engine.loop.run``'s loop with the fixed-shape step, pipelined: the host launches a step
+    (the draft and the advance programs, then an asynchronous copy of the step's packed record
+    into host memory) and, while the device runs it, finishes the step before: reads that
+    record once, detokenizes, records the trace. It stays one step ahead unless the step in
+    flight could reach the token limit; a step launched ahead of an end-of-sequence is run and
+    dropped. Stage times: ``draft`` and ``verify`` (the tree, the verify pass, the walk and the
+    compaction: one program) from the device's own clock, ``commit`` the host's finishing."""
+
+    def __init__(self, decoder, settings, config, on_step, should_stop, program: FixedProgram):
+        super().__init__(decoder, settings, config, on_step, should_stop)
+        self.program = program
+        self.cache = program.prefill_cache()
+        self.cuda = self.device.type == "cuda"
+        layout = program.layout
+        size = layout.size if settings.trace_detail == "full" else layout.reduced_size
+        self.slots = [torch.empty(size, dtype=torch.float64, pin_memory=self.cuda) for _ in range(2)]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0  # no device sync: the device runs ahead of the host
+
+    def prepare_steps(self) -> None:
+        with self.clock.stage("start"):
+            self.program.start(self.root, self.start)
+
+    def steps(self) -> Iterator[Step]:
+        launched = self.launch(0)
+        while True:
+            ahead = self.launch(launched.index + 1) if self.may_run_ahead() else None
+            yield self.finish(launched)
+            launched = ahead if ahead is not None else self.launch(launched.index + 1)
+
+    def settle(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()  # a step launched ahead of the end is this run's cost, not the next one's
+
+    def may_run_ahead(self) -> bool:
+        """Whether the step in flight cannot reach the token limit, so launching the next one is not waste."""
+        return len(self.output_ids) + self.program.depth + 1 < self.settings.max_new_tokens
+
+    def launch(self, index: int) -> _Launched:
+        t_start = self.elapsed()
+        marks = StageMarks(self.cuda)
+        if self.drafts:
+            with marks.stage("draft"):
+                if index == 0:
+                    self.program.first_draft(self.new_context, self.new_context_positions)
+                else:
+                    self.program.draft()
+        with marks.stage("verify"):
+            record = self.program.advance()
+        host = self.slots[index % 2]  # the step before reads the other one meanwhile
+        host.copy_(record[: host.numel()], non_blocking=self.cuda)
+        arrived = None
+        if self.cuda:
+            arrived = torch.cuda.Event()
+            arrived.record()
+        return _Launched(index, t_start, marks, host, arrived)
+
+    def finish(self, launched: _Launched) -> Step:
+        if launched.arrived is not None:
+            launched.arrived.synchronize()
+        began = time.perf_counter()
+        root = self.root
+        layout, full = self.program.layout, self.settings.trace_detail == "full"
+        step = layout.unpack(launched.record.tolist())
+        length = int(step["length"][0])
+        tokens = [int(t) for t in step["committed"][:length]]
+        committed = self.clip(tokens)
+        self.output_ids.extend(committed)
+        tree = _draft_tree(step) if full else ddtree.DraftTree.empty()
+        outcome = Outcome(tree, [int(t) for t in step["target_tokens"]], [int(i) for i in step["path"][:length]],
+                           tokens[-1], committed, pieces=[self.text.push(token) for token in committed],
+                           margins=step["margins"][: len(committed)])
+        self.start += length
+        self.root = tokens[-1]
+        stage_s = launched.marks.seconds() | {"commit": time.perf_counter() - began}
+        return self.record(launched.index, launched.t_start, root, _draft_top(step, layout) if full else ([], []),
+                           outcome, stage_s)
+
+
+def _draft_tree(step: dict[str, list[float]]) -> ddtree.DraftTree:
+    """The record's real tree nodes as the readable ``DraftTree`` (what a trace records)."""
+    keep = torch.tensor(step["tree_valid"], dtype=torch.bool)
+
+    def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(step[name], dtype=dtype)[keep]
+
+    return ddtree.DraftTree(column("tree_tokens", torch.long), column("tree_parents", torch.long),
+                            column("tree_depths", torch.long), column("tree_log_probs", torch.float32),
+                            column("tree_path_log_probs", torch.float32), column("tree_ranks", torch.long))
+
+
+def _draft_top(step: dict[str, list[float]], layout: StepLayout) -> tuple[list[list[int]], list[list[float]]]:
+    k = layout.top_k
+    if not k:
+        return [], []
+    tokens = [int(t) for t in step["top_tokens"]]
+    probs = torch.tensor(step["top_log_probs"]).exp().tolist()
+    return [tokens[i: i + k] for i in range(0, len(tokens), k)], [probs[i: i + k] for i in range(0, len(probs), k)]

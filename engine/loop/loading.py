@@ -1,0 +1,96 @@
+"""Pick and load the target + drafter pair the app and the bench run on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.errors import EngineError
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.models.drafter import SCRIPT, DFlashDrafter, fresh_config, load_drafter, weights_digest
+from engine.models.target import BUNDLED_MODEL, load_target, resolve_dtype
+from engine.trace import SCRIPTED, TIMING_ONLY
+
+ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
+SHIPPED_DRAFTER = ASSETS / "drafters" / "smollm2-135m-dflash-b16"
+RANDOM = "random"
+# <empty_output>: a SmolLM2 special token that chat text never produces
+BUNDLED_MASK_TOKEN = 16
+RANDOM_DRAFTER_LAYERS = 3
+AUTO = "auto"
+DRAFT_DTYPE_HELP = ("torch engine: the drafter's dtype (auto: bfloat16 beside a float32 target on a CPU with "
+                    "native bf16, else the target's); the target verifies in its own")
+
+
+def shipped_drafter() -> Path | None:
+    return SHIPPED_DRAFTER if (SHIPPED_DRAFTER / "config.json").is_file() else None
+
+
+def random_drafter(target, seed: int = 0, block_size: int = 16) -> DFlashDrafter:
+    mask = BUNDLED_MASK_TOKEN if target.name == BUNDLED_MODEL else target.config.vocab_size - 1
+    config = fresh_config(target.config, num_layers=RANDOM_DRAFTER_LAYERS, mask_token_id=mask, block_size=block_size)
+    return DFlashDrafter(config).initialize(seed)
+
+
+def load_decoder(model: str | None = None, drafter: str | None = None, device: str = "cpu",
+                 dtype: str = "float32", seed: int = 0, fixed_step: bool = False, cuda_graphs: bool = False,
+                 compile_step: bool = False, random_weights: bool = False, draft_dtype: str = AUTO) -> Decoder:
+    """``drafter``: a checkpoint folder, ``random`` (seeded, untrained), or ``None`` for
+    the shipped drafter when running the bundled model (random otherwise). ``fixed_step``,
+    ``cuda_graphs`` and ``compile_step``: see ``Decoder``. ``random_weights``: ``model`` and
+    ``drafter`` are config-only folders (``assets/shapes/``), loaded with random weights: timing only.
+    ``draft_dtype``: the drafter's own dtype (``auto``: see ``draft_dtype_for``)."""
+    if random_weights:
+        if drafter in (None, RANDOM):
+            raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
+        checkpoint = load_drafter(drafter, random_weights=True)
+        target = load_target(model, device=device, dtype=dtype, random_weights=True)
+        return Decoder(target, checkpoint.to(device=target.device, dtype=target.dtype).eval(),
+                       drafter_info(drafter, timing_only=True),
+                       fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step, timing_only=True)
+    checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast, before the slow target load
+    if draft_dtype != AUTO:
+        resolve_dtype(draft_dtype)  # likewise
+    target = load_target(model, device=device, dtype=dtype)
+    if checkpoint is None and drafter is None and target.name == BUNDLED_MODEL and shipped_drafter() is not None:
+        drafter, checkpoint = str(shipped_drafter()), load_drafter(shipped_drafter())
+    if checkpoint is None:
+        draft_model, info = random_drafter(target, seed), DrafterInfo(f"random (untrained, seed {seed})", trained=False)
+    else:
+        draft_model, info = checkpoint, drafter_info(drafter)
+    draft_model = draft_model.to(device=target.device, dtype=draft_dtype_for(target, draft_dtype)).eval()
+    return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step)
+
+
+def draft_dtype_for(target, choice: str = AUTO) -> torch.dtype:
+    """The dtype the drafter runs in: ``auto`` is bfloat16 beside a float32 target on a CPU with
+    native bf16 matrix units (the drafter's 15-row lm_head reads a vocabulary-sized matrix every
+    step: bf16 halves that and runs about 3x faster there), else the target's own dtype. Only the
+    proposals change: the target verifies every token in its own dtype."""
+    if choice != AUTO:
+        return resolve_dtype(choice)
+    cpu_bf16 = target.device.type == "cpu" and cpu_has_bf16()
+    return torch.bfloat16 if cpu_bf16 and target.dtype == torch.float32 else target.dtype
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), as oneDNN sees it."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def drafter_info(folder: str, timing_only: bool = False) -> DrafterInfo:
+    """How traces name a drafter folder: trained weights (and their digest), a scripted drafter
+    (``engine.models.drafter.ScriptedDrafter``: it knows the answers), or a shape's random weights."""
+    name, scripted = display_name(folder), (Path(folder) / SCRIPT).is_file()
+    tags = ([SCRIPTED] if scripted else []) + ([TIMING_ONLY] if timing_only else [])
+    if tags:
+        return DrafterInfo(f"{name} ({'; '.join(tags)})", trained=False,
+                           revision=weights_digest(folder) if scripted else None)
+    return DrafterInfo(name, trained=True, revision=weights_digest(folder))
+
+
+def display_name(path: str) -> str:
+    resolved = Path(path).resolve()
+    return resolved.name if resolved.parent == SHIPPED_DRAFTER.parent else str(path)
+

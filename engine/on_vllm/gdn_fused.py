@@ -1,0 +1,266 @@
+"""A Gated DeltaNet layer's tree verify and commit in one Triton program each.
+
+``engine.on_vllm.gdn_tree`` verifies a tree with vLLM's own kernels: gathered windows, a convolution
+launch, q/k/v splits and gathers, a varlen path replay, then the commit's second replay; about
+twenty launches a layer, which at 48 linear layers is most of a hybrid's step. Here the same
+arithmetic runs as two programs a layer:
+
+- ``verify``: one program per (value block, value head, node) walks the node's root-to-node
+  path (``ddtree.forks.path_table``). At each path token it convolves that token's window, read
+  straight from the committed window or from the pass's inputs along the path, then applies the
+  token to the recurrent state it holds in registers, starting from the request's committed
+  state; the node's output is its path's last. Nothing in the caches is written: the program
+  that owns a node's channels keeps the node's inputs, convolution output and gates for the commit.
+- ``commit``: one program per (value block, value head) applies the accepted path's kept tokens
+  to the committed state, stores it, and shifts the convolution window along the path.
+
+Every token is the arithmetic of vLLM's one-token decode, op for op: ``causal_conv1d_update``'s
+tap order and activation, and ``fused_recurrent_gated_delta_rule_packed_decode`` (its l2 norm,
+gates and state update, at its block sizes and warp count), so a node's output is what AR decoding
+its path gives. ``engine.on_vllm.gdn_tree``'s readable step stays the reference the tests hold this to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.forks import depths, path_table
+from engine.on_vllm.gdn_tree import GDNParams
+from engine.gpu.triton_support import tl, triton, triton_runs_on
+
+SOFTPLUS_THRESHOLD = 20.0
+
+
+@dataclass(frozen=True)
+class TreePaths:
+    """Every node's root-to-node path, what all linear layers of one verify pass share."""
+
+    table: torch.Tensor  # [q, length] int32: node i's ancestor at each depth (``path_table``)
+    depth: torch.Tensor  # [q] int32
+
+    @staticmethod
+    def build(visible: torch.Tensor, length: int) -> "TreePaths":
+        return TreePaths(path_table(visible, length).to(torch.int32).contiguous(), depths(visible).to(torch.int32))
+
+
+@dataclass(frozen=True)
+class KeptNodes:
+    """What a layer's verify keeps for its commit (vLLM reuses its input buffers layer after layer)."""
+
+    inputs: torch.Tensor  # [q, channels]: the convolution's inputs
+    convolved: torch.Tensor  # [q, channels]: its outputs, q/k/v packed as vLLM packs them
+    a: torch.Tensor  # [q, heads]
+    b: torch.Tensor  # [q, heads]
+
+
+def fused_fits(device: torch.device) -> bool:
+    return triton_runs_on(device)
+
+
+def _blocks(params: GDNParams) -> tuple[int, int]:
+    return triton.next_power_of_2(params.head_k_dim), min(triton.next_power_of_2(params.head_v_dim), 32)
+
+
+def verify(params: GDNParams, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
+           ssm_state: torch.Tensor, slot: int, paths: TreePaths, out: torch.Tensor) -> KeptNodes:
+    """Every node's core output into ``out [q, heads, V]`` for inputs ``mixed_qkv [q, channels]``,
+    ``a``/``b [q, heads]``; ``conv_state [slots, channels, W]`` (any strides) and ``ssm_state`` are read only."""
+    q, channels = mixed_qkv.shape
+    heads = params.value_dim // params.head_v_dim
+    kept = KeptNodes(mixed_qkv.new_empty(q, channels), mixed_qkv.new_empty(q, channels), a.new_empty(q, heads),
+                     b.new_empty(q, heads))
+    block_k, block_v = _blocks(params)
+    grid = (triton.cdiv(params.head_v_dim, block_v), heads, q)
+    _verify_kernel[grid](
+        mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), params.conv_weight,
+        params.conv_weight.stride(0), params.conv_weight.stride(1), params.conv_bias, params.A_log, params.dt_bias,
+        conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), slot, ssm_state,
+        ssm_state.stride(0), paths.table, paths.depth, out, out.stride(0), kept.inputs, kept.convolved, channels,
+        kept.a, kept.b, params.head_k_dim ** -0.5,
+        H=params.key_dim // params.head_k_dim, HV=heads, K=params.head_k_dim, V=params.head_v_dim, BK=block_k,
+        BV=block_v, WIDTH=params.conv_weight.shape[1], LENGTH=paths.table.shape[1],
+        HAS_BIAS=params.conv_bias is not None, SILU=params.activation in ("silu", "swish", True),
+        SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=1)
+    return kept
+
+
+def commit(params: GDNParams, kept: KeptNodes, conv_state: torch.Tensor, ssm_state: torch.Tensor, slot: int,
+           path: torch.Tensor, length: torch.Tensor) -> None:
+    """The accepted ``path`` (node indices, root first, int32, padded past the device scalar ``length``)
+    becomes the request's state in ``slot``: the recurrent state and the convolution window."""
+    heads = params.value_dim // params.head_v_dim
+    block_k, block_v = _blocks(params)
+    grid = (triton.cdiv(params.head_v_dim, block_v), heads)
+    _commit_kernel[grid](
+        kept.inputs, kept.convolved, kept.convolved.stride(0), kept.a, kept.b, params.A_log, params.dt_bias,
+        conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), slot, ssm_state,
+        ssm_state.stride(0), path, length, params.head_k_dim ** -0.5,
+        H=params.key_dim // params.head_k_dim, HV=heads, K=params.head_k_dim, V=params.head_v_dim, BK=block_k,
+        BV=block_v, WIDTH=params.conv_weight.shape[1], COLUMNS=triton.next_power_of_2(params.conv_weight.shape[1] - 1),
+        SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tap(x, stride_x, conv_state, window, stride_cs_dim, stride_cs_tok, table_row, position, channels, mask,
+             WIDTH: tl.constexpr):
+        """The convolution input at path ``position``: a node's input, or (before the path) a column of
+        the committed window (``window`` points at its row)."""
+        node = tl.load(table_row + tl.maximum(position, 0))
+        from_node = tl.load(x + node * stride_x + channels, mask=mask & (position >= 0), other=0.0)
+        column = tl.maximum(WIDTH - 1 + position, 0)
+        from_window = tl.load(window + channels * stride_cs_dim + column * stride_cs_tok, mask=mask & (position < 0),
+                              other=0.0)
+        return tl.where(position >= 0, from_node, from_window)
+
+    @triton.jit
+    def _convolve(x, stride_x, weight, stride_w_dim, stride_w_tap, bias, conv_state, window, stride_cs_dim,
+                  stride_cs_tok, table_row, t, channels, mask, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  SILU: tl.constexpr):
+        """``causal_conv1d_update``'s output for path token ``t`` on ``channels``: the bias, then the taps
+        oldest first, then the activation, rounded to the inputs' dtype as its output buffer is."""
+        if HAS_BIAS:
+            acc = tl.load(bias + channels, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros(channels.shape, dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            column = _tap(x, stride_x, conv_state, window, stride_cs_dim, stride_cs_tok, table_row, t - (WIDTH - 1) + j,
+                          channels, mask, WIDTH)
+            acc += column * tl.load(weight + channels * stride_w_dim + j * stride_w_tap, mask=mask, other=0.0)
+        if SILU:
+            acc = acc / (1 + tl.exp(-acc))
+        return acc.to(x.dtype.element_ty)
+
+    @triton.jit
+    def _delta_step(b_h, b_q, b_k, b_v, a_raw, b_raw, A_log_val, dt_bias_val, scale, SOFTPLUS_THRESHOLD: tl.constexpr):
+        """One token of the packed decode kernel: l2-normed q and k, the gates, the state update, the
+        output (computed where that kernel computes it, so that it compiles to the same arithmetic)."""
+        b_q = b_q.to(tl.float32)
+        b_k = b_k.to(tl.float32)
+        b_v = b_v.to(tl.float32)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q * scale
+        x = a_raw.to(tl.float32) + dt_bias_val
+        softplus_x = tl.where(x <= SOFTPLUS_THRESHOLD, tl.log(1.0 + tl.exp(x)), x)
+        g_val = -tl.exp(A_log_val) * softplus_x
+        beta_val = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+        b_h *= tl.exp(g_val)
+        b_v -= tl.sum(b_h * b_k[None, :], 1)
+        b_v *= beta_val
+        b_h += b_v[:, None] * b_k[None, :]
+        b_o = tl.sum(b_h * b_q[None, :], 1)
+        return b_h, b_o
+
+    @triton.jit
+    def _verify_kernel(x, stride_x, a, stride_a, b, stride_b, weight, stride_w_dim, stride_w_tap, bias, A_log, dt_bias,
+                       conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot,
+                       table, depth, out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b, scale,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, WIDTH: tl.constexpr, LENGTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SILU: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
+        i_v, i_hv, node = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_k = o_k < K
+        mask_v = o_v < V
+        q_channels = i_h * K + o_k
+        k_channels = H * K + i_h * K + o_k
+        v_channels = 2 * H * K + i_hv * V + o_v
+        window = conv_state + slot.to(tl.int64) * stride_cs_slot
+        table_row = table + node * LENGTH
+        last = tl.load(depth + node)
+        A_log_val = tl.load(A_log + i_hv).to(tl.float32)
+        dt_bias_val = tl.load(dt_bias + i_hv).to(tl.float32)
+        p_h = ssm_state + slot.to(tl.int64) * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+        b_h = tl.load(p_h, mask=mask_v[:, None] & mask_k[None, :], other=0).to(tl.float32)
+        # the path's last token is the node's own: what the loop leaves in these is kept for the commit
+        b_q = tl.zeros([BK], dtype=x.dtype.element_ty)
+        b_k = tl.zeros([BK], dtype=x.dtype.element_ty)
+        b_v = tl.zeros([BV], dtype=x.dtype.element_ty)
+        b_o = tl.zeros([BV], dtype=tl.float32)
+        for t in range(0, last + 1):
+            token = tl.load(table_row + t)
+            b_q = _convolve(x, stride_x, weight, stride_w_dim, stride_w_tap, bias, conv_state, window, stride_cs_dim,
+                            stride_cs_tok, table_row, t, q_channels, mask_k, WIDTH, HAS_BIAS, SILU)
+            b_k = _convolve(x, stride_x, weight, stride_w_dim, stride_w_tap, bias, conv_state, window, stride_cs_dim,
+                            stride_cs_tok, table_row, t, k_channels, mask_k, WIDTH, HAS_BIAS, SILU)
+            b_v = _convolve(x, stride_x, weight, stride_w_dim, stride_w_tap, bias, conv_state, window, stride_cs_dim,
+                            stride_cs_tok, table_row, t, v_channels, mask_v, WIDTH, HAS_BIAS, SILU)
+            b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, tl.load(a + token * stride_a + i_hv),
+                                          tl.load(b + token * stride_b + i_hv), A_log_val, dt_bias_val, scale,
+                                          SOFTPLUS_THRESHOLD)
+        tl.store(out + node * stride_out + i_hv * V + o_v, b_o.to(out.dtype.element_ty), mask=mask_v)
+        # the node's own token was the path's last: keep its inputs and convolution for the commit,
+        # each channel by one program (q and k by the first value block of the key head's first value head)
+        tl.store(kept_x + node * stride_kept + v_channels, tl.load(x + node * stride_x + v_channels, mask=mask_v),
+                 mask=mask_v)
+        tl.store(kept_conv + node * stride_kept + v_channels, b_v, mask=mask_v)
+        if i_v == 0:
+            tl.store(kept_a + node * HV + i_hv, tl.load(a + node * stride_a + i_hv))
+            tl.store(kept_b + node * HV + i_hv, tl.load(b + node * stride_b + i_hv))
+            if i_hv % (HV // H) == 0:
+                tl.store(kept_x + node * stride_kept + q_channels, tl.load(x + node * stride_x + q_channels, mask=mask_k),
+                         mask=mask_k)
+                tl.store(kept_x + node * stride_kept + k_channels, tl.load(x + node * stride_x + k_channels, mask=mask_k),
+                         mask=mask_k)
+                tl.store(kept_conv + node * stride_kept + q_channels, b_q, mask=mask_k)
+                tl.store(kept_conv + node * stride_kept + k_channels, b_k, mask=mask_k)
+
+    @triton.jit
+    def _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, channels, mask,
+                      WIDTH: tl.constexpr, COLUMNS: tl.constexpr):
+        """The committed window after the accepted path, on ``channels``: its last WIDTH - 1 inputs,
+        older columns of the window where the path is shorter. All reads come before any write."""
+        columns = tl.arange(0, COLUMNS)  # the window's WIDTH - 1 columns, padded to a power of two
+        position = length - (WIDTH - 1) + columns
+        node = tl.load(path + tl.maximum(position, 0), mask=columns < WIDTH - 1, other=0)
+        in_path = (position >= 0) & (columns < WIDTH - 1)
+        from_path = tl.load(kept_x + node[:, None] * stride_x + channels[None, :], mask=in_path[:, None] & mask[None, :],
+                            other=0.0)
+        old = tl.maximum(WIDTH - 1 + position, 0)
+        from_window = tl.load(window + channels[None, :] * stride_cs_dim + old[:, None] * stride_cs_tok,
+                              mask=((position < 0) & (columns < WIDTH - 1))[:, None] & mask[None, :], other=0.0)
+        shifted = tl.where(in_path[:, None], from_path.to(from_window.dtype), from_window)
+        tl.debug_barrier()
+        tl.store(window + channels[None, :] * stride_cs_dim + columns[:, None] * stride_cs_tok, shifted,
+                 mask=(columns < WIDTH - 1)[:, None] & mask[None, :])
+
+    @triton.jit
+    def _commit_kernel(kept_x, kept_conv, stride_x, kept_a, kept_b, A_log, dt_bias, conv_state, stride_cs_slot,
+                       stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot, path, length_ptr, scale,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, WIDTH: tl.constexpr, COLUMNS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
+        i_v, i_hv = tl.program_id(0), tl.program_id(1)
+        i_h = i_hv // (HV // H)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_k = o_k < K
+        mask_v = o_v < V
+        mask_h = mask_v[:, None] & mask_k[None, :]
+        q_channels = i_h * K + o_k
+        k_channels = H * K + i_h * K + o_k
+        v_channels = 2 * H * K + i_hv * V + o_v
+        length = tl.load(length_ptr)
+        A_log_val = tl.load(A_log + i_hv).to(tl.float32)
+        dt_bias_val = tl.load(dt_bias + i_hv).to(tl.float32)
+        p_h = ssm_state + slot.to(tl.int64) * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+        b_h = tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+        for t in range(0, length):
+            token = tl.load(path + t)
+            row = kept_conv + token * stride_x
+            b_h, _ = _delta_step(b_h, tl.load(row + q_channels, mask=mask_k, other=0),
+                                 tl.load(row + k_channels, mask=mask_k, other=0),
+                                 tl.load(row + v_channels, mask=mask_v, other=0), tl.load(kept_a + token * HV + i_hv),
+                                 tl.load(kept_b + token * HV + i_hv), A_log_val, dt_bias_val, scale,
+                                 SOFTPLUS_THRESHOLD)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
+        window = conv_state + slot.to(tl.int64) * stride_cs_slot
+        _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, v_channels, mask_v, WIDTH, COLUMNS)
+        if i_v == 0 and i_hv % (HV // H) == 0:
+            _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, q_channels, mask_k, WIDTH, COLUMNS)
+            _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, k_channels, mask_k, WIDTH, COLUMNS)

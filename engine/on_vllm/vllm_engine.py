@@ -1,0 +1,359 @@
+"""The vLLM engine: AR, DFlash and DDTree on an embedded ``vllm.LLM``, emitting the torch engine's Trace.
+
+The driver (this module) owns the tokenizer and checks settings; vLLM's workers run the
+decode loop on vLLM's model and paged KV cache (``engine.on_vllm.vllm_worker``, loaded as a worker
+extension), and rank 0's trace comes back. vLLM's own AR and DFlash are kept as baselines
+(``native_generate``): the yardstick a speed claim is measured against.
+
+Needs a CUDA GPU and ``pip install -r requirements-gpu.txt``; nothing else in the Studio
+imports vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.errors import EngineError
+from engine.gpu.profiling import KernelProfile
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo, check_drafter_fits
+from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
+from engine.models.convert import convert, tensor_parallel_copy
+from engine.models.drafter import DFlashDrafter, drafter_shape
+from engine.models.hybrid import is_hybrid
+from engine.models.target import (BUNDLED_MODEL, Target, bundled_gguf, has_tokenizer, resolve_dtype, shape_config,
+                                  shape_tokenizer, stop_token_ids)
+from engine.trace import Step, Trace
+
+VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
+REPO = Path(__file__).resolve().parent.parent.parent
+CONVERTED = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree-studio"))
+# vLLM's own runs (the baseline) serve one request at a time with room for 8: on one H200, 2026-12-03, its AR on
+# the bundled model ran 494 tokens/s at 8 and 416 at its shipped default (1,024 here) on the same prompts, each
+# output first leaving the Studio's AR at the same token in both (`gpu_session.sh baseline`); and a hybrid's
+# state blocks (one per sequence) for that default do not fit beside the Studio's engine at 27B (159 at 0.45).
+NATIVE_MAX_SEQS = 8
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    tensor_parallel_size: int = 1
+    cuda_graphs: bool = True  # the Studio's own graphs: vLLM itself runs eager (see module doc)
+    fixed_step: bool = True  # greedy runs as fixed-shape device programs (engine.loop.fixed_step)
+    compile_step: bool = False  # their own stages (draft, tree, walk) through torch.compile
+    random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 4096
+    native_max_seqs: int = NATIVE_MAX_SEQS  # vLLM's own runs' max_num_seqs (0: vLLM's shipped default)
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise EngineError("the vLLM engine needs a CUDA GPU; on this machine use --engine torch")
+
+
+def require_vllm():
+    """vLLM itself, or a clear error saying how to get it."""
+    require_cuda()
+    try:
+        import vllm
+    except ImportError as exc:
+        raise EngineError(f"the vLLM engine needs vLLM {VLLM_VERSION}: pip install -r requirements-gpu.txt") from exc
+    if vllm.__version__ != VLLM_VERSION:
+        raise EngineError(f"the vLLM engine is built against vLLM {VLLM_VERSION}, found {vllm.__version__}: "
+                          "pip install -r requirements-gpu.txt")
+    # vLLM forks its engine process; a driver that already touched CUDA (converting a GGUF,
+    # the torch engine beside it) must spawn it instead
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    return vllm
+
+
+def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
+    """An HF folder or id vLLM can load. The bundled GGUF (or any .gguf) is converted once, in
+    float32, and given attention heads that split over ``tensor_parallel_size`` GPUs if its own
+    do not (``split_heads_folder``)."""
+    name = name or BUNDLED_MODEL
+    if name != BUNDLED_MODEL and not name.endswith(".gguf"):
+        return name
+    gguf = bundled_gguf() if name == BUNDLED_MODEL else Path(name)
+    if not gguf.is_file():
+        raise EngineError(f"GGUF file {name!r} does not exist")
+    folder = CONVERTED / f"{gguf.stem}-float32"
+    _write_once(folder, lambda out: convert(gguf, out, torch.float32))
+    return split_heads_folder(folder, tensor_parallel_size)
+
+
+def split_heads_folder(folder: str | Path, tensor_parallel_size: int) -> str:
+    """``folder`` itself, or (once converted, in the cache) its equivalent copy whose attention
+    heads split over ``tensor_parallel_size`` GPUs: ``engine.models.convert.tensor_parallel_copy``.
+    Used for the bundled target and for the drafter vLLM's own DFlash loads (ours is replicated)."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if not (config["num_attention_heads"] % tensor_parallel_size or config["num_key_value_heads"] % tensor_parallel_size):
+        return str(folder)
+    weights = sorted(folder.glob("*.safetensors"))
+    source = f"{folder.resolve()}|" + "|".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
+    split = CONVERTED / f"{folder.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}-tp{tensor_parallel_size}"
+    _write_once(split, lambda out: tensor_parallel_copy(folder, out, tensor_parallel_size))
+    return str(split)
+
+
+def _write_once(folder: Path, write: Callable[[Path], None]) -> None:
+    """Make a cached folder unless it exists; written aside and renamed, so an interrupted
+    conversion never leaves a half folder that looks done."""
+    if (folder / "config.json").is_file():
+        return
+    shutil.rmtree(folder, ignore_errors=True)  # left half-written by an older version
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    write(partial)
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+class ClientTarget(Target):
+    """The driver's view of the target that vLLM serves: tokenizer and shape, no weights."""
+
+    def __init__(self, name: str, folder: str, dtype: torch.dtype, context_length: int, timing_only: bool = False):
+        from transformers import AutoConfig
+
+        tokenizer = shape_tokenizer(folder)
+        config = AutoConfig.from_pretrained(folder)
+        self._config = getattr(config, "text_config", config)  # a multimodal checkpoint's language model
+        stop_ids = [] if timing_only else stop_token_ids(tokenizer, self._config)  # timing runs decode their full length
+        super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=stop_ids)
+        self._dtype, self._context_length = dtype, context_length
+
+    device = property(lambda self: torch.device("cuda"))
+    runs_fixed_step = True  # the workers' ``PagedTarget`` forks a hybrid's states in the fixed step too
+    dtype = property(lambda self: self._dtype)
+    config = property(lambda self: self._config)
+    context_length = property(lambda self: self._context_length)
+
+
+# the longest accepted path a step commits: one compaction graph's moves, and a hybrid's deepest
+# path replay (``engine.on_vllm.vllm_gdn``), so its drafter's blocks may be no longer
+MAX_PATH = 32
+
+# hybrid architectures whose Gated DeltaNet layers the vLLM engine forks (``engine.on_vllm.vllm_gdn``);
+# vLLM 0.23 serves Qwen3.5 / Qwen3.6 as their multimodal classes (text-only mode here), never as
+# text-only checkpoints
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
+                        "Qwen3_5MoeForConditionalGeneration")
+
+
+def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
+    """What can be checked before vLLM takes the GPU: the target's config, its family, and the
+    drafter's fit; each failure is one clear line."""
+    config = shape_config(folder)
+    text = getattr(config, "text_config", config)
+    if is_hybrid(text):
+        architectures = getattr(config, "architectures", None) or [config.model_type]
+        if not set(architectures) & set(HYBRID_ARCHITECTURES):
+            raise EngineError(f"{', '.join(architectures)} is a hybrid (linear-attention) target the vLLM engine cannot "
+                              f"run: it forks Gated DeltaNet states for {', '.join(HYBRID_ARCHITECTURES)}; "
+                              "use --engine torch, which runs Qwen3.5 / Qwen3-Next hybrids exactly")
+        if drafter is not None and drafter.block_size > MAX_PATH:
+            raise EngineError(f"the vLLM engine verifies a hybrid target's trees at most {MAX_PATH} tokens deep; this "
+                              f"drafter drafts blocks of {drafter.block_size}")
+    if drafter is not None:
+        check_drafter_fits(drafter.config, text)
+
+
+def llm_settings(folder: str, studio: bool) -> dict:
+    """``vllm.LLM`` settings a target's folder needs: for a multimodal checkpoint (Qwen3.5 / 3.6,
+    hybrid or not) its language model alone, the Studio sends text (else vLLM builds the vision
+    tower and loads the image processor, which a text-only test folder lacks); for a hybrid,
+    vLLM's own Triton kernels for the prompt's Gated DeltaNet prefill (its FlashInfer one is
+    JIT-built, and absent from the GPU bundle), and ``engine.on_vllm.vllm_gdn`` in its workers before the
+    model is built (its float32 prefill), through the worker extension: the Studio's (``studio``)
+    or one with nothing in it (vLLM's own runs)."""
+    config = shape_config(folder)
+    hybrid = is_hybrid(getattr(config, "text_config", config))
+    settings = {}
+    if hybrid:
+        settings["additional_config"] = {"gdn_prefill_backend": "triton"}
+        settings["worker_extension_cls"] = ("engine.on_vllm.hybrid_worker.HybridStudioWorker" if studio
+                                            else "engine.on_vllm.vllm_gdn.HybridPrefill")
+    elif studio:
+        settings["worker_extension_cls"] = "engine.on_vllm.vllm_worker.StudioWorker"
+    if hasattr(config, "text_config"):
+        settings["language_model_only"] = True
+    return settings
+
+
+MTP_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")  # Qwen3.5 / 3.6; Qwen3-Next, DeepSeek
+
+
+def check_mtp_layers(model: str | None) -> int:
+    """How many multi-token-prediction layers the target ships (what ``--native mtp`` drafts with)."""
+    if model is None or model.endswith(".gguf"):
+        raise EngineError("--native mtp times the target's own multi-token-prediction layers: the bundled GGUF has none")
+    config = shape_config(model)
+    config = getattr(config, "text_config", None) or config
+    layers = max((getattr(config, key, None) or 0 for key in MTP_KEYS), default=0)
+    if not layers:
+        raise EngineError(f"--native mtp times the target's own multi-token-prediction layers: {model}'s config "
+                          f"names none ({' or '.join(MTP_KEYS)})")
+    return layers
+
+
+def tokenizer_folder(folder: str) -> str:
+    """Where vLLM reads the tokenizer: the model folder, or (a config-only shape) the bundled model's."""
+    return folder if has_tokenizer(folder) else model_folder(None)
+
+
+class VllmDecoder(Decoder):
+    """``Decoder``'s interface over an embedded ``vllm.LLM``; the loop runs in vLLM's workers."""
+
+    def __init__(self, model: str | None, drafter_path: str | None, drafter_info: DrafterInfo,
+                 dtype: str = "bfloat16", seed: int = 0, options: VllmOptions = VllmOptions()):
+        require_cuda()
+        folder = model_folder(model, options.tensor_parallel_size)
+        # the driver only checks settings against the drafter: its shape, not its weights (the workers load those)
+        drafter = drafter_shape(drafter_path) if drafter_path is not None else None
+        preflight(folder, drafter)
+        vllm = require_vllm()
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        self.options, self.drafter_path = options, drafter_path
+        self.llm = vllm.LLM(
+            model=folder, dtype=dtype, seed=seed, tensor_parallel_size=options.tensor_parallel_size,
+            enforce_eager=True, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
+            gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
+            tokenizer=tokenizer_folder(folder), load_format="dummy" if options.random_weights else "auto",
+            **llm_settings(folder, studio=True),
+        )
+        loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
+                                                              drafter_info.name, options.cuda_graphs,
+                                                              options.fixed_step, options.compile_step,
+                                                              options.random_weights))[0]
+        target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"],
+                              timing_only=options.random_weights)
+        super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step,
+                         compile_step=options.compile_step, timing_only=options.random_weights)
+
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
+            prompt_ids: list[int] | None = None, on_step: Callable[[Trace, Step], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Trace:
+        """The whole generation runs in the workers: ``on_step`` sees the steps once it is over,
+        and ``should_stop`` is read only before it starts."""
+        if prompt_ids is None:
+            if not prompt.strip():
+                raise EngineError("the prompt is empty: type a message for the model to answer")
+            prompt_ids = self.target.chat_ids(prompt)
+        self.prepare(settings, len(prompt_ids))  # bad settings fail here, before any worker is busy
+        if should_stop is not None and should_stop():
+            raise EngineError("stopped before the run started")
+        raw = self.llm.collective_rpc("studio_run", args=(prompt, list(prompt_ids), asdict(settings)))[0]
+        trace = Trace.from_json(raw)
+        trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
+                                  f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}, "
+                                  f"{trace.config.step} step")
+        if on_step is not None:
+            for step in trace.steps:
+                on_step(trace, step)
+        return trace
+
+    def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings) -> KernelProfile:
+        self.prepare(settings, len(prompt_ids))
+        return KernelProfile(**self.llm.collective_rpc("studio_kernels", args=(list(prompt_ids), asdict(settings)))[0])
+
+    def close(self) -> None:
+        """Stop the workers, whose engine holds its share of the GPU until then; nothing runs here after."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bfloat16", seed: int = 0,
+                      options: VllmOptions = VllmOptions()) -> VllmDecoder:
+    """The vLLM twin of ``engine.loop.loading.load_decoder`` (the shipped drafter for the bundled model)."""
+    if drafter == RANDOM:
+        raise EngineError("the vLLM engine runs trained drafters only: pass a drafter folder")
+    if options.random_weights and drafter is None:
+        raise EngineError("--random-weights takes a drafter config folder too (e.g. assets/shapes/...)")
+    if drafter is None and (model or BUNDLED_MODEL) == BUNDLED_MODEL and shipped_drafter() is not None:
+        drafter = str(shipped_drafter())
+    info = drafter_info(drafter, timing_only=options.random_weights) if drafter else DrafterInfo("none", trained=False)
+    return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
+
+
+@dataclass
+class NativeRun:
+    """vLLM's own generation of one prompt: the baseline the Studio's loop is measured against."""
+
+    output_ids: list[int]
+    wall_s: float
+    margins: list[float] | None = None  # top-1 minus top-2 logit per token, when asked for
+
+
+def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_speculative_tokens: int = 15,
+               seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False, mtp: bool = False):
+    """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, its DFlash with our drafter
+    when ``drafter`` is given, or (``mtp``) the target's own multi-token-prediction layers drafting
+    ``num_speculative_tokens``. AR runs with async scheduling, its fastest single-request setting that
+    keeps the outputs (FULL graph mode is faster and changes them)."""
+    vllm = require_vllm()
+    speculative = None
+    if drafter is not None and options.random_weights:
+        raise EngineError("vLLM's own DFlash needs the drafter's real weights: time --native ar with --random-weights")
+    if drafter is not None:
+        speculative = {"method": "dflash", "model": split_heads_folder(drafter, options.tensor_parallel_size),
+                       "num_speculative_tokens": num_speculative_tokens}
+    if mtp:
+        speculative = {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
+    folder = model_folder(model, options.tensor_parallel_size)
+    return vllm.LLM(model=folder, tokenizer=tokenizer_folder(folder), dtype=dtype, seed=seed,
+                    load_format="dummy" if options.random_weights else "auto",
+                    tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
+                    gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
+                    speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
+                    async_scheduling=speculative is None, **native_settings(folder, options))
+
+
+def native_settings(folder: str, options: VllmOptions) -> dict:
+    """``llm_settings`` for vLLM's own runs, with ``options.native_max_seqs`` (0 keeps vLLM's own)."""
+    settings = llm_settings(folder, studio=False)
+    if options.native_max_seqs:
+        settings["max_num_seqs"] = options.native_max_seqs
+    return settings
+
+
+def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int],
+                    margins: bool = False) -> NativeRun:
+    """Greedy, one request at a time (as the Studio's loop runs), stopping where the loop stops.
+    ``margins`` asks vLLM for the top-2 log-probs (their gap is the logit gap); time it apart."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_ids,
+                            ignore_eos=not stop_ids, detokenize=False, logprobs=2 if margins else None)
+    started = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)[0].outputs[0]
+    wall = time.perf_counter() - started
+    gaps = [_top2_gap(top) for top in out.logprobs] if margins else None
+    return NativeRun(output_ids=list(out.token_ids), wall_s=wall, margins=gaps)
+
+
+def _top2_gap(top: dict) -> float:
+    values = sorted((entry.logprob for entry in top.values()), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else float("inf")
+
+
+def native_acceptance(llm) -> tuple[int, int]:
+    """(drafts, accepted draft tokens) so far, from vLLM's speculative-decoding counters."""
+    drafts = accepted = 0
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            drafts += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted += int(metric.value)
+    return drafts, accepted
+

@@ -1,0 +1,415 @@
+"""The Studio's decode loop inside vLLM's workers: vLLM's model, kernels and paged KV cache.
+
+vLLM loads ``StudioWorker`` as a worker extension (``worker_extension_cls``), so this module
+is imported in every worker process, also under tensor parallelism. Each rank runs the same
+loop (``engine.loop.decode``) in lockstep: the target's logits are all-gathered, so every rank
+builds the same tree and takes the same path, and their collectives line up. The loop talks
+to vLLM through ``PagedTarget``, which gives a vLLM model the torch engine's ``Target``
+interface.
+
+vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
+is wrapped so that a verify pass can add a query-query bias (``qq_bias``, a parameter the
+kernel still has from vLLM's removed tree-attention backend). Hybrid targets (Gated DeltaNet
+layers) add two more, in ``engine.on_vllm.vllm_gdn``, imported only for them. Nothing else is patched.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+import vllm
+import vllm.v1.attention.backends.triton_attn as triton_attn
+from vllm.distributed import tensor_model_parallel_all_gather
+from vllm.distributed.parallel_state import graph_capture
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+import ddtree
+from ddtree.fixed import compaction_rows
+from engine.errors import EngineError
+from engine.gpu.kv_moves import RowMover
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.fixed_step import padded_prompt, prefill_bucket
+from engine.models.drafter import load_drafter
+from engine.models.target import Target, stop_token_ids
+from engine.on_vllm.vllm_engine import MAX_PATH
+
+MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
+# longest prompt pass replayed as a graph: beyond it the pass is compute, not launches, and a graph
+# would keep its activations (all-row logits included) in the pool for good
+MAX_PREFILL_GRAPH = 1024
+BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
+
+
+class _QueryBias:
+    """The bias the next attention call adds among its queries; ``None`` outside a tree verify."""
+
+    current: torch.Tensor | None = None
+
+
+def _unified_attention_with_tree(*args, **kwargs):
+    if _QueryBias.current is not None:
+        kwargs["qq_bias"] = _QueryBias.current
+    return _unified_attention(*args, **kwargs)
+
+
+_unified_attention = triton_attn.unified_attention
+triton_attn.unified_attention = _unified_attention_with_tree
+
+
+@dataclass
+class PagedCache:
+    """One request's rows in vLLM's paged KV cache; the block table is the identity."""
+
+    length: int = 0  # rows written so far
+
+
+class _Forward:
+    """One verify shape: static inputs, attention metadata and (once captured) a CUDA graph."""
+
+    def __init__(self, target: "PagedTarget", size: int, tree: bool, prefill: bool = False):
+        device = target.device
+        self.target, self.size, self.prefill = target, size, prefill
+        self.ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slots = torch.zeros(size, dtype=torch.long, device=device)
+        self.offsets = torch.arange(size, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        # the kernel loads the bias a whole query tile at a time (up to 16 rows), rows past the
+        # last query included: back the [size, size] view with memory for them
+        self.bias = torch.zeros(size + BIAS_PAD_ROWS, size, dtype=torch.float32, device=device)[:size] if tree else None
+        self.metadata = target.layer_metadata(size, self.slots, self.seq_lens, prefill)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.gdn_pass = None  # a hybrid target's tree pass as the graph recorded it
+
+    def load(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: int | torch.Tensor,
+             bias: torch.Tensor | None) -> None:
+        """The pass's inputs; ``past`` (rows before it) may be a device tensor: nothing is read back."""
+        self.ids.copy_(input_ids)
+        self.positions.copy_(position_ids)
+        self.slots.copy_(self.offsets + past)
+        self.seq_lens.fill_(past + self.size)
+        if self.bias is not None:
+            self.bias.copy_(bias, non_blocking=True)
+
+    def run(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.graph is not None:
+            self.graph.replay()
+            if self.gdn_pass is not None:
+                self.target.gdn.pending = self.gdn_pass  # the commit reads what this graph's layers kept
+            return self.outputs
+        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias, self.prefill)
+
+    @torch.inference_mode()
+    def capture(self, pool) -> None:
+        """Record the pass as a CUDA graph (after one eager run on the loaded inputs)."""
+        self.run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(device=self.target.device) as context:
+            with torch.cuda.graph(graph, pool=pool, stream=context.stream):
+                self.outputs = self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias)
+        self.graph = graph
+        if self.target.gdn is not None:
+            self.gdn_pass = self.target.gdn.pending
+
+
+class PagedTarget(Target):
+    """``Target`` over a vLLM worker's model: forward, tree bias and commit on the paged cache."""
+
+    def __init__(self, runner, tokenizer, name: str, use_cuda_graphs: bool = True):
+        model = runner.get_model()
+        super().__init__(model=model, tokenizer=tokenizer, name=name,
+                         stop_ids=stop_token_ids(tokenizer, runner.model_config.hf_text_config))
+        self.runner, self.vllm_config = runner, runner.vllm_config
+        groups = [group for groups in runner.attn_groups for group in groups]
+        attention = [group for group in groups if group.backend.get_name() == "TRITON_ATTN"]
+        linear = [group for group in groups if group.backend.get_name() == "GDN_ATTN"]
+        if not attention or len(attention) + len(linear) != len(groups):
+            names = sorted({group.backend.get_name() for group in groups})
+            raise EngineError(f"the vLLM engine verifies trees with the Triton attention backend (plus Gated DeltaNet "
+                              f"layers on hybrids); this target's layers need {', '.join(names)}")
+        self.builder = attention[0].metadata_builders[0]
+        self.attention_names = [name for group in attention for name in group.layer_names]
+        forward_layers = self.vllm_config.compilation_config.static_forward_context
+        self.kv_caches = [forward_layers[name].kv_cache for name in self.attention_names]
+        if self.kv_caches[0].shape[1] != 2:
+            raise EngineError(f"unexpected KV cache layout {tuple(self.kv_caches[0].shape)} for vLLM {vllm.__version__}")
+        self.block_size = self.kv_caches[0].shape[2]
+        blocks = self.kv_caches[0].shape[0]
+        self.gdn = None
+        if linear:
+            from engine.on_vllm.vllm_gdn import GDNLayers
+
+            # a hybrid's layers share each block's memory across KV-cache groups: the request's
+            # states take one block per Gated DeltaNet group at the pool's end, the attention
+            # rows the blocks before them
+            self.gdn = GDNLayers(linear, forward_layers, device=self.device)
+            blocks = min(blocks, self.gdn.slot)
+        self.capacity = blocks * self.block_size
+        self.block_table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
+        # a multimodal checkpoint (Qwen3.5 / 3.6) runs its language model alone: the Studio sends text
+        self.text_model = getattr(model, "language_model", model)
+        self.compiled_model = None  # torch.compile of it, for the fixed step's verify (--compile-step)
+        self.mrope = runner.model_config.uses_mrope
+        self._embedding = _full_vocab(self.text_model.model.embed_tokens.weight, self.config.vocab_size)
+        head = self.text_model.model.embed_tokens if self.config.tie_word_embeddings else self.text_model.lm_head
+        self._lm_head = _full_vocab(head.weight, self.config.vocab_size)
+        self.use_cuda_graphs = use_cuda_graphs
+        self.forwards: dict[tuple[int, bool], _Forward] = {}
+        self.prefills: dict[int, _Forward] = {}  # prompt passes by padded length (``prefill_bucket``)
+        self.graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
+        # move_rows(sources, targets): cache rows of every layer, in one launch where Triton runs
+        self.move_rows = RowMover(self.kv_caches, self.block_size)
+        self.compaction = _Compaction(self, moves=MAX_PATH)
+
+    runs_fixed_step = True  # a hybrid's linear layers fork and commit their states inside the step's programs too
+
+    @property
+    def config(self):
+        return self.runner.model_config.hf_text_config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.model_config.dtype
+
+    @property
+    def context_length(self) -> int:
+        return min(self.runner.model_config.max_model_len, self.capacity - 1)  # the last row is scratch
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return self._embedding
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self._lm_head
+
+    def tap_layers(self, hidden_state_indices: list[int]) -> None:
+        """Return these HF ``hidden_states`` indices from every pass, keyed the same way.
+
+        vLLM records the residual stream *entering* layer ``k`` as aux index ``k`` (0: the
+        embeddings), which is exactly HF's ``hidden_states[k]``: no offset to add here.
+        """
+        self.taps = sorted(set(hidden_state_indices))
+        self.text_model.model.aux_hidden_state_layers = tuple(self.taps)
+
+    def new_cache(self) -> PagedCache:
+        return PagedCache()
+
+    def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor:
+        return ddtree.query_bias(visible)
+
+    def layer_metadata(self, size: int, slots: torch.Tensor, seq_lens: torch.Tensor, prefill: bool) -> dict:
+        """Each layer's attention metadata for a pass of ``size`` tokens; a hybrid's linear layers
+        get vLLM's for a prefill, and verify trees on their own otherwise (``engine.on_vllm.vllm_gdn``)."""
+        metadata = self.attention_metadata(size, slots, seq_lens)
+        layers = {name: metadata for name in self.attention_names}
+        if self.gdn is not None and prefill:
+            layers |= self.gdn.prefill_metadata(size, slots)
+        return layers
+
+    def attention_metadata(self, size: int, slots: torch.Tensor, seq_lens: torch.Tensor):
+        query_start = torch.tensor([0, size], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start.to(self.device), query_start_loc_cpu=query_start,
+            seq_lens=seq_lens, num_reqs=1, num_actual_tokens=size, max_query_len=size,
+            max_seq_len=self.context_length, block_table_tensor=self.block_table, slot_mapping=slots,
+        )
+        return self.builder.build(0, common)
+
+    def run_model(self, ids, positions, metadata: dict, slots, bias, prefill: bool = False, compiled: bool = False
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One pass of vLLM's model; ``compiled``: through torch.compile at this fixed size (inductor
+        fuses the eager model's norms, rotary and activations: a few hundred kernels fewer a pass)."""
+        model = self.text_model
+        if compiled:
+            if self.compiled_model is None:
+                self.compiled_model = torch.compile(self.text_model, dynamic=False)
+            model = self.compiled_model
+        _QueryBias.current = bias
+        if self.gdn is not None and not prefill:
+            size = ids.numel()
+            visible = (bias == 0) if bias is not None else torch.ones(size, size, dtype=torch.bool, device=ids.device)
+            self.gdn.begin(visible, min(size, MAX_PATH))
+        try:
+            with set_forward_context(metadata, self.vllm_config, num_tokens=ids.numel(),
+                                     slot_mapping={name: slots for name in self.attention_names}):
+                out = model(input_ids=ids, positions=positions.expand(3, -1) if self.mrope else positions,
+                            intermediate_tensors=None)
+                hidden, taps = out if isinstance(out, tuple) else (out, [])
+                return self.text_model.compute_logits(hidden), taps
+        finally:
+            _QueryBias.current = None
+            if self.gdn is not None:
+                self.gdn.end()
+
+    def forward(self, input_ids, position_ids, cache: PagedCache, attention_bias=None, hidden_states=False):
+        size = input_ids.shape[1]
+        if cache.length + size > self.capacity:
+            raise EngineError(f"the vLLM KV cache holds {self.capacity} tokens; this pass needs {cache.length + size}")
+        prefill = cache.length == 0
+        if prefill and self.gdn is not None and attention_bias is not None:
+            raise EngineError("a hybrid target's prompt runs as a plain causal prefill, not as a tree")
+        bucket = self._prefill_bucket(size) if prefill and attention_bias is None else None
+        if bucket is not None:
+            if bucket not in self.prefills:
+                self.prefills[bucket] = _Forward(self, bucket, tree=False, prefill=True)
+            forward = self.prefills[bucket]
+            forward.load(*padded_prompt(input_ids[0], position_ids[0], bucket), 0, None)
+        else:
+            forward = self._forward_for(size, attention_bias is not None, prefill)
+            forward.load(input_ids[0], position_ids[0], cache.length, attention_bias)
+        logits, taps = forward.run()
+        cache.length += size  # like a DynamicCache: every pass appends; ``commit`` then trims to the path
+        return logits[:size], self.tapped([tap[:size] for tap in taps]) if hidden_states else None
+
+    def _prefill_bucket(self, size: int) -> int | None:
+        """The padded length a prompt's pass replays at as a CUDA graph (None: an eager pass of its own
+        length). Causal attention keeps the padding out of the prompt's rows; the padding's KV rows lie
+        past the prompt, where the next pass writes before anything reads them. Not for hybrids: padding
+        would run through their recurrent states."""
+        if not self.use_cuda_graphs or self.gdn is not None:
+            return None
+        bucket = prefill_bucket(size)
+        return bucket if bucket <= min(MAX_PREFILL_GRAPH, self.context_length) else None
+
+    def tapped(self, taps: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """A pass's tapped layers keyed as HF's ``hidden_states``, each ``[1, q, hidden]``."""
+        return {layer: tap[None] for layer, tap in zip(self.taps, taps)}
+
+    def fixed_kv(self, capacity: int, compiled: bool = False) -> "PagedKV":
+        return PagedKV(self, compiled)  # the paged cache is vLLM's, of its own capacity
+
+    def _forward_for(self, size: int, tree: bool, prefill: bool) -> _Forward:
+        key = (size, tree)
+        if prefill or key not in self.forwards and len(self.forwards) >= MAX_GRAPHS:
+            return _Forward(self, size, tree, prefill)
+        if key not in self.forwards:
+            self.forwards[key] = _Forward(self, size, tree)
+        return self.forwards[key]
+
+    def capture_pending(self) -> None:
+        """Turn the verify shapes and prompt buckets seen so far (inputs already loaded) into CUDA graphs."""
+        if self.use_cuda_graphs:
+            for forward in [*self.forwards.values(), *self.prefills.values()]:
+                if forward.graph is None:
+                    forward.capture(self.graph_pool)
+
+    def commit(self, cache: PagedCache, past_length: int, accepted: list[int]) -> None:
+        sources, targets = ddtree.compaction_moves(past_length, accepted)
+        if sources.numel():
+            self.compaction(sources, targets)
+        if self.gdn is not None:
+            self.gdn.commit(accepted)
+        cache.length = past_length + len(accepted)
+
+
+class _Compaction:
+    """KV compaction for every layer (one kernel, or ~60 where Triton cannot take the caches) as one
+    CUDA graph over a fixed number of moves; unused moves copy the cache's last row, which no request
+    reaches, onto itself."""
+
+    def __init__(self, target: PagedTarget, moves: int):
+        self.target, self.moves, self.scratch = target, moves, target.capacity - 1
+        self.sources = torch.full((moves,), self.scratch, dtype=torch.long, device=target.device)
+        self.targets = torch.full((moves,), self.scratch, dtype=torch.long, device=target.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        count = sources.numel()
+        if not self.target.use_cuda_graphs or count > self.moves:
+            self.target.move_rows(sources.to(self.target.device), targets.to(self.target.device))
+            return
+        self.sources.fill_(self.scratch)
+        self.targets.fill_(self.scratch)
+        self.sources[:count].copy_(sources)
+        self.targets[:count].copy_(targets)
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self.target.move_rows(self.sources, self.targets)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records without running: this commit's moves ran just above
+            self.target.move_rows(self.sources, self.targets)
+        self.graph = graph
+
+
+class PagedKV:
+    """The fixed-shape step's view of the paged cache (``engine.loop.fixed_step``): a verify pass whose
+    slots, sequence length and tree bias are computed on the device from the write cursor
+    ``past``, so the caller records it into its own CUDA graph; the compaction moves the rows
+    ``ddtree.fixed.compaction_rows`` names, the cache's last row taking the padding moves."""
+
+    def __init__(self, target: PagedTarget, compiled: bool = False):
+        self.target, self.compiled = target, compiled
+        self.forks_states = target.gdn is not None  # a hybrid's: every step's path enters the linear layers' states
+        self.forwards: dict[int, _Forward] = {}  # static inputs and attention metadata per verify size
+
+    def prefill_cache(self) -> PagedCache:
+        return PagedCache()
+
+    @contextmanager
+    def capturing(self):
+        """vLLM's capture context (its custom all-reduce records into the graph under tensor parallelism)."""
+        with graph_capture(device=self.target.device) as context:
+            yield context.stream
+
+    def verify(self, ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor):
+        size = ids.numel()
+        if size not in self.forwards:
+            self.forwards[size] = _Forward(self.target, size, tree=size > 1)
+        forward = self.forwards[size]
+        forward.load(ids, positions, past, ddtree.query_bias(visible) if size > 1 else None)
+        logits, taps = self.target.run_model(forward.ids, forward.positions, forward.metadata, forward.slots,
+                                             forward.bias, compiled=self.compiled)
+        return logits, self.target.tapped(taps)
+
+    def compact(self, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:
+        self.target.move_rows(*compaction_rows(past, path, length, self.target.capacity - 1))
+        if self.forks_states:
+            self.target.gdn.commit_path(path, length)
+
+
+def _full_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A vocab-parallel weight gathered across tensor-parallel ranks, padding rows dropped."""
+    return tensor_model_parallel_all_gather(weight.contiguous(), dim=0)[:vocab_size]
+
+
+class StudioWorker:
+    """Methods vLLM adds to its worker class; the driver calls them through ``collective_rpc``."""
+
+    def studio_load(self, name: str, drafter_path: str | None, drafter_name: str, use_cuda_graphs: bool,
+                    fixed_step: bool, compile_step: bool, random_weights: bool) -> dict:
+        from transformers import AutoTokenizer
+
+        runner = self.model_runner
+        tokenizer = AutoTokenizer.from_pretrained(runner.model_config.tokenizer)
+        target = PagedTarget(runner, tokenizer, name, use_cuda_graphs)
+        drafter = None
+        if drafter_path is not None:
+            drafter = load_drafter(drafter_path, random_weights).to(device=target.device, dtype=target.dtype).eval()
+            target.tap_layers(drafter.hidden_state_indices)
+        else:
+            target.tap_layers([])
+        if random_weights:
+            target.stop_ids = []  # timing runs decode their full length
+        info = DrafterInfo(drafter_name, trained=drafter is not None and not random_weights)
+        self.studio = Decoder(target, drafter, info, engine="vllm", cuda_graphs=use_cuda_graphs, fixed_step=fixed_step,
+                              compile_step=compile_step, timing_only=random_weights)
+        return {"context_length": target.context_length}
+
+    def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict) -> str:
+        """One generation; returns the trace as JSON (rank 0's is the one the driver reads)."""
+        decoder: Decoder = self.studio
+        trace = decoder.run(prompt, DecodeSettings(**settings), prompt_ids=prompt_ids)
+        decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on
+        return trace.to_json()
+
+    def studio_kernels(self, prompt_ids: list[int], settings: dict) -> dict:
+        """Kernels per step by stage for one generation, and the slowest (``engine.gpu.profiling.KernelProfile``'s
+        fields: the reply crosses vLLM's process boundary as plain data, like every other one here)."""
+        return asdict(self.studio.kernel_profile(prompt_ids, DecodeSettings(**settings)))

@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# One device call per phase, each within the 10-minute cap, every result in a file under $OUT
+# (vLLM's shutdown logging floods a piped tail). Run through engine/tools/vllm_device.sh after staging:
+#   bash engine/tools/vllm_device.sh 'bash engine/tools/gpu_session.sh PHASE'
+# Seen on the H200 (2026-12-01): each vLLM engine a bench starts (native AR, native DFlash, the
+# Studio's) takes 1-2 minutes to start the first time (compilation, graphs), ~10 s once its
+# compile cache in /tmp/vcache is warm; the minutes below are for a cold machine.
+#   check      kernels + tests + float32 (~8 min)
+#   kernels    the two Triton fast paths against their references, natively (~1 min warm; on a cold machine
+#              each tested budget compiles the beam kernel anew: 2.1 min on 2026-12-02)
+#   tests      the GPU tests of the fixed step and the vLLM engine (~5 min)
+#   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
+#   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
+#              brought back) (~7 min)
+#   baseline   vLLM's own AR at the baseline's max_num_seqs (8), at vLLM's shipped default, then at 8 again (drift),
+#              same prompts and machine: at 135M vLLM's AR is host-bound, and a setting of the baseline must not
+#              pass for a machine's pace (2026-12-03: 494 tokens/s at 8, 416 at the default; the first bench of
+#              a cold machine compiles for ~3 min, so it gets the longest cap) (~7.5 min)
+#   app        the app on the vLLM engine through its API (carry [".whl"]: gradio's wheels) (~4 min)
+#   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
+#   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
+#              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
+#              the engine's own AR in HYBRID_DTYPE (deep acceptance) (carry [".whl"] with compressed-tensors and loguru, which
+#              vLLM's Qwen3.5 module imports and the trimmed bundle lacks) (3.7 min on 2026-12-02, float32)
+#   hybrid-exact  after hybrid: AR, DFlash, DDTree@16/@64 against vLLM's AR, with CUDA graphs (the scripted drafter's
+#              trees: readable step) and without (-eager: the fixed step), float32 (vLLM 0.23's chunked
+#              GDN prefill refuses float32: engine.on_vllm.vllm_gdn runs it through vLLM's recurrent kernel, in
+#              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (2.1 min each)
+#   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (3.0 min)
+#   hybrid-modules  after hybrid: which module of vLLM's float32 prompt pass leaves float64 (engine.tools.module_check: every
+#              decoder module's inputs and outputs captured in vLLM, replayed in float64 by transformers there), the
+#              tiny Qwen3.5 and its all-attention twin, exact dots; the captures (~30 MB each) stay there (~3 min)
+#   hybrid-margins  after hybrid: how far vLLM's float32 strays from float64 (engine.tools.margin_check), by prompt
+#              length: the tiny Qwen3.5 with Triton's float32 dots as TF32 (their default) and as IEEE, and its
+#              all-attention twin (~5 min)
+#   shape      a real-size shape with random weights + projection: Qwen3-8B by default (4.6 min at TOKENS=64; with
+#              STEP=--compile-step LIMIT=2 BUDGETS=16,64,256 8.8 min on 2026-12-02: give it a call of its own. The bench
+#              saves the Studio's results before its kernel counts and vLLM's own AR, so a cut-off run keeps them). The 27B shapes:
+#              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64.
+#              The hybrid with KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32 took 3.5 min on 2026-12-03 (vLLM's own AR
+#              included; 5.4 min in its readable step), BUDGETS=16 TOKENS=128 6.3 min; with kernel counts and 3
+#              prompts it did not finish in one call. Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
+#              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
+#   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
+#              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
+# PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
+# (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
+# (STEP=--compile-step TAG=-compiled: the compiled step).
+set -uo pipefail
+PHASES='check, kernels, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape or exact'
+phase=${1:?phase: $PHASES}
+TOKENS=${TOKENS:-128}
+STEP=${STEP:-} TAG=${TAG:-}
+HYBRID=/tmp/tiny-qwen3.5  # and its -attention twin, -shape (a drafter config) and -scripted drafter
+HYBRID_DTYPE=${HYBRID_DTYPE:-float32}
+CHECKS=${CHECKS:-1}  # hybrid: CHECKS=0 builds only what hybrid-exact needs (no kernel tests, no all-attention twin)
+tables() { sed '/^slowest kernels/,$d' "$1" | grep -E '^\||^kernels|NOT a near-tie|^error' | tail -n "${2:-40}"; }
+
+case "$phase" in
+check)
+  for part in kernels tests float32; do bash "$0" "$part"; done ;;
+kernels)
+  timeout 240 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py tests/test_beam_kernel.py \
+      > "$OUT/pytest-kernels.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-kernels.txt" | tail -n 10 ;;
+tests)
+  timeout 330 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
+      tests/test_vllm_engine.py > "$OUT/pytest.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest.txt" | tail -n 20 ;;
+float32)
+  timeout 420 python3 -m engine.tools.bench --engine vllm --no-progress $MODELS --native ar --dtype float32 $STEP \
+      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-2}" --methods ar,dflash,ddtree \
+      --tree-budget "${BUDGETS:-32,128}" --max-new-tokens "$TOKENS" --out "$OUT/gpu-vllm-fresh-float32$TAG.json" \
+      > "$OUT/bench-float32.txt" 2>&1
+  tables "$OUT/bench-float32.txt" 12 ;;
+fresh)
+  timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress $MODELS --native ar,dflash $STEP \
+      --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar,dflash,ddtree \
+      --tree-budget "${BUDGETS:-16,32,64,128}" \
+      --max-new-tokens "$TOKENS" --reduced-traces --count-kernels --out "$OUT/gpu-vllm-fresh$TAG.json" > "$OUT/bench-fresh.txt" 2>&1
+  tables "$OUT/bench-fresh.txt"
+  python3 -m engine.loop.calibration record "$OUT/gpu-vllm-fresh$TAG.json" && cp assets/budgets.json "$OUT/budgets.json" ;;
+baseline)
+  for seqs in 8 default 8-again; do
+    cap=$([ "$seqs" = 8 ] && echo 250 || echo 170)
+    timeout $cap python3 -m engine.tools.bench --engine vllm --no-progress $MODELS --native ar \
+        --native-max-seqs "$([ "$seqs" = default ] && echo 0 || echo 8)" \
+        --prompts assets/prompts/fresh.jsonl --per-category "${PER_CATEGORY:-3}" --methods ar --max-new-tokens "$TOKENS" \
+        --out "$OUT/gpu-vllm-baseline-$seqs.json" > "$OUT/bench-baseline-$seqs.txt" 2>&1
+    echo "max_num_seqs $seqs: $(grep -E '^\| (ar|vllm-ar) \|.*×' "$OUT/bench-baseline-$seqs.txt" | cut -d'|' -f2,6 | tr '\n' ' ')"
+  done ;;
+app)
+  timeout 300 python3 -m engine.tools.app_check --launch "python3 app.py --engine vllm $MODELS" --limit 5 \
+      --max-new-tokens "$TOKENS" --out "$OUT/app-check.json" > "$OUT/app-check.txt" 2>&1
+  grep -E '^page|^default|engine vllm|^sweep|^  [0-9]' "$OUT/app-check.txt" | tail -n 25 ;;
+humaneval)
+  timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress $MODELS --native ar,dflash $STEP \
+      --prompts assets/prompts/humaneval.jsonl --limit "${LIMIT:-20}" --methods ar,dflash,ddtree \
+      --tree-budget "${BUDGETS:-16,32,64,128}" --max-new-tokens "$TOKENS" --reduced-traces --out "$OUT/gpu-vllm-humaneval$TAG.json" > "$OUT/bench-humaneval.txt" 2>&1
+  tables "$OUT/bench-humaneval.txt" 20 ;;
+shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; UTIL: the GPU share of each of the two
+  # engines (the Studio's, then vLLM's own AR once the Studio's has closed)
+  shape=${SHAPE:-qwen3-8b}
+  results="$OUT/gpu-$shape-random$TAG.json"
+  kernels=$([ "${KERNELS:-1}" = 1 ] && echo --count-kernels)  # KERNELS=0: no kernel counts (each method profiled once more)
+  timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress --random-weights --model "assets/shapes/$shape" \
+      --drafter "assets/shapes/$shape-dflash-b16" --native "${NATIVE:-ar}" --gpu-memory-utilization "${UTIL:-0.4}" \
+      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP $kernels \
+      --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-1,16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
+      --out "$results" > "$OUT/bench-shape-$shape.txt" 2>&1
+  tables "$OUT/bench-shape-$shape.txt" 30
+  sed -n '/^slowest kernels/,$p' "$OUT/bench-shape-$shape.txt" | grep -E '^\| (ar|dflash|ddtree@64) \|'  # the rest: in the JSON
+  python3 -m engine.tools.projection "$results" | tee "$OUT/projection-$shape.txt" ;;
+hybrid)  # the folders, the kernels under trees, and a drafter scripted with the Studio's own bf16 answers
+  python3 -c 'import vllm.model_executor.models.qwen3_5' > "$OUT/import.txt" 2>&1 \
+      || { tail -n 2 "$OUT/import.txt"; echo "vLLM's Qwen3.5 module does not import: carry .whl (see above)"; exit 1; }
+  { python3 -m tests.hybrid_models "$HYBRID" --vllm-shape
+    [ "$CHECKS" = 1 ] && python3 -m tests.hybrid_models "$HYBRID-attention" --vllm-shape --attention-only
+    python3 -m tests.hybrid_models --scripted-drafter "$HYBRID-shape" --model "$HYBRID" \
+        --prompts assets/prompts/fresh.jsonl --limit 1 --max-new-tokens 8; } > "$OUT/hybrid-build.txt" 2>&1
+  tail -n 1 "$OUT/hybrid-build.txt"
+  [ "$CHECKS" = 1 ] && { timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_gdn_tree.py > "$OUT/pytest-gdn.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
+  # vLLM's float32 prefill kernels against float64 around their length switches (exact dots: a Triton cache of their own)
+  TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/tcache-ieee timeout 150 python3 -m pytest -q -rfE --tb=line -p no:cacheprovider \
+      tests/test_vllm_prefill_kernels.py > "$OUT/pytest-prefill.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed|^/.*assert' "$OUT/pytest-prefill.txt" | tail -n 24; }
+  # the script is the vLLM engine's own AR in the dtype hybrid-exact runs, for trees accepted levels deep
+  # (a random tiny model's logits are nearly flat: 16% of its bf16 steps are within 2 bf16 steps of a tie)
+  timeout 240 python3 -m engine.tools.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-shape" \
+      --dtype "$HYBRID_DTYPE" --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar --max-new-tokens 64 \
+      --out "$OUT/gpu-vllm-hybrid-ar.json" > "$OUT/bench-hybrid-ar.txt" 2>&1
+  python3 -m engine.tools.scripted "$OUT/gpu-vllm-hybrid-ar.json" --shape "$HYBRID-shape" --out "$HYBRID-scripted" ;;
+hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR. A scripted drafter never runs as a CUDA
+  # graph, so with graphs its trees take the readable step; without them (-eager) the fixed step, run eagerly
+  for graphs in "" --no-cuda-graphs; do
+    tag=$([ -n "$graphs" ] && echo -eager)
+    timeout 400 python3 -m engine.tools.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-scripted" $graphs \
+        --dtype "$HYBRID_DTYPE" --native ar --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar,dflash,ddtree \
+        --tree-budget 16,64 --max-new-tokens 64 --out "$OUT/gpu-vllm-hybrid-$HYBRID_DTYPE$tag.json" > "$OUT/bench-hybrid$tag.txt" 2>&1
+    tables "$OUT/bench-hybrid$tag.txt" 12
+  done ;;
+hybrid-cost)  # verify cost vs tree size: the same shape with and without its Gated DeltaNets (after hybrid)
+  for model in "$HYBRID" "$HYBRID-attention"; do
+    timeout 200 python3 -m engine.tools.bench --engine vllm --no-progress --model "$model" --drafter "$HYBRID-scripted" --prompts assets/prompts/fresh.jsonl \
+        --limit 2 --methods ar,ddtree --tree-budget 1,16,64,256 --max-new-tokens 32 \
+        --out "$OUT/gpu-vllm-$(basename "$model")-cost.json" > "$OUT/bench-$(basename "$model")-cost.txt" 2>&1
+    tables "$OUT/bench-$(basename "$model")-cost.txt" 8
+  done ;;
+hybrid-modules)  # after hybrid: module by module, vLLM's float32 against float64 on vLLM's own inputs
+  for model in "$HYBRID" "$HYBRID-attention"; do
+    name=$(basename "$model")
+    TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/tcache-ieee timeout 200 python3 -m engine.tools.module_check capture --model "$model" \
+        --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --out "/tmp/modules-$name.pt" > "$OUT/modules-$name.txt" 2>&1
+    timeout 120 python3 -m engine.tools.module_check compare "/tmp/modules-$name.pt" >> "$OUT/modules-$name.txt" 2>&1
+    echo "$name"; grep -E '^\||^error' "$OUT/modules-$name.txt"
+  done ;;
+hybrid-margins)  # after hybrid: where vLLM's float32 leaves exact arithmetic, with and without Gated DeltaNets;
+  # Triton's float32 dots default to TF32 on NVIDIA (vLLM's attention kernel takes that default): "ieee" runs them exact
+  for run in "$HYBRID tf32" "$HYBRID ieee" "$HYBRID-attention ieee"; do
+    set -- $run
+    name=$(basename "$1")-$2
+    # a Triton cache of its own per precision: a kernel compiled under one default must not serve the other
+    TRITON_F32_DEFAULT=$2 TRITON_CACHE_DIR=/tmp/tcache-$2 timeout 200 python3 -m engine.tools.bench --engine vllm --no-progress --model "$1" \
+        --drafter "$HYBRID-scripted" --dtype float32 --native ar --prompts assets/prompts/fresh.jsonl --per-category 2 \
+        --methods ar --max-new-tokens 16 --out "$OUT/gpu-vllm-$name-margins.json" > "$OUT/bench-$name-margins.txt" 2>&1
+    echo "$name"; python3 -m engine.tools.margin_check "$OUT/gpu-vllm-$name-margins.json" 2> /dev/null | tee "$OUT/margins-$name.txt"
+  done ;;
+exact)
+  shape=assets/shapes/qwen3-1.7b drafter=assets/shapes/qwen3-1.7b-dflash-b16 scripted=/tmp/qwen3-1.7b-scripted
+  timeout 200 python3 -m engine.tools.bench --engine vllm --no-progress --random-weights --model "$shape" --drafter "$drafter" --dtype float32 --native ar \
+      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-8}" --methods ar --max-new-tokens 64 \
+      --out "$OUT/gpu-qwen3-1.7b-random-ar.json" > "$OUT/bench-exact-ar.txt" 2>&1
+  python3 -m engine.tools.scripted "$OUT/gpu-qwen3-1.7b-random-ar.json" --shape "$drafter" --out "$scripted"
+  timeout 330 python3 -m engine.tools.bench --engine vllm --no-progress --random-weights --model "$shape" --drafter "$scripted" --dtype float32 --native ar \
+      --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-8}" --methods ar,dflash,ddtree --tree-budget 16,64 \
+      --max-new-tokens 64 --out "$OUT/gpu-qwen3-1.7b-random-float32.json" > "$OUT/bench-exact.txt" 2>&1
+  tables "$OUT/bench-exact.txt" 12 ;;
+*)
+  echo "unknown phase $phase: $PHASES" >&2; exit 2 ;;
+esac
