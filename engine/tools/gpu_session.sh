@@ -39,7 +39,11 @@
 #              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64.
 #              The hybrid with KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32 took 3.5 min on 2026-12-03 (vLLM's own AR
 #              included; 5.4 min in its readable step), BUDGETS=16 TOKENS=128 6.3 min; with kernel counts and 3
-#              prompts it did not finish in one call. Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
+#              prompts it did not finish in one call. On a cold machine (2026-12-04, the fused GDN programs) the
+#              Studio's engine took 2.7 min to start, its four methods 1.7 min, and vLLM's own AR 1.8 min to compile
+#              before it timed anything: LIMIT=2 BUDGETS=16,64 TOKENS=64 needs the whole 560 s. NATIVE=ar,mtp adds
+#              vLLM's own MTP (~2 min more): run it in the next call while the compile caches are warm (BUDGETS=16
+#              with NATIVE=ar,mtp took 4.8 min there). Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
 #              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
