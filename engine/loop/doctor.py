@@ -368,8 +368,8 @@ def verdict(findings: list[Finding], first_slot: float | None, tau: dict[str, fl
     faults = [f for f in findings if f.severity == FAULT]
     if faults:
         return "; ".join(f.line for f in faults), FAULTY
-    measured = "" if first_slot is None else (f": first-slot hits {first_slot:.1%}, "
-                                              + ", ".join(f"{k} τ {v:.2f}" for k, v in tau.items()))
+    measured = (" configs (static checks only: no acceptance probe)" if first_slot is None else
+                f": first-slot hits {first_slot:.1%}, " + ", ".join(f"{k} τ {v:.2f}" for k, v in tau.items()))
     warned = sum(f.severity == WARNING for f in findings)
     return f"healthy{measured}" + (f" ({warned} warning{'s' * (warned > 1)} below)" if warned else ""), HEALTHY
 

@@ -108,7 +108,7 @@ def mask_token_check(config: DrafterConfig, tokenizer) -> Finding:
                                             "set dflash_config.mask_token_id to the token the drafter was trained with")
     if tokenizer is None:
         return Finding(NOTE, "mask token", f"{mask} (no tokenizer to name it)")
-    name = tokenizer.convert_ids_to_tokens(mask)
+    name = tokenizer.decode([mask], skip_special_tokens=False)
     special = mask in getattr(tokenizer, "all_special_ids", []) or mask in getattr(tokenizer, "added_tokens_decoder", {})
     if special:
         return Finding(OK, "mask token", f"{mask} = {name!r}, a special token no text produces")

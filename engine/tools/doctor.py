@@ -20,10 +20,10 @@ from pathlib import Path
 from engine.errors import EngineError, run_command
 from engine.loop.decode import Decoder
 from engine.loop.doctor import DEFAULT_PROMPTS, ProbeSettings, diagnose, probe_can_run, static_report
-from engine.loop.doctor_checks import static_checks
+from engine.loop.doctor_checks import check_for_this_target, static_checks
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, display_name, draft_dtype_for, drafter_info
 from engine.models.drafter import load_drafter, read_drafter_config
-from engine.models.target import has_tokenizer, load_target, shape_config
+from engine.models.target import BUNDLED_MODEL, bundled_gguf, has_tokenizer, load_target, shape_config
 from engine.tools.bench import read_prompts
 
 
@@ -61,6 +61,7 @@ def _main(args: argparse.Namespace) -> int:
             tokenizer = AutoTokenizer.from_pretrained(args.model)
         findings = static_checks(shape_config(args.model), tokenizer, config, args.engine, raw)
         return finish(static_report(args.model, name, args.engine, findings), args.out)
+    check_for_this_target(model_config(args.model), config)  # a drafter for another target: exit 2 before the load
     started = time.perf_counter()
     target = load_target(args.model, dtype=args.dtype)
     findings = static_checks(target.config, target.tokenizer, config, args.engine, raw)  # another target: exit 2
@@ -72,6 +73,18 @@ def _main(args: argparse.Namespace) -> int:
     settings = ProbeSettings(max_new_tokens=args.max_new_tokens, engine=args.engine)
     report = diagnose(decoder, prompts, settings, raw, on_progress=lambda line: print(line, file=sys.stderr))
     return finish(report, args.out)
+
+
+def model_config(model: str | None):
+    """The target's config alone, read without its weights."""
+    from transformers import AutoConfig
+
+    if model in (None, BUNDLED_MODEL) or model.endswith(".gguf"):
+        gguf = bundled_gguf() if model in (None, BUNDLED_MODEL) else Path(model)
+        if not gguf.is_file():
+            raise EngineError(f"GGUF file {model!r} does not exist")
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return shape_config(model)
 
 
 def finish(report, out: str | None) -> int:
