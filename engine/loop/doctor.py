@@ -24,7 +24,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.loop.acceptance import CONFIDENCE_EDGES, Proposals, replay
-from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.decode import MAX_NEW_TOKENS, DecodeSettings, Decoder
 from engine.loop.doctor_checks import (FAULT, NOTE, WARNING, Finding, Wiring, configured_wiring, deployment_wirings,
                                        static_checks, variant_wirings)
 from engine.models.drafter import ScriptedDrafter, block_inputs, block_visibility
@@ -55,6 +55,10 @@ class ProbeSettings:
     wiring_prompts: int = 4  # the miswiring probes multiply the drafter's cost: fewer prompts ...
     wiring_stride: int = 1  # ... and, for a costly drafter, every n-th root
     engine: str = "torch"  # "vllm": also the wirings vLLM itself uses
+
+    def __post_init__(self):
+        if not 2 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise EngineError(f"the probe's greedy tokens per prompt must be 2 to {MAX_NEW_TOKENS}, got {self.max_new_tokens}")
 
 
 @dataclass

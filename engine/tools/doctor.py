@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 2:
-        raise EngineError(f"--max-new-tokens must be at least 2, got {args.max_new_tokens}")
+    settings = ProbeSettings(max_new_tokens=args.max_new_tokens, engine=args.engine)
     prompts = [p["prompt"] for p in read_prompts(args.prompts)] if args.prompts else list(DEFAULT_PROMPTS)
     config = read_drafter_config(args.drafter)  # bad drafter input fails here, before any load
     raw = json.loads((Path(args.drafter) / "config.json").read_text())
@@ -70,7 +69,6 @@ def _main(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.drafter).to(device=target.device, dtype=draft_dtype_for(target, args.draft_dtype)).eval()
     decoder = Decoder(target, drafter, drafter_info(args.drafter))
     print(f"loaded in {time.perf_counter() - started:.1f} s; probing {len(prompts)} prompts", file=sys.stderr)
-    settings = ProbeSettings(max_new_tokens=args.max_new_tokens, engine=args.engine)
     report = diagnose(decoder, prompts, settings, raw, on_progress=lambda line: print(line, file=sys.stderr))
     return finish(report, args.out)
 
