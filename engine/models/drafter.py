@@ -180,13 +180,21 @@ def block_visibility(anchors: torch.Tensor, context_length: int, block_size: int
         slots = torch.arange(block_size, device=device)
         queries = (anchors[:, :, None] + slots).view(b, n * block_size, 1)
         keys = torch.cat([torch.arange(context_length, device=device).expand(b, -1), queries[:, :, 0]], dim=1)[:, None]
-        if causal:
-            visible = visible & (keys <= queries)
-        if window is not None:
-            visible = visible & (queries - keys < window)
-            if not causal:
-                visible = visible & (keys - queries < window)
+        visible = narrowed(visible, queries, keys, causal, window)
     return visible[:, None]
+
+
+def narrowed(visible: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, causal: bool,
+             window: int | None) -> torch.Tensor:
+    """``visible`` cut to what a causal and/or sliding-window layer shows (``queries``, ``keys``: positions,
+    broadcast against each other)."""
+    if causal:
+        visible = visible & (keys <= queries)
+    if window is not None:
+        visible = visible & (queries - keys < window)
+        if not causal:
+            visible = visible & (keys - queries < window)
+    return visible
 
 
 class RMSNorm(nn.Module):
@@ -282,13 +290,7 @@ class StaticDraftContext:
         slots = torch.arange(block, device=self.rows.device)
         queries = count + slots[:, None]
         keys = torch.cat([self.rows, count + slots])[None, :]
-        if causal:
-            shown = shown & (keys <= queries)
-        if window is not None:
-            shown = shown & (queries - keys < window)
-            if not causal:
-                shown = shown & (keys - queries < window)
-        return shown[None, None]
+        return narrowed(shown, queries, keys, causal, window)[None, None]
 
     def advance(self, added) -> None:
         self.length += added
@@ -343,13 +345,7 @@ class Attention(nn.Module):
         query = k_len - q_len + torch.arange(q_len, device=device)[:, None]
         key = torch.arange(k_len, device=device)[None, :]
         visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-        if self.is_causal:
-            visible &= key <= query
-        if self.sliding_window is not None:
-            visible &= query - key < self.sliding_window
-            if not self.is_causal:
-                visible &= key - query < self.sliding_window
-        return visible
+        return narrowed(visible, query, key, self.is_causal, self.sliding_window)
 
 
 class MLP(nn.Module):
