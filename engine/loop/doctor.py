@@ -426,32 +426,44 @@ def diagnose(decoder: Decoder, prompts: list[str] | tuple[str, ...] = DEFAULT_PR
         report.seconds["target"] = time.perf_counter() - clock
     clock = time.perf_counter()
     progress("the drafter's blocks at every root, as configured")
-    num_layers = len(runs[0].hidden) - 1
-    configured = configured_wiring(drafter)
+    scores = measure_acceptance(report, decoder, runs, settings.budgets)
+    report.seconds["probe"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    report.wirings = probe_wirings(decoder, runs, scores, settings, raw_drafter_config, progress)
+    report.seconds["wirings"] = time.perf_counter() - clock
+    report.findings += probe_findings(report.wirings)
+    report.verdict, report.status = verdict(report.findings, report.first_slot, report.tau)
+    return report
+
+
+def measure_acceptance(report: DoctorReport, decoder: Decoder, runs: list[PromptPass],
+                       budgets: tuple[int, ...]) -> list[BlockScores]:
+    """The configured drafter's blocks at every root of every output, and the report's measures of them."""
+    configured = configured_wiring(decoder.drafter)
     scores = [score_blocks(decoder, run, configured, list(range(run.prompt_length, len(run.ids))),
-                           max(settings.budgets + (1,))) for run in runs]
+                           max(budgets + (1,))) for run in runs]
     report.prompts, report.roots = len(runs), sum(len(s.anchors) for s in scores)
     report.first_slot = first_slot_rate(scores)
     report.positions = position_stats(scores)
     report.confidence_bands = confidence_bands(scores, runs)
     report.calibration = calibration(scores)
-    report.tau = replayed_tau(scores, runs, settings.budgets)
-    report.seconds["probe"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    wiring_runs = runs[: settings.wiring_prompts]
+    report.tau = replayed_tau(scores, runs, budgets)
+    return scores
+
+
+def probe_wirings(decoder: Decoder, runs: list[PromptPass], scores: list[BlockScores], settings: ProbeSettings,
+                  raw_drafter_config: dict | None, progress) -> list[WiringResult]:
+    """The configured wiring and every miswiring on the same roots (fewer of them: see ``ProbeSettings``)."""
+    drafter, num_layers = decoder.drafter, len(runs[0].hidden) - 1
     subset = [s.every(settings.wiring_stride) for s in scores[: settings.wiring_prompts]]
-    report.wirings = [wiring_result(configured, subset, "configured")]
-    has_norm = runs[0].before_norm is not None
-    probes = [(w, "variant") for w in variant_wirings(drafter, num_layers, has_norm)] + \
+    results = [wiring_result(configured_wiring(drafter), subset, "configured")]
+    probes = [(w, "variant") for w in variant_wirings(drafter, num_layers, runs[0].before_norm is not None)] + \
              [(w, "deployment") for w in deployment_wirings(drafter, num_layers, settings.engine, raw_drafter_config)]
     for wiring, role in probes:
         progress(f"miswiring probe: {wiring.label}")
-        probed = [score_blocks(decoder, run, wiring, s.anchors, 1) for run, s in zip(wiring_runs, subset)]
-        report.wirings.append(wiring_result(wiring, probed, role))
-    report.seconds["wirings"] = time.perf_counter() - clock
-    report.findings += probe_findings(report.wirings)
-    report.verdict, report.status = verdict(report.findings, report.first_slot, report.tau)
-    return report
+        probed = [score_blocks(decoder, run, wiring, s.anchors, 1) for run, s in zip(runs, subset)]
+        results.append(wiring_result(wiring, probed, role))
+    return results
 
 
 def wiring_result(wiring: Wiring, scores: list[BlockScores], role: str) -> WiringResult:
