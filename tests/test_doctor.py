@@ -10,8 +10,9 @@ import torch
 from transformers import LlamaConfig
 
 from engine.loop.decode import Decoder, DrafterInfo
+from engine.errors import EngineError
 from engine.loop.doctor import (DEFAULT_PROMPTS, FAULTY, HEALTHY, DoctorReport, ProbeSettings, diagnose, score_blocks,
-                                target_passes)
+                                static_report, target_passes)
 from engine.loop.doctor_checks import FAULT, OK, WARNING, configured_wiring, static_checks
 from engine.loop.loading import SHIPPED_DRAFTER
 from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, read_drafter_config
@@ -120,6 +121,19 @@ def test_cli_static_on_the_qwen36_shapes_names_vllms_windows_and_taps(capsys):
     assert code == 0 and out.startswith("verdict: healthy"), out
     assert "aux hidden states [2, 17, 32, 47, 62] (dflash_config.target_layer_ids + 1)" in out
     assert "layers [0, 1, 2, 3] (window 2048) run as full attention" in out
+
+
+def test_probe_settings_refuse_a_probe_without_tokens():
+    with pytest.raises(EngineError, match="greedy tokens per prompt must be 2 to"):
+        ProbeSettings(max_new_tokens=1)
+
+
+def test_a_static_report_draws_placeholders_and_its_verdict():
+    findings = static_checks(smollm_like_config(num_hidden_layers=20), None, read_drafter_config(SHIPPED_DRAFTER))
+    report = static_report("small", "shipped", "torch", findings)
+    assert report.status == FAULTY and "reach outside the target's 20 layers (0–19): [20, 27]" in report.verdict
+    assert all(not figure.data for figure in doctor_figures(report).values())
+    assert "❌ **Fault**" in report_markdown(report)
 
 
 def test_cli_bad_input_is_one_line(capsys):
