@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.errors import EngineError
-from engine.loop.doctor import (DEFAULT_PROMPTS, FAULTY, HEALTHY, DoctorReport, ProbeSettings, diagnose, score_blocks,
-                                static_report, target_passes)
+from engine.loop.doctor import (DEFAULT_PROMPTS, FAULTY, HEALTHY, DoctorReport, ProbeSettings, diagnose,
+                                greedy_outputs, score_blocks, static_report, target_passes)
 from engine.loop.doctor_checks import FAULT, OK, WARNING, configured_wiring, static_checks
 from engine.loop.loading import SHIPPED_DRAFTER
 from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, read_drafter_config
@@ -194,6 +194,17 @@ def test_the_batched_probe_drafts_what_the_decoder_drafts():
     stepwise = proposals_along(decoder, run.ids[:run.prompt_length].tolist(), run.ids[run.prompt_length:].tolist(), 4)
     assert torch.equal(batched.tokens, stepwise.tokens)
     assert torch.allclose(batched.log_probs, stepwise.log_probs.to(batched.log_probs.dtype), atol=1e-5)
+
+
+def test_greedy_outputs_in_one_batch_are_ar_outputs():
+    """Prompts of different lengths left-padded into one batch decode what AR decodes for each alone."""
+    target = tiny_target(5)
+    decoder = Decoder(target, DFlashDrafter(tiny_config(target)).initialize(0).double().eval())
+    prompt_ids = [target.chat_ids(prompt) for prompt in TINY_PROMPTS]
+    alone = [decoder.run(settings=DecodeSettings("ar", max_new_tokens=40), prompt_ids=ids).output_ids
+             for ids in prompt_ids]
+    assert greedy_outputs(decoder, prompt_ids, 40) == alone
+    assert len({len(ids) for ids in prompt_ids}) > 1 and all(len(output) > 1 for output in alone)
 
 
 class WindowedAnswers(DFlashDrafter):

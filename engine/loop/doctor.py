@@ -27,6 +27,7 @@ from engine.loop.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.loop.decode import MAX_NEW_TOKENS, DecodeSettings, Decoder
 from engine.loop.doctor_checks import (FAULT, NOTE, WARNING, Finding, Wiring, configured_wiring, deployment_wirings,
                                        static_checks, variant_wirings)
+from engine.models import hybrid
 from engine.models.drafter import ScriptedDrafter, block_inputs, block_visibility
 
 DEFAULT_PROMPTS = (
@@ -185,11 +186,8 @@ class PromptPass:
                           for index in wiring.hidden_indices], dim=-1)
 
 
-def prompt_pass(decoder: Decoder, prompt: str, max_new_tokens: int) -> PromptPass:
-    target = decoder.target
-    prompt_ids = target.chat_ids(prompt)
-    output = decoder.run(prompt, DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens"),
-                         prompt_ids=prompt_ids).output_ids
+def prompt_pass(target, prompt_ids: list[int], output: list[int]) -> PromptPass:
+    """Prompt + output through the target once, every layer's hidden state kept."""
     ids = torch.tensor(prompt_ids + output, device=target.device)
     final_norm = getattr(target.model.base_model, "norm", None)
     captured = {}
@@ -204,6 +202,36 @@ def prompt_pass(decoder: Decoder, prompt: str, max_new_tokens: int) -> PromptPas
     # greedy: the target's top probability is the one it gave the next token
     confidence = logits[len(prompt_ids):].float().softmax(-1).amax(-1).cpu()
     return PromptPass(ids, len(prompt_ids), tuple(hidden), captured.get("x"), confidence)
+
+
+def greedy_outputs(decoder: Decoder, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy output for every prompt (up to and with its stop token). A plain-attention
+    target decodes all prompts in one batch, left-padded (the padding masked, positions counted from each
+    prompt's first token): a pass a token for all of them instead of one a prompt and a token. A hybrid's
+    recurrent layers would run through the padding: it decodes each prompt alone, as AR."""
+    target = decoder.target
+    if hybrid.is_hybrid(target.config) or len(prompt_ids) == 1:
+        settings = DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens")
+        return [decoder.run(settings=settings, prompt_ids=ids).output_ids for ids in prompt_ids]
+    width, device = max(map(len, prompt_ids)), target.device
+    pad = target.stop_ids[0] if target.stop_ids else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    cache, outputs, stops = target.new_cache(), [[] for _ in prompt_ids], set(target.stop_ids)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            logits = target.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                  **{hybrid.cache_argument(type(target.model)): cache}).logits
+            chosen = logits[:, -1].argmax(dim=-1)
+            for output, token in zip(outputs, chosen.tolist()):
+                if not (output and output[-1] in stops):
+                    output.append(token)
+            if all(output[-1] in stops for output in outputs):
+                break
+            ids, positions = chosen[:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return outputs
 
 
 # ---------------------------------------------------------------- the drafter's side, batched
@@ -398,11 +426,11 @@ def target_passes(decoder: Decoder, prompts, max_new_tokens: int, on_progress=No
     if not prompts:
         raise EngineError("the doctor needs at least one prompt")
     progress = on_progress or (lambda message: None)
-    runs = []
-    for number, prompt in enumerate(prompts, start=1):
-        progress(f"greedy output and target pass: prompt {number} of {len(prompts)}")
-        runs.append(prompt_pass(decoder, prompt, max_new_tokens))
-    return runs
+    progress(f"the target's greedy outputs: {len(prompts)} prompts, {max_new_tokens} tokens each")
+    prompt_ids = [decoder.target.chat_ids(prompt) for prompt in prompts]
+    outputs = greedy_outputs(decoder, prompt_ids, max_new_tokens)
+    progress("the target's passes over them")
+    return [prompt_pass(decoder.target, ids, output) for ids, output in zip(prompt_ids, outputs)]
 
 
 def diagnose(decoder: Decoder, prompts: list[str] | tuple[str, ...] = DEFAULT_PROMPTS,
