@@ -120,7 +120,7 @@ def test_cli_static_on_the_qwen36_shapes_names_vllms_windows_and_taps(capsys):
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("verdict: healthy"), out
     assert "aux hidden states [2, 17, 32, 47, 62] (dflash_config.target_layer_ids + 1)" in out
-    assert "layers [0, 1, 2, 3] (window 2048) run as full attention" in out
+    assert "layers [0, 1, 2, 3] (window 2048) run as full, non-causal attention" in out
 
 
 def test_probe_settings_refuse_a_probe_without_tokens():

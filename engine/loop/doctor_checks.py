@@ -179,10 +179,13 @@ def vllm_checks(config: DrafterConfig, num_layers: int, raw_config: dict | None)
                                                     "measures both)"))
     sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
     if sliding:
+        dflash_causal = bool(((raw_config or {}).get("dflash_config") or {}).get("causal", False))
+        trained_causal = config.is_causal is None or bool(config.is_causal)
+        causality = f", {'causal' if dflash_causal else 'non-causal'}" if dflash_causal != trained_causal else ""
         found.append(Finding(WARNING, "vLLM windows", f"{VLLM}'s DFlash gives its drafter layers no sliding window "
                                                       f"(qwen3_dflash.py passes none): layers {sliding} (window "
-                                                      f"{config.sliding_window}) run as full attention; the Studio's "
-                                                      "vLLM engine keeps them"))
+                                                      f"{config.sliding_window}) run as full{causality} attention; the "
+                                                      "Studio's vLLM engine keeps them (the probe measures the cost)"))
     return found
 
 
