@@ -271,6 +271,7 @@ class StudioApp:
                     self._build_inspector()
                 with gr.Tab("Budget sweep"):
                     self._build_sweep()
+                build_doctor_tab(self.studio)
             self._wire()
         return demo
 
@@ -678,6 +679,55 @@ CSS = """
 .ddt-column { min-height: 8em; }
 #status { min-height: 1.5em; }
 """
+
+
+def build_doctor_tab(studio: Studio) -> None:
+    """The Doctor tab: why the loaded pair's acceptance is what it is, and what to fix (``engine.loop.doctor``,
+    the same report as ``python -m engine.tools.doctor``), drawn by ``viz.doctor_figures``."""
+    from engine.loop.doctor import DEFAULT_PROMPTS, ProbeSettings, diagnose
+    from viz.doctor_figures import doctor_figures, report_markdown
+
+    with gr.Tab("Doctor"):
+        gr.Markdown("Checks the loaded target + drafter pair: the configs, acceptance per draft position on the "
+                    "target's own greedy output, calibration, and the same blocks fed as a miswired engine would "
+                    "feed them (layer ids ±1, sliding windows, the final norm). About a minute on the CPU.")
+        with gr.Row():
+            prompts = gr.Textbox("\n".join(DEFAULT_PROMPTS), lines=4, label="Prompts (one a line)", scale=3,
+                                 elem_id="doctor-prompts")
+            with gr.Column(scale=1):
+                tokens = gr.Number(ProbeSettings.max_new_tokens, label="Greedy tokens per prompt", precision=0,
+                                   elem_id="doctor-tokens")
+                vllm = gr.Checkbox(False, label="Also probe the wiring vLLM 0.23 gives this drafter")
+                button = gr.Button("Run the doctor", variant="primary", elem_id="doctor-button")
+        verdict = gr.Markdown("Not run yet.", elem_id="doctor-verdict")
+        names = ("positions", "calibration", "confidence", "wirings")
+        with gr.Row():
+            plots = [gr.Plot(empty_figure("run the doctor"), show_label=False, elem_id=f"doctor-{name}")
+                     for name in names[:2]]
+        with gr.Row():
+            plots += [gr.Plot(empty_figure("run the doctor"), show_label=False, elem_id=f"doctor-{name}")
+                      for name in names[2:]]
+
+    def examine(prompt_text: str, max_new_tokens, check_vllm: bool):
+        try:
+            if studio.decoder.engine != "torch":
+                raise EngineError("the Doctor tab probes on the torch engine: run python -m engine.tools.doctor "
+                                  "--engine vllm for vLLM's wiring")
+            settings = ProbeSettings(max_new_tokens=int(filled(max_new_tokens, "greedy tokens per prompt")),
+                                     engine="vllm" if check_vllm else "torch")
+            lines = [line.strip() for line in (prompt_text or "").splitlines() if line.strip()]
+
+            def run_locked():
+                with studio.lock:
+                    return diagnose(studio.decoder, lines, settings)
+
+            report = studio.worker.submit(run_locked).result()
+        except Exception as exc:  # shown in the tab; the app keeps running
+            return [problem(exc)] + [gr.update()] * len(plots)
+        figures = doctor_figures(report)
+        return [report_markdown(report)] + [figures[name] for name in names]
+
+    button.click(examine, [prompts, tokens, vllm], [verdict, *plots])
 
 
 def load_studio_decoder(args: argparse.Namespace) -> Decoder:

@@ -93,3 +93,19 @@ def test_two_sessions_at_once_keep_their_own_results(browser, app_url):
     assert column_texts(first)["ar"] != column_texts(second)["ar"]
     third = open_page(browser, app_url)
     assert "not run" in third.locator("#column-ar").inner_text()
+
+
+def test_the_doctor_tab_renders_its_verdict_and_plots(browser, app_url):
+    page = open_page(browser, app_url)
+    page.get_by_role("tab", name="Doctor").click()
+    page.locator("#doctor-prompts textarea").fill("Write a Python function that adds two numbers.")
+    page.locator("#doctor-tokens input").fill("24")
+    page.locator("#doctor-button").click()
+    page.wait_for_function("/Healthy|Fault/.test(document.querySelector('#doctor-verdict')?.innerText ?? '')",
+                           timeout=RUN_TIMEOUT_MS)
+    verdict = page.locator("#doctor-verdict").inner_text()
+    assert "Healthy: healthy: first-slot hits" in verdict, verdict  # the shipped pair
+    assert "layer ids" in verdict and "mask token" in verdict
+    page.locator("#doctor-positions .js-plotly-plot").wait_for()
+    assert "Acceptance per draft position" in page.locator("#doctor-positions .gtitle").text_content()
+    assert page.locator("#doctor-wirings .ytick", has_text="layer ids +1").count() == 1

@@ -153,6 +153,50 @@ class DrafterConfig:
         } | ({"acceptance": self.acceptance} if self.acceptance else {})
 
 
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+    """Many blocks of one sequence in one pass (training, the doctor's probe): token ids ``[b, n*B]``
+    (anchor token, then masks) and their positions ``[b, n*B]``."""
+    b, n = anchors.shape
+    tokens = torch.full((b, n, block_size), mask_token_id, dtype=ids.dtype, device=ids.device)
+    tokens[:, :, 0] = ids.gather(1, anchors)
+    positions = anchors[:, :, None] + torch.arange(block_size, device=ids.device)
+    return tokens.view(b, n * block_size), positions.view(b, n * block_size)
+
+
+def block_visibility(anchors: torch.Tensor, context_length: int, block_size: int, causal: bool = False,
+                     window: int | None = None) -> torch.Tensor:
+    """Attention mask ``[b, 1, n*B, context_length + n*B]`` (True: visible). A query of block
+    j sees context positions strictly before ``anchor_j`` and every slot of block j; a causal layer's
+    queries the slots up to their own, a sliding one's the keys less than ``window`` positions away:
+    what ``Attention._window_mask`` shows one block at inference, where context row ``r`` is position ``r``."""
+    b, n = anchors.shape
+    device = anchors.device
+    sees_context = torch.arange(context_length, device=device) < anchors[:, :, None]  # [b, n, S]
+    sees_context = sees_context.repeat_interleave(block_size, dim=1)  # [b, n*B, S]
+    block_of = torch.arange(n * block_size, device=device) // block_size
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)  # [b, n*B, n*B]
+    visible = torch.cat([sees_context, sees_block], dim=-1)
+    if causal or window is not None:
+        slots = torch.arange(block_size, device=device)
+        queries = (anchors[:, :, None] + slots).view(b, n * block_size, 1)
+        keys = torch.cat([torch.arange(context_length, device=device).expand(b, -1), queries[:, :, 0]], dim=1)[:, None]
+        visible = narrowed(visible, queries, keys, causal, window)
+    return visible[:, None]
+
+
+def narrowed(visible: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, causal: bool,
+             window: int | None) -> torch.Tensor:
+    """``visible`` cut to what a causal and/or sliding-window layer shows (``queries``, ``keys``: positions,
+    broadcast against each other)."""
+    if causal:
+        visible = visible & (keys <= queries)
+    if window is not None:
+        visible = visible & (queries - keys < window)
+        if not causal:
+            visible = visible & (keys - queries < window)
+    return visible
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -246,13 +290,7 @@ class StaticDraftContext:
         slots = torch.arange(block, device=self.rows.device)
         queries = count + slots[:, None]
         keys = torch.cat([self.rows, count + slots])[None, :]
-        if causal:
-            shown = shown & (keys <= queries)
-        if window is not None:
-            shown = shown & (queries - keys < window)
-            if not causal:
-                shown = shown & (keys - queries < window)
-        return shown[None, None]
+        return narrowed(shown, queries, keys, causal, window)[None, None]
 
     def advance(self, added) -> None:
         self.length += added
@@ -307,13 +345,7 @@ class Attention(nn.Module):
         query = k_len - q_len + torch.arange(q_len, device=device)[:, None]
         key = torch.arange(k_len, device=device)[None, :]
         visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-        if self.is_causal:
-            visible &= key <= query
-        if self.sliding_window is not None:
-            visible &= query - key < self.sliding_window
-            if not self.is_causal:
-                visible &= key - query < self.sliding_window
-        return visible
+        return narrowed(visible, query, key, self.is_causal, self.sliding_window)
 
 
 class MLP(nn.Module):
@@ -392,14 +424,17 @@ class DFlashDrafter(nn.Module):
         ``context_features [b, c, taps*hidden]`` are the context tokens not yet in
         ``cache`` (all of them when there is no cache); with a ``StaticDraftContext`` only
         the first ``context_count`` of them are real. ``mask`` (bool, ``[b or 1, 1,
-        q, ctx + q]``) overrides the default visibility; training uses it to keep
-        many blocks of one sequence apart.
+        q, ctx + q]``, or a list of them, one per layer) overrides the default visibility;
+        training uses it to keep many blocks of one sequence apart, the doctor's probe to run
+        layers as other kinds than their own.
         """
         added = context_features.shape[1] if context_count is None else context_count
         kinds = [layer.self_attn.mask_kind for layer in self.layers]
         if cache is not None and mask is None:  # one mask per kind of layer, not per layer
             masks = {kind: cache.visible(block_embeddings.shape[1], added, *kind) for kind in set(kinds)}
             layer_masks = [masks[kind] for kind in kinds]
+        elif isinstance(mask, list):
+            layer_masks = mask
         else:
             layer_masks = [mask] * len(kinds)
         dtype = block_embeddings.dtype

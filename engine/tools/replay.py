@@ -22,33 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-import ddtree
 from engine.errors import EngineError, run_command
+from engine.loop.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, load_decoder
 from engine.tools.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
                                 tokenize_prompts)
-
-
-@dataclass(frozen=True)
-class Proposals:
-    """The drafter's proposals at every root along one greedy output: row ``j`` is the pass whose
-    root is ``output_ids[j]`` (its ``top_k`` most probable tokens per slot, and their log-probs)."""
-
-    output_ids: list[int]
-    log_probs: torch.Tensor  # [len(output_ids), block - 1, top_k]
-    tokens: torch.Tensor  # [len(output_ids), block - 1, top_k] vocabulary ids
-    confidence: torch.Tensor  # [len(output_ids) - 1]: the target's probability of output_ids[j + 1]
-
-    def first_slot_hits(self) -> list[tuple[bool, float]]:
-        """Per root but the last: (the first slot's top token is AR's next one, the target's confidence)."""
-        hits = (self.tokens[:-1, 0, 0] == torch.tensor(self.output_ids[1:])).tolist()
-        return list(zip(hits, self.confidence.tolist()))
 
 
 def proposals_along(decoder: Decoder, prompt_ids: list[int], output_ids: list[int], top_k: int) -> Proposals:
@@ -75,23 +58,6 @@ def proposals_along(decoder: Decoder, prompt_ids: list[int], output_ids: list[in
                      torch.stack([r.indices for r in rows]).cpu(), confidence)
 
 
-def replay(proposals: Proposals, method: str, tree_budget: int) -> list[int]:
-    """The acceptance length of every step (tokens committed) of greedy ``method`` along the output."""
-    output, lengths, j = proposals.output_ids, [], 0
-    while j < len(output) - 1:
-        log_probs, tokens = proposals.log_probs[j], proposals.tokens[j]
-        tree = ddtree.chain_tree(log_probs) if method == "dflash" else ddtree.build_tree(log_probs, tree_budget)
-        depths = tree.depths.tolist()
-        # AR's choice after every node: nodes off AR's path are never reached, whatever they hold
-        after = [output[j + 1 + d] if j + 1 + d < len(output) else -1 for d in [0] + depths]
-        vocab_tree = replace(tree, tokens=tokens[tree.depths - 1, tree.tokens])  # top-k columns -> token ids
-        accepted, _ = ddtree.follow_tree(vocab_tree, after)
-        committed = min(len(accepted), len(output) - 1 - j)  # the bonus past the output's end is never committed
-        lengths.append(committed)
-        j += committed
-    return lengths
-
-
 def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]],
              jobs: list[Job]) -> tuple[dict, dict[str, list[tuple[bool, float]]]]:
     """τ per job (overall and per category) from every prompt's proposals along its AR output, and
@@ -113,8 +79,6 @@ def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]
                      "tau_by_category": {c: tau(v) for c, v in sorted(by_category.items())}}
              for label, by_category in lengths.items()}, first_slot)
 
-
-CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)
 
 
 def first_slot_table(first_slot: dict[str, list[tuple[bool, float]]]) -> list[str]:

@@ -41,7 +41,8 @@ from typing import Callable
 
 import torch
 
-from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, parameter_count
+from engine.models.drafter import (DFlashDrafter, DrafterConfig, block_inputs, block_visibility, fresh_config,
+                                   load_drafter, parameter_count)
 from engine.models.target import Target, load_target
 from engine.training.data import SequenceData
 from engine.training.export import export_drafter
@@ -137,27 +138,6 @@ def sample_anchors(batch: Batch, count: int, generator: torch.Generator) -> Bloc
     top, anchors = torch.where(allowed, scores, -1.0).topk(min(count, width), dim=1)
     valid = top >= 0
     return Blocks(torch.where(valid, anchors, 0), valid)
-
-
-def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
-    """Token ids ``[b, n*B]`` (anchor token, then masks) and their positions ``[b, n*B]``."""
-    b, n = anchors.shape
-    tokens = torch.full((b, n, block_size), mask_token_id, dtype=ids.dtype, device=ids.device)
-    tokens[:, :, 0] = ids.gather(1, anchors)
-    positions = anchors[:, :, None] + torch.arange(block_size, device=ids.device)
-    return tokens.view(b, n * block_size), positions.view(b, n * block_size)
-
-
-def block_visibility(anchors: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
-    """Attention mask ``[b, 1, n*B, context_length + n*B]`` (True: visible). A query of block
-    j sees context positions strictly before ``anchor_j`` and every slot of block j."""
-    b, n = anchors.shape
-    device = anchors.device
-    sees_context = torch.arange(context_length, device=device) < anchors[:, :, None]  # [b, n, S]
-    sees_context = sees_context.repeat_interleave(block_size, dim=1)  # [b, n*B, S]
-    block_of = torch.arange(n * block_size, device=device) // block_size
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)  # [b, n*B, n*B]
-    return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 
 
 def block_labels(label_ids: torch.Tensor, lengths: torch.Tensor, blocks: Blocks,
