@@ -24,7 +24,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,43 +248,31 @@ def problem(exc: Exception) -> str:
 
 
 # ---------------------------------------------------------------- the UI
+#
+# One small view per part of the page: each builds its components and holds its handlers.
+# Handlers return ``{component: value}`` so each updates exactly what it changes; all
+# per-user data arrives through ``gr.State``. ``StudioApp`` lays the views out, wires them,
+# and shows a set of finished traces in all of them at once (``present``).
 
-class StudioApp:
-    """Components plus their handlers. Handlers return ``{component: value}`` so each
-    updates exactly what it changes; all per-user data arrives through ``gr.State``."""
 
-    def __init__(self, studio: Studio):
-        self.studio = studio
-        self.demo = self._build()
+@dataclass
+class Session:
+    """What every view shares: the models, this session's traces and Stop switch, the status line."""
 
-    # -- layout
+    studio: Studio
+    traces: gr.State
+    control: gr.State
+    status: gr.Markdown
 
-    def _build(self) -> gr.Blocks:
-        with gr.Blocks(title="DDTree Studio", delete_cache=(3600, 3600)) as demo:
-            self.traces = gr.State({})  # method -> Trace, this session's run or upload
-            self.control = gr.State(RunControl())
-            gr.Markdown("# DDTree Studio\nAR, DFlash and DDTree decoding side by side — same target, same prompt.")
-            gr.Markdown(self._model_banner(), elem_id="model-banner")
-            with gr.Tabs():
-                with gr.Tab("Run & inspect"):
-                    self._build_run_view()
-                    self._build_inspector()
-                with gr.Tab("Budget sweep"):
-                    self._build_sweep()
-            self._wire()
-        return demo
 
-    def _model_banner(self) -> str:
-        decoder = self.studio.decoder
-        target, info = decoder.target, decoder.drafter_info
-        drafts = f", {decoder.draft_dtype} drafts" if decoder.draft_dtype else ""
-        drafter = (f"**{info.name}** (trained{drafts})" if info.trained else
-                   f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
-                   "near 1; the machinery is real, the speed-up is not")
-        return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
-                f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget.sentence()}")
+class RunView:
+    """The Run controls and the three live columns, with the step economics under them."""
 
-    def _build_run_view(self) -> None:
+    def __init__(self, session: Session):
+        self.session = session
+        self.studio = session.studio
+
+    def build(self) -> None:
         with gr.Row():
             with gr.Column(scale=3):
                 self.prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLE_PROMPTS[0], elem_id="prompt")
@@ -303,7 +291,7 @@ class StudioApp:
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
-        self.status = gr.Markdown("Ready.", elem_id="status")
+        self.session.status.render()
         gr.HTML(legend_html())
         with gr.Row(equal_height=False):
             self.columns = {method: gr.HTML(column_html(method, None), elem_id=f"column-{method}")
@@ -314,100 +302,13 @@ class StudioApp:
             self.economics_text = gr.Markdown("A method is faster than AR when the tokens it commits per step (τ) "
                                               "exceed what a step costs, counted in AR steps.",
                                               elem_id="economics-text")
-        with gr.Accordion("Replay race (all methods on one clock, from the recorded step times)", open=True):
-            with gr.Row():
-                self.speed = gr.Radio(REPLAY_SPEEDS, value=0.5, label="Replay speed", scale=3)
-                self.replay_button = gr.Button("Replay race", scale=1, elem_id="replay-button")
-            self.race = gr.Plot(race_chart([]), label="Tokens over time", show_label=False)
-            with gr.Row():
-                self.video_button = gr.Button("Render comparison video (MP4, 720p)", scale=1, elem_id="video-button")
-                self.video = gr.Video(label="Comparison video", interactive=False, scale=3, elem_id="video")
-        with gr.Accordion("Traces: download or upload (replay and inspect without running a model)", open=False):
-            with gr.Row():
-                self.download = gr.File(label="Download this run's traces (JSON)", interactive=False)
-                self.upload = gr.File(label="Upload traces (JSON)", file_types=[".json"], type="filepath")
-            self.summary = gr.JSON(label="Run summary", value={})
-
-    def _build_inspector(self) -> None:
-        gr.Markdown("## Step inspector")
-        with gr.Row():
-            self.inspect_method = gr.Radio([], label="Method", scale=2)
-            self.prev_button = gr.Button("◀ Prev", scale=0, min_width=80)
-            self.step = gr.Slider(0, 1, value=0, step=1, label="Step (focus it and use ← →)", scale=4,
-                                  elem_id="step-slider")
-            self.next_button = gr.Button("Next ▶", scale=0, min_width=80)
-        self.tree = gr.Plot(empty_figure("Run or upload traces to inspect the draft trees."), label="Draft tree",
-                            elem_id="tree-plot")
-        with gr.Row(equal_height=False):
-            with gr.Column():
-                gr.Markdown("### Why it stopped")
-                self.why = gr.Markdown("", elem_id="why-stopped")
-            self.step_stages = gr.Plot(empty_figure("Stage timings for the step."), label="Step timing")
-        self.probs = gr.Plot(empty_figure("Per-depth draft probabilities appear here."), label="Draft top-k",
-                             elem_id="probs-plot")
-        with gr.Row():
-            self.run_stages = gr.Plot(empty_figure("Stage timings for the run."), label="Run timing")
-            self.histogram = gr.Plot(acceptance_histogram([]), label="Acceptance lengths")
-
-    def _build_sweep(self) -> None:
-        gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab, "
-                    "with AR as the tokens/s reference.")
-        with gr.Row():
-            self.budgets = gr.Textbox(DEFAULT_SWEEP, label=f"Budgets (comma separated, up to {MAX_SWEEP_POINTS})",
-                                      scale=3)
-            self.sweep_button = gr.Button("Run sweep", variant="primary", scale=1)
-            self.sweep_stop = gr.Button("Stop", variant="stop", scale=0)
-        self.sweep_status = gr.Markdown("")
-        self.sweep_plot = gr.Plot(sweep_figure([]), label="Budget sweep")
-        self.sweep_table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
-
-    def _wire(self) -> None:
-        run_inputs = [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budget, self.methods,
-                      self.control]
-        self.run_button.click(
-            self.run, run_inputs, self.run_outputs, api_name="run", concurrency_id="model", concurrency_limit=4,
-            show_progress="minimal")
-        self.stop_button.click(self.request_stop, self.control, self.status, api_name="stop", queue=False)
-        self.replay_button.click(self.replay, [self.traces, self.speed, self.control],
-                                 [self.status, *self.columns.values()], api_name="replay", show_progress="hidden")
-        self.video_button.click(self.render_video, [self.traces, self.speed], [self.status, self.video],
-                                api_name="video", concurrency_id="video", concurrency_limit=1)
-        self.upload.upload(self.load_upload, self.upload, self.run_outputs, api_name="upload")
-        inspector = [self.tree, self.probs, self.why, self.step_stages]
-        # .input (not .change) so the updates a run or upload makes do not trigger these again
-        self.inspect_method.input(self.select_method, [self.traces, self.inspect_method],
-                                  [self.step, *inspector], api_name="select_method")
-        self.step.input(self.inspect, [self.traces, self.inspect_method, self.step], inspector, api_name="inspect",
-                        trigger_mode="always_last", show_progress="hidden")
-        for button, delta in ((self.prev_button, -1), (self.next_button, 1)):
-            button.click(functools.partial(self.shift_step, delta=delta), [self.traces, self.inspect_method, self.step],
-                         [self.step, *inspector], api_visibility="private", show_progress="hidden")
-        self.sweep_button.click(
-            self.sweep, [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budgets, self.control],
-            [self.sweep_status, self.sweep_plot, self.sweep_table], api_name="sweep", concurrency_id="model",
-            concurrency_limit=4, show_progress="minimal")
-        self.sweep_stop.click(self.request_stop, self.control, self.sweep_status, api_visibility="private",
-                              queue=False)
-        gr.api(self.info, api_name="info", queue=False)
-
-    def info(self) -> dict:
-        """What the page runs on and the DDTree budget it starts with, and why."""
-        decoder, choice = self.studio.decoder, self.studio.budget
-        return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
-                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget, "why": choice.sentence(),
-                "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}}
 
     @property
-    def run_outputs(self) -> list:
-        """Everything a set of traces is shown in; the API returns them in this order
-        (``self.traces`` is state and not part of the API)."""
-        return [self.status, *self.columns.values(), self.summary, self.download, self.race, self.inspect_method,
-                self.step, self.tree, self.probs, self.why, self.step_stages, self.run_stages, self.histogram,
-                self.economics_plot, self.economics_text, self.traces]
+    def status(self) -> gr.Markdown:
+        return self.session.status
 
-    # -- handlers
-
-    def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, control: RunControl):
+    def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, control: RunControl,
+            present: Callable[[dict[str, Trace], str], dict]):
         """Run the chosen methods one after another, streaming each column, then show
         everything about the finished traces."""
         control.stop = False
@@ -436,13 +337,13 @@ class StudioApp:
                     else:
                         yield self._live_update(method, live, finished, heading)
             except Exception as exc:
-                yield self.present(finished, problem(exc))
+                yield present(finished, problem(exc))
                 return
             if live is not None and live.trace is not None:
                 finished[method] = live.trace
             if control.stop:
                 break
-        yield self.present(finished, self._run_status(finished, control.stop))
+        yield present(finished, self._run_status(finished, control.stop))
 
     def _live_update(self, method: str, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
         if live.trace is None:
@@ -451,16 +352,47 @@ class StudioApp:
         return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
                 self.columns[method]: column_html(method, live.trace, finished.get("ar"))}
 
-    def _run_status(self, traces: dict[str, Trace], stopped: bool) -> str:
+    @staticmethod
+    def _run_status(traces: dict[str, Trace], stopped: bool) -> str:
         notes = [note for trace in traces.values() for note in trace.config.notes]
         for note in notes:
             gr.Info(note)
         done = "Stopped" if stopped else "Done"
         return " · ".join([f"**{done}**: {', '.join(METHOD_NAMES[m] for m in traces) or 'nothing ran'}.", *notes])
 
-    def request_stop(self, control: RunControl) -> str:
-        control.stop = True
-        return "Stopping after the current step…"
+    def shown(self, traces: dict[str, Trace]) -> dict:
+        ar = traces.get("ar")
+        runs = ordered(traces)
+        return {**{column: column_html(method, traces.get(method), ar, all_done=True)
+                   for method, column in self.columns.items()},
+                self.economics_plot: economics_figure(runs), self.economics_text: economics_text(runs)}
+
+
+def request_stop(control: RunControl) -> str:
+    control.stop = True
+    return "Stopping after the current step…"
+
+
+class ReplayView:
+    """The race replayed in the Run columns on one clock, its chart, and the video of it."""
+
+    def __init__(self, session: Session, columns: dict[str, gr.HTML]):
+        self.session = session
+        self.columns = columns
+
+    def build(self) -> None:
+        with gr.Accordion("Replay race (all methods on one clock, from the recorded step times)", open=True):
+            with gr.Row():
+                self.speed = gr.Radio(REPLAY_SPEEDS, value=0.5, label="Replay speed", scale=3)
+                self.replay_button = gr.Button("Replay race", scale=1, elem_id="replay-button")
+            self.race = gr.Plot(race_chart([]), label="Tokens over time", show_label=False)
+            with gr.Row():
+                self.video_button = gr.Button("Render comparison video (MP4, 720p)", scale=1, elem_id="video-button")
+                self.video = gr.Video(label="Comparison video", interactive=False, scale=3, elem_id="video")
+
+    @property
+    def status(self) -> gr.Markdown:
+        return self.session.status
 
     def replay(self, traces: dict[str, Trace], speed: float, control: RunControl):
         """Animate every run on one clock, each token appearing when its step ended."""
@@ -499,43 +431,85 @@ class StudioApp:
             column: column_html(method, traces.get(method), ar, until=clock, all_done=clock is None)
             for method, column in self.columns.items()}}
 
-    def load_upload(self, path: str | None) -> dict:
+    def shown(self, traces: dict[str, Trace]) -> dict:
+        return {self.race: race_chart(ordered(traces))}
+
+
+class TracesView:
+    """The session's traces as a file to download, and an upload that shows a file's traces."""
+
+    def __init__(self, session: Session):
+        self.session = session
+
+    def build(self) -> None:
+        with gr.Accordion("Traces: download or upload (replay and inspect without running a model)", open=False):
+            with gr.Row():
+                self.download = gr.File(label="Download this run's traces (JSON)", interactive=False)
+                self.upload = gr.File(label="Upload traces (JSON)", file_types=[".json"], type="filepath")
+            self.summary = gr.JSON(label="Run summary", value={})
+
+    def load_upload(self, path: str | None, present: Callable[[dict[str, Trace], str], dict]) -> dict:
         if not path:
             return {}
         try:
             traces = read_traces(path)
         except TraceError as exc:
-            return {self.status: problem(exc)}
+            return {self.session.status: problem(exc)}
         by_method: dict[str, Trace] = {}
         for trace in traces:
             by_method.setdefault(trace.config.method, trace)
         status = f"Loaded {len(by_method)} trace(s) from the upload."
         if len(by_method) < len(traces):
             status += " The file holds several traces of one method; the first of each is shown."
-        return self.present(by_method, status)
+        return present(by_method, status)
 
-    def present(self, traces: dict[str, Trace], status: str) -> dict:
-        """Every view of a set of finished traces (after a run or an upload)."""
+    def shown(self, traces: dict[str, Trace]) -> dict:
         runs = ordered(traces)
-        ar = traces.get("ar")
+        return {self.summary: run_summary(traces), self.download: save_traces(runs) if runs else None}
+
+
+class InspectorView:
+    """One step of one method at a time: its tree, the drafter's top-k, why it stopped, its timing."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.studio = session.studio
+
+    def build(self) -> None:
+        gr.Markdown("## Step inspector")
+        with gr.Row():
+            self.method = gr.Radio([], label="Method", scale=2)
+            self.prev_button = gr.Button("◀ Prev", scale=0, min_width=80)
+            self.step = gr.Slider(0, 1, value=0, step=1, label="Step (focus it and use ← →)", scale=4,
+                                  elem_id="step-slider")
+            self.next_button = gr.Button("Next ▶", scale=0, min_width=80)
+        self.tree = gr.Plot(empty_figure("Run or upload traces to inspect the draft trees."), label="Draft tree",
+                            elem_id="tree-plot")
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                gr.Markdown("### Why it stopped")
+                self.why = gr.Markdown("", elem_id="why-stopped")
+            self.step_stages = gr.Plot(empty_figure("Stage timings for the step."), label="Step timing")
+        self.probs = gr.Plot(empty_figure("Per-depth draft probabilities appear here."), label="Draft top-k",
+                             elem_id="probs-plot")
+        with gr.Row():
+            self.run_stages = gr.Plot(empty_figure("Stage timings for the run."), label="Run timing")
+            self.histogram = gr.Plot(acceptance_histogram([]), label="Acceptance lengths")
+
+    @property
+    def step_views(self) -> list:
+        """What showing one step updates."""
+        return [self.tree, self.probs, self.why, self.step_stages]
+
+    def shown(self, traces: dict[str, Trace]) -> dict:
+        runs = ordered(traces)
         first = next((m for m in ("ddtree", "dflash", "ar") if m in traces), None)
-        outputs = {
-            self.status: status,
-            **{column: column_html(method, traces.get(method), ar, all_done=True)
-               for method, column in self.columns.items()},
-            self.summary: run_summary(traces),
-            self.download: save_traces(runs) if runs else None,
-            self.race: race_chart(runs),
-            self.inspect_method: gr.Radio(choices=[(METHOD_NAMES[t.config.method], t.config.method) for t in runs],
-                                          value=first),
-            self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
-                                          timing_title("Time per stage, whole run", runs)),
-            self.histogram: acceptance_histogram(runs),
-            self.economics_plot: economics_figure(runs),
-            self.economics_text: economics_text(runs),
-            self.traces: traces,
-        }
-        return outputs | self.select_method(traces, first)
+        return {self.method: gr.Radio(choices=[(METHOD_NAMES[t.config.method], t.config.method) for t in runs],
+                                      value=first),
+                self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
+                                              timing_title("Time per stage, whole run", runs)),
+                self.histogram: acceptance_histogram(runs),
+                **self.select_method(traces, first)}
 
     def select_method(self, traces: dict[str, Trace], method: str | None) -> dict:
         last = last_step(traces, method)
@@ -564,6 +538,26 @@ class StudioApp:
                                            timing_title(f"Time per stage, step {step.index}", [trace])),
         }
 
+
+class SweepView:
+    """DDTree at several budgets on the Run tab's prompt and settings, against one AR run."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.studio = session.studio
+
+    def build(self) -> None:
+        gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab, "
+                    "with AR as the tokens/s reference.")
+        with gr.Row():
+            self.budgets = gr.Textbox(DEFAULT_SWEEP, label=f"Budgets (comma separated, up to {MAX_SWEEP_POINTS})",
+                                      scale=3)
+            self.sweep_button = gr.Button("Run sweep", variant="primary", scale=1)
+            self.stop_button = gr.Button("Stop", variant="stop", scale=0)
+        self.status = gr.Markdown("")
+        self.plot = gr.Plot(sweep_figure([]), label="Budget sweep")
+        self.table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
+
     def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, control: RunControl):
         """AR once, then DDTree at each budget; the plot and table grow as runs finish."""
         control.stop = False
@@ -574,7 +568,7 @@ class StudioApp:
             settings = checked(self.studio, prompt_ids, [DecodeSettings("ar", **common)] + [
                 DecodeSettings("ddtree", tree_budget=budget, **common) for budget in budgets])
         except EngineError as exc:
-            yield {self.sweep_status: problem(exc)}
+            yield {self.status: problem(exc)}
             return
         baseline, runs = None, []
         for number, setting in enumerate(settings):
@@ -584,9 +578,9 @@ class StudioApp:
             try:
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control):
                     tokens = run_stats(live.trace).tokens if live is not None and live.trace else 0
-                    yield {self.sweep_status: f"{bar} run {number + 1} of {len(settings)}: {name}, {tokens} tokens"}
+                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {tokens} tokens"}
             except Exception as exc:
-                yield {self.sweep_status: problem(exc)}
+                yield {self.status: problem(exc)}
                 return
             if control.stop or live is None or live.trace is None:
                 break
@@ -594,14 +588,107 @@ class StudioApp:
                 baseline = live.trace
             else:
                 runs.append(live.trace)
-                yield self._sweep_results(runs, baseline)
+                yield self._results(runs, baseline)
         done = "Sweep stopped." if control.stop else "Sweep finished."
         # the last message carries everything: API clients only see the final one
-        yield {self.sweep_status: f"{progress_bar(len(runs) + 1, len(settings))} {done}",
-               **self._sweep_results(runs, baseline)}
+        yield {self.status: f"{progress_bar(len(runs) + 1, len(settings))} {done}", **self._results(runs, baseline)}
 
-    def _sweep_results(self, runs: list[Trace], baseline: Trace | None) -> dict:
-        return {self.sweep_plot: sweep_figure(runs, baseline), self.sweep_table: sweep_rows(runs, baseline)}
+    def _results(self, runs: list[Trace], baseline: Trace | None) -> dict:
+        return {self.plot: sweep_figure(runs, baseline), self.table: sweep_rows(runs, baseline)}
+
+
+class StudioApp:
+    """The page: the views laid out and wired to each other."""
+
+    def __init__(self, studio: Studio):
+        self.studio = studio
+        self.demo = self._build()
+
+    def _build(self) -> gr.Blocks:
+        with gr.Blocks(title="DDTree Studio", delete_cache=(3600, 3600)) as demo:
+            # method -> Trace, this session's run or upload; and its Stop switch
+            self.session = Session(self.studio, gr.State({}), gr.State(RunControl()),
+                                   gr.Markdown("Ready.", elem_id="status", render=False))  # the Run view places it
+            gr.Markdown("# DDTree Studio\nAR, DFlash and DDTree decoding side by side — same target, same prompt.")
+            gr.Markdown(self._model_banner(), elem_id="model-banner")
+            with gr.Tabs():
+                with gr.Tab("Run & inspect"):
+                    self.run_view = RunView(self.session)
+                    self.run_view.build()
+                    self.replay_view = ReplayView(self.session, self.run_view.columns)
+                    self.replay_view.build()
+                    self.traces_view = TracesView(self.session)
+                    self.traces_view.build()
+                    self.inspector = InspectorView(self.session)
+                    self.inspector.build()
+                with gr.Tab("Budget sweep"):
+                    self.sweep_view = SweepView(self.session)
+                    self.sweep_view.build()
+            self._wire()
+        return demo
+
+    def _model_banner(self) -> str:
+        decoder = self.studio.decoder
+        target, info = decoder.target, decoder.drafter_info
+        drafts = f", {decoder.draft_dtype} drafts" if decoder.draft_dtype else ""
+        drafter = (f"**{info.name}** (trained{drafts})" if info.trained else
+                   f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
+                   "near 1; the machinery is real, the speed-up is not")
+        return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
+                f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget.sentence()}")
+
+    def _wire(self) -> None:
+        session, run, replay, traces, inspector, sweep = (self.session, self.run_view, self.replay_view,
+                                                          self.traces_view, self.inspector, self.sweep_view)
+        run_inputs = [run.prompt, run.max_new_tokens, run.temperature, run.seed, run.budget, run.methods,
+                      session.control]
+        run.run_button.click(
+            functools.partial(run.run, present=self.present), run_inputs, self.run_outputs, api_name="run",
+            concurrency_id="model", concurrency_limit=4, show_progress="minimal")
+        run.stop_button.click(request_stop, session.control, session.status, api_name="stop", queue=False)
+        replay.replay_button.click(replay.replay, [session.traces, replay.speed, session.control],
+                                   [session.status, *run.columns.values()], api_name="replay", show_progress="hidden")
+        replay.video_button.click(replay.render_video, [session.traces, replay.speed], [session.status, replay.video],
+                                  api_name="video", concurrency_id="video", concurrency_limit=1)
+        traces.upload.upload(functools.partial(traces.load_upload, present=self.present), traces.upload,
+                             self.run_outputs, api_name="upload")
+        # .input (not .change) so the updates a run or upload makes do not trigger these again
+        inspector.method.input(inspector.select_method, [session.traces, inspector.method],
+                               [inspector.step, *inspector.step_views], api_name="select_method")
+        inspector.step.input(inspector.inspect, [session.traces, inspector.method, inspector.step],
+                             inspector.step_views, api_name="inspect", trigger_mode="always_last",
+                             show_progress="hidden")
+        for button, delta in ((inspector.prev_button, -1), (inspector.next_button, 1)):
+            button.click(functools.partial(inspector.shift_step, delta=delta),
+                         [session.traces, inspector.method, inspector.step], [inspector.step, *inspector.step_views],
+                         api_visibility="private", show_progress="hidden")
+        sweep.sweep_button.click(
+            sweep.sweep, [run.prompt, run.max_new_tokens, run.temperature, run.seed, sweep.budgets, session.control],
+            [sweep.status, sweep.plot, sweep.table], api_name="sweep", concurrency_id="model",
+            concurrency_limit=4, show_progress="minimal")
+        sweep.stop_button.click(request_stop, session.control, sweep.status, api_visibility="private", queue=False)
+        gr.api(self.info, api_name="info", queue=False)
+
+    def info(self) -> dict:
+        """What the page runs on and the DDTree budget it starts with, and why."""
+        decoder, choice = self.studio.decoder, self.studio.budget
+        return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
+                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget, "why": choice.sentence(),
+                "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}}
+
+    @property
+    def run_outputs(self) -> list:
+        """Everything a set of traces is shown in; the API returns them in this order
+        (the traces state is not part of the API)."""
+        run, inspector = self.run_view, self.inspector
+        return [self.session.status, *run.columns.values(), self.traces_view.summary, self.traces_view.download,
+                self.replay_view.race, inspector.method, inspector.step, *inspector.step_views, inspector.run_stages,
+                inspector.histogram, run.economics_plot, run.economics_text, self.session.traces]
+
+    def present(self, traces: dict[str, Trace], status: str) -> dict:
+        """Every view of a set of finished traces (after a run or an upload)."""
+        return {self.session.status: status, self.session.traces: traces, **self.run_view.shown(traces),
+                **self.traces_view.shown(traces), **self.replay_view.shown(traces), **self.inspector.shown(traces)}
 
 
 def last_step(traces: dict[str, Trace], method: str | None) -> int:
