@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -32,7 +33,8 @@ from pathlib import Path
 import gradio as gr
 
 from engine.errors import EngineError
-from engine.loop.calibration import BudgetChoice, choose_budget
+from engine.loop.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir,
+                                     recorded_choice)
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
 from engine.models.target import resolve_device
@@ -53,6 +55,7 @@ EXAMPLE_PROMPTS = [
     "Write a Python function that reverses a string.",
 ]
 POLL_S = 0.2  # how often a streaming handler refreshes the page while the model works
+TIMING_POLL_S = 2.0  # how often the banner follows the background timing of the budgets
 REPLAY_FRAME_S = 0.1
 REPLAY_SPEEDS = [("0.25×", 0.25), ("0.5×", 0.5), ("1× (real time)", 1.0)]
 DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
@@ -78,6 +81,46 @@ class Studio:
     budget: BudgetChoice  # the DDTree budget the page starts with, and why
     lock: threading.Lock = field(default_factory=threading.Lock)
     worker: ThreadPoolExecutor = field(default_factory=model_thread)
+    timing: StartupTiming | None = None  # budgets still being timed in the background, if any
+    timing_error: str | None = None
+    started: set[tuple[str, int | None]] = field(default_factory=set)  # (method, budget) run once already
+
+    @property
+    def timing_pending(self) -> bool:
+        return self.timing is not None and bool(self.timing.missing()) and self.timing_error is None
+
+    def budget_sentence(self) -> str:
+        """Why the page starts at its budget; while the timing runs, how far it got."""
+        if self.timing_error is not None:
+            return (f"DDTree budget {self.budget.budget}: timing the budgets on this machine failed "
+                    f"({self.timing_error}); the page keeps this budget.")
+        if self.timing_pending:
+            return (f"DDTree budget {self.budget.budget} for now (a tree that branches). No bench record fits this "
+                    f"machine, so the budgets are being timed on it in the background, between runs: "
+                    f"{self.timing.progress()}. Each timing is kept in {self.timing.path}, so a restart goes on "
+                    "where this one stopped.")
+        return self.budget.sentence()
+
+    def first_use(self, settings: DecodeSettings) -> str | None:
+        """Said while a compiled step's first run of a method and budget compiles it (a minute or more)."""
+        if not self.decoder.compile_step or run_key(settings) in self.started:
+            return None
+        return (f"compiling the {settings.method} step for this budget (once per method and budget; the compile "
+                f"cache in {cache_dir()} keeps it for the next start)")
+
+    def time_budgets(self) -> None:
+        """Time what the cache lacks, one label at a time, each between visitors' runs (a timing beside a
+        run would slow both and measure neither), then open new pages at the budget it chose."""
+        try:
+            for label in self.timing.missing():
+                with self.lock:
+                    self.worker.submit(self.timing.time, label).result()
+                log.info("timed %s: %s", label, self.timing.progress())
+            self.budget = self.timing.choice()
+            log.info("%s", self.budget.sentence())
+        except Exception as exc:  # the page keeps serving at the budget it started with
+            log.exception("timing the DDTree budgets failed")
+            self.timing_error = f"{type(exc).__name__}: {exc}"
 
     @functools.cached_property
     def decode_token(self) -> TokenText:
@@ -203,12 +246,18 @@ def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: Decod
             yield live
         if live.error is not None:
             raise live.error
+        studio.started.add(run_key(settings))
         yield live
     finally:
         if live is not None and not live.done.is_set():
             control.stop = True  # the page went away mid-run: let the worker stop at its next step
             live.done.wait()
         studio.lock.release()
+
+
+def run_key(settings: DecodeSettings) -> tuple[str, int | None]:
+    """What a compiled step is compiled for."""
+    return settings.method, settings.tree_budget if settings.method == "ddtree" else None
 
 
 def encode_prompt(studio: Studio, prompt: str) -> list[int]:
@@ -286,7 +335,7 @@ class RunView:
                     self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)")
                 with gr.Row():
                     self.seed = gr.Number(0, label="Seed", precision=0)
-                    self.budget = gr.Number(self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
+                    self.budget = gr.Number(lambda: self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
                                             precision=0, elem_id="budget")
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
@@ -333,9 +382,10 @@ class RunView:
             try:
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control):
                     if live is None:
-                        yield {self.status: f"{heading}: waiting for another session's run to finish…"}
+                        yield {self.status: f"{heading}: waiting for the model (another session's run or the "
+                                            "start-up timing of the budgets holds it)…"}
                     else:
-                        yield self._live_update(method, live, finished, heading)
+                        yield self._live_update(setting, live, finished, heading)
             except Exception as exc:
                 yield present(finished, problem(exc))
                 return
@@ -345,9 +395,10 @@ class RunView:
                 break
         yield present(finished, self._run_status(finished, control.stop))
 
-    def _live_update(self, method: str, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
+    def _live_update(self, setting: DecodeSettings, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
+        method = setting.method
         if live.trace is None:
-            return {self.status: f"{heading}: prefill…"}
+            return {self.status: f"{heading}: {self.studio.first_use(setting) or 'prefill'}…"}
         stats = run_stats(live.trace)
         return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
                 self.columns[method]: column_html(method, live.trace, finished.get("ar"))}
@@ -576,9 +627,11 @@ class SweepView:
             bar = progress_bar(number, len(settings))
             live = None
             try:
+                compiling = self.studio.first_use(setting)
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control):
                     tokens = run_stats(live.trace).tokens if live is not None and live.trace else 0
-                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {tokens} tokens"}
+                    doing = f"{compiling}…" if compiling and not tokens else f"{tokens} tokens"
+                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {doing}"}
             except Exception as exc:
                 yield {self.status: problem(exc)}
                 return
@@ -610,7 +663,8 @@ class StudioApp:
             self.session = Session(self.studio, gr.State({}), gr.State(RunControl()),
                                    gr.Markdown("Ready.", elem_id="status", render=False))  # the Run view places it
             gr.Markdown("# DDTree Studio\nAR, DFlash and DDTree decoding side by side — same target, same prompt.")
-            gr.Markdown(self._model_banner(), elem_id="model-banner")
+            # evaluated at every page load: the budget may have been chosen since the app started
+            self.banner = gr.Markdown(self._model_banner, elem_id="model-banner")
             with gr.Tabs():
                 with gr.Tab("Run & inspect"):
                     self.run_view = RunView(self.session)
@@ -624,6 +678,7 @@ class StudioApp:
                 with gr.Tab("Budget sweep"):
                     self.sweep_view = SweepView(self.session)
                     self.sweep_view.build()
+            self.timing_clock = gr.Timer(TIMING_POLL_S, active=self.studio.timing_pending)
             self._wire()
         return demo
 
@@ -635,7 +690,7 @@ class StudioApp:
                    f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
                    "near 1; the machinery is real, the speed-up is not")
         return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
-                f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget.sentence()}")
+                f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget_sentence()}")
 
     def _wire(self) -> None:
         session, run, replay, traces, inspector, sweep = (self.session, self.run_view, self.replay_view,
@@ -668,6 +723,17 @@ class StudioApp:
             concurrency_limit=4, show_progress="minimal")
         sweep.stop_button.click(request_stop, session.control, sweep.status, api_visibility="private", queue=False)
         gr.api(self.info, api_name="info", queue=False)
+        self.timing_clock.tick(self.follow_timing, run.budget, [self.banner, run.budget, self.timing_clock],
+                               api_visibility="private", queue=False, show_progress="hidden")
+
+    def follow_timing(self, budget) -> dict:
+        """The banner follows the background timing; when it ends, the budget box moves to its choice
+        (unless the visitor has changed it) and the clock stops."""
+        if self.studio.timing_pending:
+            return {self.banner: self._model_banner()}
+        chosen = self.studio.budget.budget if budget == PROVISIONAL_BUDGET else budget
+        return {self.banner: self._model_banner(), self.run_view.budget: chosen,
+                self.timing_clock: gr.Timer(active=False)}
 
     def info(self) -> dict:
         """What the page runs on and the DDTree budget it starts with, and why."""
@@ -767,21 +833,57 @@ CSS = """
 """
 
 
+def compile_caches(environ: dict[str, str]) -> dict[str, str]:
+    """Where torch.compile and vLLM keep what they compiled, so a restart loads it instead of compiling
+    again: under the app's cache unless the environment already says."""
+    wanted = {"TORCHINDUCTOR_CACHE_DIR": cache_dir() / "torchinductor", "VLLM_CACHE_ROOT": cache_dir() / "vllm"}
+    return {name: str(path) for name, path in wanted.items() if not environ.get(name)}
+
+
+def compiles_step(args: argparse.Namespace) -> bool:
+    """The vLLM engine compiles its fixed step unless told not to: the bench's fastest GPU step, so the app's
+    speed-up is the bench's; the torch engine only when asked (``--compile-step``)."""
+    if args.compile_step is not None:
+        return args.compile_step
+    return args.engine == "vllm" and args.step != "readable"
+
+
 def load_studio_decoder(args: argparse.Namespace) -> Decoder:
+    compile_step = compiles_step(args)
+    if compile_step:  # before torch.compile or vLLM read them
+        os.environ.update(compile_caches(os.environ))
     if args.engine == "vllm":  # imported here: the torch engine never needs vLLM
         from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
         return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
                                  options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
                                                      fixed_step=args.step != "readable",
-                                                     compile_step=args.compile_step))
+                                                     compile_step=compile_step))
     # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.loop.fixed_step)
     fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
     return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
-                        cuda_graphs=fixed, compile_step=fixed and args.compile_step, draft_dtype=args.draft_dtype)
+                        cuda_graphs=fixed, compile_step=fixed and compile_step, draft_dtype=args.draft_dtype)
 
 
-def main() -> None:
+def startup_studio(decoder: Decoder, worker: ThreadPoolExecutor, tree_budget: int | None) -> Studio:
+    """The page's first budget, at once: set by hand, the bench's record for this kind of machine, or what
+    earlier starts timed here; where timings are missing the page starts at a tree that branches and
+    ``Studio.time_budgets`` times the rest in the background."""
+    if tree_budget is not None:
+        return Studio(decoder, BudgetChoice(tree_budget, {}, "set with --tree-budget", 0.0), worker=worker)
+    if decoder.drafter is None:
+        return Studio(decoder, BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time", 0.0), worker=worker)
+    recorded = recorded_choice(decoder)
+    if recorded is not None:
+        return Studio(decoder, recorded, worker=worker)
+    timing = StartupTiming(decoder, path=cache_dir() / "timings.json")
+    if not timing.missing():
+        return Studio(decoder, timing.choice(), worker=worker)
+    provisional = BudgetChoice(PROVISIONAL_BUDGET, {}, "for now, while the timing runs", 0.0)
+    return Studio(decoder, provisional, worker=worker, timing=timing)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default=None, help="address to serve on (default: GRADIO_SERVER_NAME or 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default: GRADIO_SERVER_PORT or 7860)")
@@ -796,15 +898,23 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
     parser.add_argument("--step", choices=["fixed", "readable"], default=None,
                         help="greedy steps as fixed-shape device programs (default on a GPU) or the readable loop")
-    parser.add_argument("--compile-step", action="store_true",
+    parser.add_argument("--compile-step", action=argparse.BooleanOptionalAction, default=None,
                         help="fixed step: its stages (and the vLLM engine's verify pass) through torch.compile: "
-                             "the bench's fastest GPU step; each budget compiles at first use, so start-up is slower")
+                             "the bench's fastest GPU step (default with --engine vllm; --no-compile-step turns it "
+                             "off); each method and budget compiles at its first run, cached in "
+                             "~/.cache/ddtree-studio (DDTREE_STUDIO_CACHE) for the next start")
     parser.add_argument("--tree-budget", type=int, default=None,
-                        help="the DDTree budget the page starts with (default: the fastest here: the bench's, "
-                             "recorded in assets/budgets.json, else timed at start-up)")
-    args = parser.parse_args()
+                        help="the DDTree budget the page starts with (default: the largest tree within 5%% of the "
+                             "fastest budget: the bench's record for this kind of machine in assets/budgets.json, "
+                             "else timed here in the background)")
+    args = parser.parse_args(argv)
     if args.tree_budget is not None and args.tree_budget < 1:
-        raise SystemExit(f"error: --tree-budget must be at least 1, got {args.tree_budget}")
+        parser.error(f"--tree-budget must be at least 1, got {args.tree_budget}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
@@ -816,13 +926,13 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     log.info("loaded %s with drafter %s in %.1f s", decoder.target.name, decoder.drafter_info.name,
              time.perf_counter() - started)
-    if args.tree_budget is None:
-        log.info("timing DDTree budgets on this machine…")
-        budget = worker.submit(choose_budget, decoder).result()
-    else:
-        budget = BudgetChoice(args.tree_budget, {}, "set with --tree-budget", 0.0)
-    log.info("%s", budget.sentence())
-    studio = Studio(decoder, budget, worker=worker)
+    studio = startup_studio(decoder, worker, args.tree_budget)
+    log.info("%s", studio.budget_sentence())
+    if decoder.compile_step:
+        log.info("the step is compiled: each method and budget compiles at its first run (the page says so while "
+                 "it does), cached in %s for the next start", cache_dir())
+    if studio.timing_pending:
+        threading.Thread(target=studio.time_budgets, name="budget-timing", daemon=True).start()
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
         server_name=args.host, server_port=args.port, css=CSS)
 
