@@ -57,7 +57,8 @@ EXAMPLE_PROMPTS = [
 POLL_S = 0.2  # how often a streaming handler refreshes the page while the model works
 TIMING_POLL_S = 2.0  # how often the banner follows the background timing of the budgets
 REPLAY_FRAME_S = 0.1
-REPLAY_SPEEDS = [("0.25×", 0.25), ("0.5×", 0.5), ("1× (real time)", 1.0)]
+# strings, so the API lists exactly the values it accepts
+REPLAY_SPEEDS = [("0.25×", "0.25"), ("0.5×", "0.5"), ("1× (real time)", "1")]
 DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
 MAX_SWEEP_POINTS = 8
 TRACE_FILE_NAME = "ddtree-traces.json"
@@ -161,6 +162,10 @@ def read_traces(path: str) -> list[Trace]:
         data = json.loads(Path(path).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TraceError(f"not a JSON trace file: {exc}") from exc
+    if isinstance(data, dict) and not {"traces", "config"} & data.keys():
+        raise TraceError(f"not a trace file: it holds {', '.join(map(repr, data)) or 'an empty object'}, where a trace "
+                         f"file holds {{\"schema_version\": {SCHEMA_VERSION}, \"traces\": [...]}} (the app's "
+                         "download) or one trace with its \"config\" and \"steps\" (Trace.save)")
     if isinstance(data, dict) and "traces" in data:
         if data.get("schema_version") != SCHEMA_VERSION:
             raise TraceError(f"trace file schema version {data.get('schema_version')!r} is not supported "
@@ -197,11 +202,11 @@ def check_consistent(trace: Trace) -> None:
                 (len(step.draft_top_tokens) != len(step.draft_top_probs), "draft top-k tokens and probs differ"),
             ]
         except TypeError as exc:
-            raise TraceError(f"step {step.index} of the {trace.config.method} trace has malformed values: {exc}") \
+            raise TraceError(f"step {step.number} of the {trace.config.method} trace has malformed values: {exc}") \
                 from exc
         for failed, why in faults:
             if failed:
-                raise TraceError(f"step {step.index} of the {trace.config.method} trace is inconsistent: {why}")
+                raise TraceError(f"step {step.number} of the {trace.config.method} trace is inconsistent: {why}")
 
 
 # ---------------------------------------------------------------- running the model
@@ -273,27 +278,48 @@ def filled(value, name: str):
     return value
 
 
+def whole(value, name: str) -> int:
+    """A count's box: an API client can send 2.5, which must not quietly run as 2."""
+    number = filled(value, name)
+    if number != int(number):
+        raise EngineError(f"{name} must be a whole number, got {number}")
+    return int(number)
+
+
 def common_settings(max_new_tokens, temperature, seed) -> dict:
-    return dict(max_new_tokens=int(filled(max_new_tokens, "max new tokens")),
-                temperature=float(filled(temperature, "temperature")), seed=int(filled(seed, "seed")))
+    return dict(max_new_tokens=whole(max_new_tokens, "max new tokens"),
+                temperature=float(filled(temperature, "temperature")), seed=whole(seed, "seed"))
 
 
-def checked(studio: Studio, prompt_ids: list[int], settings: list[DecodeSettings]) -> list[DecodeSettings]:
-    """Check every run's settings before any starts, so a bad value fails at once."""
-    for setting in settings:
-        studio.decoder.prepare(setting, len(prompt_ids))
-    return settings
+def checked(studio: Studio, prompt_ids: list[int],
+            settings: list[DecodeSettings]) -> tuple[list[DecodeSettings], list[str]]:
+    """Check every run's settings before any starts, so a bad value fails at once; with the notes on
+    what the runs will change (a budget over the cap), each said once."""
+    notes = [note for setting in settings for note in studio.decoder.prepare(setting, len(prompt_ids))[1]]
+    return settings, list(dict.fromkeys(notes))
 
 
 def problem(exc: Exception) -> str:
-    """Show a failure in the UI: a toast plus the status line's Markdown."""
+    """Show a failure that ended a run midway: a toast plus the status line's Markdown, beside what
+    the run made before it."""
     if isinstance(exc, (EngineError, TraceError, VideoError)):
         message = str(exc)
     else:
         log.exception("unexpected failure")
         message = f"internal error ({type(exc).__name__}: {exc}); the app is still running, try again"
     gr.Warning(message)
-    return f"⚠️ **{message[0].upper() + message[1:]}**"
+    return f"⚠️ **{capitalized(message)}**"
+
+
+def refusal(exc: Exception) -> gr.Error:
+    """Bad input, refused before anything changed: the page shows it as an error toast and keeps
+    everything it shows; an API client gets the message as its error, not a status line beside
+    unchanged outputs."""
+    return gr.Error(capitalized(str(exc)))
+
+
+def capitalized(message: str) -> str:
+    return message[0].upper() + message[1:]
 
 
 # ---------------------------------------------------------------- the UI
@@ -330,13 +356,13 @@ class RunView:
                 self.methods = gr.CheckboxGroup([(METHOD_NAMES[m], m) for m in METHODS], value=list(METHODS),
                                                 label="Methods (each runs alone, one after another)", elem_id="methods")
                 with gr.Row():
-                    self.max_new_tokens = gr.Number(64, label="Max new tokens", precision=0,
-                                                    elem_id="max-new-tokens")
+                    # no precision: a rounding box would quietly run 2.5 tokens as 2; ``whole`` refuses it
+                    self.max_new_tokens = gr.Number(64, label="Max new tokens", step=1, elem_id="max-new-tokens")
                     self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)")
                 with gr.Row():
-                    self.seed = gr.Number(0, label="Seed", precision=0)
+                    self.seed = gr.Number(0, label="Seed", step=1)
                     self.budget = gr.Number(lambda: self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
-                                            precision=0, elem_id="budget")
+                                            step=1, elem_id="budget")
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
@@ -366,12 +392,11 @@ class RunView:
                 raise EngineError("choose at least one method to run")
             prompt_ids = encode_prompt(self.studio, prompt)
             common = common_settings(max_new_tokens, temperature, seed)
-            budget = int(filled(budget, "tree budget"))
-            settings = checked(self.studio, prompt_ids, [DecodeSettings(method, tree_budget=budget, **common)
+            budget = whole(budget, "tree budget")
+            settings, _ = checked(self.studio, prompt_ids, [DecodeSettings(method, tree_budget=budget, **common)
                                                          for method in METHODS if method in methods])
         except EngineError as exc:
-            yield {self.status: problem(exc)}
-            return
+            raise refusal(exc) from None
         finished: dict[str, Trace] = {}
         yield {column: column_html(method, None, absent="waiting" if method in methods else "not selected")
                for method, column in self.columns.items()}
@@ -434,7 +459,7 @@ class ReplayView:
     def build(self) -> None:
         with gr.Accordion("Replay race (all methods on one clock, from the recorded step times)", open=True):
             with gr.Row():
-                self.speed = gr.Radio(REPLAY_SPEEDS, value=0.5, label="Replay speed", scale=3)
+                self.speed = gr.Radio(REPLAY_SPEEDS, value="0.5", label="Replay speed", scale=3)
                 self.replay_button = gr.Button("Replay race", scale=1, elem_id="replay-button")
             self.race = gr.Plot(race_chart([]), label="Tokens over time", show_label=False)
             with gr.Row():
@@ -445,14 +470,13 @@ class ReplayView:
     def status(self) -> gr.Markdown:
         return self.session.status
 
-    def replay(self, traces: dict[str, Trace], speed: float, control: RunControl):
+    def replay(self, traces: dict[str, Trace], speed: str, control: RunControl):
         """Animate every run on one clock, each token appearing when its step ended."""
         runs = ordered(traces)
         if not runs:
-            yield {self.status: problem(EngineError("nothing to replay yet: run the methods or upload traces"))}
-            return
+            raise refusal(EngineError("nothing to replay yet: run the methods or upload traces"))
         control.stop = False
-        speed = float(speed or 1.0)
+        speed = float(speed or 1)
         finish = max(trace.summary.wall_s for trace in runs)
         started = time.perf_counter()
         clock = 0.0
@@ -462,17 +486,17 @@ class ReplayView:
             time.sleep(REPLAY_FRAME_S)
         yield self._race_frame(traces, None, "Replay finished." if not control.stop else "Replay stopped.")
 
-    def render_video(self, traces: dict[str, Trace], speed: float, progress=gr.Progress()) -> dict:
+    def render_video(self, traces: dict[str, Trace], speed: str, progress=gr.Progress()) -> dict:
         """The race as an MP4, drawn from the traces (the replay speed sets the slow motion)."""
         runs = ordered(traces)
         if not runs:
-            return {self.status: problem(EngineError("nothing to film yet: run the methods or upload traces"))}
+            raise refusal(EngineError("nothing to film yet: run the methods or upload traces"))
         out = Path(tempfile.mkdtemp(prefix="ddtree-video-")) / "ddtree-comparison.mp4"
         try:
-            render_video(runs, out, preset="720p", slowdown=1.0 / float(speed or 1.0),
+            render_video(runs, out, preset="720p", slowdown=1.0 / float(speed or 1),
                          progress=lambda done, total: progress(done / total, desc="rendering video frames"))
         except VideoError as exc:
-            return {self.status: problem(exc)}
+            raise refusal(exc) from None
         return {self.status: f"Video rendered: {len(runs)} columns, {out.stat().st_size / 1e6:.1f} MB.",
                 self.video: str(out)}
 
@@ -505,7 +529,7 @@ class TracesView:
         try:
             traces = read_traces(path)
         except TraceError as exc:
-            return {self.session.status: problem(exc)}
+            raise refusal(exc) from None
         by_method: dict[str, Trace] = {}
         for trace in traces:
             by_method.setdefault(trace.config.method, trace)
@@ -529,10 +553,11 @@ class InspectorView:
     def build(self) -> None:
         gr.Markdown("## Step inspector")
         with gr.Row():
-            self.method = gr.Radio([], label="Method", scale=2)
+            # every method from the start, so an API call before any run reaches the handler, which says why not
+            self.method = gr.Radio([(METHOD_NAMES[m], m) for m in METHODS], label="Method", scale=2)
             self.prev_button = gr.Button("◀ Prev", scale=0, min_width=80)
-            self.step = gr.Slider(0, 1, value=0, step=1, label="Step (focus it and use ← →)", scale=4,
-                                  elem_id="step-slider")
+            self.step = gr.Slider(1, 2, value=1, step=1, label="Step (focus it and use ← →)", scale=4,
+                                  elem_id="step-slider", interactive=False)
             self.next_button = gr.Button("Next ▶", scale=0, min_width=80)
         self.tree = gr.Plot(empty_figure("Run or upload traces to inspect the draft trees."), label="Draft tree",
                             elem_id="tree-plot")
@@ -563,22 +588,40 @@ class InspectorView:
                 **self.select_method(traces, first)}
 
     def select_method(self, traces: dict[str, Trace], method: str | None) -> dict:
-        last = last_step(traces, method)
-        # a slider needs maximum > minimum, so a one-step run still gets 0..1 (inspect clamps)
-        return {self.step: gr.Slider(minimum=0, maximum=max(last, 1), value=0, step=1, interactive=last > 0),
-                **self.inspect(traces, method, 0)}
+        count = step_count(traces, method)
+        # steps count from 1, as the video counts them; a slider needs maximum > minimum, so a one-step
+        # run still gets 1..2 (inspect clamps)
+        return {self.step: gr.Slider(minimum=1, maximum=max(count, 2), value=1, step=1, interactive=count > 1),
+                **self.inspect(traces, method, 1)}
 
-    def shift_step(self, traces: dict[str, Trace], method: str | None, index, delta: int) -> dict:
-        index = min(max(int(index or 0) + delta, 0), last_step(traces, method))
-        return {self.step: index, **self.inspect(traces, method, index)}
+    def shift_step(self, traces: dict[str, Trace], method: str | None, number, delta: int) -> dict:
+        number = min(max(int(number or 1) + delta, 1), max(step_count(traces, method), 1))
+        return {self.step: number, **self.inspect(traces, method, number)}
 
-    def inspect(self, traces: dict[str, Trace], method: str | None, index) -> dict:
+    def requested(self, traces: dict[str, Trace], method: str | None) -> None:
+        """A visitor's (or an API client's) choice of method must name one of this session's traces."""
+        if not traces:
+            raise refusal(EngineError("nothing to inspect yet: run the methods or upload traces"))
+        if method not in traces:
+            raise refusal(EngineError(f"this session has no {method} trace; it has "
+                                      f"{', '.join(t.config.method for t in ordered(traces))}"))
+
+    def choose_method(self, traces: dict[str, Trace], method: str | None) -> dict:
+        self.requested(traces, method)
+        return self.select_method(traces, method)
+
+    def choose_step(self, traces: dict[str, Trace], method: str | None, number) -> dict:
+        self.requested(traces, method)
+        return self.inspect(traces, method, number)
+
+    def inspect(self, traces: dict[str, Trace], method: str | None, number) -> dict:
+        """Step ``number`` (from 1) of the method's trace."""
         trace = traces.get(method) if method else None
         if trace is None or not trace.steps:
             message = "No steps to inspect." if trace is not None else "Run or upload traces to inspect steps."
             return {self.tree: empty_figure(message), self.probs: empty_figure(message), self.why: "",
                     self.step_stages: empty_figure(message)}
-        step = trace.steps[min(max(int(index or 0), 0), last_step(traces, method))]
+        step = trace.steps[min(max(int(number or 1), 1), len(trace.steps)) - 1]
         token_text = self.studio.token_text_for(ordered(traces))
         label = trace.config.label
         return {
@@ -586,7 +629,7 @@ class InspectorView:
             self.probs: probability_figure(step, token_text, trace.config.title_label),
             self.why: explain_stop(step, token_text),
             self.step_stages: stage_figure({label: step.stage_s},
-                                           timing_title(f"Time per stage, step {step.index}", [trace])),
+                                           timing_title(f"Time per stage, step {step.number}", [trace])),
         }
 
 
@@ -616,11 +659,13 @@ class SweepView:
             budgets = parse_budgets(budgets_text)
             prompt_ids = encode_prompt(self.studio, prompt)
             common = common_settings(max_new_tokens, temperature, seed)
-            settings = checked(self.studio, prompt_ids, [DecodeSettings("ar", **common)] + [
+            settings, notes = checked(self.studio, prompt_ids, [DecodeSettings("ar", **common)] + [
                 DecodeSettings("ddtree", tree_budget=budget, **common) for budget in budgets])
         except EngineError as exc:
-            yield {self.status: problem(exc)}
-            return
+            raise refusal(exc) from None
+        said = "".join(f" · {note}" for note in notes)
+        for note in notes:
+            gr.Info(note)
         baseline, runs = None, []
         for number, setting in enumerate(settings):
             name = "AR baseline" if setting.method == "ar" else f"DDTree budget {setting.tree_budget}"
@@ -631,9 +676,9 @@ class SweepView:
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control):
                     tokens = run_stats(live.trace).tokens if live is not None and live.trace else 0
                     doing = f"{compiling}…" if compiling and not tokens else f"{tokens} tokens"
-                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {doing}"}
+                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {doing}{said}"}
             except Exception as exc:
-                yield {self.status: problem(exc)}
+                yield {self.status: problem(exc), **self._results(runs, baseline)}
                 return
             if control.stop or live is None or live.trace is None:
                 break
@@ -644,7 +689,8 @@ class SweepView:
                 yield self._results(runs, baseline)
         done = "Sweep stopped." if control.stop else "Sweep finished."
         # the last message carries everything: API clients only see the final one
-        yield {self.status: f"{progress_bar(len(runs) + 1, len(settings))} {done}", **self._results(runs, baseline)}
+        yield {self.status: f"{progress_bar(len(runs) + 1, len(settings))} {done}{said}",
+               **self._results(runs, baseline)}
 
     def _results(self, runs: list[Trace], baseline: Trace | None) -> dict:
         return {self.plot: sweep_figure(runs, baseline), self.table: sweep_rows(runs, baseline)}
@@ -708,9 +754,9 @@ class StudioApp:
         traces.upload.upload(functools.partial(traces.load_upload, present=self.present), traces.upload,
                              self.run_outputs, api_name="upload")
         # .input (not .change) so the updates a run or upload makes do not trigger these again
-        inspector.method.input(inspector.select_method, [session.traces, inspector.method],
+        inspector.method.input(inspector.choose_method, [session.traces, inspector.method],
                                [inspector.step, *inspector.step_views], api_name="select_method")
-        inspector.step.input(inspector.inspect, [session.traces, inspector.method, inspector.step],
+        inspector.step.input(inspector.choose_step, [session.traces, inspector.method, inspector.step],
                              inspector.step_views, api_name="inspect", trigger_mode="always_last",
                              show_progress="hidden")
         for button, delta in ((inspector.prev_button, -1), (inspector.next_button, 1)):
@@ -757,9 +803,9 @@ class StudioApp:
                 **self.traces_view.shown(traces), **self.replay_view.shown(traces), **self.inspector.shown(traces)}
 
 
-def last_step(traces: dict[str, Trace], method: str | None) -> int:
+def step_count(traces: dict[str, Trace], method: str | None) -> int:
     trace = traces.get(method) if method else None
-    return max(0, len(trace.steps) - 1) if trace else 0
+    return len(trace.steps) if trace else 0
 
 
 def run_summary(traces: dict[str, Trace]) -> dict:

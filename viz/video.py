@@ -663,7 +663,7 @@ class Scene:
         if step is None:
             return f"{title} · draft tree"
         bonus = " + 1 bonus token" if _has_bonus(step) else ""
-        return f"{title} · step {step.index + 1}: {step.tree_size} drafted nodes, {len(step.accepted) - 1} accepted{bonus}"
+        return f"{title} · step {step.number}: {step.tree_size} drafted nodes, {len(step.accepted) - 1} accepted{bonus}"
 
     def _draw_legend(self, draw: ImageDraw.ImageDraw, inner: Box) -> None:
         theme, font, r = self.theme, self.fonts.label, self.preset.px(7)
