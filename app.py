@@ -1,7 +1,11 @@
 """DDTree Studio: run AR, DFlash and DDTree side by side, replay the race, inspect every step.
 
     python app.py [--host 127.0.0.1] [--port 7860] [--model smollm2] [--drafter FOLDER|random]
-                  [--device cpu] [--dtype float32]
+                  [--device cpu] [--dtype float32] [--engine torch|vllm] [--no-compile-step] [--tree-budget N]
+
+The page answers as soon as the models are loaded: its first DDTree budget comes from the bench's
+record for this kind of machine (``assets/budgets.json``), or from timings kept by earlier starts;
+what is missing is timed in the background (``engine.loop.calibration``).
 
 The models load once at startup and are shared read-only by every browser session;
 each session keeps its own traces in ``gr.State``. ``--port`` defaults to Gradio's
