@@ -120,6 +120,8 @@ class Studio:
             for label in self.timing.missing():
                 with self.lock:
                     self.worker.submit(self.timing.time, label).result()
+                # what the timing ran (DFlash warms up with the first label) is compiled: the page need not say so
+                self.started |= {("dflash", None), ("ar", None) if label == "ar" else ("ddtree", int(label))}
                 log.info("timed %s: %s", label, self.timing.progress())
             self.budget = self.timing.choice()
             log.info("%s", self.budget.sentence())
@@ -920,16 +922,16 @@ def startup_studio(decoder: Decoder, worker: ThreadPoolExecutor, tree_budget: in
     earlier starts timed here; where timings are missing the page starts at a tree that branches and
     ``Studio.time_budgets`` times the rest in the background."""
     if tree_budget is not None:
-        return Studio(decoder, BudgetChoice(tree_budget, {}, "set with --tree-budget", 0.0), worker=worker)
+        return Studio(decoder, BudgetChoice(tree_budget, {}, "set with --tree-budget"), worker=worker)
     if decoder.drafter is None:
-        return Studio(decoder, BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time", 0.0), worker=worker)
+        return Studio(decoder, BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time"), worker=worker)
     recorded = recorded_choice(decoder)
     if recorded is not None:
         return Studio(decoder, recorded, worker=worker)
     timing = StartupTiming(decoder, path=cache_dir() / "timings.json")
     if not timing.missing():
         return Studio(decoder, timing.choice(), worker=worker)
-    provisional = BudgetChoice(PROVISIONAL_BUDGET, {}, "for now, while the timing runs", 0.0)
+    provisional = BudgetChoice(PROVISIONAL_BUDGET, {}, "for now, while the timing runs")
     return Studio(decoder, provisional, worker=worker, timing=timing)
 
 

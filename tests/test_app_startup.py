@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 import app
 import engine.loop.calibration as calibration
@@ -24,14 +23,14 @@ def decoder(monkeypatch, tmp_path):
     return decoder
 
 
-def record(monkeypatch, tmp_path, decoder, speedups: dict[int, float]) -> None:
+def record(monkeypatch, decoder, speedups: dict[int, float]) -> None:
     entry = {"budgets": {str(b): {"tokens_per_s": 10.0, "speedup_vs_ar": s, "tau": 3.0} for b, s in speedups.items()},
              "drafter_revision": "abc123", "prompts": "fresh.jsonl", "results": "benchmarks/cpu.json"}
     monkeypatch.setattr(calibration, "measured_budgets", lambda: {calibration.machine_key(decoder): entry})
 
 
 def test_a_recorded_machine_starts_at_once_at_the_largest_tree_near_the_fastest(decoder, monkeypatch, tmp_path):
-    record(monkeypatch, tmp_path, decoder, {4: 1.53, 8: 1.53, 16: 1.46, 32: 1.26})
+    record(monkeypatch, decoder, {4: 1.53, 8: 1.53, 16: 1.46, 32: 1.26})
     monkeypatch.setattr(decoder, "run", lambda *a, **k: pytest.fail("nothing is timed when the bench decides"))
     studio = app.startup_studio(decoder, ThreadPoolExecutor(1), tree_budget=None)
     assert studio.budget.budget == 16 and not studio.timing_pending
@@ -47,6 +46,8 @@ def test_without_a_record_the_page_starts_at_a_branching_tree_and_times_the_rest
     studio.timing.budgets, studio.timing.prompt = (2, 8), "howdoesitwork"  # a short timing the tiny model reads
     studio.time_budgets()
     assert not studio.timing_pending and studio.budget.budget in (2, 8)
+    # what the timing ran is warm (compiled, on a compiled step): the page will not say it is compiling it
+    assert studio.started == {("ar", None), ("dflash", None), ("ddtree", 2), ("ddtree", 8)}
     assert "timed on this machine" in studio.budget_sentence()
     # every timing was kept: the next start times nothing and opens at the same budget
     kept = json.loads((calibration.cache_dir() / "timings.json").read_text())

@@ -37,9 +37,9 @@ def test_without_a_curve_the_calibration_runs_give_tau(decoder, monkeypatch):
 
 
 def test_a_set_budget_says_where_it_came_from():
-    assert BudgetChoice(12, {}, "set with --tree-budget", 0.0).sentence() == "DDTree budget 12 (set with --tree-budget)."
+    assert BudgetChoice(12, {}, "set with --tree-budget").sentence() == "DDTree budget 12 (set with --tree-budget)."
     entry = Economics(tau=3.0, step_ms=10.0, step_cost_vs_ar=1.5, predicted_speedup=2.0, speedup_vs_ar=1.9)
-    assert "τ 3.00 ÷ step cost 1.50 AR steps = 2.00×" in BudgetChoice(8, {8: entry}, "x", 1.0).sentence()
+    assert "τ 3.00 ÷ step cost 1.50 AR steps = 2.00×" in BudgetChoice(8, {8: entry}, "x").sentence()
 
 
 def test_a_bench_result_becomes_the_drafters_recorded_curve():

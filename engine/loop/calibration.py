@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -58,7 +57,6 @@ class BudgetChoice:
     budget: int
     table: dict[int, Economics]  # per timed budget: τ (the curve's), step cost, predicted speed-up
     tau_source: str
-    seconds: float
     measured: dict | None = None  # the bench's record for this kind of machine, when it decided
     machine: str = ""
 
@@ -71,7 +69,7 @@ class BudgetChoice:
         if entry is None or entry.predicted_speedup is None:
             return f"DDTree budget {self.budget} ({self.tau_source})."
         fastest = max(speedups, key=speedups.get)
-        why = (f"the fastest here" if fastest == self.budget else
+        why = ("the fastest here" if fastest == self.budget else
                f"the largest tree within {1 - NEAR_FASTEST:.0%} of the fastest here (budget {fastest}, "
                f"{speedups[fastest]:.2f}×)")
         return (f"DDTree budget {self.budget} is {why}: τ {entry.tau:.2f} ÷ step cost "
@@ -103,7 +101,7 @@ def recorded_choice(decoder: Decoder) -> BudgetChoice | None:
     if entry is None or entry.get("drafter_revision") != decoder.drafter_info.revision or "budgets" not in entry:
         return None
     speedups = {int(budget): row["speedup_vs_ar"] for budget, row in entry["budgets"].items()}
-    return BudgetChoice(pick_budget(speedups), {}, "the bench", 0.0, entry, key)
+    return BudgetChoice(pick_budget(speedups), {}, "the bench", entry, key)
 
 
 @dataclass
@@ -117,7 +115,6 @@ class StartupTiming:
     tokens: int = CALIBRATION_TOKENS
     path: Path | None = None  # the cache file; None keeps the timings in memory only
     timings: dict[str, Timing] = field(default_factory=dict)
-    seconds: float = 0.0
 
     def __post_init__(self):
         kept = self._cache().get(self.key, {})
@@ -142,7 +139,6 @@ class StartupTiming:
     def time(self, label: str) -> None:
         """One label's warm-up and timed run; the first of a start also warms DFlash up, so the page's
         first runs do not pay one-time costs (allocation; on a GPU, CUDA graph capture)."""
-        began = time.perf_counter()
         ids = self.decoder.target.chat_ids(self.prompt)
         setting = (DecodeSettings("ar", max_new_tokens=self.tokens) if label == "ar" else
                    DecodeSettings("ddtree", max_new_tokens=self.tokens, tree_budget=int(label)))
@@ -151,7 +147,6 @@ class StartupTiming:
             self.decoder.run(prompt_ids=ids, settings=DecodeSettings("dflash", max_new_tokens=warm_tokens))
         self.decoder.run(prompt_ids=ids, settings=replace(setting, max_new_tokens=warm_tokens))
         self.timings[label] = Timing.of([self.decoder.run(prompt_ids=ids, settings=setting).summary])
-        self.seconds += time.perf_counter() - began
         self._save()
 
     def choice(self) -> BudgetChoice:
@@ -165,7 +160,7 @@ class StartupTiming:
                                       entry.speedup_vs_ar)
         source = "the drafter's acceptance curve" if all(b in curve for b in self.budgets) else "the timing runs"
         best = pick_budget({budget: entry.predicted_speedup or 0.0 for budget, entry in table.items()})
-        return BudgetChoice(best, table, source, self.seconds, machine=machine_key(self.decoder))
+        return BudgetChoice(best, table, source, machine=machine_key(self.decoder))
 
     def _cache(self) -> dict:
         try:
@@ -185,7 +180,7 @@ def choose_budget(decoder: Decoder, budgets: tuple[int, ...] = CANDIDATE_BUDGETS
                   tokens: int = CALIBRATION_TOKENS, cache: Path | None = None) -> BudgetChoice:
     """The page's budget in one call: the bench's record if it fits, else every missing label timed now."""
     if decoder.drafter is None:
-        return BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time", 0.0)
+        return BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time")
     recorded = recorded_choice(decoder)
     if recorded is not None:
         return recorded
