@@ -102,3 +102,16 @@ def test_a_compiled_steps_first_run_says_it_is_compiling():
     studio.started.add(app.run_key(first))
     assert studio.first_use(first) is None and studio.first_use(DecodeSettings("ddtree", tree_budget=64))
     assert app.Studio(SimpleNamespace(compile_step=False), budget=None).first_use(first) is None
+
+
+def test_the_open_page_follows_the_timing_and_moves_the_budget_box_once_it_ends(decoder, monkeypatch):
+    monkeypatch.setattr(calibration, "measured_budgets", lambda: {})
+    studio = app.startup_studio(decoder, ThreadPoolExecutor(1), tree_budget=None)
+    page = app.StudioApp(studio)
+    assert set(page.follow_timing(16)) == {page.banner}, "while timing, only the banner moves"
+    studio.timing.budgets, studio.timing.prompt = (2, 8), "howdoesitwork"
+    studio.time_budgets()
+    done = page.follow_timing(16)
+    assert done[page.run_view.budget] == studio.budget.budget and "timed on this machine" in done[page.banner]
+    assert done[page.timing_clock].active is False
+    assert page.follow_timing(40)[page.run_view.budget] == 40, "a budget the visitor typed stays"
