@@ -8,8 +8,11 @@ target's verify pass.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from engine.gpu.graphs import GraphedCall
 from engine.models.drafter import DFlashDrafter, DraftContext, StaticDraftContext
 
 
@@ -31,6 +34,39 @@ class EagerDraft:
                                feature_positions, self.context)
 
 
+@dataclass(frozen=True)
+class DraftBuffers:
+    """The drafter's inputs for one block at fixed addresses, what a CUDA graph of its pass reads:
+    its context cache, the block (the root, then mask tokens) and its positions, and up to a block
+    of newly committed context rows with their positions and count."""
+
+    context: StaticDraftContext
+    block: torch.Tensor  # [1, block_size] long
+    positions: torch.Tensor  # [1, block_size] long
+    features: torch.Tensor  # [1, block_size, taps * hidden]
+    feature_positions: torch.Tensor  # [1, block_size] long
+    count: torch.Tensor  # () long
+
+    @staticmethod
+    def allocate(drafter: DFlashDrafter, block_size: int, capacity: int, device: torch.device,
+                 dtype: torch.dtype) -> "DraftBuffers":
+        """For contexts of up to ``capacity`` tokens (a block more: the last block's rows)."""
+        config = drafter.config
+        long = dict(dtype=torch.long, device=device)
+        return DraftBuffers(
+            context=StaticDraftContext(config, capacity + block_size, device, dtype),
+            block=torch.full((1, block_size), drafter.mask_token_id, **long), positions=torch.zeros(1, block_size, **long),
+            features=torch.zeros(1, block_size, len(config.target_layer_ids) * config.hidden_size, dtype=dtype,
+                                 device=device),
+            feature_positions=torch.zeros(1, block_size, **long), count=torch.zeros((), **long))
+
+    def log_probs(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor, features: torch.Tensor,
+                  feature_positions: torch.Tensor, count, draft=None) -> torch.Tensor:
+        """The pass over the block with these context rows (``draft``: ``draft_log_probs`` or a compiled copy)."""
+        return (draft or draft_log_probs)(drafter, embedding, lm_head, self.block, self.positions, features,
+                                          feature_positions, self.context, count)
+
+
 class GraphedDraft:
     """The same pass over fixed shapes, captured once and replayed (CUDA; any drafter but a scripted one).
 
@@ -41,44 +77,29 @@ class GraphedDraft:
 
     def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor, block_size: int,
                  capacity: int):
-        device, dtype = embedding.device, embedding.dtype
         self.drafter, self.embedding, self.lm_head, self.block_size = drafter, embedding, lm_head, block_size
-        self.context = StaticDraftContext(drafter.config, capacity + block_size, device, dtype)
-        width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-        self.block = torch.full((1, block_size), drafter.mask_token_id, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, block_size, dtype=torch.long, device=device)
-        self.offsets = torch.arange(block_size, device=device)
-        self.features = torch.zeros(1, block_size, width, dtype=dtype, device=device)
-        self.feature_positions = torch.zeros(1, block_size, dtype=torch.long, device=device)
-        self.count = torch.zeros((), dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.output: torch.Tensor | None = None
+        self.buffers = DraftBuffers.allocate(drafter, block_size, capacity, embedding.device, embedding.dtype)
+        self.offsets = torch.arange(block_size, device=embedding.device)
+        buffers = self.buffers
+        self.graphed = GraphedCall(lambda: self._pass(buffers.features, buffers.feature_positions, buffers.count))
 
     def reset(self) -> None:
-        self.context.length.zero_()
+        self.buffers.context.length.zero_()
 
     def __call__(self, root: int, start: int, features: torch.Tensor, feature_positions: torch.Tensor) -> torch.Tensor:
-        self.block[0, :1].fill_(root)
-        torch.add(self.offsets, start, out=self.positions[0])
+        buffers = self.buffers
+        buffers.block[0, :1].fill_(root)
+        torch.add(self.offsets, start, out=buffers.positions[0])
         added = features.shape[1]
         if added > self.block_size:
             return self._pass(features, feature_positions, added)
-        self.features[0, :added].copy_(features[0])
-        self.feature_positions[0, :added].copy_(feature_positions[0])
-        self.count.fill_(added)
-        if self.graph is not None:
-            self.graph.replay()
-            return self.output
-        log_probs = self._pass(self.features, self.feature_positions, self.count)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records without running: this step's pass is the eager one above
-            self.output = self._pass(self.features, self.feature_positions, self.count)
-        self.graph = graph
-        return log_probs
+        buffers.features[0, :added].copy_(features[0])
+        buffers.feature_positions[0, :added].copy_(feature_positions[0])
+        buffers.count.fill_(added)
+        return self.graphed()
 
     def _pass(self, features, feature_positions, added) -> torch.Tensor:
-        return draft_log_probs(self.drafter, self.embedding, self.lm_head, self.block, self.positions, features,
-                          feature_positions, self.context, added)
+        return self.buffers.log_probs(self.drafter, self.embedding, self.lm_head, features, feature_positions, added)
 
 
 def draft_log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None):

@@ -35,9 +35,9 @@ import ddtree
 from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain
 from engine.gpu.beam_kernel import fused_beam_tree, fused_fits
 from engine.gpu.profiling import STAGE_MARK
-from engine.loop.draft_pass import draft_log_probs
+from engine.gpu.graphs import GraphedCall
+from engine.loop.draft_pass import DraftBuffers, draft_log_probs
 from engine.loop.run import Outcome, Run
-from engine.models.drafter import StaticDraftContext
 from engine.models.protocols import FixedKV
 from engine.trace import Step
 
@@ -109,16 +109,9 @@ class FixedProgram:
         self.past = torch.zeros((), **long)
         self.slots = torch.arange(self.depth + 1, **long)
         if self.drafter is not None:
-            config, dtype = self.drafter.config, self.drafter.dtype
             self.embedding, self.lm_head = decoder.draft_weights
-            self.context = StaticDraftContext(config, capacity + block_size, device, dtype)
-            self.block = torch.full((1, block_size), self.drafter.mask_token_id, **long)
-            self.block_positions = torch.zeros(1, block_size, **long)
-            self.features = torch.zeros(1, block_size, len(config.target_layer_ids) * config.hidden_size,
-                                        dtype=dtype, device=device)
-            self.feature_positions = torch.zeros(1, block_size, **long)
-            self.feature_count = torch.zeros((), **long)
-            self.log_probs = torch.zeros(self.depth, config.vocab_size, device=device)  # the draft, for advance
+            self.buffers = DraftBuffers.allocate(self.drafter, block_size, capacity, device, self.drafter.dtype)
+            self.log_probs = torch.zeros(self.depth, self.drafter.config.vocab_size, device=device)  # for advance
             self.prompt_rows = capacity  # the context holds a padded prompt and a block after it
             self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by bucket
         # the step's own stages have fixed shapes: inductor can fuse their hundreds of small kernels
@@ -127,12 +120,12 @@ class FixedProgram:
             compiled(self._decide_step)
         self._beam = fused_beam_tree if method == "ddtree" and fused_fits(device, budget) else compiled(beam_tree)
         self._chain = compiled(chain)
-        self._graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._graphs: dict[str, GraphedCall] = {}
 
     def prefill_cache(self):
         """Before a run's prefill: the target cache to write the prompt into; the drafter's emptied."""
         if self.drafter is not None:
-            self.context.length.zero_()
+            self.buffers.context.length.zero_()
         return self.kv.prefill_cache()
 
     def start(self, root: int, past: int) -> None:
@@ -165,14 +158,15 @@ class FixedProgram:
                   lambda: self._draft_from(draft_log_probs, padded, padded_positions, padded_count))
 
     def draft(self) -> None:
-        self._run("draft", lambda: self._draft_from(self._draft_pass, self.features, self.feature_positions,
-                                                    self.feature_count))
+        buffers = self.buffers
+        self._run("draft", lambda: self._draft_from(self._draft_pass, buffers.features, buffers.feature_positions,
+                                                    buffers.count))
 
     def _draft_from(self, draft_pass, features, positions, count) -> torch.Tensor:
-        self.block[0, :1].copy_(self.root)
-        torch.add(self.slots, self.past, out=self.block_positions[0])
-        return self.log_probs.copy_(draft_pass(self.drafter, self.embedding, self.lm_head, self.block,
-                                               self.block_positions, features, positions, self.context, count))
+        self.buffers.block[0, :1].copy_(self.root)
+        torch.add(self.slots, self.past, out=self.buffers.positions[0])
+        return self.log_probs.copy_(self.buffers.log_probs(self.drafter, self.embedding, self.lm_head, features,
+                                                           positions, count, draft_pass))
 
     # -- tree, verify, walk, commit
 
@@ -194,9 +188,9 @@ class FixedProgram:
             self.kv.compact(self.past, path, length)
         if self.drafter is not None:
             features = self.drafter.context_features(hidden)[0]
-            self.features[0].copy_(features.index_select(0, path))
-            torch.add(self.slots, self.past, out=self.feature_positions[0])
-            self.feature_count.copy_(length)
+            self.buffers.features[0].copy_(features.index_select(0, path))
+            torch.add(self.slots, self.past, out=self.buffers.feature_positions[0])
+            self.buffers.count.copy_(length)
         self.past.add_(length)
         self.root.copy_(bonus[None])
         return record
@@ -235,16 +229,8 @@ class FixedProgram:
         if not self.graphs:
             return program()
         if name not in self._graphs:
-            out = program()  # this call's result is the eager run; the capture below only records
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with self.kv.capturing() as stream, torch.cuda.graph(graph, stream=stream):
-                captured = program()
-            self._graphs[name] = (graph, captured)
-            return out
-        graph, captured = self._graphs[name]
-        graph.replay()
-        return captured
+            self._graphs[name] = GraphedCall(program, capturing=self.kv.capturing, synchronize=True)
+        return self._graphs[name]()
 
 
 class StageMarks:

@@ -29,6 +29,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 import ddtree
 from ddtree.fixed import compaction_rows
 from engine.errors import EngineError
+from engine.gpu.graphs import GraphedCall, record
 from engine.gpu.kv_moves import RowMover
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.loop.fixed_step import padded_prompt, prefill_bucket
@@ -108,11 +109,10 @@ class _Forward:
         """Record the pass as a CUDA graph (after one eager run on the loaded inputs)."""
         self.run()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
         with graph_capture(device=self.target.device) as context:
-            with torch.cuda.graph(graph, pool=pool, stream=context.stream):
-                self.outputs = self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias)
-        self.graph = graph
+            self.graph, self.outputs = record(
+                lambda: self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias),
+                pool=pool, stream=context.stream)
         if self.target.gdn is not None:
             self.gdn_pass = self.target.gdn.pending
 
@@ -317,7 +317,7 @@ class _Compaction:
         self.target, self.moves, self.scratch = target, moves, target.capacity - 1
         self.sources = torch.full((moves,), self.scratch, dtype=torch.long, device=target.device)
         self.targets = torch.full((moves,), self.scratch, dtype=torch.long, device=target.device)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphed = GraphedCall(lambda: self.target.move_rows(self.sources, self.targets))
 
     def __call__(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         count = sources.numel()
@@ -328,14 +328,7 @@ class _Compaction:
         self.targets.fill_(self.scratch)
         self.sources[:count].copy_(sources)
         self.targets[:count].copy_(targets)
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        self.target.move_rows(self.sources, self.targets)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records without running: this commit's moves ran just above
-            self.target.move_rows(self.sources, self.targets)
-        self.graph = graph
+        self.graphed()
 
 
 class PagedKV:

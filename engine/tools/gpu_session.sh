@@ -39,15 +39,22 @@
 #              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64.
 #              The hybrid with KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32 took 3.5 min on 2026-12-03 (vLLM's own AR
 #              included; 5.4 min in its readable step), BUDGETS=16 TOKENS=128 6.3 min; with kernel counts and 3
-#              prompts it did not finish in one call. Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
+#              prompts it did not finish in one call. On a cold machine (2026-12-04, the fused GDN programs) the
+#              Studio's engine took 2.7 min to start, its four methods 1.7 min, and vLLM's own AR 1.8 min to compile
+#              before it timed anything: LIMIT=2 BUDGETS=16,64 TOKENS=64 needs the whole 560 s. NATIVE=ar,mtp adds
+#              vLLM's own MTP (~2 min more): run it in the next call while the compile caches are warm (BUDGETS=16
+#              with NATIVE=ar,mtp took 4.8 min there). Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
 #              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
+#   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
+#              1, 17, 65 and 129 rows, chain and tree, against AR's steps, bit for bit; the torch engine's kernels in bf16,
+#              Qwen3-1.7B's shape with random weights; the CPU found float32 q_proj leaving AR at 17 rows) (~2 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
 # (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
-PHASES='check, kernels, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape or exact'
+PHASES='check, kernels, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, exact or rows'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -176,6 +183,10 @@ exact)
       --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-8}" --methods ar,dflash,ddtree --tree-budget 16,64 \
       --max-new-tokens 64 --out "$OUT/gpu-qwen3-1.7b-random-float32.json" > "$OUT/bench-exact.txt" 2>&1
   tables "$OUT/bench-exact.txt" 12 ;;
+rows)
+  timeout 300 python3 -m engine.tools.row_invariance --random-weights --model assets/shapes/qwen3-1.7b --device cuda \
+      --dtype bfloat16 --limit 2 --out "$OUT/gpu-row-invariance-bf16.json" > "$OUT/row-invariance.txt" 2>&1
+  grep -E '^\|' "$OUT/row-invariance.txt" ;;
 *)
   echo "unknown phase $phase: $PHASES" >&2; exit 2 ;;
 esac

@@ -1,0 +1,41 @@
+"""``engine.tools.row_invariance`` names the first op whose row depends on how many rows a pass holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.tools.row_invariance import check, main
+from tests.tiny import tiny_target
+
+
+def one_row_at_a_time(self, x):
+    """A linear layer whose rows never see each other: row-invariant by construction."""
+    return torch.cat([F.linear(x[..., i:i + 1, :], self.weight, self.bias) for i in range(x.shape[-2])], dim=-2)
+
+
+def test_the_first_row_count_dependent_op_is_named(monkeypatch):
+    monkeypatch.setattr(torch.nn.Linear, "forward", one_row_at_a_time)
+    target = tiny_target()
+    norm = target.model.model.layers[0].input_layernorm
+
+    def depends_on_rows(module, inputs, output):  # what a kernel chosen by the row count does, made visible
+        return output + 1e-9 * (output.shape[1] - 1)
+
+    norm.register_forward_hook(depends_on_rows)
+    with torch.inference_mode():
+        checks = check(target, "p", [5, 6, 7, 8, 9], [1, 5, 17])
+    by_shape = {(c.shape, c.rows): c for c in checks}
+    assert set(by_shape) == {("chain", 1), ("chain", 5), ("tree", 5), ("chain", 17), ("tree", 17)}
+    lone = by_shape["chain", 1]
+    assert lone.first_module is None and lone.equal_rows == lone.compared_rows == 1 and lone.max_abs_diff == 0
+    for key in (("chain", 5), ("tree", 5), ("chain", 17), ("tree", 17)):
+        assert by_shape[key].first_module == "model.layers.0.input_layernorm", key
+        assert by_shape[key].module_abs_diff == pytest.approx(1e-9 * (key[1] - 1))
+    assert by_shape["chain", 17].compared_rows == 17 and by_shape["tree", 17].compared_rows == 8  # AR's path only
+
+
+def test_bad_row_counts_are_one_line(capsys):
+    assert main(["--rows", "0,17"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --rows takes positive row counts, got '0,17'"
