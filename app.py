@@ -791,7 +791,8 @@ class StudioApp:
         """What the page runs on and the DDTree budget it starts with, and why."""
         decoder, choice = self.studio.decoder, self.studio.budget
         return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
-                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget, "why": choice.sentence(),
+                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget,
+                "why": self.studio.budget_sentence(),
                 "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}}
 
     @property
