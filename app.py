@@ -1,7 +1,11 @@
 """DDTree Studio: run AR, DFlash and DDTree side by side, replay the race, inspect every step.
 
     python app.py [--host 127.0.0.1] [--port 7860] [--model smollm2] [--drafter FOLDER|random]
-                  [--device cpu] [--dtype float32]
+                  [--device cpu] [--dtype float32] [--engine torch|vllm] [--no-compile-step] [--tree-budget N]
+
+The page answers as soon as the models are loaded: its first DDTree budget comes from the bench's
+record for this kind of machine (``assets/budgets.json``), or from timings kept by earlier starts;
+what is missing is timed in the background (``engine.loop.calibration``).
 
 The models load once at startup and are shared read-only by every browser session;
 each session keeps its own traces in ``gr.State``. ``--port`` defaults to Gradio's
@@ -21,10 +25,11 @@ import argparse
 import functools
 import json
 import logging
+import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +37,8 @@ from pathlib import Path
 import gradio as gr
 
 from engine.errors import EngineError
-from engine.loop.calibration import BudgetChoice, choose_budget
+from engine.loop.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir,
+                                     recorded_choice)
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
 from engine.models.target import resolve_device
@@ -53,8 +59,10 @@ EXAMPLE_PROMPTS = [
     "Write a Python function that reverses a string.",
 ]
 POLL_S = 0.2  # how often a streaming handler refreshes the page while the model works
+TIMING_POLL_S = 2.0  # how often the banner follows the background timing of the budgets
 REPLAY_FRAME_S = 0.1
-REPLAY_SPEEDS = [("0.25×", 0.25), ("0.5×", 0.5), ("1× (real time)", 1.0)]
+# strings, so the API lists exactly the values it accepts
+REPLAY_SPEEDS = [("0.25×", "0.25"), ("0.5×", "0.5"), ("1× (real time)", "1")]
 DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
 MAX_SWEEP_POINTS = 8
 TRACE_FILE_NAME = "ddtree-traces.json"
@@ -78,6 +86,48 @@ class Studio:
     budget: BudgetChoice  # the DDTree budget the page starts with, and why
     lock: threading.Lock = field(default_factory=threading.Lock)
     worker: ThreadPoolExecutor = field(default_factory=model_thread)
+    timing: StartupTiming | None = None  # budgets still being timed in the background, if any
+    timing_error: str | None = None
+    started: set[tuple[str, int | None]] = field(default_factory=set)  # (method, budget) run once already
+
+    @property
+    def timing_pending(self) -> bool:
+        return self.timing is not None and bool(self.timing.missing()) and self.timing_error is None
+
+    def budget_sentence(self) -> str:
+        """Why the page starts at its budget; while the timing runs, how far it got."""
+        if self.timing_error is not None:
+            return (f"DDTree budget {self.budget.budget}: timing the budgets on this machine failed "
+                    f"({self.timing_error}); the page keeps this budget.")
+        if self.timing_pending:
+            return (f"DDTree budget {self.budget.budget} for now (a tree that branches). No bench record fits this "
+                    f"machine, so the budgets are being timed on it in the background, between runs: "
+                    f"{self.timing.progress()}. Each timing is kept in {self.timing.path}, so a restart goes on "
+                    "where this one stopped.")
+        return self.budget.sentence()
+
+    def first_use(self, settings: DecodeSettings) -> str | None:
+        """Said while a compiled step's first run of a method and budget compiles it (a minute or more)."""
+        if not self.decoder.compile_step or run_key(settings) in self.started:
+            return None
+        return (f"compiling the {settings.method} step for this budget (once per method and budget; the compile "
+                f"cache in {cache_dir()} keeps it for the next start)")
+
+    def time_budgets(self) -> None:
+        """Time what the cache lacks, one label at a time, each between visitors' runs (a timing beside a
+        run would slow both and measure neither), then open new pages at the budget it chose."""
+        try:
+            for label in self.timing.missing():
+                with self.lock:
+                    self.worker.submit(self.timing.time, label).result()
+                # what the timing ran (DFlash warms up with the first label) is compiled: the page need not say so
+                self.started |= {("dflash", None), ("ar", None) if label == "ar" else ("ddtree", int(label))}
+                log.info("timed %s: %s", label, self.timing.progress())
+            self.budget = self.timing.choice()
+            log.info("%s", self.budget.sentence())
+        except Exception as exc:  # the page keeps serving at the budget it started with
+            log.exception("timing the DDTree budgets failed")
+            self.timing_error = f"{type(exc).__name__}: {exc}"
 
     @functools.cached_property
     def decode_token(self) -> TokenText:
@@ -118,6 +168,10 @@ def read_traces(path: str) -> list[Trace]:
         data = json.loads(Path(path).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TraceError(f"not a JSON trace file: {exc}") from exc
+    if isinstance(data, dict) and not {"traces", "config"} & data.keys():
+        raise TraceError(f"not a trace file: it holds {', '.join(map(repr, data)) or 'an empty object'}, where a trace "
+                         f"file holds {{\"schema_version\": {SCHEMA_VERSION}, \"traces\": [...]}} (the app's "
+                         "download) or one trace with its \"config\" and \"steps\" (Trace.save)")
     if isinstance(data, dict) and "traces" in data:
         if data.get("schema_version") != SCHEMA_VERSION:
             raise TraceError(f"trace file schema version {data.get('schema_version')!r} is not supported "
@@ -154,11 +208,11 @@ def check_consistent(trace: Trace) -> None:
                 (len(step.draft_top_tokens) != len(step.draft_top_probs), "draft top-k tokens and probs differ"),
             ]
         except TypeError as exc:
-            raise TraceError(f"step {step.index} of the {trace.config.method} trace has malformed values: {exc}") \
+            raise TraceError(f"step {step.number} of the {trace.config.method} trace has malformed values: {exc}") \
                 from exc
         for failed, why in faults:
             if failed:
-                raise TraceError(f"step {step.index} of the {trace.config.method} trace is inconsistent: {why}")
+                raise TraceError(f"step {step.number} of the {trace.config.method} trace is inconsistent: {why}")
 
 
 # ---------------------------------------------------------------- running the model
@@ -203,12 +257,18 @@ def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: Decod
             yield live
         if live.error is not None:
             raise live.error
+        studio.started.add(run_key(settings))
         yield live
     finally:
         if live is not None and not live.done.is_set():
             control.stop = True  # the page went away mid-run: let the worker stop at its next step
             live.done.wait()
         studio.lock.release()
+
+
+def run_key(settings: DecodeSettings) -> tuple[str, int | None]:
+    """What a compiled step is compiled for."""
+    return settings.method, settings.tree_budget if settings.method == "ddtree" else None
 
 
 def encode_prompt(studio: Studio, prompt: str) -> list[int]:
@@ -224,68 +284,76 @@ def filled(value, name: str):
     return value
 
 
+def whole(value, name: str) -> int:
+    """A count's box: an API client can send 2.5, which must not quietly run as 2."""
+    number = filled(value, name)
+    if number != int(number):
+        raise EngineError(f"{name} must be a whole number, got {number}")
+    return int(number)
+
+
 def common_settings(max_new_tokens, temperature, seed) -> dict:
-    return dict(max_new_tokens=int(filled(max_new_tokens, "max new tokens")),
-                temperature=float(filled(temperature, "temperature")), seed=int(filled(seed, "seed")))
+    return dict(max_new_tokens=whole(max_new_tokens, "max new tokens"),
+                temperature=float(filled(temperature, "temperature")), seed=whole(seed, "seed"))
 
 
-def checked(studio: Studio, prompt_ids: list[int], settings: list[DecodeSettings]) -> list[DecodeSettings]:
-    """Check every run's settings before any starts, so a bad value fails at once."""
-    for setting in settings:
-        studio.decoder.prepare(setting, len(prompt_ids))
-    return settings
+def checked(studio: Studio, prompt_ids: list[int],
+            settings: list[DecodeSettings]) -> tuple[list[DecodeSettings], list[str]]:
+    """Check every run's settings before any starts, so a bad value fails at once; with the notes on
+    what the runs will change (a budget over the cap), each said once."""
+    notes = [note for setting in settings for note in studio.decoder.prepare(setting, len(prompt_ids))[1]]
+    return settings, list(dict.fromkeys(notes))
 
 
 def problem(exc: Exception) -> str:
-    """Show a failure in the UI: a toast plus the status line's Markdown."""
+    """Show a failure that ended a run midway: a toast plus the status line's Markdown, beside what
+    the run made before it."""
     if isinstance(exc, (EngineError, TraceError, VideoError)):
         message = str(exc)
     else:
         log.exception("unexpected failure")
         message = f"internal error ({type(exc).__name__}: {exc}); the app is still running, try again"
     gr.Warning(message)
-    return f"⚠️ **{message[0].upper() + message[1:]}**"
+    return f"⚠️ **{capitalized(message)}**"
+
+
+def refusal(exc: Exception) -> gr.Error:
+    """Bad input, refused before anything changed: the page shows it as an error toast and keeps
+    everything it shows; an API client gets the message as its error, not a status line beside
+    unchanged outputs."""
+    return gr.Error(capitalized(str(exc)))
+
+
+def capitalized(message: str) -> str:
+    return message[0].upper() + message[1:]
 
 
 # ---------------------------------------------------------------- the UI
+#
+# One small view per part of the page: each builds its components and holds its handlers.
+# Handlers return ``{component: value}`` so each updates exactly what it changes; all
+# per-user data arrives through ``gr.State``. ``StudioApp`` lays the views out, wires them,
+# and shows a set of finished traces in all of them at once (``present``).
 
-class StudioApp:
-    """Components plus their handlers. Handlers return ``{component: value}`` so each
-    updates exactly what it changes; all per-user data arrives through ``gr.State``."""
 
-    def __init__(self, studio: Studio):
-        self.studio = studio
-        self.demo = self._build()
+@dataclass
+class Session:
+    """What every view shares: the models, this session's traces and Stop switch, the status line."""
 
-    # -- layout
+    studio: Studio
+    traces: gr.State
+    control: gr.State
+    status: gr.Markdown
 
-    def _build(self) -> gr.Blocks:
-        with gr.Blocks(title="DDTree Studio", delete_cache=(3600, 3600)) as demo:
-            self.traces = gr.State({})  # method -> Trace, this session's run or upload
-            self.control = gr.State(RunControl())
-            gr.Markdown("# DDTree Studio\nAR, DFlash and DDTree decoding side by side — same target, same prompt.")
-            gr.Markdown(self._model_banner(), elem_id="model-banner")
-            with gr.Tabs():
-                with gr.Tab("Run & inspect"):
-                    self._build_run_view()
-                    self._build_inspector()
-                with gr.Tab("Budget sweep"):
-                    self._build_sweep()
-                build_doctor_tab(self.studio)
-            self._wire()
-        return demo
 
-    def _model_banner(self) -> str:
-        decoder = self.studio.decoder
-        target, info = decoder.target, decoder.drafter_info
-        drafts = f", {decoder.draft_dtype} drafts" if decoder.draft_dtype else ""
-        drafter = (f"**{info.name}** (trained{drafts})" if info.trained else
-                   f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
-                   "near 1; the machinery is real, the speed-up is not")
-        return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
-                f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget.sentence()}")
+class RunView:
+    """The Run controls and the three live columns, with the step economics under them."""
 
-    def _build_run_view(self) -> None:
+    def __init__(self, session: Session):
+        self.session = session
+        self.studio = session.studio
+
+    def build(self) -> None:
         with gr.Row():
             with gr.Column(scale=3):
                 self.prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLE_PROMPTS[0], elem_id="prompt")
@@ -294,17 +362,17 @@ class StudioApp:
                 self.methods = gr.CheckboxGroup([(METHOD_NAMES[m], m) for m in METHODS], value=list(METHODS),
                                                 label="Methods (each runs alone, one after another)", elem_id="methods")
                 with gr.Row():
-                    self.max_new_tokens = gr.Number(64, label="Max new tokens", precision=0,
-                                                    elem_id="max-new-tokens")
+                    # no precision: a rounding box would quietly run 2.5 tokens as 2; ``whole`` refuses it
+                    self.max_new_tokens = gr.Number(64, label="Max new tokens", step=1, elem_id="max-new-tokens")
                     self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)")
                 with gr.Row():
-                    self.seed = gr.Number(0, label="Seed", precision=0)
-                    self.budget = gr.Number(self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
-                                            precision=0, elem_id="budget")
+                    self.seed = gr.Number(0, label="Seed", step=1)
+                    self.budget = gr.Number(lambda: self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
+                                            step=1, elem_id="budget")
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
-        self.status = gr.Markdown("Ready.", elem_id="status")
+        self.session.status.render()
         gr.HTML(legend_html())
         with gr.Row(equal_height=False):
             self.columns = {method: gr.HTML(column_html(method, None), elem_id=f"column-{method}")
@@ -315,27 +383,187 @@ class StudioApp:
             self.economics_text = gr.Markdown("A method is faster than AR when the tokens it commits per step (τ) "
                                               "exceed what a step costs, counted in AR steps.",
                                               elem_id="economics-text")
+
+    @property
+    def status(self) -> gr.Markdown:
+        return self.session.status
+
+    def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, control: RunControl,
+            present: Callable[[dict[str, Trace], str], dict]):
+        """Run the chosen methods one after another, streaming each column, then show
+        everything about the finished traces."""
+        control.stop = False
+        try:
+            if not methods:
+                raise EngineError("choose at least one method to run")
+            prompt_ids = encode_prompt(self.studio, prompt)
+            common = common_settings(max_new_tokens, temperature, seed)
+            budget = whole(budget, "tree budget")
+            settings, _ = checked(self.studio, prompt_ids, [DecodeSettings(method, tree_budget=budget, **common)
+                                                         for method in METHODS if method in methods])
+        except EngineError as exc:
+            raise refusal(exc) from None
+        finished: dict[str, Trace] = {}
+        yield {column: column_html(method, None, absent="waiting" if method in methods else "not selected")
+               for method, column in self.columns.items()}
+        for number, setting in enumerate(settings, start=1):
+            method = setting.method
+            heading = f"**Running {METHOD_NAMES[method]}** ({number} of {len(settings)})"
+            live = None
+            try:
+                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
+                    if live is None:
+                        yield {self.status: f"{heading}: waiting for the model (another session's run or the "
+                                            "start-up timing of the budgets holds it)…"}
+                    else:
+                        yield self._live_update(setting, live, finished, heading)
+            except Exception as exc:
+                yield present(finished, problem(exc))
+                return
+            if live is not None and live.trace is not None:
+                finished[method] = live.trace
+            if control.stop:
+                break
+        yield present(finished, self._run_status(finished, control.stop))
+
+    def _live_update(self, setting: DecodeSettings, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
+        method = setting.method
+        if live.trace is None:
+            return {self.status: f"{heading}: {self.studio.first_use(setting) or 'prefill'}…"}
+        stats = run_stats(live.trace)
+        return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
+                self.columns[method]: column_html(method, live.trace, finished.get("ar"))}
+
+    @staticmethod
+    def _run_status(traces: dict[str, Trace], stopped: bool) -> str:
+        notes = [note for trace in traces.values() for note in trace.config.notes]
+        for note in notes:
+            gr.Info(note)
+        done = "Stopped" if stopped else "Done"
+        return " · ".join([f"**{done}**: {', '.join(METHOD_NAMES[m] for m in traces) or 'nothing ran'}.", *notes])
+
+    def shown(self, traces: dict[str, Trace]) -> dict:
+        ar = traces.get("ar")
+        runs = ordered(traces)
+        return {**{column: column_html(method, traces.get(method), ar, all_done=True)
+                   for method, column in self.columns.items()},
+                self.economics_plot: economics_figure(runs), self.economics_text: economics_text(runs)}
+
+
+def request_stop(control: RunControl) -> str:
+    control.stop = True
+    return "Stopping after the current step…"
+
+
+class ReplayView:
+    """The race replayed in the Run columns on one clock, its chart, and the video of it."""
+
+    def __init__(self, session: Session, columns: dict[str, gr.HTML]):
+        self.session = session
+        self.columns = columns
+
+    def build(self) -> None:
         with gr.Accordion("Replay race (all methods on one clock, from the recorded step times)", open=True):
             with gr.Row():
-                self.speed = gr.Radio(REPLAY_SPEEDS, value=0.5, label="Replay speed", scale=3)
+                self.speed = gr.Radio(REPLAY_SPEEDS, value="0.5", label="Replay speed", scale=3)
                 self.replay_button = gr.Button("Replay race", scale=1, elem_id="replay-button")
             self.race = gr.Plot(race_chart([]), label="Tokens over time", show_label=False)
             with gr.Row():
                 self.video_button = gr.Button("Render comparison video (MP4, 720p)", scale=1, elem_id="video-button")
                 self.video = gr.Video(label="Comparison video", interactive=False, scale=3, elem_id="video")
+
+    @property
+    def status(self) -> gr.Markdown:
+        return self.session.status
+
+    def replay(self, traces: dict[str, Trace], speed: str, control: RunControl):
+        """Animate every run on one clock, each token appearing when its step ended."""
+        runs = ordered(traces)
+        if not runs:
+            raise refusal(EngineError("nothing to replay yet: run the methods or upload traces"))
+        control.stop = False
+        speed = float(speed or 1)
+        finish = max(trace.summary.wall_s for trace in runs)
+        started = time.perf_counter()
+        clock = 0.0
+        while clock < finish and not control.stop:
+            clock = min(finish, (time.perf_counter() - started) * speed)
+            yield self._race_frame(traces, clock, f"Replay at {speed:g}×: t = {clock:.2f} s of {finish:.2f} s")
+            time.sleep(REPLAY_FRAME_S)
+        yield self._race_frame(traces, None, "Replay finished." if not control.stop else "Replay stopped.")
+
+    def render_video(self, traces: dict[str, Trace], speed: str, progress=gr.Progress()) -> dict:
+        """The race as an MP4, drawn from the traces (the replay speed sets the slow motion)."""
+        runs = ordered(traces)
+        if not runs:
+            raise refusal(EngineError("nothing to film yet: run the methods or upload traces"))
+        out = Path(tempfile.mkdtemp(prefix="ddtree-video-")) / "ddtree-comparison.mp4"
+        try:
+            render_video(runs, out, preset="720p", slowdown=1.0 / float(speed or 1),
+                         progress=lambda done, total: progress(done / total, desc="rendering video frames"))
+        except VideoError as exc:
+            raise refusal(exc) from None
+        return {self.status: f"Video rendered: {len(runs)} columns, {out.stat().st_size / 1e6:.1f} MB.",
+                self.video: str(out)}
+
+    def _race_frame(self, traces: dict[str, Trace], clock: float | None, status: str) -> dict:
+        ar = traces.get("ar")
+        return {self.status: status, **{
+            column: column_html(method, traces.get(method), ar, until=clock, all_done=clock is None)
+            for method, column in self.columns.items()}}
+
+    def shown(self, traces: dict[str, Trace]) -> dict:
+        return {self.race: race_chart(ordered(traces))}
+
+
+class TracesView:
+    """The session's traces as a file to download, and an upload that shows a file's traces."""
+
+    def __init__(self, session: Session):
+        self.session = session
+
+    def build(self) -> None:
         with gr.Accordion("Traces: download or upload (replay and inspect without running a model)", open=False):
             with gr.Row():
                 self.download = gr.File(label="Download this run's traces (JSON)", interactive=False)
                 self.upload = gr.File(label="Upload traces (JSON)", file_types=[".json"], type="filepath")
             self.summary = gr.JSON(label="Run summary", value={})
 
-    def _build_inspector(self) -> None:
+    def load_upload(self, path: str | None, present: Callable[[dict[str, Trace], str], dict]) -> dict:
+        if not path:
+            return {}
+        try:
+            traces = read_traces(path)
+        except TraceError as exc:
+            raise refusal(exc) from None
+        by_method: dict[str, Trace] = {}
+        for trace in traces:
+            by_method.setdefault(trace.config.method, trace)
+        status = f"Loaded {len(by_method)} trace(s) from the upload."
+        if len(by_method) < len(traces):
+            status += " The file holds several traces of one method; the first of each is shown."
+        return present(by_method, status)
+
+    def shown(self, traces: dict[str, Trace]) -> dict:
+        runs = ordered(traces)
+        return {self.summary: run_summary(traces), self.download: save_traces(runs) if runs else None}
+
+
+class InspectorView:
+    """One step of one method at a time: its tree, the drafter's top-k, why it stopped, its timing."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.studio = session.studio
+
+    def build(self) -> None:
         gr.Markdown("## Step inspector")
         with gr.Row():
-            self.inspect_method = gr.Radio([], label="Method", scale=2)
+            # every method from the start, so an API call before any run reaches the handler, which says why not
+            self.method = gr.Radio([(METHOD_NAMES[m], m) for m in METHODS], label="Method", scale=2)
             self.prev_button = gr.Button("◀ Prev", scale=0, min_width=80)
-            self.step = gr.Slider(0, 1, value=0, step=1, label="Step (focus it and use ← →)", scale=4,
-                                  elem_id="step-slider")
+            self.step = gr.Slider(1, 2, value=1, step=1, label="Step (focus it and use ← →)", scale=4,
+                                  elem_id="step-slider", interactive=False)
             self.next_button = gr.Button("Next ▶", scale=0, min_width=80)
         self.tree = gr.Plot(empty_figure("Run or upload traces to inspect the draft trees."), label="Draft tree",
                             elem_id="tree-plot")
@@ -350,211 +578,56 @@ class StudioApp:
             self.run_stages = gr.Plot(empty_figure("Stage timings for the run."), label="Run timing")
             self.histogram = gr.Plot(acceptance_histogram([]), label="Acceptance lengths")
 
-    def _build_sweep(self) -> None:
-        gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab, "
-                    "with AR as the tokens/s reference.")
-        with gr.Row():
-            self.budgets = gr.Textbox(DEFAULT_SWEEP, label=f"Budgets (comma separated, up to {MAX_SWEEP_POINTS})",
-                                      scale=3)
-            self.sweep_button = gr.Button("Run sweep", variant="primary", scale=1)
-            self.sweep_stop = gr.Button("Stop", variant="stop", scale=0)
-        self.sweep_status = gr.Markdown("")
-        self.sweep_plot = gr.Plot(sweep_figure([]), label="Budget sweep")
-        self.sweep_table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
-
-    def _wire(self) -> None:
-        run_inputs = [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budget, self.methods,
-                      self.control]
-        self.run_button.click(
-            self.run, run_inputs, self.run_outputs, api_name="run", concurrency_id="model", concurrency_limit=4,
-            show_progress="minimal")
-        self.stop_button.click(self.request_stop, self.control, self.status, api_name="stop", queue=False)
-        self.replay_button.click(self.replay, [self.traces, self.speed, self.control],
-                                 [self.status, *self.columns.values()], api_name="replay", show_progress="hidden")
-        self.video_button.click(self.render_video, [self.traces, self.speed], [self.status, self.video],
-                                api_name="video", concurrency_id="video", concurrency_limit=1)
-        self.upload.upload(self.load_upload, self.upload, self.run_outputs, api_name="upload")
-        inspector = [self.tree, self.probs, self.why, self.step_stages]
-        # .input (not .change) so the updates a run or upload makes do not trigger these again
-        self.inspect_method.input(self.select_method, [self.traces, self.inspect_method],
-                                  [self.step, *inspector], api_name="select_method")
-        self.step.input(self.inspect, [self.traces, self.inspect_method, self.step], inspector, api_name="inspect",
-                        trigger_mode="always_last", show_progress="hidden")
-        for button, delta in ((self.prev_button, -1), (self.next_button, 1)):
-            button.click(functools.partial(self.shift_step, delta=delta), [self.traces, self.inspect_method, self.step],
-                         [self.step, *inspector], api_visibility="private", show_progress="hidden")
-        self.sweep_button.click(
-            self.sweep, [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budgets, self.control],
-            [self.sweep_status, self.sweep_plot, self.sweep_table], api_name="sweep", concurrency_id="model",
-            concurrency_limit=4, show_progress="minimal")
-        self.sweep_stop.click(self.request_stop, self.control, self.sweep_status, api_visibility="private",
-                              queue=False)
-        gr.api(self.info, api_name="info", queue=False)
-
-    def info(self) -> dict:
-        """What the page runs on and the DDTree budget it starts with, and why."""
-        decoder, choice = self.studio.decoder, self.studio.budget
-        return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
-                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget, "why": choice.sentence(),
-                "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}}
-
     @property
-    def run_outputs(self) -> list:
-        """Everything a set of traces is shown in; the API returns them in this order
-        (``self.traces`` is state and not part of the API)."""
-        return [self.status, *self.columns.values(), self.summary, self.download, self.race, self.inspect_method,
-                self.step, self.tree, self.probs, self.why, self.step_stages, self.run_stages, self.histogram,
-                self.economics_plot, self.economics_text, self.traces]
+    def step_views(self) -> list:
+        """What showing one step updates."""
+        return [self.tree, self.probs, self.why, self.step_stages]
 
-    # -- handlers
-
-    def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, control: RunControl):
-        """Run the chosen methods one after another, streaming each column, then show
-        everything about the finished traces."""
-        control.stop = False
-        try:
-            if not methods:
-                raise EngineError("choose at least one method to run")
-            prompt_ids = encode_prompt(self.studio, prompt)
-            common = common_settings(max_new_tokens, temperature, seed)
-            budget = int(filled(budget, "tree budget"))
-            settings = checked(self.studio, prompt_ids, [DecodeSettings(method, tree_budget=budget, **common)
-                                                         for method in METHODS if method in methods])
-        except EngineError as exc:
-            yield {self.status: problem(exc)}
-            return
-        finished: dict[str, Trace] = {}
-        yield {column: column_html(method, None, absent="waiting" if method in methods else "not selected")
-               for method, column in self.columns.items()}
-        for number, setting in enumerate(settings, start=1):
-            method = setting.method
-            heading = f"**Running {METHOD_NAMES[method]}** ({number} of {len(settings)})"
-            live = None
-            try:
-                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
-                    if live is None:
-                        yield {self.status: f"{heading}: waiting for another session's run to finish…"}
-                    else:
-                        yield self._live_update(method, live, finished, heading)
-            except Exception as exc:
-                yield self.present(finished, problem(exc))
-                return
-            if live is not None and live.trace is not None:
-                finished[method] = live.trace
-            if control.stop:
-                break
-        yield self.present(finished, self._run_status(finished, control.stop))
-
-    def _live_update(self, method: str, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
-        if live.trace is None:
-            return {self.status: f"{heading}: prefill…"}
-        stats = run_stats(live.trace)
-        return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
-                self.columns[method]: column_html(method, live.trace, finished.get("ar"))}
-
-    def _run_status(self, traces: dict[str, Trace], stopped: bool) -> str:
-        notes = [note for trace in traces.values() for note in trace.config.notes]
-        for note in notes:
-            gr.Info(note)
-        done = "Stopped" if stopped else "Done"
-        return " · ".join([f"**{done}**: {', '.join(METHOD_NAMES[m] for m in traces) or 'nothing ran'}.", *notes])
-
-    def request_stop(self, control: RunControl) -> str:
-        control.stop = True
-        return "Stopping after the current step…"
-
-    def replay(self, traces: dict[str, Trace], speed: float, control: RunControl):
-        """Animate every run on one clock, each token appearing when its step ended."""
+    def shown(self, traces: dict[str, Trace]) -> dict:
         runs = ordered(traces)
-        if not runs:
-            yield {self.status: problem(EngineError("nothing to replay yet: run the methods or upload traces"))}
-            return
-        control.stop = False
-        speed = float(speed or 1.0)
-        finish = max(trace.summary.wall_s for trace in runs)
-        started = time.perf_counter()
-        clock = 0.0
-        while clock < finish and not control.stop:
-            clock = min(finish, (time.perf_counter() - started) * speed)
-            yield self._race_frame(traces, clock, f"Replay at {speed:g}×: t = {clock:.2f} s of {finish:.2f} s")
-            time.sleep(REPLAY_FRAME_S)
-        yield self._race_frame(traces, None, "Replay finished." if not control.stop else "Replay stopped.")
-
-    def render_video(self, traces: dict[str, Trace], speed: float, progress=gr.Progress()) -> dict:
-        """The race as an MP4, drawn from the traces (the replay speed sets the slow motion)."""
-        runs = ordered(traces)
-        if not runs:
-            return {self.status: problem(EngineError("nothing to film yet: run the methods or upload traces"))}
-        out = Path(tempfile.mkdtemp(prefix="ddtree-video-")) / "ddtree-comparison.mp4"
-        try:
-            render_video(runs, out, preset="720p", slowdown=1.0 / float(speed or 1.0),
-                         progress=lambda done, total: progress(done / total, desc="rendering video frames"))
-        except VideoError as exc:
-            return {self.status: problem(exc)}
-        return {self.status: f"Video rendered: {len(runs)} columns, {out.stat().st_size / 1e6:.1f} MB.",
-                self.video: str(out)}
-
-    def _race_frame(self, traces: dict[str, Trace], clock: float | None, status: str) -> dict:
-        ar = traces.get("ar")
-        return {self.status: status, **{
-            column: column_html(method, traces.get(method), ar, until=clock, all_done=clock is None)
-            for method, column in self.columns.items()}}
-
-    def load_upload(self, path: str | None) -> dict:
-        if not path:
-            return {}
-        try:
-            traces = read_traces(path)
-        except TraceError as exc:
-            return {self.status: problem(exc)}
-        by_method: dict[str, Trace] = {}
-        for trace in traces:
-            by_method.setdefault(trace.config.method, trace)
-        status = f"Loaded {len(by_method)} trace(s) from the upload."
-        if len(by_method) < len(traces):
-            status += " The file holds several traces of one method; the first of each is shown."
-        return self.present(by_method, status)
-
-    def present(self, traces: dict[str, Trace], status: str) -> dict:
-        """Every view of a set of finished traces (after a run or an upload)."""
-        runs = ordered(traces)
-        ar = traces.get("ar")
         first = next((m for m in ("ddtree", "dflash", "ar") if m in traces), None)
-        outputs = {
-            self.status: status,
-            **{column: column_html(method, traces.get(method), ar, all_done=True)
-               for method, column in self.columns.items()},
-            self.summary: run_summary(traces),
-            self.download: save_traces(runs) if runs else None,
-            self.race: race_chart(runs),
-            self.inspect_method: gr.Radio(choices=[(METHOD_NAMES[t.config.method], t.config.method) for t in runs],
-                                          value=first),
-            self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
-                                          timing_title("Time per stage, whole run", runs)),
-            self.histogram: acceptance_histogram(runs),
-            self.economics_plot: economics_figure(runs),
-            self.economics_text: economics_text(runs),
-            self.traces: traces,
-        }
-        return outputs | self.select_method(traces, first)
+        return {self.method: gr.Radio(choices=[(METHOD_NAMES[t.config.method], t.config.method) for t in runs],
+                                      value=first),
+                self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
+                                              timing_title("Time per stage, whole run", runs)),
+                self.histogram: acceptance_histogram(runs),
+                **self.select_method(traces, first)}
 
     def select_method(self, traces: dict[str, Trace], method: str | None) -> dict:
-        last = last_step(traces, method)
-        # a slider needs maximum > minimum, so a one-step run still gets 0..1 (inspect clamps)
-        return {self.step: gr.Slider(minimum=0, maximum=max(last, 1), value=0, step=1, interactive=last > 0),
-                **self.inspect(traces, method, 0)}
+        count = step_count(traces, method)
+        # steps count from 1, as the video counts them; a slider needs maximum > minimum, so a one-step
+        # run still gets 1..2 (inspect clamps)
+        return {self.step: gr.Slider(minimum=1, maximum=max(count, 2), value=1, step=1, interactive=count > 1),
+                **self.inspect(traces, method, 1)}
 
-    def shift_step(self, traces: dict[str, Trace], method: str | None, index, delta: int) -> dict:
-        index = min(max(int(index or 0) + delta, 0), last_step(traces, method))
-        return {self.step: index, **self.inspect(traces, method, index)}
+    def shift_step(self, traces: dict[str, Trace], method: str | None, number, delta: int) -> dict:
+        number = min(max(int(number or 1) + delta, 1), max(step_count(traces, method), 1))
+        return {self.step: number, **self.inspect(traces, method, number)}
 
-    def inspect(self, traces: dict[str, Trace], method: str | None, index) -> dict:
+    def requested(self, traces: dict[str, Trace], method: str | None) -> None:
+        """A visitor's (or an API client's) choice of method must name one of this session's traces."""
+        if not traces:
+            raise refusal(EngineError("nothing to inspect yet: run the methods or upload traces"))
+        if method not in traces:
+            raise refusal(EngineError(f"this session has no {method} trace; it has "
+                                      f"{', '.join(t.config.method for t in ordered(traces))}"))
+
+    def choose_method(self, traces: dict[str, Trace], method: str | None) -> dict:
+        self.requested(traces, method)
+        return self.select_method(traces, method)
+
+    def choose_step(self, traces: dict[str, Trace], method: str | None, number) -> dict:
+        self.requested(traces, method)
+        return self.inspect(traces, method, number)
+
+    def inspect(self, traces: dict[str, Trace], method: str | None, number) -> dict:
+        """Step ``number`` (from 1) of the method's trace."""
         trace = traces.get(method) if method else None
         if trace is None or not trace.steps:
             message = "No steps to inspect." if trace is not None else "Run or upload traces to inspect steps."
             return {self.tree: empty_figure(message), self.probs: empty_figure(message), self.why: "",
                     self.step_stages: empty_figure(message)}
-        step = trace.steps[min(max(int(index or 0), 0), last_step(traces, method))]
+        step = trace.steps[min(max(int(number or 1), 1), len(trace.steps)) - 1]
         token_text = self.studio.token_text_for(ordered(traces))
         label = trace.config.label
         return {
@@ -562,8 +635,28 @@ class StudioApp:
             self.probs: probability_figure(step, token_text, trace.config.title_label),
             self.why: explain_stop(step, token_text),
             self.step_stages: stage_figure({label: step.stage_s},
-                                           timing_title(f"Time per stage, step {step.index}", [trace])),
+                                           timing_title(f"Time per stage, step {step.number}", [trace])),
         }
+
+
+class SweepView:
+    """DDTree at several budgets on the Run tab's prompt and settings, against one AR run."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.studio = session.studio
+
+    def build(self) -> None:
+        gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab, "
+                    "with AR as the tokens/s reference.")
+        with gr.Row():
+            self.budgets = gr.Textbox(DEFAULT_SWEEP, label=f"Budgets (comma separated, up to {MAX_SWEEP_POINTS})",
+                                      scale=3)
+            self.sweep_button = gr.Button("Run sweep", variant="primary", scale=1)
+            self.stop_button = gr.Button("Stop", variant="stop", scale=0)
+        self.status = gr.Markdown("")
+        self.plot = gr.Plot(sweep_figure([]), label="Budget sweep")
+        self.table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
 
     def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, control: RunControl):
         """AR once, then DDTree at each budget; the plot and table grow as runs finish."""
@@ -572,22 +665,26 @@ class StudioApp:
             budgets = parse_budgets(budgets_text)
             prompt_ids = encode_prompt(self.studio, prompt)
             common = common_settings(max_new_tokens, temperature, seed)
-            settings = checked(self.studio, prompt_ids, [DecodeSettings("ar", **common)] + [
+            settings, notes = checked(self.studio, prompt_ids, [DecodeSettings("ar", **common)] + [
                 DecodeSettings("ddtree", tree_budget=budget, **common) for budget in budgets])
         except EngineError as exc:
-            yield {self.sweep_status: problem(exc)}
-            return
+            raise refusal(exc) from None
+        said = "".join(f" · {note}" for note in notes)
+        for note in notes:
+            gr.Info(note)
         baseline, runs = None, []
         for number, setting in enumerate(settings):
             name = "AR baseline" if setting.method == "ar" else f"DDTree budget {setting.tree_budget}"
             bar = progress_bar(number, len(settings))
             live = None
             try:
+                compiling = self.studio.first_use(setting)
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control):
                     tokens = run_stats(live.trace).tokens if live is not None and live.trace else 0
-                    yield {self.sweep_status: f"{bar} run {number + 1} of {len(settings)}: {name}, {tokens} tokens"}
+                    doing = f"{compiling}…" if compiling and not tokens else f"{tokens} tokens"
+                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {doing}{said}"}
             except Exception as exc:
-                yield {self.sweep_status: problem(exc)}
+                yield {self.status: problem(exc), **self._results(runs, baseline)}
                 return
             if control.stop or live is None or live.trace is None:
                 break
@@ -595,19 +692,128 @@ class StudioApp:
                 baseline = live.trace
             else:
                 runs.append(live.trace)
-                yield self._sweep_results(runs, baseline)
+                yield self._results(runs, baseline)
         done = "Sweep stopped." if control.stop else "Sweep finished."
         # the last message carries everything: API clients only see the final one
-        yield {self.sweep_status: f"{progress_bar(len(runs) + 1, len(settings))} {done}",
-               **self._sweep_results(runs, baseline)}
+        yield {self.status: f"{progress_bar(len(runs) + 1, len(settings))} {done}{said}",
+               **self._results(runs, baseline)}
 
-    def _sweep_results(self, runs: list[Trace], baseline: Trace | None) -> dict:
-        return {self.sweep_plot: sweep_figure(runs, baseline), self.sweep_table: sweep_rows(runs, baseline)}
+    def _results(self, runs: list[Trace], baseline: Trace | None) -> dict:
+        return {self.plot: sweep_figure(runs, baseline), self.table: sweep_rows(runs, baseline)}
 
 
-def last_step(traces: dict[str, Trace], method: str | None) -> int:
+class StudioApp:
+    """The page: the views laid out and wired to each other."""
+
+    def __init__(self, studio: Studio):
+        self.studio = studio
+        self.demo = self._build()
+
+    def _build(self) -> gr.Blocks:
+        with gr.Blocks(title="DDTree Studio", delete_cache=(3600, 3600)) as demo:
+            # method -> Trace, this session's run or upload; and its Stop switch
+            self.session = Session(self.studio, gr.State({}), gr.State(RunControl()),
+                                   gr.Markdown("Ready.", elem_id="status", render=False))  # the Run view places it
+            gr.Markdown("# DDTree Studio\nAR, DFlash and DDTree decoding side by side — same target, same prompt.")
+            # evaluated at every page load: the budget may have been chosen since the app started
+            self.banner = gr.Markdown(self._model_banner, elem_id="model-banner")
+            with gr.Tabs():
+                with gr.Tab("Run & inspect"):
+                    self.run_view = RunView(self.session)
+                    self.run_view.build()
+                    self.replay_view = ReplayView(self.session, self.run_view.columns)
+                    self.replay_view.build()
+                    self.traces_view = TracesView(self.session)
+                    self.traces_view.build()
+                    self.inspector = InspectorView(self.session)
+                    self.inspector.build()
+                with gr.Tab("Budget sweep"):
+                    self.sweep_view = SweepView(self.session)
+                    self.sweep_view.build()
+                build_doctor_tab(self.studio)
+            self.timing_clock = gr.Timer(TIMING_POLL_S, active=self.studio.timing_pending)
+            self._wire()
+        return demo
+
+    def _model_banner(self) -> str:
+        decoder = self.studio.decoder
+        target, info = decoder.target, decoder.drafter_info
+        drafts = f", {decoder.draft_dtype} drafts" if decoder.draft_dtype else ""
+        drafter = (f"**{info.name}** (trained{drafts})" if info.trained else
+                   f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
+                   "near 1; the machinery is real, the speed-up is not")
+        return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
+                f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget_sentence()}")
+
+    def _wire(self) -> None:
+        session, run, replay, traces, inspector, sweep = (self.session, self.run_view, self.replay_view,
+                                                          self.traces_view, self.inspector, self.sweep_view)
+        run_inputs = [run.prompt, run.max_new_tokens, run.temperature, run.seed, run.budget, run.methods,
+                      session.control]
+        run.run_button.click(
+            functools.partial(run.run, present=self.present), run_inputs, self.run_outputs, api_name="run",
+            concurrency_id="model", concurrency_limit=4, show_progress="minimal")
+        run.stop_button.click(request_stop, session.control, session.status, api_name="stop", queue=False)
+        replay.replay_button.click(replay.replay, [session.traces, replay.speed, session.control],
+                                   [session.status, *run.columns.values()], api_name="replay", show_progress="hidden")
+        replay.video_button.click(replay.render_video, [session.traces, replay.speed], [session.status, replay.video],
+                                  api_name="video", concurrency_id="video", concurrency_limit=1)
+        traces.upload.upload(functools.partial(traces.load_upload, present=self.present), traces.upload,
+                             self.run_outputs, api_name="upload")
+        # .input (not .change) so the updates a run or upload makes do not trigger these again
+        inspector.method.input(inspector.choose_method, [session.traces, inspector.method],
+                               [inspector.step, *inspector.step_views], api_name="select_method")
+        inspector.step.input(inspector.choose_step, [session.traces, inspector.method, inspector.step],
+                             inspector.step_views, api_name="inspect", trigger_mode="always_last",
+                             show_progress="hidden")
+        for button, delta in ((inspector.prev_button, -1), (inspector.next_button, 1)):
+            button.click(functools.partial(inspector.shift_step, delta=delta),
+                         [session.traces, inspector.method, inspector.step], [inspector.step, *inspector.step_views],
+                         api_visibility="private", show_progress="hidden")
+        sweep.sweep_button.click(
+            sweep.sweep, [run.prompt, run.max_new_tokens, run.temperature, run.seed, sweep.budgets, session.control],
+            [sweep.status, sweep.plot, sweep.table], api_name="sweep", concurrency_id="model",
+            concurrency_limit=4, show_progress="minimal")
+        sweep.stop_button.click(request_stop, session.control, sweep.status, api_visibility="private", queue=False)
+        gr.api(self.info, api_name="info", queue=False)
+        self.timing_clock.tick(self.follow_timing, run.budget, [self.banner, run.budget, self.timing_clock],
+                               api_visibility="private", queue=False, show_progress="hidden")
+
+    def follow_timing(self, budget) -> dict:
+        """The banner follows the background timing; when it ends, the budget box moves to its choice
+        (unless the visitor has changed it) and the clock stops."""
+        if self.studio.timing_pending:
+            return {self.banner: self._model_banner()}
+        chosen = self.studio.budget.budget if budget == PROVISIONAL_BUDGET else budget
+        return {self.banner: self._model_banner(), self.run_view.budget: chosen,
+                self.timing_clock: gr.Timer(active=False)}
+
+    def info(self) -> dict:
+        """What the page runs on and the DDTree budget it starts with, and why."""
+        decoder, choice = self.studio.decoder, self.studio.budget
+        return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
+                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget,
+                "why": self.studio.budget_sentence(),
+                "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}}
+
+    @property
+    def run_outputs(self) -> list:
+        """Everything a set of traces is shown in; the API returns them in this order
+        (the traces state is not part of the API)."""
+        run, inspector = self.run_view, self.inspector
+        return [self.session.status, *run.columns.values(), self.traces_view.summary, self.traces_view.download,
+                self.replay_view.race, inspector.method, inspector.step, *inspector.step_views, inspector.run_stages,
+                inspector.histogram, run.economics_plot, run.economics_text, self.session.traces]
+
+    def present(self, traces: dict[str, Trace], status: str) -> dict:
+        """Every view of a set of finished traces (after a run or an upload)."""
+        return {self.session.status: status, self.session.traces: traces, **self.run_view.shown(traces),
+                **self.traces_view.shown(traces), **self.replay_view.shown(traces), **self.inspector.shown(traces)}
+
+
+def step_count(traces: dict[str, Trace], method: str | None) -> int:
     trace = traces.get(method) if method else None
-    return max(0, len(trace.steps) - 1) if trace else 0
+    return len(trace.steps) if trace else 0
 
 
 def run_summary(traces: dict[str, Trace]) -> dict:
@@ -713,38 +919,77 @@ def build_doctor_tab(studio: Studio) -> None:
             if studio.decoder.engine != "torch":
                 raise EngineError("the Doctor tab probes on the torch engine: run python -m engine.tools.doctor "
                                   "--engine vllm for vLLM's wiring")
-            settings = ProbeSettings(max_new_tokens=int(filled(max_new_tokens, "greedy tokens per prompt")),
+            settings = ProbeSettings(max_new_tokens=whole(max_new_tokens, "greedy tokens per prompt"),
                                      engine="vllm" if check_vllm else "torch")
-            lines = [line.strip() for line in (prompt_text or "").splitlines() if line.strip()]
+        except EngineError as exc:
+            raise refusal(exc) from None
+        lines = [line.strip() for line in (prompt_text or "").splitlines() if line.strip()]
 
-            def run_locked():
-                with studio.lock:
-                    return diagnose(studio.decoder, lines, settings)
+        def run_locked():
+            with studio.lock:
+                return diagnose(studio.decoder, lines, settings)
 
+        try:
             report = studio.worker.submit(run_locked).result()
         except Exception as exc:  # shown in the tab; the app keeps running
-            return [problem(exc)] + [gr.update()] * len(plots)
+            return {verdict: problem(exc)}
         figures = doctor_figures(report)
-        return [report_markdown(report)] + [figures[name] for name in names]
+        return {verdict: report_markdown(report)} | {plot: figures[name] for plot, name in zip(plots, names)}
 
     button.click(examine, [prompts, tokens, vllm], [verdict, *plots])
 
 
+def compile_caches(environ: dict[str, str]) -> dict[str, str]:
+    """Where torch.compile and vLLM keep what they compiled, so a restart loads it instead of compiling
+    again: under the app's cache unless the environment already says."""
+    wanted = {"TORCHINDUCTOR_CACHE_DIR": cache_dir() / "torchinductor", "VLLM_CACHE_ROOT": cache_dir() / "vllm"}
+    return {name: str(path) for name, path in wanted.items() if not environ.get(name)}
+
+
+def compiles_step(args: argparse.Namespace) -> bool:
+    """The vLLM engine compiles its fixed step unless told not to: the bench's fastest GPU step, so the app's
+    speed-up is the bench's; the torch engine only when asked (``--compile-step``)."""
+    if args.compile_step is not None:
+        return args.compile_step
+    return args.engine == "vllm" and args.step != "readable"
+
+
 def load_studio_decoder(args: argparse.Namespace) -> Decoder:
+    compile_step = compiles_step(args)
+    if compile_step:  # before torch.compile or vLLM read them
+        os.environ.update(compile_caches(os.environ))
     if args.engine == "vllm":  # imported here: the torch engine never needs vLLM
         from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
         return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
                                  options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
                                                      fixed_step=args.step != "readable",
-                                                     compile_step=args.compile_step))
+                                                     compile_step=compile_step))
     # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.loop.fixed_step)
     fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
     return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
-                        cuda_graphs=fixed, compile_step=fixed and args.compile_step, draft_dtype=args.draft_dtype)
+                        cuda_graphs=fixed, compile_step=fixed and compile_step, draft_dtype=args.draft_dtype)
 
 
-def main() -> None:
+def startup_studio(decoder: Decoder, worker: ThreadPoolExecutor, tree_budget: int | None) -> Studio:
+    """The page's first budget, at once: set by hand, the bench's record for this kind of machine, or what
+    earlier starts timed here; where timings are missing the page starts at a tree that branches and
+    ``Studio.time_budgets`` times the rest in the background."""
+    if tree_budget is not None:
+        return Studio(decoder, BudgetChoice(tree_budget, {}, "set with --tree-budget"), worker=worker)
+    if decoder.drafter is None:
+        return Studio(decoder, BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time"), worker=worker)
+    recorded = recorded_choice(decoder)
+    if recorded is not None:
+        return Studio(decoder, recorded, worker=worker)
+    timing = StartupTiming(decoder, path=cache_dir() / "timings.json")
+    if not timing.missing():
+        return Studio(decoder, timing.choice(), worker=worker)
+    provisional = BudgetChoice(PROVISIONAL_BUDGET, {}, "for now, while the timing runs")
+    return Studio(decoder, provisional, worker=worker, timing=timing)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default=None, help="address to serve on (default: GRADIO_SERVER_NAME or 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default: GRADIO_SERVER_PORT or 7860)")
@@ -759,15 +1004,23 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
     parser.add_argument("--step", choices=["fixed", "readable"], default=None,
                         help="greedy steps as fixed-shape device programs (default on a GPU) or the readable loop")
-    parser.add_argument("--compile-step", action="store_true",
+    parser.add_argument("--compile-step", action=argparse.BooleanOptionalAction, default=None,
                         help="fixed step: its stages (and the vLLM engine's verify pass) through torch.compile: "
-                             "the bench's fastest GPU step; each budget compiles at first use, so start-up is slower")
+                             "the bench's fastest GPU step (default with --engine vllm; --no-compile-step turns it "
+                             "off); each method and budget compiles at its first run, cached in "
+                             "~/.cache/ddtree-studio (DDTREE_STUDIO_CACHE) for the next start")
     parser.add_argument("--tree-budget", type=int, default=None,
-                        help="the DDTree budget the page starts with (default: the fastest here: the bench's, "
-                             "recorded in assets/budgets.json, else timed at start-up)")
-    args = parser.parse_args()
+                        help="the DDTree budget the page starts with (default: the largest tree within 5%% of the "
+                             "fastest budget: the bench's record for this kind of machine in assets/budgets.json, "
+                             "else timed here in the background)")
+    args = parser.parse_args(argv)
     if args.tree_budget is not None and args.tree_budget < 1:
-        raise SystemExit(f"error: --tree-budget must be at least 1, got {args.tree_budget}")
+        parser.error(f"--tree-budget must be at least 1, got {args.tree_budget}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
@@ -779,13 +1032,13 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     log.info("loaded %s with drafter %s in %.1f s", decoder.target.name, decoder.drafter_info.name,
              time.perf_counter() - started)
-    if args.tree_budget is None:
-        log.info("timing DDTree budgets on this machine…")
-        budget = worker.submit(choose_budget, decoder).result()
-    else:
-        budget = BudgetChoice(args.tree_budget, {}, "set with --tree-budget", 0.0)
-    log.info("%s", budget.sentence())
-    studio = Studio(decoder, budget, worker=worker)
+    studio = startup_studio(decoder, worker, args.tree_budget)
+    log.info("%s", studio.budget_sentence())
+    if decoder.compile_step:
+        log.info("the step is compiled: each method and budget compiles at its first run (the page says so while "
+                 "it does), cached in %s for the next start", cache_dir())
+    if studio.timing_pending:
+        threading.Thread(target=studio.time_budgets, name="budget-timing", daemon=True).start()
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
         server_name=args.host, server_port=args.port, css=CSS)
 

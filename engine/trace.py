@@ -90,6 +90,11 @@ class Step:
         return len(self.committed_ids)
 
     @property
+    def number(self) -> int:
+        """The step as the page and the video count it, from 1 (``index`` counts from 0)."""
+        return self.index + 1
+
+    @property
     def tree_size(self) -> int:
         return len(self.tree_tokens)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
 
 from engine.trace import Trace
 
@@ -100,12 +101,15 @@ def read_download(path: str) -> list[Trace]:
     (dict(prompt="word " * 9000), "exceeds the model's context"),
     (dict(budget=0), "tree budget must be at least 1"),
     (dict(max_new_tokens=0), "max new tokens must be between"),
+    (dict(max_new_tokens=2.5), "max new tokens must be a whole number, got 2.5"),
+    (dict(budget=16.5), "tree budget must be a whole number, got 16.5"),
     (dict(methods=[]), "choose at least one method"),
 ])
-def test_bad_input_is_reported_and_the_app_keeps_serving(client, kwargs, message):
-    bad = run(client, **kwargs)
-    assert message in bad["status"].lower()
-    assert bad["status"].startswith("⚠️")
+def test_bad_input_is_refused_with_its_reason_and_the_app_keeps_serving(client, kwargs, message):
+    # the API's error is the reason itself, not a status line beside {'__type__': 'update'} outputs
+    with pytest.raises(AppError) as refused:
+        run(client, **kwargs)
+    assert message in str(refused.value).lower()
     good = run(client, max_new_tokens=3, methods=["ar"])
     assert good["status"].startswith("**Done**") and good["summary"]["ar"]["tokens"] == 3
 
@@ -120,14 +124,16 @@ def test_corrupt_upload_is_reported(client, full_run, tmp_path):
     broken = json.loads(Path(full_run["download"]).read_text())
     del broken["traces"][2]["steps"][0]["tree_parents"][-1]  # a truncated DDTree step
     for content, message in (("{not json", "not a json trace file"),
+                             ('{"foo": 1}', "not a trace file: it holds 'foo', where a trace file holds"),
                              (json.dumps({"schema_version": 1, "traces": [{"schema_version": 1, "config": {}}]}),
                               "missing or has malformed field"),
                              (json.dumps({"schema_version": 99, "traces": []}), "schema version 99"),
-                             (json.dumps(broken), "step 0 of the ddtree trace is inconsistent")):
+                             (json.dumps(broken), "step 1 of the ddtree trace is inconsistent")):
         path = tmp_path / "bad.json"
         path.write_text(content)
-        status = client.predict(handle_file(str(path)), api_name="/upload")[0]
-        assert status.startswith("⚠️") and message in status.lower(), status
+        with pytest.raises(AppError) as refused:
+            client.predict(handle_file(str(path)), api_name="/upload")
+        assert message in str(refused.value).lower(), refused.value
     assert run(client, max_new_tokens=2, methods=["ar"])["status"].startswith("**Done**")
 
 
@@ -136,7 +142,7 @@ def test_uploaded_traces_replay_and_inspect_without_running(app_url, full_run):
     loaded = dict(zip(OUTPUTS, fresh.predict(handle_file(full_run["download"]), api_name="/upload")))
     assert loaded["status"].startswith("Loaded 3 trace(s)")
     assert loaded["summary"] == full_run["summary"]
-    status, *columns = fresh.predict(1.0, api_name="/replay")
+    status, *columns = fresh.predict("1", api_name="/replay")
     assert status == "Replay finished."
     assert all("ddt-text" in column for column in columns)
     assert "identical to AR" in columns[2]
@@ -164,7 +170,8 @@ def test_sessions_keep_their_own_results(app_url):
         assert f"(id {trace.steps[0].root_token})" in root_hover
     assert results["a"]["summary"]["ar"]["text"] != results["b"]["summary"]["ar"]["text"]
     untouched = Client(app_url, verbose=False)  # a third session has nothing of theirs
-    assert "nothing to replay yet" in untouched.predict(1.0, api_name="/replay")[0].lower()
+    with pytest.raises(AppError, match="Nothing to replay yet"):
+        untouched.predict("1", api_name="/replay")
 
 
 def test_stop_ends_a_run_early_and_keeps_what_it_made(app_url):
@@ -191,8 +198,14 @@ def test_budget_sweep(client):
     names = [trace["name"] for trace in plot_data(plot)]
     assert names[:4] == ["τ (tokens per step)", "step cost (AR steps)", "predicted τ ÷ cost", "measured"]
     assert all(len(trace["x"]) == 2 for trace in plot_data(plot)[:4])
-    bad = client.predict(PROMPT, 6, 0.0, 0, "4, many", api_name="/sweep")[0]
-    assert "budgets must be whole numbers" in bad.lower()
+    with pytest.raises(AppError, match="Budgets must be whole numbers"):
+        client.predict(PROMPT, 6, 0.0, 0, "4, many", api_name="/sweep")
+
+
+def test_a_sweep_budget_over_the_cap_is_said_not_silently_changed(client):
+    status, _, table = client.predict(PROMPT, 2, 0.0, 0, "100000", api_name="/sweep")
+    assert "tree budget 100000 capped to 1024" in status
+    assert [row[0] for row in table["data"]] == [1024]
 
 
 def test_video_button_renders_the_sessions_race(app_url):
@@ -200,10 +213,48 @@ def test_video_button_renders_the_sessions_race(app_url):
 
     own = Client(app_url, verbose=False)
     run(own, max_new_tokens=6)
-    status, video = own.predict(1.0, api_name="/video")
+    status, video = own.predict("1", api_name="/video")
     assert status.startswith("Video rendered: 3 columns")
     path = video["video"] if isinstance(video, dict) else video
     frames = imageio_ffmpeg.read_frames(path)
     assert next(frames)["size"] == (1280, 720)
     untouched = Client(app_url, verbose=False)
-    assert "nothing to film yet" in untouched.predict(1.0, api_name="/video")[0].lower()
+    with pytest.raises(AppError, match="Nothing to film yet"):
+        untouched.predict("1", api_name="/video")
+
+
+@pytest.mark.parametrize("endpoint", ["/replay", "/video"])
+def test_every_speed_the_api_lists_is_accepted(app_url, endpoint):
+    import ast
+
+    fresh = Client(app_url, verbose=False)
+    (speed,) = fresh.view_api(print_info=False, return_format="dict")["named_endpoints"][endpoint]["parameters"]
+    listed = ast.literal_eval(speed["python_type"]["type"].removeprefix("Literal"))
+    assert listed == ["0.25", "0.5", "1"]
+    for value in listed:  # each reaches the handler, which says there is nothing yet
+        with pytest.raises(AppError, match="Nothing to"):
+            fresh.predict(value, api_name=endpoint)
+
+
+def test_inspecting_before_any_run_says_why_not(app_url):
+    fresh = Client(app_url, verbose=False)
+    with pytest.raises(AppError, match="Nothing to inspect yet: run the methods or upload traces"):
+        fresh.predict("ddtree", 1, api_name="/inspect")
+    with pytest.raises(AppError, match="Nothing to inspect yet"):
+        fresh.predict("ar", api_name="/select_method")
+
+
+def test_a_high_temperature_runs_with_a_warning(client):
+    result = run(client, temperature=1000.0, max_new_tokens=2, methods=["ar"])
+    assert result["status"].startswith("**Done**") and "temperature 1000 is far above 2" in result["status"]
+
+
+def test_the_page_opens_at_a_budget_whose_tree_branches(client):
+    from app import EXAMPLE_PROMPTS
+
+    info = client.predict(api_name="/info")
+    assert "not on this one" in info["why"] or "timed on this machine" in info["why"] or "for now" in info["why"]
+    result = run(client, prompt=EXAMPLE_PROMPTS[0], max_new_tokens=16, budget=info["tree_budget"], methods=["ddtree"])
+    (trace,) = read_download(result["download"])
+    branching = [step for step in trace.steps if len(set(step.tree_parents)) < len(step.tree_parents)]
+    assert branching, f"budget {info['tree_budget']} drew only chains"

@@ -45,6 +45,13 @@ def test_absurd_budget_is_capped_and_said(decoder):
     assert trace.config.notes == [f"tree budget 1000000000 capped to {MAX_TREE_BUDGET}"]
 
 
+def test_a_temperature_far_above_two_runs_with_a_warning(decoder):
+    trace = decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ar", max_new_tokens=2, temperature=1000.0))
+    assert trace.config.notes == ["temperature 1000 is far above 2: it flattens the target's distribution towards "
+                                  "uniform, so expect near-random tokens and τ near 1"]
+    assert decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ar", max_new_tokens=2, temperature=2.0)).config.notes == []
+
+
 @pytest.mark.parametrize("block_size", [1, 17])
 def test_block_size_unsupported_by_drafter(decoder, block_size):
     with pytest.raises(EngineError, match=f"block size {block_size} is not supported by this drafter: choose 2..16"):

@@ -154,3 +154,17 @@ def test_cli_renders_a_folder_of_traces(traces, tmp_path):
     with pytest.raises(VideoError, match="--prompt"):
         pick_traces(folder, None, None)
     assert [t.config.label for t in pick_traces(folder, "p1", ["ar", "ddtree@16"])] == ["ar", "ddtree@16"]
+
+
+def test_the_video_draws_each_tree_as_the_inspector_lays_it_out(traces):
+    """One layout for both (viz.tree_figure.tidy_layout): a node's row in the video is its row in the app."""
+    from viz.tree_figure import tidy_layout
+    from viz.video import Box, layout_tree
+
+    box = Box(0, 0, 800, 400)
+    for step in traces[2].steps:
+        drawing, layout = layout_tree(step, box, columns=10), tidy_layout(step)
+        rows = [round(y / drawing.row_height) - 1 for _, y in drawing.points]
+        assert rows == [layout.positions[node][1] for node in range(step.tree_size + 1)]
+        assert [round(x / drawing.depth_width - 0.5) for x, _ in drawing.points] == \
+            [layout.positions[node][0] for node in range(step.tree_size + 1)]

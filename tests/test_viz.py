@@ -11,8 +11,8 @@ import ddtree
 from engine.loop.decode import DecodeSettings
 from engine.trace import Step, Trace
 from tests.tiny import tiny_decoder
-from viz.figures import (acceptance_histogram, draft_rank, economics_figure, economics_text, explain_stop,
-                         probability_figure, race_chart, stage_figure, sweep_figure)
+from viz.figures import (CORNER, DARK_CELL, acceptance_histogram, draft_rank, economics_figure, economics_text,
+                         explain_stop, probability_figure, race_chart, stage_figure, sweep_figure)
 from viz.text_view import column_html, run_stats, tokens_html
 from viz.tokens import committed_origins, pieces_token_text, visible
 from viz.tree_figure import NODE_STYLES, tidy_layout, tree_figure, tree_height
@@ -178,9 +178,38 @@ def test_probability_figure_marks_accepted_and_target_tokens():
                       for depth, node in enumerate(step.accepted[1:], start=1)]
     assert marks["accepted draft token"] == accepted_cells
     rank, _ = draft_rank(step, 3, step.bonus_token)  # in the top-k, though not in the tree
-    assert marks["target's token"] == [(1, accepted_cells[0][1]), (2, accepted_cells[1][1]), (3, rank + 1)]
+    dx, dy = CORNER  # in the cell's corner
+    assert marks["target's token"] == [(1 + dx, accepted_cells[0][1] + dy), (2 + dx, accepted_cells[1][1] + dy),
+                                       (3 + dx, rank + 1 + dy)]
     heatmap = fig.data[0]
     assert len(heatmap.z) == 8 and len(heatmap.z[0]) == len(step.draft_top_tokens)
+
+
+def test_the_top_k_tokens_stay_readable_under_the_marks_on_dark_cells():
+    step = synthetic_step(budget=64, accept_depth=2)
+    fig = probability_figure(step, token_text)
+    words = fig.data[-1]  # the tokens are drawn last, over every mark
+    assert words.mode == "text" and len(words.text) == len(step.draft_top_tokens) * 8
+    probs = {(d, r): step.draft_top_probs[d - 1][r - 1] for d, r in zip(words.x, words.y)}
+    colours = dict(zip(zip(words.x, words.y), words.textfont.color))
+    dark = [cell for cell, p in probs.items() if p >= DARK_CELL]
+    assert dark and all(colours[cell] == "white" for cell in dark)
+    assert all(colours[cell] != "white" for cell, p in probs.items() if p < DARK_CELL)
+    # nothing solid sits on a cell's centre, where its token is written: the accepted mark is a hollow frame
+    for mark in fig.data[1:-1]:
+        centred = [(x, y) for x, y in zip(mark.x, mark.y) if float(x).is_integer() and float(y).is_integer()]
+        assert not centred or mark.marker.symbol == "square-open", mark.name
+
+
+def test_the_inspector_counts_steps_from_one_as_the_video_does(traces):
+    from viz.video import Scene, PRESETS
+
+    first = traces["ddtree"].steps[0]
+    assert first.index == 0 and first.number == 1
+    assert "Step 1:" in tree_figure(first, token_text).layout.title.text
+    assert "Step 1:" in probability_figure(first, token_text).layout.title.text
+    assert explain_stop(first, token_text).startswith("**Step 1**")
+    assert "step 1:" in Scene(list(traces.values()), PRESETS["small"])._tree_caption(first)
 
 
 def test_probability_figure_says_when_the_target_token_is_not_in_top_k(traces):
@@ -239,6 +268,28 @@ def test_stage_and_run_figures(traces):
     assert list(bars.data[1].y)[2] == pytest.approx(cost)
     assert "faster than AR" in economics_text(runs) or "slower than AR" in economics_text(runs)
     assert "AR steps" in economics_figure([traces["ddtree"]]).layout.annotations[0].text
+
+
+def test_the_sweep_marks_its_best_budget_inside_the_log_axis(traces):
+    import math
+
+    budgets = (2, 4, 16)
+    decoder = tiny_decoder()
+    runs = [decoder.run(prompt_ids=PROMPT_IDS, settings=DecodeSettings("ddtree", max_new_tokens=8, tree_budget=b))
+            for b in budgets]
+    fig = sweep_figure(runs, traces["ar"])
+    (best,) = [a for a in fig.layout.annotations if a.text.startswith("best: ")]
+    budget = int(best.text.removeprefix("best: "))
+    # a log axis places annotations by exponent: x = log10(budget), inside the axis' log10(2)..log10(16)
+    assert best.x == pytest.approx(math.log10(budget))
+    assert math.log10(min(budgets)) <= best.x <= math.log10(max(budgets))
+
+
+def test_drafting_run_alone_says_its_tau_and_asks_for_ar_for_the_cost(traces):
+    text = economics_text([traces["ddtree"]])
+    assert "no verify steps" not in text
+    assert text == (f"- DDTree@16 commits {traces['ddtree'].summary.tau:.2f} tokens per step; whether that is faster "
+                    "than AR depends on what a step costs, counted in AR steps: run AR with it to measure that.")
 
 
 # ---------------------------------------------------------------- text, stats, token text

@@ -4,7 +4,7 @@ on the prompt's length: the gated RMSNorm takes 2 rows per program past 264 rows
 heads, on 132 SMs), the attention reads a third 32-token KV block past 64 tokens, the conv and the
 post-conv prep tile tokens by 8 and 16. A float32 kernel that computes what its reference computes
 stays within ~1e-5 here. Written when two prompts of 74 and 84 tokens seemed to leave float64 in
-vLLM (they had been tokenized apart on the two machines: README, Hybrid targets); all of them pass
+vLLM (they had been tokenized apart on the two machines: docs/HISTORY.md, Hybrid targets); all of them pass
 on the H200, and they stay as a guard. Needs vLLM and a GPU (``engine/tools/gpu_session.sh hybrid``, the
 attention with ``TRITON_F32_DEFAULT=ieee``); the conv's and the norm's logic were checked on the CPU
 under Triton's interpreter, which cannot see what the GPU's compiled code does.

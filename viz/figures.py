@@ -5,6 +5,7 @@ Pure functions of traces: no tokenizer (a ``TokenText`` is passed in), no models
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import plotly.graph_objects as go
@@ -17,6 +18,8 @@ from viz.tokens import TokenText, shown
 ACCEPTED_COLOUR = "#2ca02c"
 TARGET_COLOUR = "#d9534f"
 METHOD_COLOURS = {"ar": "#7f7f7f", "dflash": "#ff7f0e", "ddtree": "#1f6fd1"}
+DARK_CELL = 0.5  # a heatmap cell at least this probable is dark blue: its token is written in white
+CORNER = (0.3, -0.3)  # where in a heatmap cell (depth, rank offsets; rank grows downwards) a corner mark sits
 STAGE_COLOURS = {"draft": "#ff7f0e", "tree_build": "#9467bd", "tree_compile": "#8c564b", "verify": "#1f77b4",
                  "commit": "#2ca02c"}
 
@@ -64,18 +67,25 @@ def probability_figure(step: Step, token_text: TokenText, label: str = "") -> go
     z = [[step.draft_top_probs[d - 1][r - 1] for d in depths] for r in ranks]
     text = [[shown(token_text, step.draft_top_tokens[d - 1][r - 1]) for d in depths] for r in ranks]
     fig = go.Figure(go.Heatmap(
-        x=depths, y=ranks, z=z, text=[[_clip(t) for t in row] for row in text], customdata=text,
-        texttemplate="%{text}", textfont=dict(size=10),
+        x=depths, y=ranks, z=z, customdata=text,
         colorscale="Blues", zmin=0, zmax=1, colorbar=dict(title="prob", thickness=12),
         hovertemplate="depth %{x} · rank %{y}<br>token %{customdata}<br>draft prob %{z:.4f}<extra></extra>",
         name="draft top-k",
     ))
     accepted_tokens = [step.tree_tokens[node - 1] for node in step.accepted[1:]]
+    # the accepted token's mark frames its cell and the target's sits in the cell's corner, so neither
+    # covers the token written in the middle
     _mark(fig, step, accepted_tokens, "accepted draft token",
           dict(symbol="square-open", size=30, color=ACCEPTED_COLOUR, line=dict(width=3)))
     wanted = target_path_tokens(step)
-    _mark(fig, step, wanted, "target's token", dict(symbol="x-thin-open", size=16, color=TARGET_COLOUR,
-                                                    line=dict(width=3, color=TARGET_COLOUR)))
+    _mark(fig, step, wanted, "target's token", dict(symbol="x-thin-open", size=9, color=TARGET_COLOUR,
+                                                    line=dict(width=2, color=TARGET_COLOUR)), corner=True)
+    # the tokens last, over the marks, light on dark cells: a sure rank-1 draft is the darkest cell of all
+    cells = [(d, r) for r in ranks for d in depths]
+    fig.add_trace(go.Scatter(
+        x=[d for d, _ in cells], y=[r for _, r in cells], mode="text", hoverinfo="skip", showlegend=False,
+        text=[_clip(text[r - 1][d - 1]) for d, r in cells],
+        textfont=dict(size=10, color=["white" if z[r - 1][d - 1] >= DARK_CELL else "#1b1f24" for d, r in cells])))
     stop_depth = len(step.accepted)
     missed = stop_depth <= len(depths) and draft_rank(step, stop_depth, wanted[-1]) is None
     if missed:
@@ -83,7 +93,7 @@ def probability_figure(step: Step, token_text: TokenText, label: str = "") -> go
                            text=f"✗ depth {stop_depth}: target wanted {shown(token_text, wanted[-1])}, "
                                 f"not in top-{k}", font=dict(color=TARGET_COLOUR, size=12))
     fig.update_layout(
-        title=dict(text=" · ".join(filter(None, [label, f"Step {step.index}: drafter's top-{k} per depth"])), x=0,
+        title=dict(text=" · ".join(filter(None, [label, f"Step {step.number}: drafter's top-{k} per depth"])), x=0,
                    font=dict(size=14)),
         template="plotly_white", height=140 + 34 * k, margin=dict(l=10, r=10, t=70, b=40),
         xaxis=dict(title="draft depth", tickvals=depths, side="bottom"),
@@ -98,9 +108,10 @@ def _clip(text: str, width: int = 8) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _mark(fig: go.Figure, step: Step, tokens: list[int], name: str, marker: dict) -> None:
-    """Markers over the heatmap cells holding ``tokens[d-1]`` at depth d."""
-    cells = [(depth, found[0] + 1) for depth, token in enumerate(tokens, start=1)
+def _mark(fig: go.Figure, step: Step, tokens: list[int], name: str, marker: dict, corner: bool = False) -> None:
+    """Markers over the heatmap cells holding ``tokens[d-1]`` at depth d (in the cell's top right ``corner``)."""
+    dx, dy = CORNER if corner else (0.0, 0.0)
+    cells = [(depth + dx, found[0] + 1 + dy) for depth, token in enumerate(tokens, start=1)
              if (found := draft_rank(step, depth, token)) is not None]
     if cells:
         fig.add_trace(go.Scatter(x=[c[0] for c in cells], y=[c[1] for c in cells], mode="markers", name=name,
@@ -111,10 +122,10 @@ def explain_stop(step: Step, token_text: TokenText) -> str:
     """Markdown: where and why the acceptance walk stopped in this step."""
     bonus = _code(shown(token_text, step.bonus_token))
     if step.tree_size == 0:
-        return f"**Step {step.index}** drafts nothing (AR): the target produced {bonus}."
+        return f"**Step {step.number}** drafts nothing (AR): the target produced {bonus}."
     drafted = len(step.accepted) - 1
     stop_depth = drafted + 1
-    lines = [f"**Step {step.index}**: {drafted} drafted token{'s' * (drafted != 1)} accepted, "
+    lines = [f"**Step {step.number}**: {drafted} drafted token{'s' * (drafted != 1)} accepted, "
              f"then the target's bonus {bonus}."]
     last = step.accepted[-1]
     offered = [node for node in range(1, step.tree_size + 1) if step.tree_parents[node - 1] == last]
@@ -261,8 +272,9 @@ def sweep_figure(traces: list[Trace], baseline: Trace | None = None) -> go.Figur
                                  marker=dict(color=METHOD_COLOURS["ddtree"], symbol="x", size=10)), row=1, col=2)
         fig.add_hline(y=1.0, line=dict(dash="dash", color=METHOD_COLOURS["ar"]), annotation_text="AR", row=1, col=2)
         best = max(range(len(rows)), key=lambda i: rows[i].predicted_speedup or 0.0)
-        fig.add_annotation(x=budgets[best], y=rows[best].predicted_speedup or 0, text=f"best: {budgets[best]}",
-                           showarrow=True, arrowhead=2, row=1, col=2)
+        # on a log axis an annotation's x is the exponent: 16 sits at log10(16), not at 10^16
+        fig.add_annotation(x=math.log10(budgets[best]), y=rows[best].predicted_speedup or 0,
+                           text=f"best: {budgets[best]}", showarrow=True, arrowhead=2, row=1, col=2)
     fig.update_xaxes(type="log", title="tree budget (nodes)", tickvals=budgets)
     fig.update_layout(template="plotly_white", height=380, margin=dict(l=10, r=10, t=50, b=40),
                       legend=dict(orientation="h", y=-0.25), title=dict(text=timing_title("", runs), x=0))

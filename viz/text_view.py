@@ -63,7 +63,7 @@ def tokens_html(trace: Trace, until: float | None = None) -> str:
         if until is not None and step.t_end > until:
             break
         for piece, origin in zip(step.committed_text, committed_origins(step)):
-            spans.append(_span(piece, origin, f"step {step.index}"))
+            spans.append(_span(piece, origin, f"step {step.number}"))
     return "".join(spans)
 
 

@@ -152,8 +152,8 @@ def tree_figure(step: Step, token_text: TokenText, label: str = "") -> go.Figure
 def tree_title(step: Step) -> str:
     drafted = len(step.accepted) - 1
     if step.tree_size == 0:
-        return f"Step {step.index}: no draft, the target adds one token"
-    return f"Step {step.index}: {step.tree_size} drafted, {drafted} accepted + bonus"
+        return f"Step {step.number}: no draft, the target adds one token"
+    return f"Step {step.number}: {step.tree_size} drafted, {drafted} accepted + bonus"
 
 
 def tree_height(rows: int) -> int:

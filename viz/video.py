@@ -25,6 +25,7 @@ from typing import Callable
 from PIL import Image, ImageDraw, ImageFont
 
 from engine.trace import METHODS, Step, Trace, TraceError
+from viz.tree_figure import tidy_layout
 
 MAX_COLUMNS = 4
 INTRO_S = 1.5  # the prompt card
@@ -400,7 +401,7 @@ def column_order(trace: Trace) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TreeDrawing:
-    """Node centres of one step's tree: x by depth, y by leaf order (each subtree contiguous)."""
+    """Node centres of one step's tree: x by depth, y by the tidy layout's row (each subtree contiguous)."""
 
     points: tuple[tuple[float, float], ...]  # root first
     parents: tuple[int, ...]  # per node, root's is -1
@@ -409,37 +410,14 @@ class TreeDrawing:
 
 
 def layout_tree(step: Step, box: Box, columns: int) -> TreeDrawing:
-    count = len(step.tree_tokens) + 1
-    parents = (-1, *step.tree_parents)
-    depths = (0, *step.tree_depths)
-    children: list[list[int]] = [[] for _ in range(count)]
-    for node in range(1, count):
-        children[parents[node]].append(node)
-    slots = _leaf_slots(children)
-    rows = max(slots) + 1
+    """The app's tidy layout (``viz.tree_figure.tidy_layout``) scaled into ``box``: the video draws the
+    tree the inspector draws."""
+    layout = tidy_layout(step)
     dx = box.width / columns
-    dy = box.height / (rows + 1)
-    points = tuple((box.x0 + dx * (depths[n] + 0.5), box.y0 + dy * (slots[n] + 1)) for n in range(count))
-    return TreeDrawing(points, parents, dy, dx)
-
-
-def _leaf_slots(children: list[list[int]]) -> list[float]:
-    """Row per node: leaves take successive rows in depth-first order, parents sit midway."""
-    slots = [0.0] * len(children)
-    next_row = 0
-    order, stack = [], [0]
-    while stack:  # iterative preorder; reversed postorder then places children before parents
-        node = stack.pop()
-        order.append(node)
-        stack.extend(reversed(children[node]))
-    for node in order:
-        if not children[node]:
-            slots[node] = next_row
-            next_row += 1
-    for node in reversed(order):
-        if children[node]:
-            slots[node] = (slots[children[node][0]] + slots[children[node][-1]]) / 2
-    return slots
+    dy = box.height / (layout.row_count + 1)
+    points = tuple((box.x0 + dx * (depth + 0.5), box.y0 + dy * (row + 1))
+                   for depth, row in (layout.positions[node] for node in range(step.tree_size + 1)))
+    return TreeDrawing(points, (-1, *step.tree_parents), dy, dx)
 
 
 # ---------------------------------------------------------------- timeline
@@ -685,7 +663,7 @@ class Scene:
         if step is None:
             return f"{title} · draft tree"
         bonus = " + 1 bonus token" if _has_bonus(step) else ""
-        return f"{title} · step {step.index + 1}: {step.tree_size} drafted nodes, {len(step.accepted) - 1} accepted{bonus}"
+        return f"{title} · step {step.number}: {step.tree_size} drafted nodes, {len(step.accepted) - 1} accepted{bonus}"
 
     def _draw_legend(self, draw: ImageDraw.ImageDraw, inner: Box) -> None:
         theme, font, r = self.theme, self.fonts.label, self.preset.px(7)

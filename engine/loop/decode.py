@@ -30,6 +30,7 @@ from engine.models.protocols import TargetModel
 from engine.trace import METHODS, RunConfig, Step, Trace
 
 MAX_TREE_BUDGET = 1024
+HIGH_TEMPERATURE = 2.0  # above it sampling is close to uniform: allowed, with a warning
 MAX_NEW_TOKENS = 4096
 FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
 TRACE_DETAILS = ("full", "tokens")
@@ -144,6 +145,9 @@ class Decoder:
             if settings.tree_budget > MAX_TREE_BUDGET:
                 notes.append(f"tree budget {settings.tree_budget} capped to {MAX_TREE_BUDGET}")
                 settings = replace(settings, tree_budget=MAX_TREE_BUDGET)
+        if settings.temperature > HIGH_TEMPERATURE:
+            notes.append(f"temperature {settings.temperature:g} is far above {HIGH_TEMPERATURE:g}: it flattens the "
+                         "target's distribution towards uniform, so expect near-random tokens and τ near 1")
         if self.fixed_step and settings.temperature > 0:
             notes.append("sampling runs the readable step: the fixed-shape step walks greedily")
         limit = self.target.context_length

@@ -85,8 +85,11 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def explain(label: str, entry: Economics) -> str:
     """One plain sentence: where the speed-up (or slow-down) comes from."""
-    if entry.tau is None or entry.step_cost_vs_ar is None or entry.predicted_speedup is None:
+    if entry.tau is None:
         return f"{label}: no verify steps to measure."
+    if entry.step_cost_vs_ar is None or entry.predicted_speedup is None:
+        return (f"{label} commits {entry.tau:.2f} tokens per step; whether that is faster than AR depends on what a "
+                "step costs, counted in AR steps: run AR with it to measure that.")
     verdict = "faster" if entry.predicted_speedup >= 1 else "slower"
     measured = f", measured {entry.speedup_vs_ar:.2f}×" if entry.speedup_vs_ar is not None else ""
     return (f"{label} commits {entry.tau:.2f} tokens per step and a step costs {entry.step_cost_vs_ar:.2f} AR steps: "
