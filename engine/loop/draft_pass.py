@@ -55,7 +55,8 @@ class DraftBuffers:
         long = dict(dtype=torch.long, device=device)
         return DraftBuffers(
             context=StaticDraftContext(config, capacity + block_size, device, dtype),
-            block=torch.full((1, block_size), drafter.mask_token_id, **long), positions=torch.zeros(1, block_size, **long),
+            block=torch.full((1, block_size), drafter.mask_token_id, **long),
+            positions=torch.zeros(1, block_size, **long),
             features=torch.zeros(1, block_size, len(config.target_layer_ids) * config.hidden_size, dtype=dtype,
                                  device=device),
             feature_positions=torch.zeros(1, block_size, **long), count=torch.zeros((), **long))

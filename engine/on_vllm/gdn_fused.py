@@ -204,10 +204,10 @@ if triton is not None:
             tl.store(kept_a + node * HV + i_hv, tl.load(a + node * stride_a + i_hv))
             tl.store(kept_b + node * HV + i_hv, tl.load(b + node * stride_b + i_hv))
             if i_hv % (HV // H) == 0:
-                tl.store(kept_x + node * stride_kept + q_channels, tl.load(x + node * stride_x + q_channels, mask=mask_k),
-                         mask=mask_k)
-                tl.store(kept_x + node * stride_kept + k_channels, tl.load(x + node * stride_x + k_channels, mask=mask_k),
-                         mask=mask_k)
+                tl.store(kept_x + node * stride_kept + q_channels,
+                         tl.load(x + node * stride_x + q_channels, mask=mask_k), mask=mask_k)
+                tl.store(kept_x + node * stride_kept + k_channels,
+                         tl.load(x + node * stride_x + k_channels, mask=mask_k), mask=mask_k)
                 tl.store(kept_conv + node * stride_kept + q_channels, b_q, mask=mask_k)
                 tl.store(kept_conv + node * stride_kept + k_channels, b_k, mask=mask_k)
 
@@ -220,8 +220,8 @@ if triton is not None:
         position = length - (WIDTH - 1) + columns
         node = tl.load(path + tl.maximum(position, 0), mask=columns < WIDTH - 1, other=0)
         in_path = (position >= 0) & (columns < WIDTH - 1)
-        from_path = tl.load(kept_x + node[:, None] * stride_x + channels[None, :], mask=in_path[:, None] & mask[None, :],
-                            other=0.0)
+        from_path = tl.load(kept_x + node[:, None] * stride_x + channels[None, :],
+                            mask=in_path[:, None] & mask[None, :], other=0.0)
         old = tl.maximum(WIDTH - 1 + position, 0)
         from_window = tl.load(window + channels[None, :] * stride_cs_dim + old[:, None] * stride_cs_tok,
                               mask=((position < 0) & (columns < WIDTH - 1))[:, None] & mask[None, :], other=0.0)
@@ -260,7 +260,10 @@ if triton is not None:
                                  SOFTPLUS_THRESHOLD)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
         window = conv_state + slot.to(tl.int64) * stride_cs_slot
-        _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, v_channels, mask_v, WIDTH, COLUMNS)
+        _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, v_channels, mask_v,
+                      WIDTH, COLUMNS)
         if i_v == 0 and i_hv % (HV // H) == 0:
-            _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, q_channels, mask_k, WIDTH, COLUMNS)
-            _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, k_channels, mask_k, WIDTH, COLUMNS)
+            _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, q_channels, mask_k,
+                          WIDTH, COLUMNS)
+            _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, k_channels, mask_k,
+                          WIDTH, COLUMNS)

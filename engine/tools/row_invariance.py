@@ -156,11 +156,12 @@ def _verify(target: Target, tap: ModuleTap, cache, past: int, ar: ArSteps, promp
 
 
 def format_checks(checks: list[RowCheck]) -> str:
-    lines = ["| prompt | shape | rows | rows equal to AR | max |Δ logit| | first module leaving AR (root row) | its |Δ| |",
+    lines = ["| prompt | shape | rows | rows equal to AR | largest logit gap | first module leaving AR (root row) "
+             "| its largest gap |",
              "|---|---|---|---|---|---|---|"]
     for c in checks:
-        lines.append(f"| {c.prompt_id} | {c.shape} | {c.rows} | {c.equal_rows}/{c.compared_rows} | {c.max_abs_diff:.3g} | "
-                     f"{c.first_module or '– (none)'} | {c.module_abs_diff:.3g} |")
+        lines.append(f"| {c.prompt_id} | {c.shape} | {c.rows} | {c.equal_rows}/{c.compared_rows} | "
+                     f"{c.max_abs_diff:.3g} | {c.first_module or '– (none)'} | {c.module_abs_diff:.3g} |")
     return "\n".join(lines)
 
 
