@@ -47,11 +47,10 @@ class RowCheck:
 
 
 class ModuleTap:
-    """Every leaf module's first output in a pass, for one row (by name, in execution order)."""
+    """Every leaf module's first output in a pass, for its root row (by name, in execution order)."""
 
     def __init__(self, model: torch.nn.Module):
         self.outputs: dict[str, torch.Tensor] = {}
-        self.row = 0
         self.handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()
                         if name and not list(module.children())]
 
@@ -59,12 +58,11 @@ class ModuleTap:
         def keep(module, inputs, output):
             tensor = output[0] if isinstance(output, tuple) else output
             if name not in self.outputs and torch.is_tensor(tensor) and tensor.dim() >= 2:
-                self.outputs[name] = tensor[0, self.row].detach().clone() if tensor.dim() >= 3 else \
-                    tensor[self.row].detach().clone()
+                self.outputs[name] = (tensor[0, 0] if tensor.dim() >= 3 else tensor[0]).detach().clone()
         return keep
 
-    def take(self, row: int = 0) -> dict[str, torch.Tensor]:
-        outputs, self.outputs, self.row = self.outputs, {}, row
+    def take(self) -> dict[str, torch.Tensor]:
+        outputs, self.outputs = self.outputs, {}
         return outputs
 
     def close(self) -> None:
@@ -127,7 +125,7 @@ def check(target: Target, prompt_id: str, context: list[int], rows_list: list[in
         ar = ar_steps(target, copy.deepcopy(cache), past, int(prefill[-1].argmax()), max(rows_list), tap)
         checks = []
         for rows in rows_list:
-            chain = max(1, rows // 2) if rows > 1 else 1
+            chain = max(1, rows // 2)
             shapes = {"chain": (torch.arange(rows - 1), list(range(rows)))}
             if rows > 1:
                 shapes["tree"] = tree_with_siblings(chain, rows, seed + rows)
