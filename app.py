@@ -42,7 +42,7 @@ from engine.loop.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, Budget
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
 from engine.models.target import resolve_device
-from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError
+from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError, divergence
 from viz.figures import (acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop,
                          probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics)
 from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
@@ -833,11 +833,20 @@ def run_summary(traces: dict[str, Trace]) -> dict:
             "step_cost_vs_ar": _rounded(entry.step_cost_vs_ar), "predicted_speedup": _rounded(entry.predicted_speedup),
             "speedup_vs_ar": _rounded(entry.speedup_vs_ar),
             "identical_to_ar": identical_to(trace, ar) if ar is not None else None,
+            "divergence": _divergence(trace, ar),
             "stop_reason": trace.summary.stop_reason,
             "drafter": trace.config.drafter, "drafter_trained": trace.config.drafter_trained,
             "tree_budget": trace.config.tree_budget, "notes": trace.config.notes,
         }
     return summary
+
+
+def _divergence(trace: Trace, ar: Trace | None) -> dict | None:
+    """Where a method's text first leaves AR's (1-based token), and whether the target was at a near-tie there."""
+    found = divergence(trace, ar) if ar is not None and trace is not ar else None
+    if found is None:
+        return None
+    return {"token": found.index + 1, "ar_top2_gap": _rounded(found.ar_margin), "near_tie": found.near_tie}
 
 
 def _rounded(value: float | None) -> float | None:

@@ -39,6 +39,26 @@ def path_table(visible: torch.Tensor, length: int) -> torch.Tensor:
     return table[:, :length]
 
 
+def leaf_chains(visible: torch.Tensor, table: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """``[q]`` long: for each leaf, the depth its chain starts at; -1 for a node with children.
+
+    A node's chain runs down through first children (the lowest-numbered child) to a leaf, so
+    every node lies on exactly one leaf's chain: walking each leaf's path from the root and
+    scoring the nodes from its chain's start on scores each node once, with as many walks as
+    the tree has leaves (``table``: ``path_table``, ``depth``: ``depths``)."""
+    q, length = table.shape
+    nodes = torch.arange(q, device=visible.device)
+    parent = table.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0]
+    first_child = torch.full((q,), q, dtype=nodes.dtype, device=nodes.device)
+    first_child.scatter_reduce_(0, parent[1:], nodes[1:], reduce="amin")
+    starts = (first_child[parent] != nodes) | (nodes == 0)
+    columns = torch.arange(length, device=nodes.device)
+    on_path = starts[table] & (columns[None, :] <= depth[:, None])
+    start_depth = torch.where(on_path, columns[None, :], 0).amax(dim=1)
+    leaf = visible.sum(dim=0) == 1  # seen by itself only
+    return torch.where(leaf, start_depth, -1)
+
+
 def window_columns(table: torch.Tensor, last_depth: torch.Tensor, width: int) -> torch.Tensor:
     """``[q, width]`` long: the ``width`` inputs of row i's path ending at depth ``last_depth[i]``,
     as columns of ``[committed window (width columns, oldest first) | node 0 input | node 1 ...]``.

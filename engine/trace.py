@@ -19,6 +19,7 @@ TIMING_ONLY = "random weights: timing only"  # how a run on a config-only model 
 SCRIPTED = "scripted: proposes known answers"  # how a drafter that knows the answers is labelled
 TOKENS_ONLY = ":tokens"  # bench label suffix of a run whose trace keeps only the committed tokens
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
+NEAR_TIE = 0.5  # a top-2 logit gap under which rounding (bf16 above all) can swap the target's argmax
 
 
 class TraceError(ValueError):
@@ -139,6 +140,14 @@ class Trace:
         return ids
 
     @property
+    def margins(self) -> list[float]:
+        """The target's top-1 minus top-2 logit behind each generated token, as ``output_ids``."""
+        margins = [self.prefill.first_margin]
+        for step in self.steps:
+            margins.extend(step.committed_margins)
+        return margins
+
+    @property
     def text_pieces(self) -> list[str]:
         pieces = [self.prefill.first_text]
         for step in self.steps:
@@ -186,6 +195,31 @@ class Trace:
     @staticmethod
     def load(path: str | Path) -> "Trace":
         return Trace.from_json(Path(path).read_text())
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a run's output first leaves a reference run's (AR's), and how close to a tie the target was."""
+
+    index: int  # the first generated token that differs (or where the shorter output ends)
+    ar_margin: float | None  # the reference's top-2 logit gap there (None: the reference ended first)
+    method_margin: float | None
+
+    @property
+    def near_tie(self) -> bool:
+        return self.ar_margin is not None and self.ar_margin < NEAR_TIE
+
+
+def divergence(trace: Trace, reference: Trace) -> Divergence | None:
+    """Where ``trace`` first leaves ``reference``'s output; None when they are identical."""
+    ours, theirs = trace.output_ids, reference.output_ids
+    index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if index is None:
+        if len(ours) == len(theirs):
+            return None
+        index = min(len(ours), len(theirs))
+    return Divergence(index, reference.margins[index] if index < len(theirs) else None,
+                      trace.margins[index] if index < len(ours) else None)
 
 
 def _build(cls, data: dict):

@@ -77,6 +77,7 @@ def test_run_summary_explains_the_speed_with_tau_and_step_cost(full_run):
         assert entry["step_cost_vs_ar"] > 0 and entry["speedup_vs_ar"] > 0
         assert entry["predicted_speedup"] == pytest.approx(entry["tau"] / entry["step_cost_vs_ar"], rel=1e-3)
         assert 0 < entry["prefill_s"] < entry["wall_s"]  # what the prediction leaves out, so a reader can weigh it
+        assert entry["identical_to_ar"] and entry["divergence"] is None  # float32: where it left AR, were it to
     names = [bar["name"] for bar in plot_data(full_run["economics_plot"])]
     assert names == ["τ: tokens per step", "step cost (AR steps)"]
     assert "DFlash commits" in full_run["economics_text"] and "DDTree@8 commits" in full_run["economics_text"]

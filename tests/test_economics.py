@@ -100,3 +100,18 @@ def test_a_short_run_per_category_spans_every_category_of_the_fresh_set():
                for c in categories)
     assert [p["id"] for p in chosen] == [p["id"] for p in prompts if p in chosen]  # file order kept
     assert per_category(prompts, None) == prompts
+
+
+def test_the_bench_counts_outputs_identical_to_ar_and_which_others_left_it_at_a_near_tie():
+    from engine.tools.bench import format_summary
+
+    def record(label, method, divergence):
+        return {"prompt_id": "p", "category": None, "method": method, "label": label, "tree_budget": None,
+                "prefill_s": 0.1, "new_tokens": 3, "verify_steps": 2, "acceptance_lengths": [1, 1], "wall_s": 1.0,
+                "stage_s": {}, "divergence": divergence}
+
+    tie, real = {"index": 4, "ar_margin": 0.1, "near_tie": True}, {"index": 2, "ar_margin": 3.0, "near_tie": False}
+    runs = [record("ar", "ar", None)] + [record("dflash", "dflash", d) for d in (None, tie, tie, real)]
+    summary = summarize_runs(runs, [Job("ar", "ar", None), Job("dflash", "dflash", None)])
+    assert summary["dflash"]["identical_to_ar"] == "1/4" and summary["dflash"]["near_ties_vs_ar"] == 2
+    assert "| 1/4 (2 at near-ties) |" in format_summary(summary)

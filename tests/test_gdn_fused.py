@@ -77,10 +77,10 @@ def run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b, length: 
 
 
 @needs_reference
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_node_scores_like_its_path_decoded_alone_and_verify_writes_nothing(seed):
+@pytest.mark.parametrize("seed, budget", [(0, 30), (1, 30), (2, 40)])  # 40: past 32 nodes, wider value blocks
+def test_every_node_scores_like_its_path_decoded_alone_and_verify_writes_nothing(seed, budget):
     params, conv_state, ssm_state = layer(seed, DEVICE.type)
-    visible = wide_deep_tree(seed).to(DEVICE)
+    visible = wide_deep_tree(seed, budget=budget).to(DEVICE)
     mixed_qkv, a, b = node_inputs(visible.shape[0], seed, params, DEVICE.type)
     # vLLM's inputs are a view into the projection's output, rows wider than the channels
     mixed_qkv = torch.cat([mixed_qkv, torch.full_like(mixed_qkv[:, :5], 7.0)], dim=1)[:, :mixed_qkv.shape[1]]
@@ -127,6 +127,22 @@ def test_a_lone_root_and_a_chain_are_trees_too():
         out, _ = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b, length=q)
         expected = decoded(params, conv_state.clone(), ssm_state.clone(), mixed_qkv, a, b, list(range(q)))
         assert same(out, expected)
+
+
+@needs_reference
+@pytest.mark.parametrize("budget", [0, 12, 40])  # one token, a small tree, past 32 nodes: each value block
+def test_real_head_sizes_score_like_decoding(budget):
+    """At a real model's head sizes (128), where the value block a program holds depends on the tree's size."""
+    params, conv_state, ssm_state = layer(7, DEVICE.type, key_heads=1, heads=2, head_k=128, head_v=128)
+    visible = wide_deep_tree(7, budget=budget).to(DEVICE) if budget else torch.ones(1, 1, dtype=torch.bool,
+                                                                                    device=DEVICE)
+    mixed_qkv, a, b = node_inputs(visible.shape[0], 7, params, DEVICE.type)
+    out, _ = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b)
+    table = path_table(visible, 8).cpu()
+    for node, depth in enumerate(depths(visible).tolist()):
+        expected = decoded(params, conv_state.clone(), ssm_state.clone(), mixed_qkv, a, b,
+                           table[node, :depth + 1].tolist())
+        assert same(out[node], expected[-1]), node
 
 
 def test_a_node_forked_from_its_sibling_is_caught():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.forks import depths, path_replay, path_table, window_columns
+from ddtree.forks import depths, leaf_chains, path_replay, path_table, window_columns
 from engine.on_vllm import gdn_tree
 from engine.on_vllm.gdn_tree import REFERENCE_KERNELS, AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
 
@@ -48,27 +48,28 @@ def kernels(request):
     return request.param
 
 
-def layer(seed: int, device: str):
+def layer(seed: int, device: str, key_heads: int = KEY_HEADS, heads: int = HEADS, head_k: int = HEAD_K,
+          head_v: int = HEAD_V):
     g = torch.Generator().manual_seed(seed)
-    key_dim, value_dim = KEY_HEADS * HEAD_K, HEADS * HEAD_V
+    key_dim, value_dim = key_heads * head_k, heads * head_v
     channels = 2 * key_dim + value_dim
 
     def rand(*shape, s=1.0):
         return (torch.randn(*shape, generator=g) * s).to(device)
 
     params = GDNParams(conv_weight=rand(channels, WIDTH + 1, s=0.5), conv_bias=rand(channels, s=0.1), activation="silu",
-                       A_log=rand(HEADS, s=0.5), dt_bias=rand(HEADS, s=0.5), key_dim=key_dim, value_dim=value_dim,
-                       head_k_dim=HEAD_K, head_v_dim=HEAD_V)
+                       A_log=rand(heads, s=0.5), dt_bias=rand(heads, s=0.5), key_dim=key_dim, value_dim=value_dim,
+                       head_k_dim=head_k, head_v_dim=head_v)
     conv_state = rand(SLOTS, channels, WIDTH)
-    ssm_state = rand(SLOTS, HEADS, HEAD_V, HEAD_K, s=0.3)
+    ssm_state = rand(SLOTS, heads, head_v, head_k, s=0.3)
     return params, conv_state, ssm_state
 
 
 def node_inputs(q: int, seed: int, params: GDNParams, device: str):
     g = torch.Generator().manual_seed(100 + seed)
-    channels = params.conv_weight.shape[0]
-    return (torch.randn(q, channels, generator=g).to(device), torch.randn(q, HEADS, generator=g).to(device),
-            torch.randn(q, HEADS, generator=g).to(device))
+    channels, heads = params.conv_weight.shape[0], params.value_dim // params.head_v_dim
+    return (torch.randn(q, channels, generator=g).to(device), torch.randn(q, heads, generator=g).to(device),
+            torch.randn(q, heads, generator=g).to(device))
 
 
 def decode_path(params, kernels, conv_state, ssm_state, mixed_qkv, a, b, path: list[int]) -> torch.Tensor:
@@ -110,6 +111,20 @@ def test_path_table_lists_each_nodes_ancestors_by_depth():
     assert depths(visible).tolist() == [0, 1, 1, 2, 2, 3, 2]
     assert table[5].tolist() == [0, 1, 3, 5, 5] and table[6].tolist() == [0, 2, 6, 6, 6]
     assert table[4].tolist() == [0, 1, 4, 4, 4] and table[0].tolist() == [0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_leaf_chains_score_every_node_once(seed):
+    visible = wide_deep_tree(seed)
+    depth, table = depths(visible), path_table(visible, 8)
+    starts = leaf_chains(visible, table, depth)
+    scored = [node for leaf in (starts >= 0).nonzero()[:, 0].tolist()
+              for node in table[leaf, int(starts[leaf]):int(depth[leaf]) + 1].tolist()]
+    assert sorted(scored) == list(range(visible.shape[0]))
+    leaves = visible.sum(dim=0) == 1
+    assert torch.equal(starts >= 0, leaves) and int(leaves.sum()) < visible.shape[0] - 1  # fewer walks than nodes
+    chain = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert leaf_chains(chain, path_table(chain, 5), depths(chain)).tolist() == [-1, -1, -1, -1, 0]
 
 
 def test_windows_start_in_the_committed_window_and_follow_the_path():

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from engine.loop.decode import DecodeSettings, Decoder
-from engine.tools.bench import margins_of
 from engine.tools.margin_check import check_run, exact_margins, main
 from tests.tiny import tiny_drafter, tiny_target
 
@@ -24,7 +23,7 @@ def target_and_output():
 def test_teacher_forcing_gives_the_gaps_the_decoder_saw_step_by_step(target_and_output):
     target, ar = target_and_output
     margins, argmax = exact_margins(target, target.chat_ids(PROMPT), ar.output_ids)
-    assert margins.tolist() == pytest.approx(margins_of(ar)[: len(ar.output_ids)], abs=1e-6)  # traces keep float32
+    assert margins.tolist() == pytest.approx(ar.margins[: len(ar.output_ids)], abs=1e-6)  # traces keep float32
     assert argmax.tolist() == ar.output_ids
 
 

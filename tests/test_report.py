@@ -279,3 +279,18 @@ def test_a_bench_file_written_before_its_kernel_counts_and_native_ar_says_so(res
     written = json.loads(out.read_text())
     assert (written["config"]["kernels_pending"], written["config"]["native_pending"]) == (False, False)
     assert "| ddtree@16 |" in capsys.readouterr().out
+
+
+def test_appended_sections_come_last_as_written(results_path, tmp_path):
+    from engine.tools.gdn_bench import table
+
+    kernels = tmp_path / "gdn.md"
+    kernels.write_text(table({"model": "shape", "linear_layers": 2, "dtype": "bfloat16", "timings": [
+        {"method": "fused", "tree": "ar", "nodes": 1, "step_us": 20.0, "layer_us": 10.0, "same_bits": None},
+        {"method": "variant", "tree": "ar", "nodes": 1, "step_us": 18.0, "layer_us": 9.0, "same_bits": False}]}))
+    out = tmp_path / "report.md"
+    assert main(["--results", str(results_path), "--out", str(out), "--assets", str(tmp_path / "a"),
+                 "--append", str(tmp_path / "*.md")]) == 0
+    text = out.read_text()
+    assert text.rstrip().endswith("| variant | 9.0, OTHER BITS |")
+    assert text.index("## Gated DeltaNet verify and commit: shape") > text.index("## Headline")

@@ -1,4 +1,4 @@
-"""``engine.tools.row_invariance`` names the first op whose row depends on how many rows a pass holds."""
+"""``engine.loop.row_check`` (``engine.tools.row_invariance``) names the first op whose row depends on how many rows a pass holds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.tools.row_invariance import check, main
+from engine.loop.row_check import check
+from engine.tools.row_invariance import main
 from tests.tiny import tiny_target
 
 
@@ -39,3 +40,9 @@ def test_the_first_row_count_dependent_op_is_named(monkeypatch):
 def test_bad_row_counts_are_one_line(capsys):
     assert main(["--rows", "0,17"]) == 2
     assert capsys.readouterr().err.strip() == "error: --rows takes positive row counts, got '0,17'"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")
+def test_the_vllm_engine_without_a_gpu_is_one_line(capsys):
+    assert main(["--engine", "vllm", "--limit", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: the vLLM engine needs a CUDA GPU; on this machine use --engine torch"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -302,6 +303,21 @@ def test_text_view_colours_draft_and_target_tokens(traces):
     assert page.count(": target'") == trace.summary.new_tokens - drafted
     column = column_html("ddtree", trace, traces["ar"], all_done=True)
     assert "identical to AR" in column and "untrained" in column
+
+
+@pytest.mark.parametrize("gap, verdict", [(0.01, "≈ leaves AR at token {n} on a near-tie: the target's top two were "
+                                                  "0.01 logits apart"),
+                                          (3.0, "✗ leaves AR at token {n}, where the target's top two were 3 logits "
+                                                "apart: not rounding, a bug to report")])
+def test_the_verdict_says_where_a_run_leaves_ar_and_whether_the_target_was_at_a_near_tie(traces, gap, verdict):
+    ar, ddtree = copy.deepcopy(traces["ar"]), copy.deepcopy(traces["ddtree"])
+    step = ddtree.steps[1]
+    step.committed_ids = [step.committed_ids[0] + 1] + step.committed_ids[1:]
+    index = 1 + len(ddtree.steps[0].committed_ids)  # the prefill's token, then the first step's
+    ar.steps[index - 1].committed_margins = [gap]  # AR commits one token a step, after the prefill's
+    column = column_html("ddtree", ddtree, ar, all_done=True)
+    assert verdict.format(n=index + 1) in column.replace("&#x27;", "'")
+    assert "identical to AR" not in column
 
 
 def test_run_stats_as_of_a_moment(traces):

@@ -113,6 +113,8 @@ def _method_row(label: str, entry: dict) -> MethodRow:
         shown = "yes" if identical else "no"
     else:
         shown = str(identical) if identical is not None else "–"
+        if entry.get("near_ties_vs_ar"):
+            shown += f" ({entry['near_ties_vs_ar']} at near-ties)"
     vllm_identical = "baseline" if label == NATIVE_AR else str(entry.get("identical_to_vllm_ar", "–"))
     return MethodRow(label, float(entry["tau"]), float(entry["tokens_per_s"]), entry.get("speedup_vs_ar"), shown,
                      entry.get("speedup_vs_vllm_ar"), vllm_identical)
@@ -536,7 +538,8 @@ def asset_names(settings: list[Setting]) -> list[str]:
     return names
 
 
-def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, command: str) -> str:
+def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, command: str,
+                 appendices: list[Path] = ()) -> str:
     plt = _pyplot()
     parts = [
         "# Benchmarks",
@@ -557,6 +560,7 @@ def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, comm
         parts.append("_Plots were skipped: matplotlib is not installed (`pip install matplotlib`)._")
     for setting, name in zip(settings, asset_names(settings)):
         parts += _setting_section(setting, plt, assets_dir / name, out_path.parent)
+    parts += [path.read_text().strip() for path in appendices]
     return "\n\n".join(parts) + "\n"
 
 
@@ -624,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="BENCHMARKS.md")
     parser.add_argument("--assets", default="assets/bench", help="folder for the PNG plots")
     parser.add_argument("--headline", action="store_true", help="print only the headline markdown table")
+    parser.add_argument("--append", nargs="*", default=[], metavar="MARKDOWN",
+                        help="markdown sections other tools wrote (globs allowed), appended as they are: e.g. "
+                             "engine.tools.gdn_bench --table's")
     args = parser.parse_args(argv)
     try:
         settings = [load_setting(path) for path in expand_paths(args.results)]
@@ -632,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out = Path(args.out)
         command = "python -m viz.report " + " ".join(sys.argv[1:] if argv is None else argv)
-        report = build_report(settings, out, Path(args.assets), command)
+        report = build_report(settings, out, Path(args.assets), command, expand_paths(args.append))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report)
     except (ReportError, OSError) as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from engine.trace import Trace
+from engine.trace import Trace, divergence
 from viz.tokens import committed_origins
 
 ORIGIN_STYLES = {
@@ -124,11 +124,24 @@ def _stats_line(stats: RunStats, trace: Trace, ar: Trace | None, until: float | 
 
 def _verdict(trace: Trace, ar: Trace) -> str:
     if trace is ar:
-        return ("<div class='ddt-verdict'><span style='background:#eee;padding:1px 6px;border-radius:8px'>"
-                "reference output</span></div>")
-    if identical_to(trace, ar):
-        return ("<div class='ddt-verdict'><span style='background:#c9f0c4;padding:1px 6px;border-radius:8px'>"
-                "✓ identical to AR</span></div>")
-    why = " (expected when sampling: temperature > 0)" if trace.config.temperature > 0 else ""
-    return ("<div class='ddt-verdict'><span style='background:#f8d0cf;padding:1px 6px;border-radius:8px'>"
-            f"✗ differs from AR{why}</span></div>")
+        return _badge("#eee", "reference output")
+    found = divergence(trace, ar)
+    if found is None:
+        return _badge("#c9f0c4", "✓ identical to AR")
+    if trace.config.temperature > 0:
+        return _badge("#f8d0cf", "✗ differs from AR (expected when sampling: temperature > 0)")
+    where = f"token {found.index + 1}"
+    if found.ar_margin is None:
+        return _badge("#f8d0cf", f"✗ differs from AR: AR stopped before {where}")
+    if found.near_tie:
+        return _badge("#fde7b0", f"≈ leaves AR at {where} on a near-tie: the target's top two were "
+                                 f"{found.ar_margin:.3g} logits apart there, and rounding can pick either")
+    return _badge("#f8d0cf", f"✗ leaves AR at {where}, where the target's top two were {found.ar_margin:.3g} logits "
+                             "apart: not rounding, a bug to report")
+
+
+def _badge(colour: str, text: str) -> str:
+    return (f"<div class='ddt-verdict'><span style='background:{colour};padding:1px 6px;border-radius:8px'>"
+            f"{html.escape(text)}</span></div>")
+
+

@@ -7,6 +7,7 @@ graph replays) starts inside that stage's range: kernels are attributed by start
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,7 +15,7 @@ import torch
 
 STAGE_MARK = "stage:"
 NOT_KERNELS = ("Memcpy", "Memset")
-SLOWEST = 5  # kernels named per stage
+SLOWEST = int(os.environ.get("DDTREE_SLOWEST_KERNELS", 5))  # kernels named per stage (more: to find a cost)
 NAME_CHARS = 90  # a templated CUDA kernel's name, cut to what a table can show
 
 

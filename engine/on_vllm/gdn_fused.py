@@ -5,18 +5,21 @@ launch, q/k/v splits and gathers, a varlen path replay, then the commit's second
 twenty launches a layer, which at 48 linear layers is most of a hybrid's step. Here the same
 arithmetic runs as two programs a layer:
 
-- ``verify``: one program per (value block, value head, node) walks the node's root-to-node
-  path (``ddtree.forks.path_table``). At each path token it convolves that token's window, read
-  straight from the committed window or from the pass's inputs along the path, then applies the
-  token to the recurrent state it holds in registers, starting from the request's committed
-  state; the node's output is its path's last. Nothing in the caches is written: the program
-  that owns a node's channels keeps the node's inputs, convolution output and gates for the commit.
+- ``verify``: one program per (value block, value head, leaf) walks the leaf's root-to-leaf path
+  (``ddtree.forks.path_table``) and scores the nodes of the leaf's chain on it
+  (``ddtree.forks.leaf_chains``: each node lies on one chain, so it is scored once, and a chain of
+  16 is one walk of 16 tokens, not 16 walks of 1 to 16). At each path token it convolves the token's
+  window (the three older inputs ride along in registers, from the committed window on) and applies
+  the token to the recurrent state it holds in registers, starting from the request's committed
+  state; each token's inputs are loaded one step ahead. Nothing in the caches is written: for each
+  node it scores, the program that owns the node's channels keeps its inputs, convolution output
+  and gates for the commit.
 - ``commit``: one program per (value block, value head) applies the accepted path's kept tokens
   to the committed state, stores it, and shifts the convolution window along the path.
 
 Every token is the arithmetic of vLLM's one-token decode, op for op: ``causal_conv1d_update``'s
 tap order and activation, and ``fused_recurrent_gated_delta_rule_packed_decode`` (its l2 norm,
-gates and state update, at its block sizes and warp count), so a node's output is what AR decoding
+gates and state update, at its key block and warp count), so a node's output is what AR decoding
 its path gives. ``engine.on_vllm.gdn_tree``'s readable step stays the reference the tests hold this to.
 """
 
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.forks import depths, path_table
+from ddtree.forks import depths, leaf_chains, path_table
 from engine.on_vllm.gdn_tree import GDNParams
 from engine.gpu.triton_support import tl, triton, triton_runs_on
 
@@ -39,10 +42,13 @@ class TreePaths:
 
     table: torch.Tensor  # [q, length] int32: node i's ancestor at each depth (``path_table``)
     depth: torch.Tensor  # [q] int32
+    chain_start: torch.Tensor  # [q] int32: a leaf's chain's first depth, -1 for other nodes (``leaf_chains``)
 
     @staticmethod
     def build(visible: torch.Tensor, length: int) -> "TreePaths":
-        return TreePaths(path_table(visible, length).to(torch.int32).contiguous(), depths(visible).to(torch.int32))
+        table, depth = path_table(visible, length), depths(visible)
+        return TreePaths(table.to(torch.int32).contiguous(), depth.to(torch.int32),
+                         leaf_chains(visible, table, depth).to(torch.int32))
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,21 @@ class KeptNodes:
     b: torch.Tensor  # [q, heads]
 
 
-def fused_fits(device: torch.device) -> bool:
-    return triton_runs_on(device)
+CONV_KERNEL = 4  # the convolution width the verify program is written for (Qwen3-Next's, Qwen3.5's)
 
 
-def _blocks(params: GDNParams) -> tuple[int, int]:
-    return triton.next_power_of_2(params.head_k_dim), min(triton.next_power_of_2(params.head_v_dim), 32)
+def fused_fits(device: torch.device, conv_kernel: int = CONV_KERNEL) -> bool:
+    return triton_runs_on(device) and conv_kernel == CONV_KERNEL
+
+
+def _blocks(params: GDNParams, nodes: int) -> tuple[int, int]:
+    """Key and value columns a program holds. Every value column's arithmetic is the same at any value
+    block (the sums run over keys), so a pass of few nodes spreads its few walks over more, smaller
+    programs; at 27B sizes, one H200 (``engine.tools.gdn_bench``): one token 9.6 µs a layer at 8 columns
+    (vLLM's decode: 9.6) against 12.2 at the packed decode kernel's 32, a chain of 16 52 against 61,
+    a 64-node tree 113 at 32 against 131 at 16."""
+    value_block = 8 if nodes == 1 else 16 if nodes <= 32 else 32
+    return triton.next_power_of_2(params.head_k_dim), min(triton.next_power_of_2(params.head_v_dim), value_block)
 
 
 def verify(params: GDNParams, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
@@ -71,16 +86,16 @@ def verify(params: GDNParams, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch
     heads = params.value_dim // params.head_v_dim
     kept = KeptNodes(mixed_qkv.new_empty(q, channels), mixed_qkv.new_empty(q, channels), a.new_empty(q, heads),
                      b.new_empty(q, heads))
-    block_k, block_v = _blocks(params)
+    block_k, block_v = _blocks(params, q)
     grid = (triton.cdiv(params.head_v_dim, block_v), heads, q)
     _verify_kernel[grid](
         mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), params.conv_weight,
         params.conv_weight.stride(0), params.conv_weight.stride(1), params.conv_bias, params.A_log, params.dt_bias,
         conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), slot, ssm_state,
-        ssm_state.stride(0), paths.table, paths.depth, out, out.stride(0), kept.inputs, kept.convolved, channels,
+        ssm_state.stride(0), paths.table, paths.depth, paths.chain_start, out, out.stride(0), kept.inputs, kept.convolved, channels,
         kept.a, kept.b, params.head_k_dim ** -0.5,
         H=params.key_dim // params.head_k_dim, HV=heads, K=params.head_k_dim, V=params.head_v_dim, BK=block_k,
-        BV=block_v, WIDTH=params.conv_weight.shape[1], LENGTH=paths.table.shape[1],
+        BV=block_v, LENGTH=paths.table.shape[1], PATH=triton.next_power_of_2(paths.table.shape[1]),
         HAS_BIAS=params.conv_bias is not None, SILU=params.activation in ("silu", "swish", True),
         SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=1)
     return kept
@@ -91,7 +106,7 @@ def commit(params: GDNParams, kept: KeptNodes, conv_state: torch.Tensor, ssm_sta
     """The accepted ``path`` (node indices, root first, int32, padded past the device scalar ``length``)
     becomes the request's state in ``slot``: the recurrent state and the convolution window."""
     heads = params.value_dim // params.head_v_dim
-    block_k, block_v = _blocks(params)
+    block_k, block_v = _blocks(params, kept.convolved.shape[0])
     grid = (triton.cdiv(params.head_v_dim, block_v), heads)
     _commit_kernel[grid](
         kept.inputs, kept.convolved, kept.convolved.stride(0), kept.a, kept.b, params.A_log, params.dt_bias,
@@ -103,36 +118,6 @@ def commit(params: GDNParams, kept: KeptNodes, conv_state: torch.Tensor, ssm_sta
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tap(x, stride_x, conv_state, window, stride_cs_dim, stride_cs_tok, table_row, position, channels, mask,
-             WIDTH: tl.constexpr):
-        """The convolution input at path ``position``: a node's input, or (before the path) a column of
-        the committed window (``window`` points at its row)."""
-        node = tl.load(table_row + tl.maximum(position, 0))
-        from_node = tl.load(x + node * stride_x + channels, mask=mask & (position >= 0), other=0.0)
-        column = tl.maximum(WIDTH - 1 + position, 0)
-        from_window = tl.load(window + channels * stride_cs_dim + column * stride_cs_tok, mask=mask & (position < 0),
-                              other=0.0)
-        return tl.where(position >= 0, from_node, from_window)
-
-    @triton.jit
-    def _convolve(x, stride_x, weight, stride_w_dim, stride_w_tap, bias, conv_state, window, stride_cs_dim,
-                  stride_cs_tok, table_row, t, channels, mask, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  SILU: tl.constexpr):
-        """``causal_conv1d_update``'s output for path token ``t`` on ``channels``: the bias, then the taps
-        oldest first, then the activation, rounded to the inputs' dtype as its output buffer is."""
-        if HAS_BIAS:
-            acc = tl.load(bias + channels, mask=mask, other=0.0).to(tl.float32)
-        else:
-            acc = tl.zeros(channels.shape, dtype=tl.float32)
-        for j in tl.static_range(WIDTH):
-            column = _tap(x, stride_x, conv_state, window, stride_cs_dim, stride_cs_tok, table_row, t - (WIDTH - 1) + j,
-                          channels, mask, WIDTH)
-            acc += column * tl.load(weight + channels * stride_w_dim + j * stride_w_tap, mask=mask, other=0.0)
-        if SILU:
-            acc = acc / (1 + tl.exp(-acc))
-        return acc.to(x.dtype.element_ty)
 
     @triton.jit
     def _delta_step(b_h, b_q, b_k, b_v, a_raw, b_raw, A_log_val, dt_bias_val, scale, SOFTPLUS_THRESHOLD: tl.constexpr):
@@ -156,11 +141,33 @@ if triton is not None:
         return b_h, b_o
 
     @triton.jit
+    def _column(window, stride_cs_dim, stride_cs_tok, column, channels, mask, x):
+        return tl.load(window + channels * stride_cs_dim + column * stride_cs_tok, mask=mask,
+                       other=0.0).to(x.dtype.element_ty)
+
+    @triton.jit
+    def _conv4(bias, weight, stride_w_dim, stride_w_tap, channels, mask, oldest, older, newer, newest,
+               HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+        """``causal_conv1d_update``'s output on ``channels`` (kernel 4): the bias, the taps oldest first, the
+        activation, rounded to the inputs' dtype as its output buffer is."""
+        if HAS_BIAS:
+            acc = tl.load(bias + channels, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros(channels.shape, dtype=tl.float32)
+        acc += oldest * tl.load(weight + channels * stride_w_dim, mask=mask, other=0.0)
+        acc += older * tl.load(weight + channels * stride_w_dim + stride_w_tap, mask=mask, other=0.0)
+        acc += newer * tl.load(weight + channels * stride_w_dim + 2 * stride_w_tap, mask=mask, other=0.0)
+        acc += newest * tl.load(weight + channels * stride_w_dim + 3 * stride_w_tap, mask=mask, other=0.0)
+        if SILU:
+            acc = acc / (1 + tl.exp(-acc))
+        return acc.to(newest.dtype)
+
+    @triton.jit
     def _verify_kernel(x, stride_x, a, stride_a, b, stride_b, weight, stride_w_dim, stride_w_tap, bias, A_log, dt_bias,
                        conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot,
-                       table, depth, out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b, scale,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, WIDTH: tl.constexpr, LENGTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       table, depth, chain_start, out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b,
+                       scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, LENGTH: tl.constexpr, PATH: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SILU: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
         i_v, i_hv, node = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_h = i_hv // (HV // H)
@@ -172,44 +179,62 @@ if triton is not None:
         k_channels = H * K + i_h * K + o_k
         v_channels = 2 * H * K + i_hv * V + o_v
         window = conv_state + slot.to(tl.int64) * stride_cs_slot
-        table_row = table + node * LENGTH
-        last = tl.load(depth + node)
+        # a leaf walks its path and scores its chain (``leaf_chains``); every other node's program has nothing to do
+        start = tl.load(chain_start + node)
+        steps_to_walk = tl.where(start >= 0, tl.load(depth + node) + 1, 0)
+        # the whole path at once: each step then picks its next token without waiting on memory
+        steps = tl.arange(0, PATH)
+        path = tl.load(table + node * LENGTH + steps, mask=steps < LENGTH, other=0)
         A_log_val = tl.load(A_log + i_hv).to(tl.float32)
         dt_bias_val = tl.load(dt_bias + i_hv).to(tl.float32)
         p_h = ssm_state + slot.to(tl.int64) * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
         b_h = tl.load(p_h, mask=mask_v[:, None] & mask_k[None, :], other=0).to(tl.float32)
-        # the path's last token is the node's own: what the loop leaves in these is kept for the commit
-        b_q = tl.zeros([BK], dtype=x.dtype.element_ty)
-        b_k = tl.zeros([BK], dtype=x.dtype.element_ty)
-        b_v = tl.zeros([BV], dtype=x.dtype.element_ty)
-        b_o = tl.zeros([BV], dtype=tl.float32)
-        for t in range(0, last + 1):
-            token = tl.load(table_row + t)
-            b_q = _convolve(x, stride_x, weight, stride_w_dim, stride_w_tap, bias, conv_state, window, stride_cs_dim,
-                            stride_cs_tok, table_row, t, q_channels, mask_k, WIDTH, HAS_BIAS, SILU)
-            b_k = _convolve(x, stride_x, weight, stride_w_dim, stride_w_tap, bias, conv_state, window, stride_cs_dim,
-                            stride_cs_tok, table_row, t, k_channels, mask_k, WIDTH, HAS_BIAS, SILU)
-            b_v = _convolve(x, stride_x, weight, stride_w_dim, stride_w_tap, bias, conv_state, window, stride_cs_dim,
-                            stride_cs_tok, table_row, t, v_channels, mask_v, WIDTH, HAS_BIAS, SILU)
-            b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, tl.load(a + token * stride_a + i_hv),
-                                          tl.load(b + token * stride_b + i_hv), A_log_val, dt_bias_val, scale,
-                                          SOFTPLUS_THRESHOLD)
-        tl.store(out + node * stride_out + i_hv * V + o_v, b_o.to(out.dtype.element_ty), mask=mask_v)
-        # the node's own token was the path's last: keep its inputs and convolution for the commit,
-        # each channel by one program (q and k by the first value block of the key head's first value head)
-        tl.store(kept_x + node * stride_kept + v_channels, tl.load(x + node * stride_x + v_channels, mask=mask_v),
-                 mask=mask_v)
-        tl.store(kept_conv + node * stride_kept + v_channels, b_v, mask=mask_v)
-        if i_v == 0:
-            tl.store(kept_a + node * HV + i_hv, tl.load(a + node * stride_a + i_hv))
-            tl.store(kept_b + node * HV + i_hv, tl.load(b + node * stride_b + i_hv))
-            if i_hv % (HV // H) == 0:
-                tl.store(kept_x + node * stride_kept + q_channels,
-                         tl.load(x + node * stride_x + q_channels, mask=mask_k), mask=mask_k)
-                tl.store(kept_x + node * stride_kept + k_channels,
-                         tl.load(x + node * stride_x + k_channels, mask=mask_k), mask=mask_k)
-                tl.store(kept_conv + node * stride_kept + q_channels, b_q, mask=mask_k)
-                tl.store(kept_conv + node * stride_kept + k_channels, b_k, mask=mask_k)
+        # the convolution's three older inputs ride along the path, starting as the committed window's columns
+        # (the window holds past inputs, in the inputs' dtype)
+        q1 = _column(window, stride_cs_dim, stride_cs_tok, 0, q_channels, mask_k, x)
+        q2 = _column(window, stride_cs_dim, stride_cs_tok, 1, q_channels, mask_k, x)
+        q3 = _column(window, stride_cs_dim, stride_cs_tok, 2, q_channels, mask_k, x)
+        k1 = _column(window, stride_cs_dim, stride_cs_tok, 0, k_channels, mask_k, x)
+        k2 = _column(window, stride_cs_dim, stride_cs_tok, 1, k_channels, mask_k, x)
+        k3 = _column(window, stride_cs_dim, stride_cs_tok, 2, k_channels, mask_k, x)
+        v1 = _column(window, stride_cs_dim, stride_cs_tok, 0, v_channels, mask_v, x)
+        v2 = _column(window, stride_cs_dim, stride_cs_tok, 1, v_channels, mask_v, x)
+        v3 = _column(window, stride_cs_dim, stride_cs_tok, 2, v_channels, mask_v, x)
+        # each step's inputs are loaded one step ahead, so their latency hides behind the step before
+        next_token = tl.sum(tl.where(steps == 0, path, 0))
+        next_q = tl.load(x + next_token * stride_x + q_channels, mask=mask_k, other=0.0)
+        next_k = tl.load(x + next_token * stride_x + k_channels, mask=mask_k, other=0.0)
+        next_v = tl.load(x + next_token * stride_x + v_channels, mask=mask_v, other=0.0)
+        next_a = tl.load(a + next_token * stride_a + i_hv)
+        next_b = tl.load(b + next_token * stride_b + i_hv)
+        for t in range(0, steps_to_walk):
+            token, x_q, x_k, x_v, a_t, b_t = next_token, next_q, next_k, next_v, next_a, next_b
+            next_token = tl.sum(tl.where(steps == t + 1, path, 0))  # past the path's end: node 0's, never used
+            next_q = tl.load(x + next_token * stride_x + q_channels, mask=mask_k, other=0.0)
+            next_k = tl.load(x + next_token * stride_x + k_channels, mask=mask_k, other=0.0)
+            next_v = tl.load(x + next_token * stride_x + v_channels, mask=mask_v, other=0.0)
+            next_a = tl.load(a + next_token * stride_a + i_hv)
+            next_b = tl.load(b + next_token * stride_b + i_hv)
+            b_q = _conv4(bias, weight, stride_w_dim, stride_w_tap, q_channels, mask_k, q1, q2, q3, x_q, HAS_BIAS, SILU)
+            b_k = _conv4(bias, weight, stride_w_dim, stride_w_tap, k_channels, mask_k, k1, k2, k3, x_k, HAS_BIAS, SILU)
+            b_v = _conv4(bias, weight, stride_w_dim, stride_w_tap, v_channels, mask_v, v1, v2, v3, x_v, HAS_BIAS, SILU)
+            q1, q2, q3 = q2, q3, x_q
+            k1, k2, k3 = k2, k3, x_k
+            v1, v2, v3 = v2, v3, x_v
+            b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, a_t, b_t, A_log_val, dt_bias_val, scale, SOFTPLUS_THRESHOLD)
+            # a node of this leaf's chain: its output, and what its commit needs (inputs, convolution, gates)
+            if t >= start:
+                tl.store(out + token * stride_out + i_hv * V + o_v, b_o.to(out.dtype.element_ty), mask=mask_v)
+                tl.store(kept_x + token * stride_kept + v_channels, x_v, mask=mask_v)
+                tl.store(kept_conv + token * stride_kept + v_channels, b_v, mask=mask_v)
+                if i_v == 0:
+                    tl.store(kept_a + token * HV + i_hv, a_t)
+                    tl.store(kept_b + token * HV + i_hv, b_t)
+                    if i_hv % (HV // H) == 0:  # q and k: kept by one program of their key head
+                        tl.store(kept_x + token * stride_kept + q_channels, x_q, mask=mask_k)
+                        tl.store(kept_x + token * stride_kept + k_channels, x_k, mask=mask_k)
+                        tl.store(kept_conv + token * stride_kept + q_channels, b_q, mask=mask_k)
+                        tl.store(kept_conv + token * stride_kept + k_channels, b_k, mask=mask_k)
 
     @triton.jit
     def _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, channels, mask,

@@ -160,7 +160,7 @@ class GDNLayers:
         self.slots = {name: slot for group, slot in zip(groups, self.group_slots) for name in group.layer_names}
         self.slot = self.group_slots[-1]  # the lowest block the states take: attention rows stay below it
         self.device, self.width = device, conv_state.shape[-1]
-        self.fused = FUSED and gdn_fused.fused_fits(device)
+        self.fused = FUSED and gdn_fused.fused_fits(device, self.width + 1)
         self.block_tables = [torch.full((1, 1), slot, dtype=torch.int32, device=device) for slot in self.group_slots]
         self.pending: GDNPass | None = None  # the last verify pass, until its commit
 

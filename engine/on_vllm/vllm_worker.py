@@ -9,12 +9,17 @@ interface.
 
 vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
 is wrapped so that a verify pass can add a query-query bias (``qq_bias``, a parameter the
-kernel still has from vLLM's removed tree-attention backend). Hybrid targets (Gated DeltaNet
-layers) add two more, in ``engine.on_vllm.vllm_gdn``, imported only for them. Nothing else is patched.
+kernel still has from vLLM's removed tree-attention backend). With ``DDTREE_ATTENTION=2d`` in the
+environment the wrapper also keeps one-token passes on the kernel's 2D launch, which every pass of
+more rows takes (vLLM's own decode splits the context into segments, the 3D launch, reducing it in
+another order): an experiment on row invariance (``engine.tools.row_invariance --engine vllm``).
+Hybrid targets (Gated DeltaNet layers) add two more, in ``engine.on_vllm.vllm_gdn``, imported only
+for them. Nothing else is patched.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -33,6 +38,7 @@ from engine.gpu.graphs import GraphedCall, record
 from engine.gpu.kv_moves import RowMover
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.loop.fixed_step import padded_prompt, prefill_bucket
+from engine.loop.row_check import check as row_check
 from engine.models.drafter import load_drafter
 from engine.models.target import Target, stop_token_ids
 from engine.on_vllm.vllm_engine import MAX_PATH
@@ -42,6 +48,7 @@ MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
 # would keep its activations (all-row logits included) in the pool for good
 MAX_PREFILL_GRAPH = 1024
 BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
+ALWAYS_2D = os.environ.get("DDTREE_ATTENTION") == "2d"
 
 
 class _QueryBias:
@@ -53,6 +60,8 @@ class _QueryBias:
 def _unified_attention_with_tree(*args, **kwargs):
     if _QueryBias.current is not None:
         kwargs["qq_bias"] = _QueryBias.current
+    if ALWAYS_2D:
+        kwargs["seq_threshold_3D"] = None  # the kernel's 2D launch, whatever the pass's rows
     return _unified_attention(*args, **kwargs)
 
 
@@ -401,6 +410,15 @@ class StudioWorker:
         trace = decoder.run(prompt, DecodeSettings(**settings), prompt_ids=prompt_ids)
         decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on
         return trace.to_json()
+
+    def studio_rows(self, prompts: list[tuple[str, list[int]]], rows: list[int]) -> list[dict]:
+        """``engine.loop.row_check`` on this worker's target, for each (prompt id, context ids)."""
+        target: PagedTarget = self.studio.target
+        if target.gdn is not None:
+            raise EngineError("the row check runs AR steps without commits: an all-attention target only, not a "
+                              "hybrid, whose recurrent states advance at each commit")
+        with torch.inference_mode():
+            return [asdict(found) for prompt_id, ids in prompts for found in row_check(target, prompt_id, ids, rows)]
 
     def studio_kernels(self, prompt_ids: list[int], settings: dict) -> dict:
         """Kernels per step by stage for one generation, and the slowest (``engine.gpu.profiling.KernelProfile``'s

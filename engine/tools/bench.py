@@ -17,7 +17,7 @@ import platform
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,9 +31,9 @@ from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, RANDOM, load_decoder, sh
 from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
 from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS, VllmOptions, check_mtp_layers, load_vllm_decoder
-from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP, STAGES, TOKENS_ONLY, Trace
+from engine.trace import (METHODS, NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP, NEAR_TIE, STAGES, TOKENS_ONLY, Trace,
+                          divergence)
 
-NEAR_TIE = 0.5  # logit gap under which fp rounding can flip the argmax
 NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
 WARM_UP_TOKENS = 40  # more than two steps that each accept a whole block of 16
 
@@ -96,25 +96,10 @@ def plan_jobs(methods: str, budgets: str) -> list[Job]:
     return jobs
 
 
-def margins_of(trace: Trace) -> list[float]:
-    margins = [trace.prefill.first_margin]
-    for step in trace.steps:
-        margins.extend(step.committed_margins)
-    return margins
-
-
-def divergence(trace: Trace, reference: Trace) -> dict | None:
-    """Where ``trace`` first leaves the AR output, and how close to a tie the target was there."""
-    ours, theirs = trace.output_ids, reference.output_ids
-    index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if index is None:
-        if len(ours) == len(theirs):
-            return None
-        index = min(len(ours), len(theirs))
-    ar_margin = margins_of(reference)[index] if index < len(theirs) else None
-    our_margin = margins_of(trace)[index] if index < len(ours) else None
-    return {"index": index, "ar_margin": ar_margin, "method_margin": our_margin,
-            "near_tie": ar_margin is not None and ar_margin < NEAR_TIE}
+def divergence_record(trace: Trace, reference: Trace) -> dict | None:
+    """``engine.trace.divergence`` as the results file keeps it."""
+    found = divergence(trace, reference)
+    return None if found is None else {**asdict(found), "near_tie": found.near_tie}
 
 
 def run_record(prompt: dict, job: Job, trace: Trace) -> dict:
@@ -177,6 +162,7 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
         if checked:
             identical = sum(1 for r in checked if r["divergence"] is None)
             entry["identical_to_ar"] = f"{identical}/{len(checked)}"
+            entry["near_ties_vs_ar"] = sum(1 for r in checked if r["divergence"] and r["divergence"]["near_tie"])
         for key in ("identical_to_vllm_ar", "identical_to_reference"):
             compared = [r[key] for r in mine if key in r]
             if compared:
@@ -240,7 +226,7 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
             if job.label == "ar":
                 ar_trace = trace
             elif ar_trace is not None:
-                record["divergence"] = divergence(trace, ar_trace)
+                record["divergence"] = divergence_record(trace, ar_trace)
                 if record["divergence"] and base.temperature == 0:
                     notes.append(_divergence_note(prompt["id"], job.label, record["divergence"]))
             notes += [note for note in (f"{job.label}: {n}" for n in trace.config.notes) if note not in notes]
@@ -396,6 +382,12 @@ def _divergence_note(prompt_id: str, label: str, div: dict) -> str:
     return f"{prompt_id} {label}: diverges from AR at new token {div['index']}; AR top-2 logit gap {gap} ({verdict})"
 
 
+def _identical_cell(entry: dict) -> str:
+    """"9/24", with how many of the others left AR at a near-tie: "9/24 (15 at near-ties)"."""
+    identical, ties = entry.get("identical_to_ar", "–"), entry.get("near_ties_vs_ar")
+    return f"{identical} ({ties} at near-ties)" if ties else identical
+
+
 def format_summary(summary: dict, best: dict | None = None) -> str:
     native = any("speedup_vs_vllm_ar" in s for s in summary.values())
     compared = any("identical_to_reference" in s for s in summary.values())
@@ -412,7 +404,7 @@ def format_summary(summary: dict, best: dict | None = None) -> str:
             cells += [_times(s.get("speedup_vs_vllm_ar")), s.get("identical_to_vllm_ar", "–")]
         if compared:
             cells.append(s.get("identical_to_reference", "–"))
-        rows.append("| " + " | ".join(cells + [s.get("identical_to_ar", "–")]) + " |")
+        rows.append("| " + " | ".join(cells + [_identical_cell(s)]) + " |")
     return "\n".join(rows)
 
 

@@ -8,6 +8,8 @@
 #   check      kernels + tests + float32 (~8 min)
 #   kernels    the two Triton fast paths against their references, natively (~1 min warm; on a cold machine
 #              each tested budget compiles the beam kernel anew: 2.1 min on 2026-12-02)
+#   gdn        the Gated DeltaNet programs' tests natively, and their cost per step at the 27B hybrid's shape
+#              (engine.tools.gdn_bench; carry .whl for vLLM's kernels' imports) (2.1 min on 2026-12-04, cold)
 #   tests      the GPU tests of the fixed step and the vLLM engine (~5 min)
 #   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
@@ -48,13 +50,15 @@
 #   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
 #              1, 17, 65 and 129 rows, chain and tree, against AR's steps, bit for bit; the torch engine's kernels in bf16,
 #              Qwen3-1.7B's shape with random weights; the CPU found float32 q_proj leaving AR at 17 rows) (~2 min)
+#   rows-vllm  the same in vLLM's worker (engine.tools.row_invariance --engine vllm), then with one-token passes on
+#              the attention kernel's 2D launch too (DDTREE_ATTENTION=2d), Qwen3-1.7B's shape, bf16 (not run yet)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
 # (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step).
 set -uo pipefail
-PHASES='check, kernels, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, exact or rows'
+PHASES='check, kernels, gdn, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -105,13 +109,30 @@ humaneval)
       --prompts assets/prompts/humaneval.jsonl --limit "${LIMIT:-20}" --methods ar,dflash,ddtree \
       --tree-budget "${BUDGETS:-16,32,64,128}" --max-new-tokens "$TOKENS" --reduced-traces --out "$OUT/gpu-vllm-humaneval$TAG.json" > "$OUT/bench-humaneval.txt" 2>&1
   tables "$OUT/bench-humaneval.txt" 20 ;;
+gdn)  # the Gated DeltaNet programs natively (against vLLM's decode kernels), then their cost per step at
+  # SHAPE's size (default the 27B hybrid), beside vLLM's kernels; ALSO: modules of kernel variants to time too
+  timeout 240 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_gdn_fused.py tests/test_gdn_tree.py \
+      > "$OUT/pytest-gdn.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
+  timeout 240 python3 -m engine.tools.gdn_bench --model "assets/shapes/${SHAPE:-qwen3.6-27b}" ${ALSO:+--also "$ALSO"} \
+      --out "$OUT/gdn-bench.json" > "$OUT/gdn-bench.txt" 2>&1
+  grep -E 'µs|error' "$OUT/gdn-bench.txt" ;;
 shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; UTIL: the GPU share of each of the two
-  # engines (the Studio's, then vLLM's own AR once the Studio's has closed)
+  # engines (the Studio's, then vLLM's own AR once the Studio's has closed). LAYERS=8: the shape cut to its first
+  # 8 layers (the drafter tapping layers within them): for kernel profiles (DDTREE_SLOWEST_KERNELS=40 names 40
+  # kernels a stage), not for the headline numbers. It still took 8 min on a cold machine with STEP=--compile-step
+  # KERNELS=1 LIMIT=1 BUDGETS=16,64 TOKENS=32 (2026-12-04): vLLM's start and compilation, not the layers, take the time
   shape=${SHAPE:-qwen3-8b}
+  folder=assets/shapes/$shape
+  if [ -n "${LAYERS:-}" ]; then
+    folder=/tmp/shapes/$shape-${LAYERS}l
+    python3 -m engine.tools.shape_cut "assets/shapes/$shape" "$LAYERS" "$folder" || exit 1
+    shape=$shape-${LAYERS}l
+  fi
   results="$OUT/gpu-$shape-random$TAG.json"
   kernels=$([ "${KERNELS:-1}" = 1 ] && echo --count-kernels)  # KERNELS=0: no kernel counts (each method profiled once more)
-  timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress --random-weights --model "assets/shapes/$shape" \
-      --drafter "assets/shapes/$shape-dflash-b16" --native "${NATIVE:-ar}" --gpu-memory-utilization "${UTIL:-0.4}" \
+  timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress --random-weights --model "$folder" \
+      --drafter "$folder-dflash-b16" --native "${NATIVE:-ar}" --gpu-memory-utilization "${UTIL:-0.4}" \
       --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP $kernels \
       --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-1,16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
       --out "$results" > "$OUT/bench-shape-$shape.txt" 2>&1
@@ -187,6 +208,14 @@ rows)
   timeout 300 python3 -m engine.tools.row_invariance --random-weights --model assets/shapes/qwen3-1.7b --device cuda \
       --dtype bfloat16 --limit 2 --out "$OUT/gpu-row-invariance-bf16.json" > "$OUT/row-invariance.txt" 2>&1
   grep -E '^\|' "$OUT/row-invariance.txt" ;;
+rows-vllm)  # the same check in vLLM's worker, on its model and kernels; then with every pass on the attention
+  # kernel's 2D launch (DDTREE_ATTENTION=2d: vLLM's decode takes its 3D, split-context launch for one-token passes)
+  for attention in vllm 2d; do
+    DDTREE_ATTENTION=$attention timeout 280 python3 -m engine.tools.row_invariance --engine vllm --random-weights \
+        --model assets/shapes/qwen3-1.7b --drafter assets/shapes/qwen3-1.7b-dflash-b16 --dtype bfloat16 --limit 2 \
+        --out "$OUT/gpu-row-invariance-vllm-$attention.json" > "$OUT/row-invariance-vllm-$attention.txt" 2>&1
+    echo "attention: $attention"; grep -E '^\||^error' "$OUT/row-invariance-vllm-$attention.txt"
+  done ;;
 *)
   echo "unknown phase $phase: $PHASES" >&2; exit 2 ;;
 esac

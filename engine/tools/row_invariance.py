@@ -2,6 +2,7 @@
 
     python -m engine.tools.row_invariance [--model M [--random-weights]] [--device cuda] [--dtype bfloat16] \\
         [--rows 1,17,65,129] [--prompts assets/prompts/fresh.jsonl --limit 3] [--out report.json]
+    python -m engine.tools.row_invariance --engine vllm [--drafter D] ...   # vLLM's model and kernels (GPU)
 
 Lossless decoding needs each verified row to score its token exactly as AR's one-token step
 does. A verify pass over a chain of AR's own greedy tokens holds, in every row, an AR step:
@@ -19,138 +20,17 @@ row-invariant first. Prints one table; ``--out`` writes the report as JSON.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
-import ddtree
 from engine.errors import EngineError
-from engine.models.target import Target, load_target
+from engine.loop.row_check import RowCheck, check
+from engine.models.target import load_target
 from engine.tools.bench import read_prompts
-
-
-@dataclass(frozen=True)
-class RowCheck:
-    """One verify pass against AR's steps: its shape, rows, and where its numbers leave AR's."""
-
-    prompt_id: str
-    shape: str  # "chain" or "tree"
-    rows: int
-    equal_rows: int  # rows on AR's path whose logits equal AR's bit for bit
-    compared_rows: int
-    max_abs_diff: float  # over the compared rows' logits
-    first_module: str | None  # the root row's first module whose output differs from the AR step's
-    module_abs_diff: float
-
-
-class ModuleTap:
-    """Every leaf module's first output in a pass, for its root row (by name, in execution order)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.outputs: dict[str, torch.Tensor] = {}
-        self.handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()
-                        if name and not list(module.children())]
-
-    def _hook(self, name: str):
-        def keep(module, inputs, output):
-            tensor = output[0] if isinstance(output, tuple) else output
-            if name not in self.outputs and torch.is_tensor(tensor) and tensor.dim() >= 2:
-                self.outputs[name] = (tensor[0, 0] if tensor.dim() >= 3 else tensor[0]).detach().clone()
-        return keep
-
-    def take(self) -> dict[str, torch.Tensor]:
-        outputs, self.outputs = self.outputs, {}
-        return outputs
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def first_difference(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[str | None, float]:
-    """The first module (in the reference's execution order) whose output is not the reference's, bit for bit."""
-    for name, expected in reference.items():
-        got = ours.get(name)
-        if got is not None and got.shape == expected.shape and not torch.equal(got, expected):
-            return name, float((got.double() - expected.double()).abs().max())
-    return None, 0.0
-
-
-@dataclass(frozen=True)
-class ArSteps:
-    """AR from the context: its greedy tokens (the prefill's first), each step's logits, and the first
-    step's module outputs."""
-
-    tokens: list[int]  # tokens[0]: the prefill's next token, the root of every verify pass
-    logits: list[torch.Tensor]  # logits[i]: the step that takes tokens[i]
-    modules: dict[str, torch.Tensor]
-
-
-def ar_steps(target: Target, cache, past: int, first: int, steps: int, tap: ModuleTap) -> ArSteps:
-    tokens, logits, modules = [first], [], {}
-    for step in range(steps):
-        ids = torch.tensor([[tokens[-1]]], device=target.device)
-        out, _ = target.forward(ids, torch.tensor([[past + step]], device=target.device), cache)
-        if step == 0:
-            modules = tap.take()
-        logits.append(out[0])
-        tokens.append(int(out[0].argmax()))
-    tap.take()
-    return ArSteps(tokens[:steps], logits, modules)
-
-
-def tree_with_siblings(chain: int, rows: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """Parents (``ddtree`` convention: node i's parent, 0 the root) of a tree whose first ``chain``
-    nodes are the chain and whose other ``rows - chain`` nodes hang off random chain nodes, and which
-    nodes are the chain's (its rows have AR counterparts)."""
-    generator = torch.Generator().manual_seed(seed)
-    parents = list(range(chain - 1))  # chain node i + 1 hangs off chain node i
-    for _ in range(rows - chain):
-        parents.append(int(torch.randint(0, chain, (1,), generator=generator)))
-    return torch.tensor(parents), list(range(chain))
-
-
-def check(target: Target, prompt_id: str, context: list[int], rows_list: list[int], seed: int = 0
-          ) -> list[RowCheck]:
-    tap = ModuleTap(target.model)
-    try:
-        cache = target.new_cache()
-        ids = torch.tensor([context], device=target.device)
-        prefill, _ = target.forward(ids, torch.arange(len(context), device=target.device)[None], cache)
-        tap.take()
-        past = len(context)
-        ar = ar_steps(target, copy.deepcopy(cache), past, int(prefill[-1].argmax()), max(rows_list), tap)
-        checks = []
-        for rows in rows_list:
-            chain = max(1, rows // 2)
-            shapes = {"chain": (torch.arange(rows - 1), list(range(rows)))}
-            if rows > 1:
-                shapes["tree"] = tree_with_siblings(chain, rows, seed + rows)
-            for shape, (parents, on_path) in shapes.items():
-                checks.append(_verify(target, tap, copy.deepcopy(cache), past, ar, prompt_id, shape, parents, on_path,
-                                      seed + rows))
-        return checks
-    finally:
-        tap.close()
-
-
-def _verify(target: Target, tap: ModuleTap, cache, past: int, ar: ArSteps, prompt_id: str, shape: str,
-            parents: torch.Tensor, on_path: list[int], seed: int) -> RowCheck:
-    rows = parents.numel() + 1
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, target.config.vocab_size, (rows,), generator=generator)
-    tokens[on_path] = torch.tensor(ar.tokens[:len(on_path)])
-    visible = ddtree.ancestor_mask(parents)
-    depth = visible.sum(dim=1) - 1
-    bias = target.tree_bias(visible, past) if rows > 1 else None
-    logits, _ = target.forward(tokens[None].to(target.device), (past + depth)[None].to(target.device), cache, bias)
-    first_module, module_diff = first_difference(tap.take(), ar.modules)
-    diffs = [float((logits[row].double() - ar.logits[row].double()).abs().max()) for row in on_path]
-    return RowCheck(prompt_id, shape, rows, sum(diff == 0 for diff in diffs), len(diffs), max(diffs), first_module,
-                    module_diff)
 
 
 def format_checks(checks: list[RowCheck]) -> str:
@@ -168,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder, hub id or GGUF (default: the bundled SmolLM2)")
     parser.add_argument("--random-weights", action="store_true", help="--model's config.json alone, random weights")
+    parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                        help="vllm: the check runs in vLLM's worker on its model and kernels (all-attention targets)")
+    parser.add_argument("--drafter", default=None, help="--engine vllm with --random-weights: a drafter config folder")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rows", default="1,17,65,129", help="row counts to verify (default 1,17,65,129)")
@@ -175,6 +58,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the report as JSON")
     return parser.parse_args(argv)
+
+
+def torch_checks(args: argparse.Namespace, prompts: list[dict], rows: list[int]) -> list[RowCheck]:
+    target = load_target(args.model, args.device, args.dtype, random_weights=args.random_weights)
+    with torch.inference_mode():
+        return [found for prompt in prompts for found in check(target, prompt["id"], target.chat_ids(prompt["prompt"]),
+                                                               rows)]
+
+
+def vllm_checks(args: argparse.Namespace, prompts: list[dict], rows: list[int]) -> list[RowCheck]:
+    from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
+
+    decoder = load_vllm_decoder(args.model, args.drafter, dtype=args.dtype,
+                                options=VllmOptions(random_weights=args.random_weights))
+    try:
+        contexts = [(prompt["id"], decoder.target.chat_ids(prompt["prompt"])) for prompt in prompts]
+        return [RowCheck(**found) for found in decoder.llm.collective_rpc("studio_rows", args=(contexts, rows))[0]]
+    finally:
+        decoder.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,20 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --rows takes positive row counts, got {args.rows!r}", file=sys.stderr)
         return 2
     try:
-        target = load_target(args.model, args.device, args.dtype, random_weights=args.random_weights)
         prompts = read_prompts(args.prompts)[: args.limit]
+        checks = vllm_checks(args, prompts, rows) if args.engine == "vllm" else torch_checks(args, prompts, rows)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    checks = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            checks += check(target, prompt["id"], target.chat_ids(prompt["prompt"]), rows)
     print(format_checks(checks))
     if args.out:
         with open(args.out, "w") as out:
-            json.dump({"model": args.model, "device": args.device, "dtype": args.dtype,
-                       "checks": [asdict(c) for c in checks]}, out, indent=1)
+            where = ({"engine": "vllm", "attention": os.environ.get("DDTREE_ATTENTION", "vllm's own launch choice")}
+                     if args.engine == "vllm" else {"engine": "torch", "device": args.device})
+            json.dump({"model": args.model, **where, "dtype": args.dtype, "checks": [asdict(c) for c in checks]}, out,
+                      indent=1)
     return 0
 
 

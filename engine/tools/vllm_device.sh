@@ -36,7 +36,7 @@
 # per prompt and method τ, step cost in AR steps, predicted and measured speed-up, and the engine the
 # traces came from.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${OUT:?OUT must name the folder whose files come back}"
 STAGE=${STAGE:-/tmp/stage}
 export SITE=${SITE:-/tmp/site}

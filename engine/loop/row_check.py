@@ -1,0 +1,140 @@
+"""Whether a verify pass scores each row as AR's one-token step does, bit for bit, on any ``Target``.
+
+A verify pass over a chain of AR's own greedy tokens holds, in every row, an AR step: row i after
+the context must give AR's i-th logits bit for bit. A tree holds the chain and siblings beside it;
+its chain rows must too. ``check`` verifies one context as a chain and as a tree of each row count,
+counts the rows whose logits equal AR's, and for the root row names the first module (in execution
+order) whose output differs from the AR step's. The command is ``engine.tools.row_invariance``; vLLM's
+workers run ``check`` on their own target (``engine.on_vllm.vllm_worker``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+import ddtree
+from engine.models.target import Target
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """One verify pass against AR's steps: its shape, rows, and where its numbers leave AR's."""
+
+    prompt_id: str
+    shape: str  # "chain" or "tree"
+    rows: int
+    equal_rows: int  # rows on AR's path whose logits equal AR's bit for bit
+    compared_rows: int
+    max_abs_diff: float  # over the compared rows' logits
+    first_module: str | None  # the root row's first module whose output differs from the AR step's
+    module_abs_diff: float
+
+
+class ModuleTap:
+    """Every leaf module's first output in a pass, for its root row (by name, in execution order)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()
+                        if name and not list(module.children())]
+
+    def _hook(self, name: str):
+        def keep(module, inputs, output):
+            tensor = output[0] if isinstance(output, tuple) else output
+            if name not in self.outputs and torch.is_tensor(tensor) and tensor.dim() >= 2:
+                self.outputs[name] = (tensor[0, 0] if tensor.dim() >= 3 else tensor[0]).detach().clone()
+        return keep
+
+    def take(self) -> dict[str, torch.Tensor]:
+        outputs, self.outputs = self.outputs, {}
+        return outputs
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def first_difference(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[str | None, float]:
+    """The first module (in the reference's execution order) whose output is not the reference's, bit for bit."""
+    for name, expected in reference.items():
+        got = ours.get(name)
+        if got is not None and got.shape == expected.shape and not torch.equal(got, expected):
+            return name, float((got.double() - expected.double()).abs().max())
+    return None, 0.0
+
+
+@dataclass(frozen=True)
+class ArSteps:
+    """AR from the context: its greedy tokens (the prefill's first), each step's logits, and the first
+    step's module outputs."""
+
+    tokens: list[int]  # tokens[0]: the prefill's next token, the root of every verify pass
+    logits: list[torch.Tensor]  # logits[i]: the step that takes tokens[i]
+    modules: dict[str, torch.Tensor]
+
+
+def ar_steps(target: Target, cache, past: int, first: int, steps: int, tap: ModuleTap) -> ArSteps:
+    tokens, logits, modules = [first], [], {}
+    for step in range(steps):
+        ids = torch.tensor([[tokens[-1]]], device=target.device)
+        out, _ = target.forward(ids, torch.tensor([[past + step]], device=target.device), cache)
+        if step == 0:
+            modules = tap.take()
+        logits.append(out[0])
+        tokens.append(int(out[0].argmax()))
+    tap.take()
+    return ArSteps(tokens[:steps], logits, modules)
+
+
+def tree_with_siblings(chain: int, rows: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """Parents (``ddtree`` convention: node i's parent, 0 the root) of a tree whose first ``chain``
+    nodes are the chain and whose other ``rows - chain`` nodes hang off random chain nodes, and which
+    nodes are the chain's (its rows have AR counterparts)."""
+    generator = torch.Generator().manual_seed(seed)
+    parents = list(range(chain - 1))  # chain node i + 1 hangs off chain node i
+    for _ in range(rows - chain):
+        parents.append(int(torch.randint(0, chain, (1,), generator=generator)))
+    return torch.tensor(parents), list(range(chain))
+
+
+def check(target: Target, prompt_id: str, context: list[int], rows_list: list[int], seed: int = 0
+          ) -> list[RowCheck]:
+    tap = ModuleTap(target.model)
+    try:
+        cache = target.new_cache()
+        ids = torch.tensor([context], device=target.device)
+        prefill, _ = target.forward(ids, torch.arange(len(context), device=target.device)[None], cache)
+        tap.take()
+        past = len(context)
+        ar = ar_steps(target, copy.deepcopy(cache), past, int(prefill[-1].argmax()), max(rows_list), tap)
+        checks = []
+        for rows in rows_list:
+            chain = max(1, rows // 2)
+            shapes = {"chain": (torch.arange(rows - 1), list(range(rows)))}
+            if rows > 1:
+                shapes["tree"] = tree_with_siblings(chain, rows, seed + rows)
+            for shape, (parents, on_path) in shapes.items():
+                checks.append(_verify(target, tap, copy.deepcopy(cache), past, ar, prompt_id, shape, parents, on_path,
+                                      seed + rows))
+        return checks
+    finally:
+        tap.close()
+
+
+def _verify(target: Target, tap: ModuleTap, cache, past: int, ar: ArSteps, prompt_id: str, shape: str,
+            parents: torch.Tensor, on_path: list[int], seed: int) -> RowCheck:
+    rows = parents.numel() + 1
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.config.vocab_size, (rows,), generator=generator)
+    tokens[on_path] = torch.tensor(ar.tokens[:len(on_path)])
+    visible = ddtree.ancestor_mask(parents)
+    depth = visible.sum(dim=1) - 1
+    bias = target.tree_bias(visible, past) if rows > 1 else None
+    logits, _ = target.forward(tokens[None].to(target.device), (past + depth)[None].to(target.device), cache, bias)
+    first_module, module_diff = first_difference(tap.take(), ar.modules)
+    diffs = [float((logits[row].double() - ar.logits[row].double()).abs().max()) for row in on_path]
+    return RowCheck(prompt_id, shape, rows, sum(diff == 0 for diff in diffs), len(diffs), max(diffs), first_module,
+                    module_diff)

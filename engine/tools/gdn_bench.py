@@ -1,0 +1,246 @@
+"""What a hybrid's Gated DeltaNet layers cost per decoding step, verify and commit, at a target's shape.
+
+    python -m engine.tools.gdn_bench --model assets/shapes/qwen3.6-27b [--trees ar,chain,ddtree@16,ddtree@64] \\
+        [--also engine.on_vllm.other_fused_module] [--out report.json]
+    python -m engine.tools.gdn_bench --table report.json      # its markdown table
+
+A GPU with vLLM: every linear layer of the shape (random weights, its own state slot each), one
+step's tree verified and its root committed, all layers as one CUDA graph, replayed. Methods:
+``fused`` (``engine.on_vllm.gdn_fused``, what the Studio runs), ``vllm-kernels`` (the readable step,
+``engine.on_vllm.gdn_tree`` over vLLM's kernels) and, for one token, ``vllm-decode``: vLLM's own AR
+(``causal_conv1d_update`` then the packed decode kernel). ``--also`` times other modules with
+``gdn_fused``'s ``verify`` / ``commit`` beside them (a kernel variant under trial). Trees: one token,
+a chain of the drafter's block (DFlash), and DDTree's at each budget, built from peaked random
+distributions like a trained drafter's (deep trees: the path walk's worst case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+import ddtree
+from engine.errors import EngineError
+from engine.gpu.graphs import record
+from engine.models.target import shape_config
+from engine.on_vllm.gdn_tree import GDNParams, GDNTreePlan, AcceptedPath, commit_layer, verify_layer
+
+BLOCK = 16  # the drafter's block: DFlash's chain, DDTree's depth
+SLOT = 3  # (a slot of 1 would reach Triton as a constant)
+
+
+@dataclass(frozen=True)
+class Timing:
+    method: str
+    tree: str
+    nodes: int
+    step_us: float  # all linear layers, verify + commit
+    layer_us: float
+    same_bits: bool | None = None  # an --also module: its nodes' outputs equal ``fused``'s bit for bit
+
+
+@dataclass
+class Layer:
+    params: GDNParams
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
+    mixed_qkv: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor
+
+
+def linear_layers(model: str) -> tuple[int, dict]:
+    config = shape_config(model)
+    text = getattr(config, "text_config", config)
+    count = sum(kind == "linear_attention" for kind in text.layer_types)
+    if not count:
+        raise EngineError(f"{model} has no Gated DeltaNet layers")
+    return count, dict(key_heads=text.linear_num_key_heads, heads=text.linear_num_value_heads,
+                       head_k=text.linear_key_head_dim, head_v=text.linear_value_head_dim,
+                       kernel=text.linear_conv_kernel_dim)
+
+
+def make_layer(shape: dict, q: int, dtype: torch.dtype, device: torch.device) -> Layer:
+    key_dim, value_dim = shape["key_heads"] * shape["head_k"], shape["heads"] * shape["head_v"]
+    channels = 2 * key_dim + value_dim
+
+    def rand(*size, scale=1.0, kind=dtype):
+        return (torch.randn(*size, device=device) * scale).to(kind)
+
+    params = GDNParams(conv_weight=rand(channels, shape["kernel"], scale=0.5), conv_bias=None, activation="silu",
+                       A_log=rand(shape["heads"], scale=0.5, kind=torch.float32),
+                       dt_bias=rand(shape["heads"], scale=0.5, kind=torch.float32), key_dim=key_dim,
+                       value_dim=value_dim, head_k_dim=shape["head_k"], head_v_dim=shape["head_v"])
+    return Layer(params, rand(SLOT + 1, channels, shape["kernel"] - 1),
+                 rand(SLOT + 1, shape["heads"], shape["head_v"], shape["head_k"], scale=0.1, kind=torch.float32),
+                 rand(q, channels), rand(q, shape["heads"]), rand(q, shape["heads"]),
+                 torch.zeros(q, shape["heads"], shape["head_v"], dtype=dtype, device=device))
+
+
+def trees(names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """Each tree's ancestors-and-self mask."""
+    generator = torch.Generator().manual_seed(0)
+    masks = {}
+    for name in names:
+        if name == "ar":
+            masks[name] = torch.ones(1, 1, dtype=torch.bool)
+        elif name == "chain":
+            masks[name] = torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril()
+        elif name.startswith("ddtree@"):
+            logits = torch.randn(BLOCK - 1, 4096, generator=generator)
+            logits[:, 0] += 10  # a drafter sure of ~3 tokens in 4, as a trained one is: trees 15 deep
+            log_probs = torch.log_softmax(logits, dim=-1)
+            masks[name] = ddtree.ancestor_mask(ddtree.build_tree(log_probs, int(name.split("@")[1])).parents)
+        else:
+            raise EngineError(f"unknown tree {name!r}: ar, chain or ddtree@BUDGET")
+    return {name: mask.to(device) for name, mask in masks.items()}
+
+
+def fused_step(module, layers: list[Layer], visible: torch.Tensor):
+    paths = module.TreePaths.build(visible, min(visible.shape[0], 32))
+    root = torch.zeros(paths.table.shape[1], dtype=torch.int32, device=visible.device)
+    one = torch.ones(1, dtype=torch.int32, device=visible.device)
+
+    def step():
+        for layer in layers:
+            kept = module.verify(layer.params, layer.mixed_qkv, layer.a, layer.b, layer.conv_state, layer.ssm_state,
+                                 SLOT, paths, layer.out)
+            module.commit(layer.params, kept, layer.conv_state, layer.ssm_state, SLOT, root, one)
+    return step
+
+
+def readable_step(kernels, layers: list[Layer], visible: torch.Tensor):
+    length = min(visible.shape[0], 32)
+    plan = GDNTreePlan.build(visible, SLOT, layers[0].conv_state.shape[-1], length)
+    accepted = AcceptedPath.build(plan, torch.zeros(length, dtype=torch.long, device=visible.device),
+                                  torch.tensor(1, device=visible.device))
+
+    def step():
+        for layer in layers:
+            out, kept = verify_layer(layer.params, layer.mixed_qkv, layer.a, layer.b, layer.conv_state, layer.ssm_state,
+                                     plan, kernels)
+            commit_layer(layer.params, kept, plan, accepted, layer.conv_state, layer.ssm_state, kernels)
+    return step
+
+
+def vllm_decode_step(layers: list[Layer]):
+    from vllm.model_executor.layers.fla.ops import fused_recurrent_gated_delta_rule_packed_decode
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+
+    slot = torch.tensor([SLOT], dtype=torch.int32, device=layers[0].a.device)
+
+    def step():
+        for layer in layers:
+            p = layer.params
+            convolved = causal_conv1d_update(layer.mixed_qkv, layer.conv_state, p.conv_weight, p.conv_bias,
+                                             p.activation, conv_state_indices=slot)
+            fused_recurrent_gated_delta_rule_packed_decode(
+                mixed_qkv=convolved, a=layer.a, b=layer.b, A_log=p.A_log, dt_bias=p.dt_bias, scale=p.head_k_dim ** -0.5,
+                initial_state=layer.ssm_state, out=layer.out[None], ssm_state_indices=slot,
+                use_qk_l2norm_in_kernel=True)
+    return step
+
+
+def outputs(module, layer: Layer, visible: torch.Tensor) -> torch.Tensor:
+    """Every node's output of one verify on the layer's caches as they are (read only)."""
+    out = torch.zeros_like(layer.out)
+    module.verify(layer.params, layer.mixed_qkv, layer.a, layer.b, layer.conv_state, layer.ssm_state, SLOT,
+                  module.TreePaths.build(visible, min(visible.shape[0], 32)), out)
+    return out
+
+
+def time_graph(step, replays: int) -> float:
+    """µs per replay of ``step`` recorded as one CUDA graph."""
+    step()
+    torch.cuda.synchronize()
+    graph, _ = record(step)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / replays
+
+
+def table(report: dict) -> str:
+    """A report as markdown: µs a layer per tree (columns) and method (rows)."""
+    trees = list(dict.fromkeys(t["tree"] for t in report["timings"]))
+    methods = list(dict.fromkeys(t["method"] for t in report["timings"]))
+    cells = {(t["method"], t["tree"]): t for t in report["timings"]}
+    nodes = {t["tree"]: t["nodes"] for t in report["timings"]}
+    lines = [f"## Gated DeltaNet verify and commit: {report['model']}", "",
+             f"µs a layer, verify and commit ({report['linear_layers']} linear layers, {report['dtype']}, one step's "
+             "tree, all layers replayed as one CUDA graph; `engine.tools.gdn_bench`). `same bits`: every node's "
+             "output equals `fused`'s.", "", f"Command: `{report.get('command', 'python -m engine.tools.gdn_bench')}`",
+             *[f"- {note}" for note in report.get("notes", [])], "",
+             "| method | " + " | ".join(f"{tree} ({nodes[tree]} nodes)" for tree in trees) + " |",
+             "|---|" + "---|" * len(trees)]
+    for method in methods:
+        row = []
+        for tree in trees:
+            timing = cells.get((method, tree))
+            same = "" if timing is None or timing["same_bits"] is None else (
+                ", same bits" if timing["same_bits"] else ", OTHER BITS")
+            row.append("–" if timing is None else f"{timing['layer_us']:.1f}{same}")
+        lines.append(f"| {method} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="assets/shapes/qwen3.6-27b")
+    parser.add_argument("--trees", default="ar,chain,ddtree@16,ddtree@64")
+    parser.add_argument("--also", default="", help="modules with gdn_fused's verify/commit, timed beside it")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--out")
+    parser.add_argument("--table", metavar="REPORT", help="print a report's markdown table and stop")
+    args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as handle:
+            print(table(json.load(handle)))
+        return 0
+    if not torch.cuda.is_available():
+        raise EngineError("gdn_bench times CUDA kernels: it needs a GPU")
+    from engine.on_vllm import vllm_gdn
+
+    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    count, shape = linear_layers(args.model)
+    modules = {"fused": importlib.import_module("engine.on_vllm.gdn_fused")}
+    modules |= {name: importlib.import_module(name) for name in filter(None, args.also.split(","))}
+    timings = []
+    for tree, visible in trees(args.trees.split(","), device).items():
+        q = visible.shape[0]
+        layers = [make_layer(shape, q, dtype, device) for _ in range(count)]
+        steps = {name: fused_step(module, layers, visible) for name, module in modules.items()}
+        steps["vllm-kernels"] = readable_step(vllm_gdn.KERNELS, layers, visible)
+        if q == 1:
+            steps["vllm-decode"] = vllm_decode_step(layers)
+        for method, step in steps.items():
+            us = time_graph(step, args.replays)
+            same = (torch.equal(outputs(modules[method], layers[0], visible), outputs(modules["fused"], layers[0], visible))
+                    if method in modules and method != "fused" else None)
+            timings.append(Timing(method, tree, q, round(us, 1), round(us / count, 2), same))
+            print(f"{tree:>10} ({q:>3} nodes)  {method:<34} {us:9.1f} µs a step  {us / count:7.2f} µs a layer"
+                  + ("" if same is None else f"  same bits as fused: {'yes' if same else 'NO'}"), flush=True)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"command": "python -m engine.tools.gdn_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+                       "model": args.model, "linear_layers": count, "dtype": args.dtype,
+                       "timings": [asdict(t) for t in timings]}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except EngineError as error:
+        sys.exit(f"error: {error}")
