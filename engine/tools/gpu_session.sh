@@ -121,7 +121,9 @@ shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; 
   # engines (the Studio's, then vLLM's own AR once the Studio's has closed). LAYERS=8: the shape cut to its first
   # 8 layers (the drafter tapping layers within them): for kernel profiles (DDTREE_SLOWEST_KERNELS=40 names 40
   # kernels a stage), not for the headline numbers. It still took 8 min on a cold machine with STEP=--compile-step
-  # KERNELS=1 LIMIT=1 BUDGETS=16,64 TOKENS=32 (2026-12-04): vLLM's start and compilation, not the layers, take the time
+  # KERNELS=1 LIMIT=1 BUDGETS=16,64 TOKENS=32 (2026-12-04): vLLM's start and compilation, not the layers, take the time.
+  # Its log shows what --compile-step does to vLLM's model: dynamo breaks the graph at each decoder layer and hits its
+  # recompile limit (8) on the layers' frames, so most target layers stay eager (TORCH_LOGS=graph_breaks names why)
   shape=${SHAPE:-qwen3-8b}
   folder=assets/shapes/$shape
   if [ -n "${LAYERS:-}" ]; then
