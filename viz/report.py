@@ -2,10 +2,13 @@
 
     python -m viz.report --results results/*.json --out BENCHMARKS.md [--assets assets/bench]
     python -m viz.report --results results/*.json --headline    # just the README table
+    python -m viz.report --results "benchmarks/*.json" "benchmarks/hybrid/*.json" "benchmarks/shapes/*.json" \
+        "benchmarks/baseline/*.json" --append "benchmarks/kernels/*.md" --out BENCHMARKS.md    # the repo's
 
 Each results file is one measurement setting (say, CPU torch engine, or a GPU) and gets
 its own section: where and how it was measured, τ / tokens/s / speedup per method,
 per-position acceptance, a budget trade-off plot and an acceptance-length histogram.
+``--append`` adds sections other tools wrote, as they are (``engine.tools.gdn_bench --table``'s).
 """
 
 from __future__ import annotations
