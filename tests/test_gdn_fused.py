@@ -145,6 +145,21 @@ def test_real_head_sizes_score_like_decoding(budget):
         assert same(out[node], expected[-1]), node
 
 
+def test_a_slot_of_one_is_a_slot_too():
+    """Triton compiles an integer argument equal to 1 as a constant unless told not to (the programs say so)."""
+    params, conv_state, ssm_state = layer(8, DEVICE.type)
+    conv_state[1], ssm_state[1] = conv_state[SLOT], ssm_state[SLOT]
+    visible = torch.ones(4, 4, dtype=torch.bool, device=DEVICE).tril()
+    mixed_qkv, a, b = node_inputs(4, 8, params, DEVICE.type)
+    heads = params.value_dim // params.head_v_dim
+    outs = []
+    for slot in (SLOT, 1):
+        out = torch.zeros(4, heads, params.head_v_dim, dtype=mixed_qkv.dtype, device=DEVICE)
+        gdn_fused.verify(params, mixed_qkv, a, b, conv_state, ssm_state, slot, gdn_fused.TreePaths.build(visible, 4), out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_a_node_forked_from_its_sibling_is_caught():
     """The checks above can fail: hand node 5 its sibling's path instead of its parent's."""
     params, conv_state, ssm_state = layer(0, DEVICE.type)

@@ -162,7 +162,7 @@ if triton is not None:
             acc = acc / (1 + tl.exp(-acc))
         return acc.to(newest.dtype)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slot"])  # a slot of 1 would otherwise compile as a constant
     def _verify_kernel(x, stride_x, a, stride_a, b, stride_b, weight, stride_w_dim, stride_w_tap, bias, A_log, dt_bias,
                        conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot,
                        table, depth, chain_start, out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b,
@@ -255,7 +255,7 @@ if triton is not None:
         tl.store(window + channels[None, :] * stride_cs_dim + columns[:, None] * stride_cs_tok, shifted,
                  mask=(columns < WIDTH - 1)[:, None] & mask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slot"])
     def _commit_kernel(kept_x, kept_conv, stride_x, kept_a, kept_b, A_log, dt_bias, conv_state, stride_cs_slot,
                        stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot, path, length_ptr, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
