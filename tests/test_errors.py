@@ -137,6 +137,7 @@ def test_a_tree_budget_below_one_or_not_a_number_is_one_clear_line(budgets):
     (["--engine", "vllm"], "error: the vLLM engine needs a CUDA GPU; on this machine use --engine torch"),
     (["--native", "ar"], "error: --native times vLLM's own decoding: it needs --engine vllm (or --device cuda)"),
     (["--count-kernels"], "error: --count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda"),
+    (["--vllm-compile"], "error: --vllm-compile has vLLM compile the target it serves: it needs --engine vllm"),
     (["--native-max-seqs", "8"], "error: --native-max-seqs sets vLLM's own runs: it needs --native and a count (0: "
                                  "vLLM's default), got 8 without --native"),
 ])

@@ -49,6 +49,9 @@ class VllmOptions:
     cuda_graphs: bool = True  # the Studio's own graphs: vLLM itself runs eager (see module doc)
     fixed_step: bool = True  # greedy runs as fixed-shape device programs (engine.loop.fixed_step)
     compile_step: bool = False  # their own stages (draft, tree, walk) through torch.compile
+    # vLLM compiles the target itself (its inductor graph, native ops fused, one graph for every pass size) in
+    # place of running it eagerly; the Studio's CUDA graphs replay it as before. For A/B runs: not yet on a GPU
+    vllm_compile: bool = False
     random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
@@ -226,12 +229,16 @@ class VllmDecoder(Decoder):
         vllm = require_vllm()
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.options, self.drafter_path = options, drafter_path
+        settings = llm_settings(folder, studio=True)
+        if options.vllm_compile:  # vLLM compiles after loading: the drafter's taps must be in the graph it traces
+            taps = drafter.hidden_state_indices if drafter is not None else []
+            settings["additional_config"] = settings.get("additional_config", {}) | {"ddtree_taps": taps}
+            settings["compilation_config"] = {"cudagraph_mode": "NONE"}  # the Studio records its own graphs
         self.llm = vllm.LLM(
             model=folder, dtype=dtype, seed=seed, tensor_parallel_size=options.tensor_parallel_size,
-            enforce_eager=True, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
+            enforce_eager=not options.vllm_compile, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
             gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
-            tokenizer=tokenizer_folder(folder), load_format="dummy" if options.random_weights else "auto",
-            **llm_settings(folder, studio=True),
+            tokenizer=tokenizer_folder(folder), load_format="dummy" if options.random_weights else "auto", **settings,
         )
         loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
                                                               drafter_info.name, options.cuda_graphs,
@@ -258,7 +265,8 @@ class VllmDecoder(Decoder):
         trace = Trace.from_json(raw)
         trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
                                   f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}, "
-                                  f"{trace.config.step} step")
+                                  f"{trace.config.step} step"
+                                  + (", target compiled by vLLM" if self.options.vllm_compile else ""))
         if on_step is not None:
             for step in trace.steps:
                 on_step(trace, step)

@@ -13,6 +13,8 @@ kernel still has from vLLM's removed tree-attention backend). With ``DDTREE_ATTE
 environment the wrapper also keeps one-token passes on the kernel's 2D launch, which every pass of
 more rows takes (vLLM's own decode splits the context into segments, the 3D launch, reducing it in
 another order): an experiment on row invariance (``engine.tools.row_invariance --engine vllm``).
+And ``GPUModelRunner.load_model`` is wrapped so that, where vLLM compiles the target
+(``VllmOptions.vllm_compile``), the drafter's tapped layers are set before it traces the model.
 Hybrid targets (Gated DeltaNet layers) add two more, in ``engine.on_vllm.vllm_gdn``, imported only
 for them. Nothing else is patched.
 """
@@ -29,7 +31,9 @@ import vllm.v1.attention.backends.triton_attn as triton_attn
 from vllm.distributed import tensor_model_parallel_all_gather
 from vllm.distributed.parallel_state import graph_capture
 from vllm.forward_context import set_forward_context
+from vllm.config import CompilationMode
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import ddtree
 from ddtree.fixed import compaction_rows
@@ -67,6 +71,18 @@ def _unified_attention_with_tree(*args, **kwargs):
 
 _unified_attention = triton_attn.unified_attention
 triton_attn.unified_attention = _unified_attention_with_tree
+
+
+def _load_model_with_taps(self, *args, **kwargs):
+    _load_model(self, *args, **kwargs)
+    taps = (self.vllm_config.additional_config or {}).get("ddtree_taps")
+    if taps is not None:  # the Studio's engine with vLLM compiling: the drafter's taps, in the graph it will trace
+        getattr(self.model, "language_model", self.model).model.aux_hidden_state_layers = tuple(sorted(set(taps)))
+        self.use_aux_hidden_state_outputs = bool(taps)  # its own passes (profiling, warm-up) then unpack them
+
+
+_load_model = GPUModelRunner.load_model
+GPUModelRunner.load_model = _load_model_with_taps
 
 
 @dataclass
@@ -163,6 +179,7 @@ class PagedTarget(Target):
         # a multimodal checkpoint (Qwen3.5 / 3.6) runs its language model alone: the Studio sends text
         self.text_model = getattr(model, "language_model", model)
         self.compiled_model = None  # torch.compile of it, for the fixed step's verify (--compile-step)
+        self.vllm_compiled = self.vllm_config.compilation_config.mode != CompilationMode.NONE  # then never again
         self.mrope = runner.model_config.uses_mrope
         self._embedding = _full_vocab(self.text_model.model.embed_tokens.weight, self.config.vocab_size)
         head = self.text_model.model.embed_tokens if self.config.tie_word_embeddings else self.text_model.lm_head
@@ -235,7 +252,7 @@ class PagedTarget(Target):
         """One pass of vLLM's model; ``compiled``: through torch.compile at this fixed size (inductor
         fuses the eager model's norms, rotary and activations: a few hundred kernels fewer a pass)."""
         model = self.text_model
-        if compiled:
+        if compiled and not self.vllm_compiled:
             if self.compiled_model is None:
                 self.compiled_model = torch.compile(self.text_model, dynamic=False)
             model = self.compiled_model

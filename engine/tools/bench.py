@@ -441,6 +441,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile-step", action="store_true",
                         help="fixed step: its draft pass, tree and walk through torch.compile, and on the vLLM "
                              "engine the target's verify pass too (fused kernels; compiles at first use)")
+    parser.add_argument("--vllm-compile", action="store_true",
+                        help="vllm engine: vLLM compiles the target itself (its inductor graph, one for every pass "
+                             "size) instead of running it eagerly; the Studio's CUDA graphs replay it as before")
     parser.add_argument("--reduced-traces", action="store_true",
                         help="also time every method with traces kept to the committed tokens (label suffix :tokens)")
     parser.add_argument("--count-kernels", action="store_true",
@@ -481,6 +484,8 @@ def _main(args: argparse.Namespace) -> int:
     gpu = on_gpu(args)
     if args.native and not gpu:
         raise EngineError("--native times vLLM's own decoding: it needs --engine vllm (or --device cuda)")
+    if args.vllm_compile and args.engine != "vllm":
+        raise EngineError("--vllm-compile has vLLM compile the target it serves: it needs --engine vllm")
     if args.native_max_seqs is not None and (not args.native or args.native_max_seqs < 0):
         raise EngineError(f"--native-max-seqs sets vLLM's own runs: it needs --native and a count (0: vLLM's "
                           f"default), got {args.native_max_seqs}" + ("" if args.native else " without --native"))
@@ -553,6 +558,7 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
         "cuda_graphs": not args.no_cuda_graphs if gpu else None,
         "step": "readable" if step == "readable" else "fixed", "compile_step": step == "compiled fixed",
+        "vllm_compile": args.vllm_compile if args.engine == "vllm" else None,
         "vllm_ar_settings": native_ar_settings(args.native_max_seqs) if args.native else None,
         "vllm_mtp_tokens": args.native_mtp_tokens if "mtp" in args.native else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
@@ -611,7 +617,8 @@ def _load(args: argparse.Namespace, dtype: str):
     if args.engine == "vllm":
         options = VllmOptions(tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.no_cuda_graphs,
                               fixed_step=args.step == "fixed", compile_step=args.compile_step,
-                              random_weights=args.random_weights, gpu_memory_utilization=args.gpu_memory_utilization)
+                              random_weights=args.random_weights, gpu_memory_utilization=args.gpu_memory_utilization,
+                              vllm_compile=args.vllm_compile)
         return load_vllm_decoder(args.model, args.drafter, dtype=dtype, seed=args.seed, options=options)
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
                         fixed_step=args.step == "fixed",

@@ -56,7 +56,8 @@
 #              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
 # (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
-# (STEP=--compile-step TAG=-compiled: the compiled step).
+# (STEP=--compile-step TAG=-compiled: the compiled step; STEP=--vllm-compile: vLLM compiles the target itself, which
+# --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile limit: not run yet).
 set -uo pipefail
 PHASES='check, kernels, gdn, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
