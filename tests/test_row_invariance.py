@@ -32,9 +32,32 @@ def test_the_first_row_count_dependent_op_is_named(monkeypatch):
     lone = by_shape["chain", 1]
     assert lone.first_module is None and lone.equal_rows == lone.compared_rows == 1 and lone.max_abs_diff == 0
     for key in (("chain", 5), ("tree", 5), ("chain", 17), ("tree", 17)):
-        assert by_shape[key].first_module == "model.layers.0.input_layernorm", key
+        assert by_shape[key].first_row == 0 and by_shape[key].first_module == "model.layers.0.input_layernorm", key
         assert by_shape[key].module_abs_diff == pytest.approx(1e-9 * (key[1] - 1))
     assert by_shape["chain", 17].compared_rows == 17 and by_shape["tree", 17].compared_rows == 8  # AR's path only
+
+
+def test_a_later_row_leaving_ar_is_found_and_its_module_named(monkeypatch):
+    """The root row can be AR's while a later row is not (an attention kernel that tiles its queries): the first
+    such row is compared module by module with its own AR step."""
+    monkeypatch.setattr(torch.nn.Linear, "forward", one_row_at_a_time)
+    target = tiny_target()
+
+    def third_row_on(module, inputs, output):
+        if output.shape[1] <= 2:
+            return output
+        output = output.clone()
+        output[:, 2:] += 1e-6
+        return output
+
+    target.model.model.layers[0].input_layernorm.register_forward_hook(third_row_on)
+    with torch.inference_mode():
+        checks = {(c.shape, c.rows): c for c in check(target, "p", [5, 6, 7, 8, 9], [5, 17])}
+    for key in (("chain", 5), ("chain", 17), ("tree", 17)):
+        found = checks[key]
+        assert found.first_row == 2 and found.equal_rows == 2, key
+        assert found.first_module == "model.layers.0.input_layernorm" and found.module_abs_diff > 0, key
+    assert checks["tree", 5].first_row is None  # its AR rows are the root and node 1; the siblings are not compared
 
 
 def test_bad_row_counts_are_one_line(capsys):

@@ -3,8 +3,8 @@
 A verify pass over a chain of AR's own greedy tokens holds, in every row, an AR step: row i after
 the context must give AR's i-th logits bit for bit. A tree holds the chain and siblings beside it;
 its chain rows must too. ``check`` verifies one context as a chain and as a tree of each row count,
-counts the rows whose logits equal AR's, and for the root row names the first module (in execution
-order) whose output differs from the AR step's. The command is ``engine.tools.row_invariance``; vLLM's
+counts the rows whose logits equal AR's, and for the first row that does not names the first module
+(in execution order) whose output differs from that row's AR step's. The command is ``engine.tools.row_invariance``; vLLM's
 workers run ``check`` on their own target (``engine.on_vllm.vllm_worker``).
 """
 
@@ -29,15 +29,17 @@ class RowCheck:
     equal_rows: int  # rows on AR's path whose logits equal AR's bit for bit
     compared_rows: int
     max_abs_diff: float  # over the compared rows' logits
-    first_module: str | None  # the root row's first module whose output differs from the AR step's
+    first_row: int | None  # the first row on AR's path whose logits leave AR's (0: the root)
+    first_module: str | None  # that row's first module whose output differs from its AR step's
     module_abs_diff: float
 
 
 class ModuleTap:
-    """Every leaf module's first output in a pass, for its root row (by name, in execution order)."""
+    """Every leaf module's first output in a pass, for one row (``row``; by name, in execution order)."""
 
     def __init__(self, model: torch.nn.Module):
         self.outputs: dict[str, torch.Tensor] = {}
+        self.row = 0
         self.handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()
                         if name and not list(module.children())]
 
@@ -45,7 +47,9 @@ class ModuleTap:
         def keep(module, inputs, output):
             tensor = output[0] if isinstance(output, tuple) else output
             if name not in self.outputs and torch.is_tensor(tensor) and tensor.dim() >= 2:
-                self.outputs[name] = (tensor[0, 0] if tensor.dim() >= 3 else tensor[0]).detach().clone()
+                rows = tensor[0] if tensor.dim() >= 3 else tensor  # [1, q, ...] (Hugging Face) or [q, ...] (vLLM)
+                if self.row < rows.shape[0]:
+                    self.outputs[name] = rows[self.row].detach().clone()
         return keep
 
     def take(self) -> dict[str, torch.Tensor]:
@@ -68,25 +72,32 @@ def first_difference(ours: dict[str, torch.Tensor], reference: dict[str, torch.T
 
 @dataclass(frozen=True)
 class ArSteps:
-    """AR from the context: its greedy tokens (the prefill's first), each step's logits, and the first
-    step's module outputs."""
+    """AR from the context: its greedy tokens (the prefill's first) and each step's logits."""
 
     tokens: list[int]  # tokens[0]: the prefill's next token, the root of every verify pass
     logits: list[torch.Tensor]  # logits[i]: the step that takes tokens[i]
-    modules: dict[str, torch.Tensor]
 
 
-def ar_steps(target: Target, cache, past: int, first: int, steps: int, tap: ModuleTap) -> ArSteps:
-    tokens, logits, modules = [first], [], {}
+def ar_steps(target: Target, cache, past: int, first: int, steps: int) -> ArSteps:
+    tokens, logits = [first], []
     for step in range(steps):
-        ids = torch.tensor([[tokens[-1]]], device=target.device)
-        out, _ = target.forward(ids, torch.tensor([[past + step]], device=target.device), cache)
-        if step == 0:
-            modules = tap.take()
+        out = _ar_step(target, cache, past, step, tokens[-1])
         logits.append(out[0])
         tokens.append(int(out[0].argmax()))
-    tap.take()
-    return ArSteps(tokens[:steps], logits, modules)
+    return ArSteps(tokens[:steps], logits)
+
+
+def _ar_step(target: Target, cache, past: int, step: int, token: int) -> torch.Tensor:
+    ids = torch.tensor([[token]], device=target.device)
+    return target.forward(ids, torch.tensor([[past + step]], device=target.device), cache)[0]
+
+
+def ar_modules(target: Target, cache, past: int, ar: ArSteps, step: int, tap: ModuleTap) -> dict[str, torch.Tensor]:
+    """The module outputs of AR's step ``step`` (decoding again from the context in ``cache``, which it advances)."""
+    for i in range(step + 1):
+        tap.take()
+        _ar_step(target, cache, past, i, ar.tokens[i])
+    return tap.take()
 
 
 def tree_with_siblings(chain: int, rows: int, seed: int) -> tuple[torch.Tensor, list[int]]:
@@ -107,9 +118,8 @@ def check(target: Target, prompt_id: str, context: list[int], rows_list: list[in
         cache = target.new_cache()
         ids = torch.tensor([context], device=target.device)
         prefill, _ = target.forward(ids, torch.arange(len(context), device=target.device)[None], cache)
-        tap.take()
         past = len(context)
-        ar = ar_steps(target, copy.deepcopy(cache), past, int(prefill[-1].argmax()), max(rows_list), tap)
+        ar = ar_steps(target, copy.deepcopy(cache), past, int(prefill[-1].argmax()), max(rows_list))
         checks = []
         for rows in rows_list:
             chain = max(1, rows // 2)
@@ -117,8 +127,7 @@ def check(target: Target, prompt_id: str, context: list[int], rows_list: list[in
             if rows > 1:
                 shapes["tree"] = tree_with_siblings(chain, rows, seed + rows)
             for shape, (parents, on_path) in shapes.items():
-                checks.append(_verify(target, tap, copy.deepcopy(cache), past, ar, prompt_id, shape, parents, on_path,
-                                      seed + rows))
+                checks.append(_verify(target, tap, cache, past, ar, prompt_id, shape, parents, on_path, seed + rows))
         return checks
     finally:
         tap.close()
@@ -126,6 +135,8 @@ def check(target: Target, prompt_id: str, context: list[int], rows_list: list[in
 
 def _verify(target: Target, tap: ModuleTap, cache, past: int, ar: ArSteps, prompt_id: str, shape: str,
             parents: torch.Tensor, on_path: list[int], seed: int) -> RowCheck:
+    """One verify pass from the context in ``cache`` (left as it is); where a row leaves AR, the pass again
+    and AR's step for that row, module by module."""
     rows = parents.numel() + 1
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.config.vocab_size, (rows,), generator=generator)
@@ -133,8 +144,22 @@ def _verify(target: Target, tap: ModuleTap, cache, past: int, ar: ArSteps, promp
     visible = ddtree.ancestor_mask(parents)
     depth = visible.sum(dim=1) - 1
     bias = target.tree_bias(visible, past) if rows > 1 else None
-    logits, _ = target.forward(tokens[None].to(target.device), (past + depth)[None].to(target.device), cache, bias)
-    first_module, module_diff = first_difference(tap.take(), ar.modules)
+
+    def verify() -> torch.Tensor:
+        return target.forward(tokens[None].to(target.device), (past + depth)[None].to(target.device),
+                              copy.deepcopy(cache), bias)[0]
+
+    logits = verify()
     diffs = [float((logits[row].double() - ar.logits[row].double()).abs().max()) for row in on_path]
-    return RowCheck(prompt_id, shape, rows, sum(diff == 0 for diff in diffs), len(diffs), max(diffs), first_module,
-                    module_diff)
+    first_row = next((index for index, diff in enumerate(diffs) if diff != 0), None)
+    first_module, module_diff = None, 0.0
+    if first_row is not None:
+        tap.take()
+        tap.row = on_path[first_row]
+        verify()
+        ours = tap.take()
+        tap.row = 0
+        first_module, module_diff = first_difference(ours, ar_modules(target, copy.deepcopy(cache), past, ar, first_row,
+                                                                      tap))
+    return RowCheck(prompt_id, shape, rows, sum(diff == 0 for diff in diffs), len(diffs), max(diffs), first_row,
+                    first_module, module_diff)

@@ -12,8 +12,8 @@ many rows the pass holds: a GEMM kernel or split-K chosen by the row count, a fu
 attention that groups its reduction over the context differently with an explicit mask.
 
 For each row count the tool verifies the same context as a chain and as a tree, counts the rows
-whose logits equal AR's bit for bit, and, for the root row, compares every module's output with
-the AR step's in execution order and names the first that differs: the op to make
+whose logits equal AR's bit for bit, and, for the first row that does not, compares every module's
+output with its AR step's in execution order and names the first that differs: the op to make
 row-invariant first. Prints one table; ``--out`` writes the report as JSON.
 """
 
@@ -34,12 +34,13 @@ from engine.tools.bench import read_prompts
 
 
 def format_checks(checks: list[RowCheck]) -> str:
-    lines = ["| prompt | shape | rows | rows equal to AR | largest logit gap | first module leaving AR (root row) "
-             "| its largest gap |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| prompt | shape | rows | rows equal to AR | largest logit gap | first row leaving AR "
+             "| its first module leaving AR | its largest gap |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in checks:
         lines.append(f"| {c.prompt_id} | {c.shape} | {c.rows} | {c.equal_rows}/{c.compared_rows} | "
-                     f"{c.max_abs_diff:.3g} | {c.first_module or '– (none)'} | {c.module_abs_diff:.3g} |")
+                     f"{c.max_abs_diff:.3g} | {'–' if c.first_row is None else c.first_row} | "
+                     f"{c.first_module or '– (none)'} | {c.module_abs_diff:.3g} |")
     return "\n".join(lines)
 
 
