@@ -101,14 +101,25 @@ def ar_modules(target: Target, cache, past: int, ar: ArSteps, step: int, tap: Mo
 
 
 def tree_with_siblings(chain: int, rows: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """Parents (``ddtree`` convention: node i's parent, 0 the root) of a tree whose first ``chain``
-    nodes are the chain and whose other ``rows - chain`` nodes hang off random chain nodes, and which
-    nodes are the chain's (its rows have AR counterparts)."""
+    """Parents (``ddtree`` convention: node i's parent, 0 the root) of a tree of ``rows`` nodes holding a chain of
+    ``chain`` (its rows have AR counterparts) and siblings hanging off random chain nodes, one after each chain node
+    while they last: the chain's ancestors sit apart in the pass, as the nodes of a DDTree path do. Returns the
+    parents and the chain's node indices."""
     generator = torch.Generator().manual_seed(seed)
-    parents = list(range(chain - 1))  # chain node i + 1 hangs off chain node i
-    for _ in range(rows - chain):
-        parents.append(int(torch.randint(0, chain, (1,), generator=generator)))
-    return torch.tensor(parents), list(range(chain))
+    parents, on_path, siblings = [], [0], rows - chain
+
+    def sibling() -> None:
+        parents.append(on_path[int(torch.randint(0, len(on_path), (1,), generator=generator))])
+
+    for _ in range(chain - 1):
+        if siblings:
+            sibling()
+            siblings -= 1
+        parents.append(on_path[-1])
+        on_path.append(len(parents))
+    for _ in range(siblings):
+        sibling()
+    return torch.tensor(parents, dtype=torch.long), on_path
 
 
 def check(target: Target, prompt_id: str, context: list[int], rows_list: list[int], seed: int = 0
