@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 import torch
 import vllm
 import vllm.v1.attention.backends.triton_attn as triton_attn
+from vllm.config import CompilationMode
 from vllm.distributed import tensor_model_parallel_all_gather
 from vllm.distributed.parallel_state import graph_capture
 from vllm.forward_context import set_forward_context
-from vllm.config import CompilationMode
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -179,7 +179,8 @@ class PagedTarget(Target):
         # a multimodal checkpoint (Qwen3.5 / 3.6) runs its language model alone: the Studio sends text
         self.text_model = getattr(model, "language_model", model)
         self.compiled_model = None  # torch.compile of it, for the fixed step's verify (--compile-step)
-        self.vllm_compiled = self.vllm_config.compilation_config.mode != CompilationMode.NONE  # then never again
+        # vLLM compiled the model itself (--vllm-compile): torch.compile it no further
+        self.vllm_compiled = self.vllm_config.compilation_config.mode != CompilationMode.NONE
         self.mrope = runner.model_config.uses_mrope
         self._embedding = _full_vocab(self.text_model.model.embed_tokens.weight, self.config.vocab_size)
         head = self.text_model.model.embed_tokens if self.config.tie_word_embeddings else self.text_model.lm_head
@@ -249,8 +250,9 @@ class PagedTarget(Target):
 
     def run_model(self, ids, positions, metadata: dict, slots, bias, prefill: bool = False, compiled: bool = False
                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One pass of vLLM's model; ``compiled``: through torch.compile at this fixed size (inductor
-        fuses the eager model's norms, rotary and activations: a few hundred kernels fewer a pass)."""
+        """One pass of vLLM's model; ``compiled``: through torch.compile at this fixed size, unless vLLM compiled
+        the model itself. (Dynamo breaks vLLM's graph at each decoder layer and stops at its recompile limit, so
+        past the first layers they run eagerly: on a hybrid most of the target stays eager.)"""
         model = self.text_model
         if compiled and not self.vllm_compiled:
             if self.compiled_model is None:
