@@ -45,7 +45,7 @@
 #              Studio's engine took 2.7 min to start, its four methods 1.7 min, and vLLM's own AR 1.8 min to compile
 #              before it timed anything: LIMIT=2 BUDGETS=16,64 TOKENS=64 needs the whole 560 s. NATIVE=ar,mtp adds
 #              vLLM's own MTP (~2 min more): run it in the next call while the compile caches are warm (BUDGETS=16
-#              with NATIVE=ar,mtp took 4.8 min there). Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
+#              with NATIVE=ar,mtp took 4.8 min there; NATIVE= times the Studio's methods alone). Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
 #              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
 #   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
 #              1, 17, 65 and 129 rows, chain and tree, against AR's steps, bit for bit; the torch engine's kernels in bf16,
@@ -134,8 +134,9 @@ shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; 
   fi
   results="$OUT/gpu-$shape-random$TAG.json"
   kernels=$([ "${KERNELS:-1}" = 1 ] && echo --count-kernels)  # KERNELS=0: no kernel counts (each method profiled once more)
+  native=${NATIVE-ar}  # NATIVE= (set, empty): the Studio's methods alone, to split a cold run in two calls
   timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress --random-weights --model "$folder" \
-      --drafter "$folder-dflash-b16" --native "${NATIVE:-ar}" --gpu-memory-utilization "${UTIL:-0.4}" \
+      --drafter "$folder-dflash-b16" ${native:+--native "$native"} --gpu-memory-utilization "${UTIL:-0.4}" \
       --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-5}" $STEP $kernels \
       --methods ar,dflash,ddtree --tree-budget "${BUDGETS:-1,16,32,64,128,256,512}" --max-new-tokens "$TOKENS" \
       --out "$results" > "$OUT/bench-shape-$shape.txt" 2>&1
