@@ -183,6 +183,17 @@ def test_bad_settings_fail_in_the_driver_and_the_engine_keeps_serving(studio):
     assert studio.run(prompts(1)[0], DecodeSettings("ar", 4)).summary.new_tokens == 4
 
 
+def test_the_row_check_runs_in_the_workers(studio):
+    """``engine.tools.row_invariance --engine vllm``: the check on vLLM's own model and kernels, in its worker."""
+    from engine.loop.row_check import RowCheck
+
+    ids = studio.target.chat_ids(prompts(1)[0])
+    found = [RowCheck(**c) for c in studio.llm.collective_rpc("studio_rows", args=([("p", ids)], [1, 5]))[0]]
+    assert [(c.shape, c.rows, c.compared_rows) for c in found] == [("chain", 1, 1), ("chain", 5, 5), ("tree", 5, 2)]
+    assert found[0].equal_rows == 1 and found[0].first_row is None  # one row is AR's own step
+    assert studio.run(prompts(1)[0], DecodeSettings("ar", 4)).summary.new_tokens == 4  # and the engine serves on
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensor_parallel_ddtree_equals_one_gpu(studio):
     """Both runs use the same weights: for 2 GPUs the bundled SmolLM2 is served as its equivalent
