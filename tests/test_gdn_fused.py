@@ -155,7 +155,8 @@ def test_a_slot_of_one_is_a_slot_too():
     outs = []
     for slot in (SLOT, 1):
         out = torch.zeros(4, heads, params.head_v_dim, dtype=mixed_qkv.dtype, device=DEVICE)
-        gdn_fused.verify(params, mixed_qkv, a, b, conv_state, ssm_state, slot, gdn_fused.TreePaths.build(visible, 4), out)
+        paths = gdn_fused.TreePaths.build(visible, 4)
+        gdn_fused.verify(params, mixed_qkv, a, b, conv_state, ssm_state, slot, paths, out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 

@@ -1,4 +1,5 @@
-"""``engine.loop.row_check`` (``engine.tools.row_invariance``) names the first op whose row depends on how many rows a pass holds."""
+"""``engine.loop.row_check`` (``engine.tools.row_invariance``) names the first op whose row depends on how
+many rows a pass holds."""
 
 from __future__ import annotations
 
@@ -67,4 +68,5 @@ def test_bad_row_counts_are_one_line(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")
 def test_the_vllm_engine_without_a_gpu_is_one_line(capsys):
     assert main(["--engine", "vllm", "--limit", "1"]) == 2
-    assert capsys.readouterr().err.strip() == "error: the vLLM engine needs a CUDA GPU; on this machine use --engine torch"
+    assert capsys.readouterr().err.strip() == ("error: the vLLM engine needs a CUDA GPU; on this machine use "
+                                               "--engine torch")

@@ -4,8 +4,8 @@ A verify pass over a chain of AR's own greedy tokens holds, in every row, an AR 
 the context must give AR's i-th logits bit for bit. A tree holds the chain and siblings beside it;
 its chain rows must too. ``check`` verifies one context as a chain and as a tree of each row count,
 counts the rows whose logits equal AR's, and for the first row that does not names the first module
-(in execution order) whose output differs from that row's AR step's. The command is ``engine.tools.row_invariance``; vLLM's
-workers run ``check`` on their own target (``engine.on_vllm.vllm_worker``).
+(in execution order) whose output differs from that row's AR step's. The command is
+``engine.tools.row_invariance``; vLLM's workers run ``check`` on their own target (``engine.on_vllm.vllm_worker``).
 """
 
 from __future__ import annotations

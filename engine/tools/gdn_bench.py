@@ -224,17 +224,20 @@ def main(argv: list[str] | None = None) -> int:
         steps["vllm-kernels"] = readable_step(vllm_gdn.KERNELS, layers, visible)
         if q == 1:
             steps["vllm-decode"] = vllm_decode_step(layers)
+        # before any timing commits into the states: every module verifies the same caches (a verify writes none)
+        reference = outputs(modules["fused"], layers[0], visible)
+        same_bits = {name: torch.equal(outputs(module, layers[0], visible), reference)
+                     for name, module in modules.items() if name != "fused"}
         for method, step in steps.items():
             us = time_graph(step, args.replays)
-            same = (torch.equal(outputs(modules[method], layers[0], visible), outputs(modules["fused"], layers[0], visible))
-                    if method in modules and method != "fused" else None)
+            same = same_bits.get(method)
             timings.append(Timing(method, tree, q, round(us, 1), round(us / count, 2), same))
             print(f"{tree:>10} ({q:>3} nodes)  {method:<34} {us:9.1f} µs a step  {us / count:7.2f} µs a layer"
                   + ("" if same is None else f"  same bits as fused: {'yes' if same else 'NO'}"), flush=True)
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"command": "python -m engine.tools.gdn_bench " + " ".join(sys.argv[1:] if argv is None else argv),
-                       "model": args.model, "linear_layers": count, "dtype": args.dtype,
+            command = "python -m engine.tools.gdn_bench " + " ".join(sys.argv[1:] if argv is None else argv)
+            json.dump({"command": command, "model": args.model, "linear_layers": count, "dtype": args.dtype,
                        "timings": [asdict(t) for t in timings]}, handle, indent=1)
     return 0
 
