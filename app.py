@@ -218,18 +218,22 @@ def check_consistent(trace: Trace) -> None:
 # ---------------------------------------------------------------- running the model
 
 class LiveRun:
-    """One decoder run on the model thread; the handler polls ``trace`` as it grows."""
+    """One decoder run on the model thread; the handler polls ``trace`` as it grows. ``warm_up``: a compiled
+    step's first run of its method and budget; a short untimed run builds its programs first, so the run shown
+    (and its speed) pays for no compilation."""
 
     def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-                 control: RunControl):
+                 control: RunControl, warm_up: bool = False):
         self.trace: Trace | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
-        studio.worker.submit(self._work, studio.decoder, prompt, prompt_ids, settings, control)
+        studio.worker.submit(self._work, studio.decoder, prompt, prompt_ids, settings, control, warm_up)
 
     def _work(self, decoder: Decoder, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-              control: RunControl) -> None:
+              control: RunControl, warm_up: bool) -> None:
         try:
+            if warm_up:
+                decoder.run(prompt, settings.warm_up(), prompt_ids=prompt_ids, should_stop=lambda: control.stop)
             self.trace = decoder.run(prompt, settings, prompt_ids=prompt_ids, on_step=self._on_step,
                                      should_stop=lambda: control.stop)
         except Exception as exc:  # handed to the UI thread, which reports it
@@ -252,7 +256,7 @@ def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: Decod
         yield None
     live = None
     try:
-        live = LiveRun(studio, prompt, prompt_ids, settings, control)
+        live = LiveRun(studio, prompt, prompt_ids, settings, control, warm_up=studio.first_use(settings) is not None)
         while not live.done.wait(POLL_S):
             yield live
         if live.error is not None:

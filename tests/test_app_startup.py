@@ -104,6 +104,26 @@ def test_a_compiled_steps_first_run_says_it_is_compiling():
     assert app.Studio(SimpleNamespace(compile_step=False), budget=None).first_use(first) is None
 
 
+def test_a_compiled_steps_first_run_warms_up_untimed_and_shows_only_the_run_after_it(decoder, monkeypatch):
+    monkeypatch.setattr(decoder, "compile_step", True)
+    runs, run = [], decoder.run
+    monkeypatch.setattr(decoder, "run", lambda prompt, settings, **kwargs: runs.append(settings) or run(
+        prompt, settings, **kwargs))
+    studio = app.Studio(decoder, budget=None)
+    setting = DecodeSettings("ddtree", max_new_tokens=60, tree_budget=8)
+    prompt_ids = decoder.target.chat_ids("hello")
+
+    def last_live():
+        return [live for live in app.run_live(studio, "hello", prompt_ids, setting, app.RunControl())][-1]
+
+    shown = last_live()
+    assert [r.max_new_tokens for r in runs] == [40, 60], "a short warm-up, then the run itself"
+    assert shown.trace.config.max_new_tokens == 60 and studio.first_use(setting) is None
+    runs.clear()
+    last_live()
+    assert [r.max_new_tokens for r in runs] == [60], "once built, a budget runs without a warm-up"
+
+
 def test_the_open_page_follows_the_timing_and_moves_the_budget_box_once_it_ends(decoder, monkeypatch):
     monkeypatch.setattr(calibration, "measured_budgets", lambda: {})
     studio = app.startup_studio(decoder, ThreadPoolExecutor(1), tree_budget=None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loop.row_check import check
+from engine.loop.row_check import ModuleTap, check
 from engine.tools.row_invariance import main
 from tests.tiny import tiny_target
 
@@ -70,3 +70,16 @@ def test_the_vllm_engine_without_a_gpu_is_one_line(capsys):
     assert main(["--engine", "vllm", "--limit", "1"]) == 2
     assert capsys.readouterr().err.strip() == ("error: the vLLM engine needs a CUDA GPU; on this machine use "
                                                "--engine torch")
+
+
+def test_the_module_tap_reads_the_asked_row_in_either_layout():
+    """vLLM's modules output [tokens, ...] (per-head ones [tokens, heads, head size]); Hugging Face's [1, tokens, ...]:
+    the tap must take the row's token, not a head of the first token."""
+    per_head = torch.nn.Sequential(torch.nn.Unflatten(-1, (2, 3)))
+    passes = torch.arange(4 * 6, dtype=torch.float32).view(4, 6)  # 4 tokens, 2 heads of 3
+    for batched, run in ((False, passes), (True, passes[None])):
+        tap = ModuleTap(per_head, batched)
+        tap.row = 2
+        per_head(run)
+        assert torch.equal(tap.take()["0"], passes[2].view(2, 3)), batched
+        tap.close()

@@ -35,6 +35,8 @@ MAX_NEW_TOKENS = 4096
 FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
 TRACE_DETAILS = ("full", "tokens")
 
+WARM_UP_TOKENS = 40
+
 
 @dataclass(frozen=True)
 class DecodeSettings:
@@ -46,6 +48,11 @@ class DecodeSettings:
     tree_budget: int = 32
     record_top_k: int = 8
     trace_detail: str = "full"  # "tokens": steps keep what they commit, not the tree (timing a lean loop)
+
+    def warm_up(self) -> "DecodeSettings":
+        """The same run cut short, past two steps that each accept a whole block of 16: it builds (compiles,
+        captures) every program this run will use, so that a timed run after it pays for none of them."""
+        return replace(self, max_new_tokens=min(WARM_UP_TOKENS, self.max_new_tokens))
 
 
 @dataclass

@@ -35,11 +35,13 @@ class RowCheck:
 
 
 class ModuleTap:
-    """Every leaf module's first output in a pass, for one row (``row``; by name, in execution order)."""
+    """Every leaf module's first output in a pass, for one row (``row``; by name, in execution order).
+    ``batched``: the modules' outputs lead with a batch of one, [1, q, ...] (Hugging Face), not with the
+    pass's tokens, [q, ...] (vLLM, where a per-head output is [q, heads, head size])."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, batched: bool = True):
         self.outputs: dict[str, torch.Tensor] = {}
-        self.row = 0
+        self.row, self.batched = 0, batched
         self.handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()
                         if name and not list(module.children())]
 
@@ -47,7 +49,7 @@ class ModuleTap:
         def keep(module, inputs, output):
             tensor = output[0] if isinstance(output, tuple) else output
             if name not in self.outputs and torch.is_tensor(tensor) and tensor.dim() >= 2:
-                rows = tensor[0] if tensor.dim() >= 3 else tensor  # [1, q, ...] (Hugging Face) or [q, ...] (vLLM)
+                rows = tensor[0] if self.batched and tensor.dim() >= 3 else tensor
                 if self.row < rows.shape[0]:
                     self.outputs[name] = rows[self.row].detach().clone()
         return keep
@@ -124,7 +126,7 @@ def tree_with_siblings(chain: int, rows: int, seed: int) -> tuple[torch.Tensor, 
 
 def check(target: Target, prompt_id: str, context: list[int], rows_list: list[int], seed: int = 0
           ) -> list[RowCheck]:
-    tap = ModuleTap(target.model)
+    tap = ModuleTap(target.model, target.batched_modules)
     try:
         cache = target.new_cache()
         ids = torch.tensor([context], device=target.device)

@@ -9,6 +9,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -58,6 +59,7 @@ class Target:
     tokenizer: object
     name: str
     stop_ids: list[int]
+    batched_modules: ClassVar[bool] = True  # its modules' outputs are [batch, tokens, ...] (vLLM's: [tokens, ...])
 
     @property
     def device(self) -> torch.device:

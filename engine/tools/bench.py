@@ -35,7 +35,6 @@ from engine.trace import (METHODS, NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP, NEAR_TI
                           divergence)
 
 NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
-WARM_UP_TOKENS = 40  # more than two steps that each accept a whole block of 16
 
 
 @dataclass(frozen=True)
@@ -201,12 +200,8 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
               traces_dir: Path | None = None, progress: bool = True) -> tuple[list[dict], list[str]]:
     """Run every job on every prompt; returns run records and human-readable notes."""
     notes: list[str] = []
-    # past a whole accepted block, so that each method's later-step programs are built (compiled,
-    # captured) here and not in a timed run
-    warm_up_tokens = min(WARM_UP_TOKENS, base.max_new_tokens)
     for job in tqdm(jobs, desc="warm-up", disable=not progress, leave=False):
-        decoder.run(prompts[0]["prompt"], _settings(base, job, max_new_tokens=warm_up_tokens),
-                    prompt_ids=prompt_tokens(decoder, prompts[0]))
+        decoder.run(prompts[0]["prompt"], _settings(base, job).warm_up(), prompt_ids=prompt_tokens(decoder, prompts[0]))
     # every prompt's first step once: on a GPU each fixed program captures a graph per padded prompt
     # length, for the target's pass and the drafter's first one (on the CPU nothing is captured)
     first_steps = [Job("ar", "ar", None)]
