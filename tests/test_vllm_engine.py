@@ -194,6 +194,20 @@ def test_the_row_check_runs_in_the_workers(studio):
     assert studio.run(prompts(1)[0], DecodeSettings("ar", 4)).summary.new_tokens == 4  # and the engine serves on
 
 
+def test_in_bf16_every_verified_row_is_ar_s_step_bit_for_bit(studio):
+    """The row invariance the tree attention (``engine.on_vllm.path_attention``) exists for: chains and trees of
+    1 to 65 rows, each row on AR's path against AR's one-token step of its token, in the dtype the GPU serves."""
+    from engine.loop.row_check import RowCheck
+    from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
+
+    bf16 = load_vllm_decoder(MODEL, DRAFTER, dtype="bfloat16", options=VllmOptions(gpu_memory_utilization=0.15))
+    found = [RowCheck(**c) for prompt in prompts(2) for c in bf16.llm.collective_rpc(
+        "studio_rows", args=([("p", bf16.target.chat_ids(prompt))], [1, 17, 65]))[0]]
+    assert len(found) == 2 * 5
+    left = [(c.shape, c.rows, c.first_row, c.first_module) for c in found if c.equal_rows != c.compared_rows]
+    assert not left, f"rows leaving AR's steps: {left}"
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensor_parallel_ddtree_equals_one_gpu(studio):
     """Both runs use the same weights: for 2 GPUs the bundled SmolLM2 is served as its equivalent

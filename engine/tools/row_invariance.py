@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_checks(checks))
     if args.out:
         with open(args.out, "w") as out:
-            where = ({"engine": "vllm", "attention": os.environ.get("DDTREE_ATTENTION", "vllm's own launch choice")}
-                     if args.engine == "vllm" else {"engine": "torch", "device": args.device})
+            trees = "vLLM's kernel, query bias" if os.environ.get("DDTREE_ATTENTION") == "bias" else "path attention"
+            where = ({"engine": "vllm", "tree_attention": trees} if args.engine == "vllm"
+                     else {"engine": "torch", "device": args.device})
             json.dump({"model": args.model, **where, "dtype": args.dtype, "checks": [asdict(c) for c in checks]}, out,
                       indent=1)
     return 0

@@ -1,0 +1,111 @@
+"""The tree attention that reads each node's keys where AR's step reads them (``engine.on_vllm.path_attention``).
+
+Every node's row must be, bit for bit, the kernel's own one-node pass over the node's path laid out as AR lays it
+out (context, then the ancestors, then the node, in consecutive rows), close to float64 attention, and on a GPU
+with vLLM, what vLLM's unified attention gives AR's one-token step. On the CPU it runs under Triton's interpreter
+(``TRITON_INTERPRET=1 python -m pytest -q tests/test_path_attention.py``, with ``triton`` installed) in float32;
+elsewhere it is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.forks import depths, path_table
+from engine.gpu.triton_support import triton_runs_on
+from engine.on_vllm.path_attention import path_attention
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_runs_on(DEVICE), reason="Triton does not run here")
+BLOCK_SIZE, HEAD_SIZE = 16, 64
+
+
+def random_tree(nodes: int, seed: int) -> torch.Tensor:
+    """``ddtree`` parents (node i + 1's parent) of a random tree: deep chains and wide forks both."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.tensor([int(torch.randint(max(0, i - 3), i + 1, (1,), generator=generator)) for i in range(nodes - 1)])
+
+
+class Pass:
+    """A request's paged caches holding ``rows`` (keys and values: the committed context, then the pass's nodes)
+    in shuffled blocks, and the pass's queries ``q``."""
+
+    def __init__(self, rows: torch.Tensor, q: torch.Tensor, kv_heads: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.q = q
+        used = rows.shape[1]
+        blocks = -(-used // BLOCK_SIZE) + 3
+        shape = (blocks, BLOCK_SIZE, kv_heads, HEAD_SIZE)
+        self.k = torch.randn(shape, generator=generator).to(q.dtype).to(DEVICE)  # noise in every unused row
+        self.v = torch.randn(shape, generator=generator).to(q.dtype).to(DEVICE)
+        self.block_table = torch.randperm(blocks, generator=generator).to(torch.int32).to(DEVICE)
+        for row in range(used):
+            block, offset = int(self.block_table[row // BLOCK_SIZE]), row % BLOCK_SIZE
+            self.k[block, offset], self.v[block, offset] = rows[0, row], rows[1, row]
+        self.seq_len = torch.tensor([used], dtype=torch.int32, device=DEVICE)
+
+    def attend(self, visible: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(self.q, float("nan"))
+        table = path_table(visible, visible.shape[0]).to(torch.int32).to(DEVICE)
+        path_attention(self.q, self.k, self.v, out, self.block_table, self.seq_len, table,
+                       depths(visible).to(torch.int32).to(DEVICE), HEAD_SIZE ** -0.5)
+        return out
+
+
+def tree_and_ar_steps(dtype: torch.dtype, query_heads: int, kv_heads: int, context: int, nodes: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    visible = ddtree.ancestor_mask(random_tree(nodes, seed))
+    kv = torch.randn(2, context + nodes, kv_heads, HEAD_SIZE, generator=generator).to(dtype)  # context, then nodes
+    q = torch.randn(nodes, query_heads, HEAD_SIZE, generator=generator).to(dtype).to(DEVICE)
+    tree = Pass(kv, q, kv_heads, seed).attend(visible)
+    steps = []
+    for node in range(nodes):
+        path = visible[node].nonzero().flatten()  # root first, the node last
+        laid_out = torch.cat([kv[:, :context], kv[:, context + path]], dim=1)
+        step = Pass(laid_out, q[node:node + 1], kv_heads, seed + 1 + node)
+        steps.append(step.attend(torch.ones(1, 1, dtype=torch.bool))[0])
+    return tree, torch.stack(steps), kv, q, visible
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE.type != "cuda", reason="bf16 as a GPU runs it (the interpreter's bf16 loads are not)"))])
+@pytest.mark.parametrize("query_heads, kv_heads, context, nodes", [(4, 2, 37, 13), (16, 2, 70, 33)])
+def test_every_node_attends_as_the_ar_step_of_its_path(dtype, query_heads, kv_heads, context, nodes):
+    tree, steps, kv, q, visible = tree_and_ar_steps(dtype, query_heads, kv_heads, context, nodes, seed=nodes)
+    assert torch.equal(tree, steps), "a node's row left its AR step's"
+    # and it is attention: float64 over the node's context and ancestors
+    keys, values = kv.double().repeat_interleave(query_heads // kv_heads, dim=2).to(DEVICE)
+    for node in range(nodes):
+        seen = torch.cat([torch.arange(context), context + visible[node].nonzero().flatten()]).to(DEVICE)
+        scores = torch.einsum("hd,khd->hk", q[node].double(), keys[seen]) * HEAD_SIZE ** -0.5
+        expected = torch.einsum("hk,khd->hd", scores.softmax(dim=-1), values[seen])
+        tolerance = 1e-5 if dtype == torch.float32 and DEVICE.type == "cpu" else 2e-2
+        torch.testing.assert_close(tree[node].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def vllm_unified_attention():
+    try:
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    except ImportError:
+        return None
+    return unified_attention
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" or vllm_unified_attention() is None, reason="vLLM's kernel on a GPU")
+@pytest.mark.parametrize("context", [37, 300])
+def test_a_tree_node_gets_the_bits_vllms_kernel_gives_its_ar_step(context):
+    """vLLM's unified attention, 2D launch, one token at the end of each node's path laid out as AR lays it out."""
+    unified_attention = vllm_unified_attention()
+    tree, _, kv, q, visible = tree_and_ar_steps(torch.bfloat16, 16, 8, context, 17, seed=3)
+    for node in range(visible.shape[0]):
+        path = visible[node].nonzero().flatten()
+        step = Pass(torch.cat([kv[:, :context], kv[:, context + path]], dim=1), q[node:node + 1], 8, seed=node)
+        out = torch.empty_like(step.q)
+        unified_attention(q=step.q, k=step.k, v=step.v, out=out,
+                          cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), max_seqlen_q=1,
+                          seqused_k=step.seq_len, max_seqlen_k=int(step.seq_len), softmax_scale=HEAD_SIZE ** -0.5,
+                          causal=True, window_size=(-1, -1), block_table=step.block_table[None], softcap=0,
+                          q_descale=None, k_descale=None, v_descale=None)
+        assert torch.equal(tree[node], out[0]), node
