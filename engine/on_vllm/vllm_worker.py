@@ -65,13 +65,15 @@ class TreeQueries:
     """What the attention layers of one tree verify share: the query bias, and every node's path."""
 
     bias: torch.Tensor  # [q, q]: 0 among a node's ancestors and itself, -inf elsewhere
+    visible: torch.Tensor  # [q, q] bool: where the bias is 0
     table: torch.Tensor  # [q, q] int32: node i's ancestor at each depth (``ddtree.forks.path_table``)
     depth: torch.Tensor  # [q] int32
 
     @staticmethod
     def of(bias: torch.Tensor) -> "TreeQueries":
         visible = bias == 0
-        return TreeQueries(bias, path_table(visible, bias.shape[0]).to(torch.int32), depths(visible).to(torch.int32))
+        return TreeQueries(bias, visible, path_table(visible, bias.shape[0]).to(torch.int32),
+                           depths(visible).to(torch.int32))
 
 
 class _Tree:
@@ -290,10 +292,10 @@ class PagedTarget(Target):
             if self.compiled_model is None:
                 self.compiled_model = torch.compile(self.text_model, dynamic=False)
             model = self.compiled_model
-        _Tree.current = TreeQueries.of(bias) if bias is not None else None
+        tree = _Tree.current = TreeQueries.of(bias) if bias is not None else None
         if self.gdn is not None and not prefill:
             size = ids.numel()
-            visible = (bias == 0) if bias is not None else torch.ones(size, size, dtype=torch.bool, device=ids.device)
+            visible = tree.visible if tree is not None else torch.ones(size, size, dtype=torch.bool, device=ids.device)
             self.gdn.begin(visible, min(size, MAX_PATH))
         try:
             with set_forward_context(metadata, self.vllm_config, num_tokens=ids.numel(),

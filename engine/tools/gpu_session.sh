@@ -6,7 +6,7 @@
 # Studio's) takes 1-2 minutes to start the first time (compilation, graphs), ~10 s once its
 # compile cache in /tmp/vcache is warm; the minutes below are for a cold machine.
 #   check      kernels + tests + float32 (~8 min)
-#   kernels    the two Triton fast paths against their references, natively (~1 min warm; on a cold machine
+#   kernels    the Triton fast paths against their references (the tree attention against vLLM's own kernel), natively (~1 min warm; on a cold machine
 #              each tested budget compiles the beam kernel anew: 2.1 min on 2026-12-02)
 #   gdn        the Gated DeltaNet programs' tests natively, and their cost per step at the 27B hybrid's shape
 #              (engine.tools.gdn_bench; carry .whl for vLLM's kernels' imports) (2.1 min on 2026-12-04, cold)
@@ -74,7 +74,7 @@ check)
   for part in kernels tests float32; do bash "$0" "$part"; done ;;
 kernels)
   timeout 240 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_kv_moves.py tests/test_beam_kernel.py \
-      > "$OUT/pytest-kernels.txt" 2>&1
+      tests/test_path_attention.py > "$OUT/pytest-kernels.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-kernels.txt" | tail -n 10 ;;
 tests)
   timeout 330 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
