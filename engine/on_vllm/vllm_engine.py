@@ -308,11 +308,11 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
     """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, its DFlash with our drafter
     when ``drafter`` is given, or (``mtp``) the target's own multi-token-prediction layers drafting
     ``num_speculative_tokens``. AR runs with async scheduling, its fastest single-request setting that
-    keeps the outputs (FULL graph mode is faster and changes them)."""
+    keeps the outputs (FULL graph mode is faster and changes them). With ``options.random_weights`` the
+    drafter is random too: its τ means nothing, but whether its outputs leave vLLM's AR says whether
+    the target compiled with the drafter's taps (vLLM's own aux hidden states) still computes AR's numbers."""
     vllm = require_vllm()
     speculative = None
-    if drafter is not None and options.random_weights:
-        raise EngineError("vLLM's own DFlash needs the drafter's real weights: time --native ar with --random-weights")
     if drafter is not None:
         speculative = {"method": "dflash", "model": split_heads_folder(drafter, options.tensor_parallel_size),
                        "num_speculative_tokens": num_speculative_tokens}
