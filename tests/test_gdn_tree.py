@@ -245,3 +245,18 @@ def test_the_float32_prefill_leaves_each_prompt_as_decoding_it_token_by_token(ke
                                            ssm_state_indices=one[1:], use_qk_l2norm_in_kernel=True)
             assert same(out[0, token], decoded[0, 0], device), (n, token)
         assert same(final[n], state[1], device), n
+
+
+def test_the_gdn_bench_trees_are_the_shapes_it_names():
+    """``engine.tools.gdn_bench``: DDTree's trees from a sure drafter run deep, ``flat`` ones (what random weights
+    draft in the shape runs) are the root and its leaf children; an unknown name is refused."""
+    from engine.errors import EngineError
+    from engine.tools.gdn_bench import trees
+
+    built = trees(["ar", "chain", "ddtree@64", "flat@64"], torch.device("cpu"))
+    assert {name: mask.shape[0] for name, mask in built.items()} == {"ar": 1, "chain": 16, "ddtree@64": 65,
+                                                                      "flat@64": 65}
+    assert int((built["ddtree@64"].sum(dim=1) - 1).max()) >= 8
+    assert (built["flat@64"].sum(dim=1) - 1).tolist() == [0] + [1] * 64
+    with pytest.raises(EngineError, match="unknown tree 'flat@x'"):
+        trees(["flat@x"], torch.device("cpu"))

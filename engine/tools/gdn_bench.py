@@ -10,8 +10,9 @@ step's tree verified and its root committed, all layers as one CUDA graph, repla
 ``engine.on_vllm.gdn_tree`` over vLLM's kernels) and, for one token, ``vllm-decode``: vLLM's own AR
 (``causal_conv1d_update`` then the packed decode kernel). ``--also`` times other modules with
 ``gdn_fused``'s ``verify`` / ``commit`` beside them (a kernel variant under trial). Trees: one token,
-a chain of the drafter's block (DFlash), and DDTree's at each budget, built from peaked random
-distributions like a trained drafter's (deep trees: the path walk's worst case).
+a chain of the drafter's block (DFlash), DDTree's at each budget built from peaked random
+distributions like a trained drafter's (deep trees: the path walk's worst case), and ``flat@BUDGET``, from
+flat ones: the wide trees a random-weight drafter drafts in the shape runs (``gpu_session.sh shape``).
 """
 
 from __future__ import annotations
@@ -92,13 +93,15 @@ def trees(names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
             masks[name] = torch.ones(1, 1, dtype=torch.bool)
         elif name == "chain":
             masks[name] = torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril()
-        elif name.startswith("ddtree@"):
+        elif name.split("@")[0] in ("ddtree", "flat") and name.split("@")[1].isdigit():
             logits = torch.randn(BLOCK - 1, 4096, generator=generator)
-            logits[:, 0] += 10  # a drafter sure of ~3 tokens in 4, as a trained one is: trees 15 deep
+            if name.startswith("ddtree@"):
+                logits[:, 0] += 10  # a drafter sure of ~3 tokens in 4, as a trained one is: trees 15 deep
+            # flat: a drafter sure of nothing, as random weights are: the root's children, all leaves
             log_probs = torch.log_softmax(logits, dim=-1)
             masks[name] = ddtree.ancestor_mask(ddtree.build_tree(log_probs, int(name.split("@")[1])).parents)
         else:
-            raise EngineError(f"unknown tree {name!r}: ar, chain or ddtree@BUDGET")
+            raise EngineError(f"unknown tree {name!r}: ar, chain, ddtree@BUDGET or flat@BUDGET")
     return {name: mask.to(device) for name, mask in masks.items()}
 
 
@@ -197,7 +200,7 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="assets/shapes/qwen3.6-27b")
-    parser.add_argument("--trees", default="ar,chain,ddtree@16,ddtree@64")
+    parser.add_argument("--trees", default="ar,chain,ddtree@16,ddtree@64,flat@64")
     parser.add_argument("--also", default="", help="modules with gdn_fused's verify/commit, timed beside it")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--replays", type=int, default=50)
