@@ -45,7 +45,11 @@
 #              Studio's engine took 2.7 min to start, its four methods 1.7 min, and vLLM's own AR 1.8 min to compile
 #              before it timed anything: LIMIT=2 BUDGETS=16,64 TOKENS=64 needs the whole 560 s. NATIVE=ar,mtp adds
 #              vLLM's own MTP (~2 min more): run it in the next call while the compile caches are warm (BUDGETS=16
-#              with NATIVE=ar,mtp took 4.8 min there; NATIVE= times the Studio's methods alone). Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
+#              with NATIVE=ar,mtp took 4.8 min there; NATIVE= times the Studio's methods alone). Session 49 (2026-12-04),
+#              warm after the gdn phase: LIMIT=2 BUDGETS=16,64 TOKENS=64 NATIVE=ar 5.7 min; then with STEP=--vllm-compile
+#              3.3 min, and LIMIT=3 NATIVE=ar,mtp 4.8 min. NATIVE=ar,dflash times vLLM's own DFlash with the random
+#              drafter too: whether vLLM's target compiled with a drafter's taps still decodes as its AR.
+#              Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
 #              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
 #   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
 #              1, 17, 65 and 129 rows, chain and tree, against AR's steps, bit for bit; the torch engine's kernels in bf16,
