@@ -130,6 +130,25 @@ def test_a_lone_root_and_a_chain_are_trees_too():
 
 
 @needs_reference
+def test_every_leaf_of_a_wide_tree_scores_like_its_path_and_commits_like_it():
+    """All leaves under the root (what random weights draft): groups of lone leaves, each scored from the root's
+    state, none from a sibling's; and the commit of a leaf in the last group."""
+    params, conv_state, ssm_state = layer(9, DEVICE.type)
+    visible = ddtree.ancestor_mask(torch.zeros(20, dtype=torch.long)).to(DEVICE)
+    mixed_qkv, a, b = node_inputs(visible.shape[0], 9, params, DEVICE.type)
+    reference_conv, reference_ssm = conv_state.clone(), ssm_state.clone()
+    out, kept = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b)
+    for node in range(visible.shape[0]):
+        path = [0] if node == 0 else [0, node]
+        assert same(out[node], decoded(params, reference_conv.clone(), reference_ssm.clone(), mixed_qkv, a, b,
+                                       path)[-1]), node
+    path = torch.tensor([0, 20, 0, 0, 0, 0, 0, 0], dtype=torch.int32, device=DEVICE)
+    gdn_fused.commit(params, kept, conv_state, ssm_state, SLOT, path, torch.tensor([2], dtype=torch.int32, device=DEVICE))
+    decoded(params, reference_conv, reference_ssm, mixed_qkv, a, b, [0, 20])
+    assert torch.equal(conv_state, reference_conv) and same(ssm_state, reference_ssm)
+
+
+@needs_reference
 @pytest.mark.parametrize("budget", [0, 12, 40])  # one token, a small tree, past 32 nodes: each value block
 def test_real_head_sizes_score_like_decoding(budget):
     """At a real model's head sizes (128), where the value block a program holds depends on the tree's size."""
