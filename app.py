@@ -977,7 +977,7 @@ def load_studio_decoder(args: argparse.Namespace) -> Decoder:
         return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
                                  options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
                                                      fixed_step=args.step != "readable",
-                                                     compile_step=compile_step))
+                                                     compile_step=compile_step, vllm_compile=args.vllm_compile))
     # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.loop.fixed_step)
     fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
     return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
@@ -1022,6 +1022,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the bench's fastest GPU step (default with --engine vllm; --no-compile-step turns it "
                              "off); each method and budget compiles at its first run, cached in "
                              "~/.cache/ddtree-studio (DDTREE_STUDIO_CACHE) for the next start")
+    parser.add_argument("--vllm-compile", action="store_true",
+                        help="vllm engine: vLLM compiles the target itself (its fused layers; on the Qwen3.6-27B "
+                             "hybrid's shape AR then costs 0.99 of vLLM's own AR steps, not 1.27), replayed in the "
+                             "Studio's CUDA graphs; its outputs may leave vLLM's AR at near-ties")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="the DDTree budget the page starts with (default: the largest tree within 5%% of the "
                              "fastest budget: the bench's record for this kind of machine in assets/budgets.json, "
@@ -1029,6 +1033,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tree_budget is not None and args.tree_budget < 1:
         parser.error(f"--tree-budget must be at least 1, got {args.tree_budget}")
+    if args.vllm_compile and args.engine != "vllm":
+        parser.error("--vllm-compile has vLLM compile its target: it needs --engine vllm")
     return args
 
 

@@ -91,8 +91,16 @@ def test_the_vllm_app_loads_the_compiled_fixed_step_with_its_caches_set(monkeypa
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     app.load_studio_decoder(app.parse_args(["--engine", "vllm"]))
-    assert loaded["options"].compile_step and loaded["options"].fixed_step
+    assert loaded["options"].compile_step and loaded["options"].fixed_step and not loaded["options"].vllm_compile
     assert loaded["inductor"] == str(tmp_path / "torchinductor")
+    app.load_studio_decoder(app.parse_args(["--engine", "vllm", "--vllm-compile"]))
+    assert loaded["options"].vllm_compile
+
+
+def test_vllm_compile_is_refused_without_the_vllm_engine(capsys):
+    with pytest.raises(SystemExit):
+        app.parse_args(["--vllm-compile"])
+    assert "--vllm-compile has vLLM compile its target: it needs --engine vllm" in capsys.readouterr().err
 
 
 def test_a_compiled_steps_first_run_says_it_is_compiling():
