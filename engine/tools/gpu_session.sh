@@ -107,7 +107,7 @@ baseline)
     echo "max_num_seqs $seqs: $(grep -E '^\| (ar|vllm-ar) \|.*×' "$OUT/bench-baseline-$seqs.txt" | cut -d'|' -f2,6 | tr '\n' ' ')"
   done ;;
 app)
-  timeout 300 python3 -m engine.tools.app_check --launch "python3 app.py --engine vllm $MODELS" --limit 5 \
+  timeout 300 python3 -m engine.tools.app_check --launch "python3 app.py --engine vllm $MODELS $STEP" --limit 5 \
       --max-new-tokens "$TOKENS" --out "$OUT/app-check.json" > "$OUT/app-check.txt" 2>&1
   grep -E '^page|^default|engine vllm|^sweep|^  [0-9]' "$OUT/app-check.txt" | tail -n 25 ;;
 humaneval)
