@@ -71,7 +71,8 @@ def tree_and_ar_steps(dtype: torch.dtype, query_heads: int, kv_heads: int, conte
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     DEVICE.type != "cuda", reason="bf16 as a GPU runs it (the interpreter's bf16 loads are not)"))])
-@pytest.mark.parametrize("query_heads, kv_heads, context, nodes", [(4, 2, 37, 13), (16, 2, 70, 33)])
+# 300: past 16 segments of one 16-key tile, each segment two tiles
+@pytest.mark.parametrize("query_heads, kv_heads, context, nodes", [(4, 2, 37, 13), (16, 2, 70, 33), (4, 1, 300, 9)])
 def test_every_node_attends_as_the_ar_step_of_its_path(dtype, query_heads, kv_heads, context, nodes):
     tree, steps, kv, q, visible = tree_and_ar_steps(dtype, query_heads, kv_heads, context, nodes, seed=nodes)
     assert torch.equal(tree, steps), "a node's row left its AR step's"
@@ -96,16 +97,23 @@ def vllm_unified_attention():
 @pytest.mark.skipif(DEVICE.type != "cuda" or vllm_unified_attention() is None, reason="vLLM's kernel on a GPU")
 @pytest.mark.parametrize("context", [37, 300])
 def test_a_tree_node_gets_the_bits_vllms_kernel_gives_its_ar_step(context):
-    """vLLM's unified attention, 2D launch, one token at the end of each node's path laid out as AR lays it out."""
+    """vLLM's unified attention as AR's decode step runs it (its 3D launch: 16 segments, then their reduction), one
+    token at the end of each node's path laid out as AR lays it out."""
     unified_attention = vllm_unified_attention()
-    tree, _, kv, q, visible = tree_and_ar_steps(torch.bfloat16, 16, 8, context, 17, seed=3)
+    query_heads, kv_heads = 16, 8
+    tree, _, kv, q, visible = tree_and_ar_steps(torch.bfloat16, query_heads, kv_heads, context, 17, seed=3)
+    segments = 16
     for node in range(visible.shape[0]):
         path = visible[node].nonzero().flatten()
-        step = Pass(torch.cat([kv[:, :context], kv[:, context + path]], dim=1), q[node:node + 1], 8, seed=node)
+        step = Pass(torch.cat([kv[:, :context], kv[:, context + path]], dim=1), q[node:node + 1], kv_heads, seed=node)
         out = torch.empty_like(step.q)
         unified_attention(q=step.q, k=step.k, v=step.v, out=out,
                           cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), max_seqlen_q=1,
                           seqused_k=step.seq_len, max_seqlen_k=int(step.seq_len), softmax_scale=HEAD_SIZE ** -0.5,
                           causal=True, window_size=(-1, -1), block_table=step.block_table[None], softcap=0,
-                          q_descale=None, k_descale=None, v_descale=None)
+                          q_descale=None, k_descale=None, v_descale=None, seq_threshold_3D=16,
+                          num_par_softmax_segments=segments,
+                          softmax_segm_output=torch.empty(16, query_heads, segments, HEAD_SIZE, device=DEVICE),
+                          softmax_segm_max=torch.empty(16, query_heads, segments, device=DEVICE),
+                          softmax_segm_expsum=torch.empty(16, query_heads, segments, device=DEVICE))
         assert torch.equal(tree[node], out[0]), node

@@ -1,17 +1,17 @@
-"""Tree verification whose every row attends as AR's one-token step of the same token does, bit for bit.
+"""Verify passes whose every row attends as AR's one-token step of the same token does, bit for bit.
 
-vLLM verifies a tree with a query-query bias (``qq_bias``): a node sees its ancestors where they sit in the pass,
-among masked siblings. Its online softmax then meets the same keys in other tiles, and in other lanes of a tile,
-than AR's step of the same token does, and in bf16 the sums round otherwise (``engine.tools.row_invariance``: in
-vLLM's worker a chain's rows equal AR's steps bit for bit at 1 to 129 rows, a tree's do not). Here each node reads
-its keys at AR's positions: key ``v`` below the committed context is the cache's row ``v``; key ``context + k`` is
-the row of the node's ancestor at depth ``k`` (``ddtree.forks.path_table``; ``k = depth``: the node itself). The tile
-loop, masks and arithmetic are those of vLLM 0.23's 2D launch of ``kernel_unified_attention`` (at its prefill tile,
-its block of query rows and its default warps) for the settings the Studio runs it with: no sliding window, sinks,
-soft cap, ALiBi or quantized KV cache. So a node's row is what that kernel gives AR's step of its token.
+AR's one-token steps take vLLM 0.23's 3D launch of ``kernel_unified_attention``: the keys split into 16 segments of
+16-key tiles, each segment its own online softmax, then ``reduce_segments`` combines them. A pass of more rows takes
+its 2D launch (32-key tiles, one online softmax), and a tree's query-query bias (``qq_bias``) has a node meet its
+ancestors among masked siblings, in other tiles and lanes: in bf16 both round otherwise than AR's step. Here each
+row of a verify pass reads its keys where AR's step of its token reads them (key ``v`` below the committed context
+is the cache's row ``v``; key ``context + k`` is the row of its ancestor at depth ``k``, ``ddtree.forks.path_table``,
+``k = depth`` itself) and runs that step's launch: the 3D segments, masks and arithmetic op for op, at its tile,
+query block and warps, for the settings the Studio runs (no sliding window, sinks, soft cap, ALiBi or quantized KV
+cache), and the combine as ``reduce_segments`` does it. A chain is a tree whose paths are prefixes of one another.
 
-The query bias stays the readable reference (``DDTREE_ATTENTION=bias`` in the environment runs it); the tests hold
-this kernel to AR's step of every node, and on a GPU to vLLM's own kernel.
+vLLM's kernel with the query bias stays the readable reference (``DDTREE_ATTENTION=bias`` in the environment runs
+it); the tests hold this to AR's step of every node, and on a GPU to vLLM's own kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 from engine.gpu.triton_support import tl, triton
 
-TILE_SIZE = 32  # vLLM's 2D launch, every pass of more than one token (``_get_tile_size(is_prefill=True)``)
+TILE_SIZE = 16  # vLLM's 3D launch's tile (``_get_tile_size(is_prefill=False)``, 2-byte caches)
+SEGMENTS = 16  # its segments (``NUM_PAR_SOFTMAX_SEGMENTS``)
 
 
 def block_rows(queries_per_kv: int) -> int:
@@ -30,14 +31,21 @@ def block_rows(queries_per_kv: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _path_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len_ptr, table_ptr,
-                        depth_ptr, scale, num_nodes, q_stride_0, q_stride_1, out_stride_0, out_stride_1,
-                        table_stride, k_stride_0, k_stride_1, k_stride_2, v_stride_0, v_stride_1, v_stride_2,
-                        k_stride_3: tl.constexpr, v_stride_3: tl.constexpr, num_query_heads: tl.constexpr,
-                        queries_per_kv: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                        HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _segments(segm_out_ptr, segm_max_ptr, segm_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
+                  seq_len_ptr, table_ptr, depth_ptr, scale, num_nodes, q_stride_0, q_stride_1, table_stride,
+                  k_stride_0, k_stride_1, k_stride_2, v_stride_0, v_stride_1, v_stride_2, k_stride_3: tl.constexpr,
+                  v_stride_3: tl.constexpr, num_query_heads: tl.constexpr, queries_per_kv: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                  HEAD_SIZE_PADDED: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
         node = tl.program_id(0)
         kv_head = tl.program_id(1)
+        segment = tl.program_id(2)
+        context = tl.load(seq_len_ptr) - num_nodes  # committed keys, before this pass's nodes
+        position = context + tl.load(depth_ptr + node)  # the node's key: where AR's step puts its token
+        seen = position + 1  # AR's step's sequence length
+        tiles_per_segment = tl.cdiv(seen, NUM_SEGMENTS * TILE)
+        if segment * tiles_per_segment * TILE >= seen:
+            return
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_SIZE_PADDED)
         offs_t = tl.arange(0, TILE)
@@ -46,14 +54,11 @@ if triton is not None:
         row_mask = (offs_m < queries_per_kv) & (head < num_query_heads)
         q = tl.load(q_ptr + node * q_stride_0 + head[:, None] * q_stride_1 + offs_d[None, :],
                     mask=dim_mask[None, :] & row_mask[:, None], other=0.0)
-
-        context = tl.load(seq_len_ptr) - num_nodes  # committed keys, before this pass's nodes
-        position = context + tl.load(depth_ptr + node)  # the node's key: where AR's step puts its token
-        seen = position + 1
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-        for j in range(0, tl.cdiv(seen, TILE)):
+        first = segment * tiles_per_segment
+        for j in range(first, tl.minimum(first + tiles_per_segment, tl.cdiv(seen, TILE))):
             key = j * TILE + offs_t
             tile_mask = key < seen
             on_path = key >= context
@@ -79,27 +84,67 @@ if triton is not None:
             m = m_j
             acc = acc * alpha[:, None]
             acc += tl.dot(p.to(v.dtype), v)
-        acc = acc / l[:, None]
-        # the cast tl.store makes implicitly, spelled out for Triton's interpreter, which stores bf16 bits otherwise
-        tl.store(out_ptr + node * out_stride_0 + head[:, None] * out_stride_1 + offs_d[None, :],
-                 acc.to(out_ptr.dtype.element_ty),
+        # the segment's partial softmax, laid out as the 3D launch lays it out for ``reduce_segments``
+        rows = node.to(tl.int64) * num_query_heads + head
+        tl.store(segm_out_ptr + (rows[:, None] * NUM_SEGMENTS + segment) * HEAD_SIZE_PADDED + offs_d[None, :], acc,
                  mask=dim_mask[None, :] & row_mask[:, None])
+        tl.store(segm_max_ptr + rows * NUM_SEGMENTS + segment, m, mask=row_mask)
+        tl.store(segm_sum_ptr + rows * NUM_SEGMENTS + segment, l, mask=row_mask)
+
+    @triton.jit
+    def _combine(out_ptr, segm_out_ptr, segm_max_ptr, segm_sum_ptr, seq_len_ptr, depth_ptr, num_nodes, out_stride_0,
+                 out_stride_1, num_query_heads: tl.constexpr, TILE: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                 HEAD_SIZE_PADDED: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+        """vLLM's ``reduce_segments``, op for op, for one node's row: its sequence is AR's step's."""
+        node = tl.program_id(0)
+        query_head = tl.program_id(1)
+        seq_len = tl.load(seq_len_ptr) - num_nodes + tl.load(depth_ptr + node) + 1
+        tiles_per_segment = tl.cdiv(seq_len, NUM_SEGMENTS * TILE)
+        act_num_segments = tl.cdiv(seq_len, tiles_per_segment * TILE)
+        segm_mask = tl.arange(0, NUM_SEGMENTS) < tl.full([NUM_SEGMENTS], act_num_segments, dtype=tl.int32)
+        dim_mask = tl.where(tl.arange(0, HEAD_SIZE_PADDED) < HEAD_SIZE, 1, 0).to(tl.int1)
+        segm_offset = (node.to(tl.int64) * (num_query_heads * NUM_SEGMENTS) + query_head * NUM_SEGMENTS
+                       + tl.arange(0, NUM_SEGMENTS))
+        segm_max = tl.load(segm_max_ptr + segm_offset, mask=segm_mask, other=float("-inf"))
+        overall_max = tl.max(segm_max)
+        segm_expsum = tl.load(segm_sum_ptr + segm_offset, mask=segm_mask, other=0.0)
+        segm_expsum = segm_expsum * tl.exp(segm_max - overall_max)
+        overall_expsum = tl.sum(segm_expsum)
+        segm_output_offset = (node.to(tl.int64) * (num_query_heads * NUM_SEGMENTS * HEAD_SIZE_PADDED)
+                              + query_head * (NUM_SEGMENTS * HEAD_SIZE_PADDED)
+                              + tl.arange(0, NUM_SEGMENTS)[:, None] * HEAD_SIZE_PADDED
+                              + tl.arange(0, HEAD_SIZE_PADDED)[None, :])
+        segm_output = tl.load(segm_out_ptr + segm_output_offset, mask=segm_mask[:, None] & dim_mask[None, :], other=0.0)
+        segm_output *= tl.exp(segm_max - overall_max)[:, None]
+        acc_sum = tl.sum(segm_output, axis=0)
+        acc = tl.where(overall_expsum == 0.0, 0.0, acc_sum / overall_expsum)
+        # the cast tl.store makes implicitly, spelled out for Triton's interpreter, which stores bf16 bits otherwise
+        tl.store(out_ptr + node * out_stride_0 + query_head * out_stride_1 + tl.arange(0, HEAD_SIZE_PADDED),
+                 acc.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 def path_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                    block_table: torch.Tensor, seq_len: torch.Tensor, table: torch.Tensor, depth: torch.Tensor,
                    scale: float) -> None:
-    """One request's tree pass: ``q`` and ``out`` [nodes, query heads, head size]; the caches in vLLM's layout
+    """One request's verify pass: ``q`` and ``out`` [nodes, query heads, head size]; the caches in vLLM's layout
     [blocks, block size, KV heads, head size], this pass's nodes already written after the committed context (node i
     at row ``context + i``); ``block_table`` the request's row of block ids; ``seq_len`` [1] int32, context + nodes
     (vLLM's ``seqused_k``); ``table`` [nodes, length] and ``depth`` [nodes] int32 (``ddtree.forks``)."""
     nodes, query_heads, head_size = q.shape
     kv_heads = k_cache.shape[2]
     queries_per_kv = query_heads // kv_heads
-    _path_attention[(nodes, kv_heads)](
-        out, q, k_cache, v_cache, block_table, seq_len, table, depth, scale, nodes, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    padded = triton.next_power_of_2(head_size)
+    segm_out = torch.empty(nodes, query_heads, SEGMENTS, padded, dtype=torch.float32, device=q.device)
+    segm_max = torch.empty(nodes, query_heads, SEGMENTS, dtype=torch.float32, device=q.device)
+    segm_sum = torch.empty_like(segm_max)
+    _segments[(nodes, kv_heads, SEGMENTS)](
+        segm_out, segm_max, segm_sum, q, k_cache, v_cache, block_table, seq_len, table, depth, scale, nodes,
+        q.stride(0), q.stride(1), table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_stride_3=k_cache.stride(3),
         v_stride_3=v_cache.stride(3), num_query_heads=query_heads, queries_per_kv=queries_per_kv,
-        BLOCK_SIZE=k_cache.shape[1], TILE=TILE_SIZE, HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=triton.next_power_of_2(head_size), BLOCK_M=block_rows(queries_per_kv))
+        BLOCK_SIZE=k_cache.shape[1], TILE=TILE_SIZE, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
+        BLOCK_M=block_rows(queries_per_kv), NUM_SEGMENTS=SEGMENTS)
+    _combine[(nodes, query_heads)](
+        out, segm_out, segm_max, segm_sum, seq_len, depth, nodes, out.stride(0), out.stride(1),
+        num_query_heads=query_heads, TILE=TILE_SIZE, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
+        NUM_SEGMENTS=SEGMENTS)

@@ -8,9 +8,9 @@ to vLLM through ``PagedTarget``, which gives a vLLM model the torch engine's ``T
 interface.
 
 vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
-is wrapped so that a tree's verify pass runs ``engine.on_vllm.path_attention`` in its place, which
-reads each node's keys where AR's one-token step of the same token reads them, so that the node's
-row is AR's bit for bit. ``DDTREE_ATTENTION=bias`` in the environment runs the readable reference
+is wrapped so that a verify pass (a tree, or DFlash's chain) runs ``engine.on_vllm.path_attention`` in
+its place, which reads each node's keys where AR's one-token step of the same token reads them and
+runs that step's launch (vLLM's 3D, split-context one), so that the node's row is AR's bit for bit. ``DDTREE_ATTENTION=bias`` in the environment runs the readable reference
 instead: vLLM's own kernel with a query-query bias (``qq_bias``, a parameter the kernel still has from
 vLLM's removed tree-attention backend), whose online softmax meets a node's ancestors among masked
 siblings, so bf16 rounds its rows otherwise (``engine.tools.row_invariance --engine vllm`` compares
