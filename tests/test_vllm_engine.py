@@ -201,8 +201,11 @@ def test_in_bf16_every_verified_row_is_ar_s_step_bit_for_bit(studio):
     from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
     bf16 = load_vllm_decoder(MODEL, DRAFTER, dtype="bfloat16", options=VllmOptions(gpu_memory_utilization=0.15))
-    found = [RowCheck(**c) for prompt in prompts(2) for c in bf16.llm.collective_rpc(
-        "studio_rows", args=([("p", bf16.target.chat_ids(prompt))], [1, 17, 65]))[0]]
+    try:
+        found = [RowCheck(**c) for prompt in prompts(2) for c in bf16.llm.collective_rpc(
+            "studio_rows", args=([("p", bf16.target.chat_ids(prompt))], [1, 17, 65]))[0]]
+    finally:
+        bf16.close()
     assert len(found) == 2 * 5
     left = [(c.shape, c.rows, c.first_row, c.first_module) for c in found if c.equal_rows != c.compared_rows]
     assert not left, f"rows leaving AR's steps: {left}"
