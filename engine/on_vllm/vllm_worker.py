@@ -10,10 +10,11 @@ interface.
 vLLM is touched at one named point: the Triton attention backend's ``unified_attention``
 is wrapped so that a verify pass (a tree, or DFlash's chain) runs ``engine.on_vllm.path_attention`` in
 its place, which reads each node's keys where AR's one-token step of the same token reads them and
-runs that step's launch (vLLM's 3D, split-context one), so that the node's row is AR's bit for bit. ``DDTREE_ATTENTION=bias`` in the environment runs the readable reference
-instead: vLLM's own kernel with a query-query bias (``qq_bias``, a parameter the kernel still has from
-vLLM's removed tree-attention backend), whose online softmax meets a node's ancestors among masked
-siblings, so bf16 rounds its rows otherwise (``engine.tools.row_invariance --engine vllm`` compares
+runs that step's launch (vLLM's 3D, split-context one), so that the node's row is AR's bit for bit.
+``DDTREE_ATTENTION=bias`` in the environment runs the readable reference instead: vLLM's own kernel
+with a query-query bias (``qq_bias``, a parameter the kernel still has from vLLM's removed
+tree-attention backend), whose online softmax meets a node's ancestors among masked siblings, so
+bf16 rounds its rows otherwise (``engine.tools.row_invariance --engine vllm`` compares
 every row of either with AR's steps).
 And ``GPUModelRunner.load_model`` is wrapped so that, where vLLM compiles the target
 (``VllmOptions.vllm_compile``), the drafter's tapped layers are set before it traces the model.

@@ -93,7 +93,7 @@ def trees(names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
             masks[name] = torch.ones(1, 1, dtype=torch.bool)
         elif name == "chain":
             masks[name] = torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril()
-        elif name.split("@")[0] in ("ddtree", "flat") and name.split("@")[1].isdigit():
+        elif name.partition("@")[0] in ("ddtree", "flat") and name.partition("@")[2].isdigit():
             logits = torch.randn(BLOCK - 1, 4096, generator=generator)
             if name.startswith("ddtree@"):
                 logits[:, 0] += 10  # a drafter sure of ~3 tokens in 4, as a trained one is: trees 15 deep

@@ -6,8 +6,9 @@
 # Studio's) takes 1-2 minutes to start the first time (compilation, graphs), ~10 s once its
 # compile cache in /tmp/vcache is warm; the minutes below are for a cold machine.
 #   check      kernels + tests + float32 (~8 min)
-#   kernels    the Triton fast paths against their references (the tree attention against vLLM's own kernel), natively (~1 min warm; on a cold machine
-#              each tested budget compiles the beam kernel anew: 2.1 min on 2026-12-02)
+#   kernels    the Triton fast paths against their references (the tree attention against vLLM's own kernel),
+#              natively (~1 min warm; on a cold machine each tested budget compiles the beam kernel anew: 2.1 min
+#              on 2026-12-02)
 #   gdn        the Gated DeltaNet programs' tests natively, and their cost per step at the 27B hybrid's shape
 #              (engine.tools.gdn_bench; carry .whl for vLLM's kernels' imports) (2.1 min on 2026-12-04, cold)
 #   tests      the GPU tests of the fixed step and the vLLM engine (~5 min)
