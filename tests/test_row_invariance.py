@@ -38,6 +38,17 @@ def test_the_first_row_count_dependent_op_is_named(monkeypatch):
     assert by_shape["chain", 17].compared_rows == 17 and by_shape["tree", 17].compared_rows == 8  # AR's path only
 
 
+def test_a_tree_s_path_rows_are_compared_with_ar_s_steps_of_their_depth(monkeypatch):
+    """With every op row-invariant, a tree's path rows are AR's steps bit for bit: its node at depth d (not row d,
+    a sibling sits between path nodes) against AR's step d."""
+    monkeypatch.setattr(torch.nn.Linear, "forward", one_row_at_a_time)
+    target = tiny_target()
+    with torch.inference_mode():
+        checks = [c for c in check(target, "p", [5, 6, 7, 8, 9], [5, 17]) if c.shape == "tree"]
+    found = [(c.rows, c.equal_rows, c.compared_rows, c.max_abs_diff) for c in checks]
+    assert found == [(5, 2, 2, 0.0), (17, 8, 8, 0.0)]
+
+
 def test_a_later_row_leaving_ar_is_found_and_its_module_named(monkeypatch):
     """The root row can be AR's while a later row is not (an attention kernel that tiles its queries): the first
     such row is compared module by module with its own AR step."""

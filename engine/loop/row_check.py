@@ -163,7 +163,9 @@ def _verify(target: Target, tap: ModuleTap, cache, past: int, ar: ArSteps, promp
                               copy.deepcopy(cache), bias)[0]
 
     logits = verify()
-    diffs = [float((logits[row].double() - ar.logits[row].double()).abs().max()) for row in on_path]
+    # the path's node at depth d holds AR's token d: its row is AR's step d (a chain's node d is row d; a tree's is not)
+    diffs = [float((logits[node].double() - ar.logits[depth].double()).abs().max())
+             for depth, node in enumerate(on_path)]
     first_row = next((index for index, diff in enumerate(diffs) if diff != 0), None)
     first_module, module_diff = None, 0.0
     if first_row is not None:
