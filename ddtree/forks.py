@@ -7,7 +7,7 @@ ancestor mask alone (fixed shapes, no host reads, so a CUDA graph can hold them)
 functions say which inputs each node's state is made of:
 
 - ``path_table``: the node at each depth of every node's root-to-node path;
-- ``leaf_chains`` and ``lone_leaf_groups``: which walks along those paths score which nodes;
+- ``leaf_chains``: which walks along those paths score which nodes;
 - ``window_columns``: a node's convolution window, as columns of ``[committed window |
   node inputs]``;
 - ``path_replay``: every node's path laid out as one sequence of a batch, so that a
@@ -58,26 +58,6 @@ def leaf_chains(visible: torch.Tensor, table: torch.Tensor, depth: torch.Tensor)
     start_depth = torch.where(on_path, columns[None, :], 0).amax(dim=1)
     leaf = visible.sum(dim=0) == 1  # seen by itself only
     return torch.where(leaf, start_depth, -1)
-
-
-def lone_leaf_groups(table: torch.Tensor, depth: torch.Tensor, chain_start: torch.Tensor, size: int) -> torch.Tensor:
-    """``[q, size]`` long: the lone leaves (a chain of the leaf alone, below the root: ``leaf_chains``) grouped by
-    parent, ``size`` to a group. Row h lists a group's members, h itself first, when node h heads one; every
-    other row is -1. Siblings share their path up to the parent, so one walk to it serves a whole group: a wide
-    tree, all leaves under a few forks, then loads each fork's state once a group, not once a leaf."""
-    q = table.shape[0]
-    nodes = torch.arange(q, device=table.device)
-    parent = table.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0]
-    lone = (chain_start == depth) & (depth > 0)
-    order = torch.where(lone, parent * q + nodes, q * q + nodes).argsort()  # each parent's lone leaves in a run
-    run_parent = torch.where(lone[order], parent[order], -1)
-    new_run = torch.ones(q, dtype=torch.bool, device=table.device)
-    new_run[1:] = run_parent[1:] != run_parent[:-1]
-    rank = nodes - torch.where(new_run, nodes, 0).cummax(dim=0).values  # place in its parent's run
-    head = order[nodes - rank % size]
-    groups = torch.full((q + 1, size), -1, dtype=torch.long, device=table.device)  # row q: the others, dropped
-    groups.index_put_((torch.where(lone[order], head, q), rank % size), order)
-    return groups[:q]
 
 
 def window_columns(table: torch.Tensor, last_depth: torch.Tensor, width: int) -> torch.Tensor:

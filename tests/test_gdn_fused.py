@@ -131,8 +131,8 @@ def test_a_lone_root_and_a_chain_are_trees_too():
 
 @needs_reference
 def test_every_leaf_of_a_wide_tree_scores_like_its_path_and_commits_like_it():
-    """All leaves under the root (what random weights draft): groups of lone leaves, each scored from the root's
-    state, none from a sibling's; and the commit of a leaf in the last group."""
+    """All leaves under the root (what random weights draft): each scored from the root's state, none from a
+    sibling's; and the commit of the last leaf."""
     params, conv_state, ssm_state = layer(9, DEVICE.type)
     visible = ddtree.ancestor_mask(torch.zeros(20, dtype=torch.long)).to(DEVICE)
     mixed_qkv, a, b = node_inputs(visible.shape[0], 9, params, DEVICE.type)

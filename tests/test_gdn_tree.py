@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.forks import depths, leaf_chains, lone_leaf_groups, path_replay, path_table, window_columns
+from ddtree.forks import depths, leaf_chains, path_replay, path_table, window_columns
 from engine.on_vllm import gdn_tree
 from engine.on_vllm.gdn_tree import REFERENCE_KERNELS, AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
 
@@ -125,26 +125,6 @@ def test_leaf_chains_score_every_node_once(seed):
     assert torch.equal(starts >= 0, leaves) and int(leaves.sum()) < visible.shape[0] - 1  # fewer walks than nodes
     chain = torch.ones(5, 5, dtype=torch.bool).tril()
     assert leaf_chains(chain, path_table(chain, 5), depths(chain)).tolist() == [-1, -1, -1, -1, 0]
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2, None])  # None: all leaves under the root, as random weights draft
-def test_lone_leaves_are_grouped_by_parent_and_each_node_is_scored_once(seed):
-    visible = wide_deep_tree(seed) if seed is not None else ddtree.ancestor_mask(torch.zeros(20, dtype=torch.long))
-    depth, table = depths(visible), path_table(visible, 8)
-    starts = leaf_chains(visible, table, depth)
-    groups = lone_leaf_groups(table, depth, starts, 8)
-    parent = table.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0]
-    lone = ((starts == depth) & (depth > 0)).nonzero()[:, 0].tolist()
-    members = {head: [m for m in row if m >= 0] for head, row in enumerate(groups.tolist()) if row[0] >= 0}
-    assert sorted(m for group in members.values() for m in group) == lone  # every lone leaf once
-    for head, group in members.items():
-        assert group[0] == head and len(group) <= 8 and len({int(parent[m]) for m in group}) == 1
-    # the walks: chains of two or more nodes (and the root alone), then each group's members
-    chained = [node for leaf in (starts >= 0).nonzero()[:, 0].tolist() if leaf not in lone
-               for node in table[leaf, int(starts[leaf]):int(depth[leaf]) + 1].tolist()]
-    assert sorted(chained + lone) == list(range(visible.shape[0]))
-    if seed is None:
-        assert [len(group) for group in members.values()] == [8, 8, 3]  # leaf 1 continues the root's chain
 
 
 def test_windows_start_in_the_committed_window_and_follow_the_path():

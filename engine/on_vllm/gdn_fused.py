@@ -8,15 +8,12 @@ arithmetic runs as two programs a layer:
 - ``verify``: one program per (value block, value head, leaf) walks the leaf's root-to-leaf path
   (``ddtree.forks.path_table``) and scores the nodes of the leaf's chain on it
   (``ddtree.forks.leaf_chains``: each node lies on one chain, so it is scored once, and a chain of
-  16 is one walk of 16 tokens, not 16 walks of 1 to 16). Lone leaves (a chain of the leaf alone) share
-  a walk: one program per group of up to ``LONE_GROUP`` siblings walks to their parent and scores each
-  one step on from there (``ddtree.forks.lone_leaf_groups``), so a wide tree loads a fork's state once a
-  group, not once a leaf (a random-weight drafter's trees are all leaves under the root). At each path
-  token it convolves the token's window (the three older inputs ride along in registers, from the
-  committed window on) and applies the token to the recurrent state it holds in registers, starting
-  from the request's committed state; each token's inputs are loaded one step ahead. Nothing in the
-  caches is written: for each node it scores, the program that owns the node's channels keeps its
-  inputs, convolution output and gates for the commit.
+  16 is one walk of 16 tokens, not 16 walks of 1 to 16). At each path token it convolves the token's
+  window (the three older inputs ride along in registers, from the committed window on) and applies
+  the token to the recurrent state it holds in registers, starting from the request's committed
+  state; each token's inputs are loaded one step ahead. Nothing in the caches is written: for each
+  node it scores, the program that owns the node's channels keeps its inputs, convolution output
+  and gates for the commit.
 - ``commit``: one program per (value block, value head) applies the accepted path's kept tokens
   to the committed state, stores it, and shifts the convolution window along the path.
 
@@ -32,12 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.forks import depths, leaf_chains, lone_leaf_groups, path_table
+from ddtree.forks import depths, leaf_chains, path_table
 from engine.on_vllm.gdn_tree import GDNParams
 from engine.gpu.triton_support import tl, triton, triton_runs_on
 
 SOFTPLUS_THRESHOLD = 20.0
-LONE_GROUP = 8  # lone leaves one program scores after a single walk to their parent
 
 
 @dataclass(frozen=True)
@@ -47,14 +43,12 @@ class TreePaths:
     table: torch.Tensor  # [q, length] int32: node i's ancestor at each depth (``path_table``)
     depth: torch.Tensor  # [q] int32
     chain_start: torch.Tensor  # [q] int32: a leaf's chain's first depth, -1 for other nodes (``leaf_chains``)
-    groups: torch.Tensor  # [q, LONE_GROUP] int32: lone leaves a walk to their parent serves (``lone_leaf_groups``)
 
     @staticmethod
     def build(visible: torch.Tensor, length: int) -> "TreePaths":
         table, depth = path_table(visible, length), depths(visible)
-        chain_start = leaf_chains(visible, table, depth)
-        return TreePaths(table.to(torch.int32).contiguous(), depth.to(torch.int32), chain_start.to(torch.int32),
-                         lone_leaf_groups(table, depth, chain_start, LONE_GROUP).to(torch.int32).contiguous())
+        return TreePaths(table.to(torch.int32).contiguous(), depth.to(torch.int32),
+                         leaf_chains(visible, table, depth).to(torch.int32))
 
 
 @dataclass(frozen=True)
@@ -98,10 +92,10 @@ def verify(params: GDNParams, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch
         mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), params.conv_weight,
         params.conv_weight.stride(0), params.conv_weight.stride(1), params.conv_bias, params.A_log, params.dt_bias,
         conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), slot, ssm_state,
-        ssm_state.stride(0), paths.table, paths.depth, paths.chain_start, paths.groups, out, out.stride(0),
-        kept.inputs, kept.convolved, channels, kept.a, kept.b, params.head_k_dim ** -0.5,
+        ssm_state.stride(0), paths.table, paths.depth, paths.chain_start, out, out.stride(0), kept.inputs,
+        kept.convolved, channels, kept.a, kept.b, params.head_k_dim ** -0.5,
         H=params.key_dim // params.head_k_dim, HV=heads, K=params.head_k_dim, V=params.head_v_dim, BK=block_k,
-        BV=block_v, LENGTH=paths.table.shape[1], PATH=triton.next_power_of_2(paths.table.shape[1]), GROUP=LONE_GROUP,
+        BV=block_v, LENGTH=paths.table.shape[1], PATH=triton.next_power_of_2(paths.table.shape[1]),
         HAS_BIAS=params.conv_bias is not None, SILU=params.activation in ("silu", "swish", True),
         SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=1)
     return kept
@@ -168,39 +162,13 @@ if triton is not None:
             acc = acc / (1 + tl.exp(-acc))
         return acc.to(newest.dtype)
 
-    @triton.jit
-    def _inputs(x, stride_x, a, stride_a, b, stride_b, token, i_hv, q_channels, k_channels, v_channels, mask_k, mask_v):
-        """A token's convolution inputs on this program's channels, and its gate inputs."""
-        return (tl.load(x + token * stride_x + q_channels, mask=mask_k, other=0.0),
-                tl.load(x + token * stride_x + k_channels, mask=mask_k, other=0.0),
-                tl.load(x + token * stride_x + v_channels, mask=mask_v, other=0.0),
-                tl.load(a + token * stride_a + i_hv), tl.load(b + token * stride_b + i_hv))
-
-    @triton.jit
-    def _score(out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b, token, i_v, i_hv, o_v, b_o, x_q, x_k,
-               x_v, b_q, b_k, b_v, a_t, b_t, q_channels, k_channels, v_channels, mask_k, mask_v, H: tl.constexpr,
-               HV: tl.constexpr, V: tl.constexpr):
-        """A scored node's output, and what its commit needs: inputs, convolution outputs, gates."""
-        tl.store(out + token * stride_out + i_hv * V + o_v, b_o.to(out.dtype.element_ty), mask=mask_v)
-        tl.store(kept_x + token * stride_kept + v_channels, x_v, mask=mask_v)
-        tl.store(kept_conv + token * stride_kept + v_channels, b_v, mask=mask_v)
-        if i_v == 0:
-            tl.store(kept_a + token * HV + i_hv, a_t)
-            tl.store(kept_b + token * HV + i_hv, b_t)
-            if i_hv % (HV // H) == 0:  # q and k: kept by one program of their key head
-                tl.store(kept_x + token * stride_kept + q_channels, x_q, mask=mask_k)
-                tl.store(kept_x + token * stride_kept + k_channels, x_k, mask=mask_k)
-                tl.store(kept_conv + token * stride_kept + q_channels, b_q, mask=mask_k)
-                tl.store(kept_conv + token * stride_kept + k_channels, b_k, mask=mask_k)
-
     @triton.jit(do_not_specialize=["slot"])  # a slot of 1 would otherwise compile as a constant
     def _verify_kernel(x, stride_x, a, stride_a, b, stride_b, weight, stride_w_dim, stride_w_tap, bias, A_log, dt_bias,
                        conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot,
-                       table, depth, chain_start, groups, out, stride_out, kept_x, kept_conv, stride_kept, kept_a,
-                       kept_b, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, LENGTH: tl.constexpr, PATH: tl.constexpr,
-                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                       SOFTPLUS_THRESHOLD: tl.constexpr):
+                       table, depth, chain_start, out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b,
+                       scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, LENGTH: tl.constexpr, PATH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SILU: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
         i_v, i_hv, node = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_h = i_hv // (HV // H)
         o_k = tl.arange(0, BK)
@@ -211,16 +179,9 @@ if triton is not None:
         k_channels = H * K + i_h * K + o_k
         v_channels = 2 * H * K + i_hv * V + o_v
         window = conv_state + slot.to(tl.int64) * stride_cs_slot
-        # a leaf walks its path and scores its chain (``leaf_chains``); a lone leaf heading its group walks to the
-        # parent and scores the group (``lone_leaf_groups``); every other node's program has nothing to do
+        # a leaf walks its path and scores its chain (``leaf_chains``); every other node's program has nothing to do
         start = tl.load(chain_start + node)
-        node_depth = tl.load(depth + node)
-        members = tl.arange(0, GROUP)
-        group = tl.load(groups + node * GROUP + members)
-        lone = (start == node_depth) & (node_depth > 0)
-        group_size = tl.sum((group >= 0).to(tl.int32))  # 0 unless the node heads a group
-        steps_to_walk = tl.where(start >= 0, tl.where(lone, tl.where(group_size > 0, node_depth, 0), node_depth + 1),
-                                 0)
+        steps_to_walk = tl.where(start >= 0, tl.load(depth + node) + 1, 0)
         # the whole path at once: each step then picks its next token without waiting on memory
         steps = tl.arange(0, PATH)
         path = tl.load(table + node * LENGTH + steps, mask=steps < LENGTH, other=0)
@@ -241,13 +202,19 @@ if triton is not None:
         v3 = _column(window, stride_cs_dim, stride_cs_tok, 2, v_channels, mask_v, x)
         # each step's inputs are loaded one step ahead, so their latency hides behind the step before
         next_token = tl.sum(tl.where(steps == 0, path, 0))
-        next_q, next_k, next_v, next_a, next_b = _inputs(x, stride_x, a, stride_a, b, stride_b, next_token, i_hv,
-                                                         q_channels, k_channels, v_channels, mask_k, mask_v)
+        next_q = tl.load(x + next_token * stride_x + q_channels, mask=mask_k, other=0.0)
+        next_k = tl.load(x + next_token * stride_x + k_channels, mask=mask_k, other=0.0)
+        next_v = tl.load(x + next_token * stride_x + v_channels, mask=mask_v, other=0.0)
+        next_a = tl.load(a + next_token * stride_a + i_hv)
+        next_b = tl.load(b + next_token * stride_b + i_hv)
         for t in range(0, steps_to_walk):
             token, x_q, x_k, x_v, a_t, b_t = next_token, next_q, next_k, next_v, next_a, next_b
             next_token = tl.sum(tl.where(steps == t + 1, path, 0))  # past the path's end: node 0's, never used
-            next_q, next_k, next_v, next_a, next_b = _inputs(x, stride_x, a, stride_a, b, stride_b, next_token, i_hv,
-                                                             q_channels, k_channels, v_channels, mask_k, mask_v)
+            next_q = tl.load(x + next_token * stride_x + q_channels, mask=mask_k, other=0.0)
+            next_k = tl.load(x + next_token * stride_x + k_channels, mask=mask_k, other=0.0)
+            next_v = tl.load(x + next_token * stride_x + v_channels, mask=mask_v, other=0.0)
+            next_a = tl.load(a + next_token * stride_a + i_hv)
+            next_b = tl.load(b + next_token * stride_b + i_hv)
             b_q = _conv4(bias, weight, stride_w_dim, stride_w_tap, q_channels, mask_k, q1, q2, q3, x_q, HAS_BIAS, SILU)
             b_k = _conv4(bias, weight, stride_w_dim, stride_w_tap, k_channels, mask_k, k1, k2, k3, x_k, HAS_BIAS, SILU)
             b_v = _conv4(bias, weight, stride_w_dim, stride_w_tap, v_channels, mask_v, v1, v2, v3, x_v, HAS_BIAS, SILU)
@@ -255,21 +222,19 @@ if triton is not None:
             k1, k2, k3 = k2, k3, x_k
             v1, v2, v3 = v2, v3, x_v
             b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, a_t, b_t, A_log_val, dt_bias_val, scale, SOFTPLUS_THRESHOLD)
-            if t >= start:  # a node of this leaf's chain
-                _score(out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b, token, i_v, i_hv, o_v, b_o,
-                       x_q, x_k, x_v, b_q, b_k, b_v, a_t, b_t, q_channels, k_channels, v_channels, mask_k, mask_v, H, HV,
-                       V)
-        # the group's lone leaves, each one step on from the parent's state and window, which stay the parent's
-        for g in range(0, group_size):
-            leaf = tl.sum(tl.where(members == g, group, 0))
-            x_q, x_k, x_v, a_t, b_t = _inputs(x, stride_x, a, stride_a, b, stride_b, leaf, i_hv, q_channels, k_channels,
-                                              v_channels, mask_k, mask_v)
-            b_q = _conv4(bias, weight, stride_w_dim, stride_w_tap, q_channels, mask_k, q1, q2, q3, x_q, HAS_BIAS, SILU)
-            b_k = _conv4(bias, weight, stride_w_dim, stride_w_tap, k_channels, mask_k, k1, k2, k3, x_k, HAS_BIAS, SILU)
-            b_v = _conv4(bias, weight, stride_w_dim, stride_w_tap, v_channels, mask_v, v1, v2, v3, x_v, HAS_BIAS, SILU)
-            _, b_o = _delta_step(b_h, b_q, b_k, b_v, a_t, b_t, A_log_val, dt_bias_val, scale, SOFTPLUS_THRESHOLD)
-            _score(out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b, leaf, i_v, i_hv, o_v, b_o, x_q,
-                   x_k, x_v, b_q, b_k, b_v, a_t, b_t, q_channels, k_channels, v_channels, mask_k, mask_v, H, HV, V)
+            # a node of this leaf's chain: its output, and what its commit needs (inputs, convolution, gates)
+            if t >= start:
+                tl.store(out + token * stride_out + i_hv * V + o_v, b_o.to(out.dtype.element_ty), mask=mask_v)
+                tl.store(kept_x + token * stride_kept + v_channels, x_v, mask=mask_v)
+                tl.store(kept_conv + token * stride_kept + v_channels, b_v, mask=mask_v)
+                if i_v == 0:
+                    tl.store(kept_a + token * HV + i_hv, a_t)
+                    tl.store(kept_b + token * HV + i_hv, b_t)
+                    if i_hv % (HV // H) == 0:  # q and k: kept by one program of their key head
+                        tl.store(kept_x + token * stride_kept + q_channels, x_q, mask=mask_k)
+                        tl.store(kept_x + token * stride_kept + k_channels, x_k, mask=mask_k)
+                        tl.store(kept_conv + token * stride_kept + q_channels, b_q, mask=mask_k)
+                        tl.store(kept_conv + token * stride_kept + k_channels, b_k, mask=mask_k)
 
     @triton.jit
     def _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, channels, mask,
