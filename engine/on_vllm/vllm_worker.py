@@ -342,6 +342,10 @@ class PagedTarget(Target):
 
     def tapped(self, taps: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """A pass's tapped layers keyed as HF's ``hidden_states``, each ``[1, q, hidden]``."""
+        if len(taps) != len(self.taps):  # seen with --vllm-compile on the bundled SmolLM2 (H200, 2026-12-04)
+            raise EngineError(f"the target's pass returned {len(taps)} of the drafter's {len(self.taps)} tapped layers "
+                              f"{self.taps}" + (": vLLM compiled the model without them; run without --vllm-compile"
+                                                if self.vllm_compiled else ""))
         return {layer: tap[None] for layer, tap in zip(self.taps, taps)}
 
     def fixed_kv(self, capacity: int, compiled: bool = False) -> "PagedKV":
