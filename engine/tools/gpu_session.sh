@@ -19,7 +19,7 @@
 #              same prompts and machine: at 135M vLLM's AR is host-bound, and a setting of the baseline must not
 #              pass for a machine's pace (2026-12-03: 494 tokens/s at 8, 416 at the default; the first bench of
 #              a cold machine compiles for ~3 min, so it gets the longest cap) (~7.5 min)
-#   app        the app on the vLLM engine through its API (carry [".whl"]: gradio's wheels) (~4 min)
+#   app        the app on the vLLM engine through its API (carry [".whl-app"]: gradio's wheels) (~4 min)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
 #              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with

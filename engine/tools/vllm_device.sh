@@ -25,12 +25,14 @@
 #       --gpu-memory-utilization 0.6 --prompts assets/prompts/fresh.jsonl --limit 5 --methods ar,dflash,ddtree \
 #       --tree-budget 16,32,64,128,256,512 --max-new-tokens 128 --out $OUT/gpu-qwen3-8b-random.json; \
 #       python3 -m engine.tools.projection $OUT/gpu-qwen3-8b-random.json'
-# Packages beyond the vLLM bundle travel as wheels in `.whl/` (carry [".whl"]); every call that carries
-# them installs them into $SITE first. Made here with the pip download line in the Notes of the device
-# tool's README, at requirements.txt's versions where it pins them:
-#   the app: gradio gradio_client brotli groovy hf-gradio orjson pydub python-multipart pytz safehttpx
+# Packages beyond the vLLM bundle travel as wheels in `.whl/` and `.whl-app/` (carry [".whl"] or
+# [".whl-app"]); every call that carries them installs them into $SITE first, where they stay while the
+# machine is warm. Made here with the pip download line in the Notes of the device tool's README, at
+# requirements.txt's versions where it pins them:
+#   .whl-app/, the app (42 MB: not beside the last staging part, whose call would pass 64 MiB):
+#            gradio gradio_client brotli groovy hf-gradio orjson pydub python-multipart pytz safehttpx
 #            semantic-version tomlkit uvicorn plotly
-#   hybrid targets: compressed-tensors==0.17.0 loguru (vLLM's Qwen3.5/Qwen3-Next modules import them;
+#   .whl/, hybrid targets: compressed-tensors==0.17.0 loguru (vLLM's Qwen3.5/Qwen3-Next modules import them;
 #            the trimmed bundle leaves them out)
 # The app driven through its API (`gpu_session.sh app`) prints the page's start-up budget and why, and
 # per prompt and method τ, step cost in AR steps, predicted and measured speed-up, and the engine the
@@ -49,9 +51,10 @@ mkdir -p "$HOME"
 if [ ! -d "$SITE/vllm" ]; then
   bash "$STAGE/INSTALL.sh" "$STAGE/vllm-trim.tar.xz" >/dev/null || { echo "vLLM install failed"; exit 1; }
 fi
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-      > /tmp/pip-wheels.txt 2>&1 || { echo "installing .whl/ failed:"; tail -n 3 /tmp/pip-wheels.txt; exit 1; }
+wheels=$(compgen -G ".whl*/*.whl")
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $wheels \
+      > /tmp/pip-wheels.txt 2>&1 || { echo "installing wheels failed:"; tail -n 3 /tmp/pip-wheels.txt; exit 1; }
 fi
 if [ -z "${DDTREE_VLLM_DRAFTER:-}" ]; then
   if [ -f "$SHIPPED/model.safetensors" ]; then DDTREE_VLLM_DRAFTER=$PWD/$SHIPPED
