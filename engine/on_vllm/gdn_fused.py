@@ -162,6 +162,14 @@ if triton is not None:
             acc = acc / (1 + tl.exp(-acc))
         return acc.to(newest.dtype)
 
+    @triton.jit
+    def _inputs(x, stride_x, a, stride_a, b, stride_b, token, i_hv, q_channels, k_channels, v_channels, mask_k, mask_v):
+        """A token's convolution inputs on this program's channels, and its gate inputs."""
+        return (tl.load(x + token * stride_x + q_channels, mask=mask_k, other=0.0),
+                tl.load(x + token * stride_x + k_channels, mask=mask_k, other=0.0),
+                tl.load(x + token * stride_x + v_channels, mask=mask_v, other=0.0),
+                tl.load(a + token * stride_a + i_hv), tl.load(b + token * stride_b + i_hv))
+
     @triton.jit(do_not_specialize=["slot"])  # a slot of 1 would otherwise compile as a constant
     def _verify_kernel(x, stride_x, a, stride_a, b, stride_b, weight, stride_w_dim, stride_w_tap, bias, A_log, dt_bias,
                        conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot,
@@ -202,19 +210,13 @@ if triton is not None:
         v3 = _column(window, stride_cs_dim, stride_cs_tok, 2, v_channels, mask_v, x)
         # each step's inputs are loaded one step ahead, so their latency hides behind the step before
         next_token = tl.sum(tl.where(steps == 0, path, 0))
-        next_q = tl.load(x + next_token * stride_x + q_channels, mask=mask_k, other=0.0)
-        next_k = tl.load(x + next_token * stride_x + k_channels, mask=mask_k, other=0.0)
-        next_v = tl.load(x + next_token * stride_x + v_channels, mask=mask_v, other=0.0)
-        next_a = tl.load(a + next_token * stride_a + i_hv)
-        next_b = tl.load(b + next_token * stride_b + i_hv)
+        next_q, next_k, next_v, next_a, next_b = _inputs(x, stride_x, a, stride_a, b, stride_b, next_token, i_hv,
+                                                         q_channels, k_channels, v_channels, mask_k, mask_v)
         for t in range(0, steps_to_walk):
             token, x_q, x_k, x_v, a_t, b_t = next_token, next_q, next_k, next_v, next_a, next_b
             next_token = tl.sum(tl.where(steps == t + 1, path, 0))  # past the path's end: node 0's, never used
-            next_q = tl.load(x + next_token * stride_x + q_channels, mask=mask_k, other=0.0)
-            next_k = tl.load(x + next_token * stride_x + k_channels, mask=mask_k, other=0.0)
-            next_v = tl.load(x + next_token * stride_x + v_channels, mask=mask_v, other=0.0)
-            next_a = tl.load(a + next_token * stride_a + i_hv)
-            next_b = tl.load(b + next_token * stride_b + i_hv)
+            next_q, next_k, next_v, next_a, next_b = _inputs(x, stride_x, a, stride_a, b, stride_b, next_token, i_hv,
+                                                             q_channels, k_channels, v_channels, mask_k, mask_v)
             b_q = _conv4(bias, weight, stride_w_dim, stride_w_tap, q_channels, mask_k, q1, q2, q3, x_q, HAS_BIAS, SILU)
             b_k = _conv4(bias, weight, stride_w_dim, stride_w_tap, k_channels, mask_k, k1, k2, k3, x_k, HAS_BIAS, SILU)
             b_v = _conv4(bias, weight, stride_w_dim, stride_w_tap, v_channels, mask_v, v1, v2, v3, x_v, HAS_BIAS, SILU)
