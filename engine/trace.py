@@ -15,6 +15,7 @@ from pathlib import Path
 SCHEMA_VERSION = 1
 METHODS = ("ar", "dflash", "ddtree")
 NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP = "vllm-ar", "vllm-dflash", "vllm-mtp"  # bench labels of vLLM's own decoding (--native)
+NATIVE_AR_GRAPHLESS = "vllm-ar-graphless"  # vLLM's AR compiled, without its CUDA graphs (--native ar-graphless)
 TIMING_ONLY = "random weights: timing only"  # how a run on a config-only model shape is labelled
 SCRIPTED = "scripted: proposes known answers"  # how a drafter that knows the answers is labelled
 TOKENS_ONLY = ":tokens"  # bench label suffix of a run whose trace keeps only the committed tokens

@@ -176,21 +176,30 @@ def test_a_baseline_vllm_refuses_to_start_becomes_a_note(decoder, monkeypatch):
 
     def refuse(model, dtype, drafter, drafted, **kwargs):
         max_seqs.append(kwargs["options"].native_max_seqs)
-        asked.append((drafter is not None, drafted, kwargs["mtp"]))
+        asked.append((drafter is not None, drafted, kwargs["mtp"], kwargs["cuda_graphs"]))
         raise ValueError("1 validation error for SpeculativeConfig\n  Value error, heads (9) must divide by 2")
 
     monkeypatch.setattr(engine.on_vllm.vllm_engine, "native_llm", refuse)
     args = argparse.Namespace(model=None, drafter="drafter", seed=0, max_new_tokens=4, native_max_seqs=2,
                               native_mtp_tokens=3)
     prompts = [{"id": "p", "prompt": "hello"}]
-    runs, notes = benchmark_native(decoder, prompts, plan_native_jobs("mtp,ar,dflash"), args, "float32",
-                                   progress=False)
-    assert runs == [] and max_seqs == [2, 2, 2]  # --native-max-seqs reaches each of vLLM's own engines
-    # AR drafts nothing; DFlash a block less its anchor with our drafter; MTP --native-mtp-tokens with its own layers
-    assert asked == [(False, 0, False), (True, decoder.drafter.block_size - 1, False), (False, 3, True)]
+    runs, notes = benchmark_native(decoder, prompts, plan_native_jobs("mtp,ar,dflash,ar-graphless"), args,
+                                   "float32", progress=False)
+    assert runs == [] and max_seqs == [2, 2, 2, 2]  # --native-max-seqs reaches each of vLLM's own engines
+    # AR drafts nothing (ar-graphless: without vLLM's CUDA graphs); DFlash a block less its anchor with our drafter;
+    # MTP --native-mtp-tokens with its own layers
+    assert asked == [(False, 0, False, True), (False, 0, False, False),
+                     (True, decoder.drafter.block_size - 1, False, True), (False, 3, True, True)]
     assert notes == [f"{label} not timed: vLLM did not start it: "
                      "1 validation error for SpeculativeConfig Value error, heads (9) must divide by 2"
-                     for label in ("vllm-ar", "vllm-dflash", "vllm-mtp")]
+                     for label in ("vllm-ar", "vllm-ar-graphless", "vllm-dflash", "vllm-mtp")]
+
+
+def test_an_unknown_native_decoder_is_named_before_any_run():
+    from engine.tools.bench import plan_native_jobs
+
+    with pytest.raises(EngineError, match=r"^--native takes ar, ar-graphless, dflash and/or mtp, got 'ar,graphless'$"):
+        plan_native_jobs("ar,graphless")
 
 
 def test_vllm_own_engine_starts_only_after_the_studio_gave_the_gpu_back(decoder, monkeypatch):

@@ -230,6 +230,11 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     data["config"]["compile_step"] = True  # a compiled step is another setting: its title says so
     path.write_text(json.dumps(data))
     assert load_setting(path).title == "tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · float64 · inline (1) prompts"
+    data["config"]["compile_step"], data["config"]["vllm_compile"] = False, True  # --vllm-compile: so is vLLM's
+    path.write_text(json.dumps(data))
+    assert load_setting(path).title == ("tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (target compiled by "
+                                        "vLLM) · float64 · inline (1) prompts")
+    data["config"]["compile_step"], data["config"]["vllm_compile"] = True, False
     data["config"]["vllm_ar_settings"] = native_ar_settings(0)  # vLLM's own AR at another setting: another setting
     path.write_text(json.dumps(data))
     assert load_setting(path).title.endswith("(compiled) · vLLM AR: vLLM's default max_num_seqs · float64 · inline (1) "

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.models.target import BUNDLED_MODEL
-from engine.trace import METHODS, NATIVE_AR, NATIVE_DFLASH, SCRIPTED, STAGES, TIMING_ONLY, TOKENS_ONLY
+from engine.trace import (METHODS, NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP, SCRIPTED, STAGES,
+                          TIMING_ONLY, TOKENS_ONLY)
 
 MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 16 drafts 15)
 METHOD_NAMES = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}
-NATIVE_NAMES = {NATIVE_AR: "vLLM's own AR", NATIVE_DFLASH: "vLLM's own DFlash"}
+NATIVE_NAMES = {NATIVE_AR: "vLLM's own AR", NATIVE_AR_GRAPHLESS: "vLLM's own AR, no CUDA graphs",
+                NATIVE_DFLASH: "vLLM's own DFlash", NATIVE_MTP: "vLLM's own MTP"}
 # the video's palette, so plots and video read alike
 COLOURS = {"ar": "#94a3b8", "dflash": "#38bdf8", "ddtree": "#f59e0b"}
 DDTREE_SHADES = ["#fbbf24", "#f59e0b", "#d97706", "#b45309", "#92400e", "#78350f"]
@@ -70,7 +72,8 @@ class Setting:
             where = f"{config['tensor_parallel_size']}× {where}, tensor parallel"
         prompts = Path(str(config.get("prompts", "?"))).stem
         step = {"fixed": " · fixed-shape step", "readable": " · readable step"}.get(config.get("step"), "")
-        step += " (compiled)" if config.get("compile_step") else ""
+        step += (" (compiled)" if config.get("compile_step")
+                 else " (target compiled by vLLM)" if config.get("vllm_compile") else "")
         cut_before = [what for key, what in (("kernels_pending", "its kernel counts"), ("native_pending", "vLLM's own AR"))
                       if config.get(key)]
         step += f" · cut off before {' and '.join(cut_before)}" if cut_before else ""

@@ -304,8 +304,10 @@ class NativeRun:
 
 
 def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_speculative_tokens: int = 15,
-               seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False, mtp: bool = False):
-    """vLLM as it ships (CUDA graphs on unless ``enforce_eager``): AR, its DFlash with our drafter
+               seed: int = 0, options: VllmOptions = VllmOptions(), enforce_eager: bool = False, mtp: bool = False,
+               cuda_graphs: bool = True):
+    """vLLM as it ships (CUDA graphs on unless ``enforce_eager``, or ``cuda_graphs`` off: compiled, as the
+    Studio's ``--vllm-compile`` runs its model, without vLLM's graphs): AR, its DFlash with our drafter
     when ``drafter`` is given, or (``mtp``) the target's own multi-token-prediction layers drafting
     ``num_speculative_tokens``. AR runs with async scheduling, its fastest single-request setting that
     keeps the outputs (FULL graph mode is faster and changes them). With ``options.random_weights`` the
@@ -324,7 +326,8 @@ def native_llm(model: str | None, dtype: str, drafter: str | None = None, num_sp
                     tensor_parallel_size=options.tensor_parallel_size, enable_prefix_caching=False,
                     gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
                     speculative_config=speculative, disable_log_stats=False, enforce_eager=enforce_eager,
-                    async_scheduling=speculative is None, **native_settings(folder, options))
+                    async_scheduling=speculative is None, **native_settings(folder, options),
+                    **({} if cuda_graphs else {"compilation_config": {"cudagraph_mode": "NONE"}}))
 
 
 def native_settings(folder: str, options: VllmOptions) -> dict:

@@ -31,8 +31,8 @@ from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, RANDOM, load_decoder, sh
 from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
 from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS, VllmOptions, check_mtp_layers, load_vllm_decoder
-from engine.trace import (METHODS, NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP, NEAR_TIE, STAGES, TOKENS_ONLY, Trace,
-                          divergence)
+from engine.trace import (METHODS, NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP, NEAR_TIE, STAGES,
+                          TOKENS_ONLY, Trace, divergence)
 
 NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
 
@@ -135,7 +135,7 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
     ar_speed = timings["ar"].tokens_per_s if "ar" in timings else None
     vllm_ar_speed = timings[NATIVE_AR].tokens_per_s if NATIVE_AR in timings else None
     steps = economics({label: timing for label, timing in timings.items()
-                       if label not in (NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP)})
+                       if label not in (NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP)})
     summary = {}
     for job in jobs:
         mine = [r for r in runs if r["label"] == job.label]
@@ -233,14 +233,15 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
     return runs, notes
 
 
-NATIVE_METHODS = ((NATIVE_AR, "ar"), (NATIVE_DFLASH, "dflash"), (NATIVE_MTP, "mtp"))
+NATIVE_METHODS = ((NATIVE_AR, "ar"), (NATIVE_AR_GRAPHLESS, "ar-graphless"), (NATIVE_DFLASH, "dflash"),
+                  (NATIVE_MTP, "mtp"))
 
 
 def plan_native_jobs(spec: str) -> list[Job]:
-    """``--native ar,dflash,mtp``: which of vLLM's own decoders to time beside ours."""
+    """``--native ar,ar-graphless,dflash,mtp``: which of vLLM's own decoders to time beside ours."""
     wanted = {m.strip() for m in spec.split(",") if m.strip()}
     if wanted - {method for _, method in NATIVE_METHODS}:
-        raise EngineError(f"--native takes ar, dflash and/or mtp, got {spec!r}")
+        raise EngineError(f"--native takes ar, ar-graphless, dflash and/or mtp, got {spec!r}")
     return [Job(label, method, None) for label, method in NATIVE_METHODS if method in wanted]
 
 
@@ -264,7 +265,7 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
         drafted = (decoder.drafter.block_size - 1 if drafter else args.native_mtp_tokens if job.method == "mtp" else 0)
         try:
             llm = native_llm(args.model, dtype, drafter, drafted, seed=args.seed, options=options,
-                             mtp=job.method == "mtp")
+                             mtp=job.method == "mtp", cuda_graphs=job.method != "ar-graphless")
         except Exception as exc:  # vLLM's own checks raise pydantic, value and runtime errors alike
             notes.append(f"{job.label} not timed: vLLM did not start it: {' '.join(str(exc).split())}")
             continue
@@ -453,7 +454,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "run's outputs identical to its AR (vLLM's own AR where it ran)")
     parser.add_argument("--native", default="", metavar="ar,dflash,mtp",
                         help="vllm engine: also time vLLM's own AR, DFlash and/or MTP (the target's own multi-token "
-                             "prediction layers, e.g. Qwen3.5 / 3.6; CUDA graphs on) on the same prompts")
+                             "prediction layers, e.g. Qwen3.5 / 3.6; CUDA graphs on) on the same prompts; "
+                             "ar-graphless: its AR compiled without its CUDA graphs, as --vllm-compile runs the "
+                             "Studio's (whether vLLM's graphs change its own numbers)")
     parser.add_argument("--native-mtp-tokens", type=int, default=3, metavar="N",
                         help="--native mtp: tokens its MTP layers draft per step (default 3, the vLLM and SGLang recipes' "
                              "setting for Qwen3-Next / Qwen3.5)")
