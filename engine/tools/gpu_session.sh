@@ -49,7 +49,9 @@
 #              with NATIVE=ar,mtp took 4.8 min there; NATIVE= times the Studio's methods alone). Session 49 (2026-12-04),
 #              warm after the gdn phase: LIMIT=2 BUDGETS=16,64 TOKENS=64 NATIVE=ar 5.7 min; then with STEP=--vllm-compile
 #              3.3 min, and LIMIT=3 NATIVE=ar,mtp 4.8 min. NATIVE=ar,dflash times vLLM's own DFlash with the random
-#              drafter too: whether vLLM's target compiled with a drafter's taps still decodes as its AR.
+#              drafter too: whether vLLM's target compiled with a drafter's taps still decodes as its AR (it did, 3/3, on
+#              2026-12-04, while the Studio's --vllm-compile AR left it at token 0). NATIVE=ar,ar-graphless adds vLLM's AR
+#              compiled without its CUDA graphs, as the Studio runs it: whether vLLM's graphs change its own numbers.
 #              Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
 #              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
 #   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
