@@ -570,38 +570,33 @@ def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, comm
     return "\n\n".join(parts) + "\n"
 
 
+def _section(heading: str, table: str | None) -> list[str]:
+    """A heading and its table, or nothing where the run has no data for it."""
+    return [heading, table] if table is not None else []
+
+
 def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path) -> list[str]:
     parts = [f"## {setting.title}", "Measured:\n" + "\n".join(f"- {line}" for line in measurement_lines(setting)),
              method_table(setting)]
-    economics = economics_table(setting)
-    if economics is not None:
-        parts += ["### Step economics\n\nSpeed-up = τ ÷ step cost: a step commits τ tokens and costs this many AR "
-                  "steps (mean step wall time, prefill excluded, over AR's in the same run). The measured speed-up "
-                  "includes the prefill.", economics]
+    parts += _section("### Step economics\n\nSpeed-up = τ ÷ step cost: a step commits τ tokens and costs this many "
+                      "AR steps (mean step wall time, prefill excluded, over AR's in the same run). The measured "
+                      "speed-up includes the prefill.", economics_table(setting))
     best = setting.best
     if best is not None:
         parts.append(f"Best DDTree budget in this run: **{best['tree_budget']}** ({best['tokens_per_s']:.1f} tokens/s, "
                      f"τ {best['tau']:.2f}).")
-    categories = category_table(setting)
-    if categories is not None:
-        parts += ["### τ by prompt category\n\nThe number of prompts per category is in brackets.", categories]
-    stages = stage_table(setting)
-    if stages is not None:
-        parts += ["### Where the time goes\n\nMilliseconds per verify step, from the engine's stage timers "
-                  "(wall time includes the prefill, spread over the steps).", stages]
-    prefill = prefill_table(setting)
-    if prefill is not None:
-        parts += ["### The prefill\n\nMilliseconds per run before the first verify step: the prompt's pass through "
-                  "the target (and the first token's read), the drafter's context features, the fixed program's "
-                  "start. Speed-ups include it; the step cost leaves it out.", prefill]
-    kernels = kernel_table(setting)
-    if kernels is not None:
-        parts += ["### Kernels per step\n\nCUDA kernels each stage launches per verify step (profiler, one run of "
-                  "the first prompt per method; kernels a CUDA graph replays count one by one).", kernels]
-    slowest = slowest_kernel_table(setting)
-    if slowest is not None:
-        parts += ["### Slowest kernels per step\n\nThe same profiler run: the kernels that took the most device time "
-                  "per verify step in each stage (names cut to 90 characters).", slowest]
+    parts += _section("### τ by prompt category\n\nThe number of prompts per category is in brackets.",
+                      category_table(setting))
+    parts += _section("### Where the time goes\n\nMilliseconds per verify step, from the engine's stage timers "
+                      "(wall time includes the prefill, spread over the steps).", stage_table(setting))
+    parts += _section("### The prefill\n\nMilliseconds per run before the first verify step: the prompt's pass "
+                      "through the target (and the first token's read), the drafter's context features, the fixed "
+                      "program's start. Speed-ups include it; the step cost leaves it out.", prefill_table(setting))
+    parts += _section("### Kernels per step\n\nCUDA kernels each stage launches per verify step (profiler, one run of "
+                      "the first prompt per method; kernels a CUDA graph replays count one by one).",
+                      kernel_table(setting))
+    parts += _section("### Slowest kernels per step\n\nThe same profiler run: the kernels that took the most device "
+                      "time per verify step in each stage (names cut to 90 characters).", slowest_kernel_table(setting))
     if setting.drafting_labels():
         parts += ["### Per-position acceptance\n\nShare of verify steps that accepted draft position k "
                   "(all prompts): a step accepts position k when its acceptance length exceeds k.",
