@@ -116,3 +116,16 @@ def test_a_bf16_drafter_beside_a_float32_target_drafts_in_bf16_and_decodes_what_
             trace = decoder.run(prompt_ids=ids, settings=settings)
             assert trace.output_ids == ar.output_ids, (decoder.step_kind, settings.method)
             assert trace.summary.tau >= 2.5, "the bf16 drafts are the script's: accepted levels deep"
+
+
+def test_a_prompt_s_pass_computes_the_last_row_s_logits_alone():
+    """The prompt's pass needs its last row only (the first token); the LM head then runs on one row, as vLLM's and
+    transformers' own prompt passes do, and that row is the full pass's."""
+    target = tiny_target()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    positions = torch.arange(5)[None]
+    with torch.inference_mode():
+        full, _ = target.forward(ids, positions, target.new_cache())
+        last, _ = target.forward(ids, positions, target.new_cache(), last_logits=True)
+    assert full.shape == (5, target.config.vocab_size) and last.shape == (1, target.config.vocab_size)
+    torch.testing.assert_close(last[0], full[-1], rtol=0, atol=1e-5)

@@ -130,7 +130,8 @@ def check(target: Target, prompt_id: str, context: list[int], rows_list: list[in
     try:
         cache = target.new_cache()
         ids = torch.tensor([context], device=target.device)
-        prefill, _ = target.forward(ids, torch.arange(len(context), device=target.device)[None], cache)
+        prefill, _ = target.forward(ids, torch.arange(len(context), device=target.device)[None], cache,
+                                    last_logits=True)
         past = len(context)
         ar = ar_steps(target, copy.deepcopy(cache), past, int(prefill[-1].argmax()), max(rows_list))
         checks = []

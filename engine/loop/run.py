@@ -122,7 +122,8 @@ class Run:
         prompt = torch.tensor([self.config.prompt_ids], device=self.device)
         positions = torch.arange(prompt.shape[1], device=self.device)[None]
         with self.clock.stage("target"):
-            logits, hidden = self.target.forward(prompt, positions, self.cache, hidden_states=self.drafts)
+            logits, hidden = self.target.forward(prompt, positions, self.cache, hidden_states=self.drafts,
+                                                 last_logits=True)
             first = int(ddtree.sample_tokens(logits[-1:], self.settings.temperature, self.generator)[0])
         self.start = prompt.shape[1]  # position of the root: the last committed token, not yet in the KV cache
         self.root = first

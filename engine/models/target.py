@@ -123,8 +123,9 @@ class Target:
         """Keep the accepted path's cache state (node indices, root first), drop the other nodes'."""
         hybrid.commit_cache(cache, past_length, accepted)
 
-    def forward(self, input_ids, position_ids, cache, attention_bias=None, hidden_states=False):
-        """Logits ``[q, vocab]`` and, if asked, the per-layer hidden states."""
+    def forward(self, input_ids, position_ids, cache, attention_bias=None, hidden_states=False, last_logits=False):
+        """Logits ``[q, vocab]`` (``last_logits``: the last row's alone, ``[1, vocab]``, all a prompt's pass needs)
+        and, if asked, the per-layer hidden states."""
         if hybrid.verifies_tree(cache):  # linear-attention layers fork their state per tree node
             return hybrid.tree_forward(self.model, input_ids, position_ids, cache, attention_bias, hidden_states)
         out = self.model(
@@ -133,6 +134,7 @@ class Target:
             attention_mask=attention_bias,
             use_cache=True,
             output_hidden_states=hidden_states,
+            logits_to_keep=1 if last_logits else 0,
             **{hybrid.cache_argument(type(self.model)): cache},
         )
         return out.logits[0], (out.hidden_states if hidden_states else None)

@@ -128,7 +128,7 @@ class PagedCache:
 class _Forward:
     """One verify shape: static inputs, attention metadata and (once captured) a CUDA graph."""
 
-    def __init__(self, target: "PagedTarget", size: int, tree: bool, prefill: bool = False):
+    def __init__(self, target: "PagedTarget", size: int, tree: bool, prefill: bool = False, last_row: bool = False):
         device = target.device
         self.target, self.size, self.prefill = target, size, prefill
         self.ids = torch.zeros(size, dtype=torch.long, device=device)
@@ -139,6 +139,8 @@ class _Forward:
         # the kernel loads the bias a whole query tile at a time (up to 16 rows), rows past the
         # last query included: back the [size, size] view with memory for them
         self.bias = torch.zeros(size + BIAS_PAD_ROWS, size, dtype=torch.float32, device=device)[:size] if tree else None
+        # ``last_row``: the logits of one row, this index (a prompt's last token; padding may follow it)
+        self.last = torch.zeros(1, dtype=torch.long, device=device) if last_row else None
         self.metadata = target.layer_metadata(size, self.slots, self.seq_lens, prefill)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
@@ -160,7 +162,8 @@ class _Forward:
             if self.gdn_pass is not None:
                 self.target.gdn.pending = self.gdn_pass  # the commit reads what this graph's layers kept
             return self.outputs
-        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias, self.prefill)
+        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias, self.prefill,
+                                     last=self.last)
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
@@ -169,7 +172,8 @@ class _Forward:
         torch.cuda.synchronize()
         with graph_capture(device=self.target.device) as context:
             self.graph, self.outputs = record(
-                lambda: self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias),
+                lambda: self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias,
+                                              last=self.last),
                 pool=pool, stream=context.stream)
         if self.target.gdn is not None:
             self.gdn_pass = self.target.gdn.pending
@@ -222,7 +226,8 @@ class PagedTarget(Target):
         self._lm_head = _full_vocab(head.weight, self.config.vocab_size)
         self.use_cuda_graphs = use_cuda_graphs
         self.forwards: dict[tuple[int, bool], _Forward] = {}
-        self.prefills: dict[int, _Forward] = {}  # prompt passes by padded length (``prefill_bucket``)
+        # prompt passes by padded length (``prefill_bucket``) and whether they keep the last row's logits alone
+        self.prefills: dict[tuple[int, bool], _Forward] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
         # move_rows(sources, targets): cache rows of every layer, in one launch where Triton runs
         self.move_rows = RowMover(self.kv_caches, self.block_size)
@@ -283,11 +288,12 @@ class PagedTarget(Target):
         )
         return self.builder.build(0, common)
 
-    def run_model(self, ids, positions, metadata: dict, slots, bias, prefill: bool = False, compiled: bool = False
-                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run_model(self, ids, positions, metadata: dict, slots, bias, prefill: bool = False, compiled: bool = False,
+                  last: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One pass of vLLM's model; ``compiled``: through torch.compile at this fixed size, unless vLLM compiled
         the model itself. (Dynamo breaks vLLM's graph at each decoder layer and stops at its recompile limit, so
-        past the first layers they run eagerly: on a hybrid most of the target stays eager.)"""
+        past the first layers they run eagerly: on a hybrid most of the target stays eager.) ``last``: the logits
+        of that row alone, as vLLM's own prompt pass computes them (one row through the LM head)."""
         model = self.text_model
         if compiled and not self.vllm_compiled:
             if self.compiled_model is None:
@@ -304,13 +310,14 @@ class PagedTarget(Target):
                 out = model(input_ids=ids, positions=positions.expand(3, -1) if self.mrope else positions,
                             intermediate_tensors=None)
                 hidden, taps = out if isinstance(out, tuple) else (out, [])
-                return self.text_model.compute_logits(hidden), taps
+                return self.text_model.compute_logits(hidden if last is None else hidden.index_select(0, last)), taps
         finally:
             _Tree.current = None
             if self.gdn is not None:
                 self.gdn.end()
 
-    def forward(self, input_ids, position_ids, cache: PagedCache, attention_bias=None, hidden_states=False):
+    def forward(self, input_ids, position_ids, cache: PagedCache, attention_bias=None, hidden_states=False,
+                last_logits=False):
         size = input_ids.shape[1]
         if cache.length + size > self.capacity:
             raise EngineError(f"the vLLM KV cache holds {self.capacity} tokens; this pass needs {cache.length + size}")
@@ -319,13 +326,16 @@ class PagedTarget(Target):
             raise EngineError("a hybrid target's prompt runs as a plain causal prefill, not as a tree")
         bucket = self._prefill_bucket(size) if prefill and attention_bias is None else None
         if bucket is not None:
-            if bucket not in self.prefills:
-                self.prefills[bucket] = _Forward(self, bucket, tree=False, prefill=True)
-            forward = self.prefills[bucket]
+            key = (bucket, last_logits)
+            if key not in self.prefills:
+                self.prefills[key] = _Forward(self, bucket, tree=False, prefill=True, last_row=last_logits)
+            forward = self.prefills[key]
             forward.load(*padded_prompt(input_ids[0], position_ids[0], bucket), 0, None)
         else:
-            forward = self._forward_for(size, attention_bias is not None, prefill)
+            forward = self._forward_for(size, attention_bias is not None, prefill, last_logits)
             forward.load(input_ids[0], position_ids[0], cache.length, attention_bias)
+        if forward.last is not None:
+            forward.last.fill_(size - 1)
         logits, taps = forward.run()
         cache.length += size  # like a DynamicCache: every pass appends; ``commit`` then trims to the path
         return logits[:size], self.tapped([tap[:size] for tap in taps]) if hidden_states else None
@@ -351,10 +361,10 @@ class PagedTarget(Target):
     def fixed_kv(self, capacity: int, compiled: bool = False) -> "PagedKV":
         return PagedKV(self, compiled)  # the paged cache is vLLM's, of its own capacity
 
-    def _forward_for(self, size: int, tree: bool, prefill: bool) -> _Forward:
+    def _forward_for(self, size: int, tree: bool, prefill: bool, last_row: bool = False) -> _Forward:
         key = (size, tree)
-        if prefill or key not in self.forwards and len(self.forwards) >= MAX_GRAPHS:
-            return _Forward(self, size, tree, prefill)
+        if prefill or last_row or key not in self.forwards and len(self.forwards) >= MAX_GRAPHS:
+            return _Forward(self, size, tree, prefill, last_row)
         if key not in self.forwards:
             self.forwards[key] = _Forward(self, size, tree)
         return self.forwards[key]
