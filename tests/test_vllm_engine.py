@@ -121,6 +121,30 @@ def test_tree_verify_and_compaction_match_the_torch_engine(studio, torch_engine)
         assert error.max() < 0.15 and error.mean() < 0.05, (error.max(), error.mean())
 
 
+def prompt_logits_in_worker(worker, prompt_ids):
+    """Runs inside a vLLM worker: a prompt's pass with every row's logits, then with its last row's alone."""
+    import torch
+
+    target = worker.studio.target
+    ids = torch.tensor([prompt_ids], device=target.device)
+    positions = torch.arange(len(prompt_ids), device=target.device)[None]
+    every, _ = target.forward(ids, positions, target.new_cache())
+    last, _ = target.forward(ids, positions, target.new_cache(), last_logits=True)
+    return every.float().cpu().tolist(), last.float().cpu().tolist()
+
+
+def test_a_prompt_s_pass_with_its_last_row_alone_gives_that_row(studio):
+    """The prompt is padded to its bucket's length (a CUDA graph's): the row kept is the prompt's last token's,
+    not the padding's."""
+    prompt_ids = studio.target.chat_ids(prompts(1)[0])
+    if not len(prompt_ids) & (len(prompt_ids) - 1):  # a bucket's own length (a power of two) pads nothing
+        prompt_ids = prompt_ids[:-1]
+    every, last = studio.llm.collective_rpc(prompt_logits_in_worker, args=(prompt_ids,))[0]
+    every, last = torch.tensor(every), torch.tensor(last)
+    assert every.shape[0] == len(prompt_ids) and last.shape[0] == 1
+    torch.testing.assert_close(last[0], every[-1], rtol=0, atol=1e-3)  # one row through the LM head, or all of them
+
+
 def test_greedy_dflash_and_ddtree_equal_vllm_ar_in_float32(studio, readable, torch_engine):
     from engine.on_vllm.vllm_engine import native_generate, native_llm
 
