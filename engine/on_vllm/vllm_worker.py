@@ -56,7 +56,7 @@ from engine.on_vllm.vllm_engine import MAX_PATH
 
 MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
 # longest prompt pass replayed as a graph: beyond it the pass is compute, not launches, and a graph
-# would keep its activations (all-row logits included) in the pool for good
+# would keep its activations (all-row logits too, where a caller asks for every row) in the pool for good
 MAX_PREFILL_GRAPH = 1024
 BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
 BIAS_REFERENCE = os.environ.get("DDTREE_ATTENTION") == "bias"
