@@ -235,6 +235,23 @@ def test_in_bf16_every_verified_row_is_ar_s_step_bit_for_bit(studio):
     assert not left, f"rows leaving AR's steps: {left}"
 
 
+def test_a_target_vllm_compiled_verifies_as_its_one_token_steps(studio):
+    """--vllm-compile: vLLM's inductor graph runs without dynamo's guards, so the Studio must feed it what vLLM
+    traced it with (int32 ids: int64 ones were read as pairs of words, every pass past one token wrong, 0 of 10
+    DDTree outputs equal to AR's on the H200). DFlash and DDTree verify many rows a pass, AR one."""
+    from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
+
+    compiled = load_vllm_decoder(MODEL, DRAFTER, dtype="bfloat16",
+                                 options=VllmOptions(vllm_compile=True, gpu_memory_utilization=0.15))
+    try:
+        for prompt in prompts(3):
+            reference = compiled.run(prompt, DecodeSettings("ar", NEW_TOKENS)).output_ids
+            for settings in (DecodeSettings("dflash", NEW_TOKENS), DecodeSettings("ddtree", NEW_TOKENS, tree_budget=16)):
+                assert compiled.run(prompt, settings).output_ids == reference, settings.method
+    finally:
+        compiled.close()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensor_parallel_ddtree_equals_one_gpu(studio):
     """Both runs use the same weights: for 2 GPUs the bundled SmolLM2 is served as its equivalent

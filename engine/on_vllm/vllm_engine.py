@@ -50,7 +50,7 @@ class VllmOptions:
     fixed_step: bool = True  # greedy runs as fixed-shape device programs (engine.loop.fixed_step)
     compile_step: bool = False  # their own stages (draft, tree, walk) through torch.compile
     # vLLM compiles the target itself (its inductor graph, native ops fused, one graph for every pass size) in
-    # place of running it eagerly; the Studio's CUDA graphs replay it as before. For A/B runs: not yet on a GPU
+    # place of running it eagerly; the Studio's CUDA graphs replay it as before. For A/B runs against compile_step
     vllm_compile: bool = False
     random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
     gpu_memory_utilization: float = 0.3

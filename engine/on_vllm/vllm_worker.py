@@ -135,7 +135,9 @@ class _Forward:
     def __init__(self, target: "PagedTarget", size: int, tree: bool, prefill: bool = False, last_row: bool = False):
         device = target.device
         self.target, self.size, self.prefill = target, size, prefill
-        self.ids = torch.zeros(size, dtype=torch.long, device=device)
+        # int32 as vLLM's runners feed it: a model vLLM compiled (--vllm-compile) runs without dynamo's guards,
+        # and its embedding then reads int64 ids as pairs of int32 words (every pass past one token wrong)
+        self.ids = torch.zeros(size, dtype=torch.int32, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
         self.slots = torch.zeros(size, dtype=torch.long, device=device)
         self.offsets = torch.arange(size, dtype=torch.long, device=device)
