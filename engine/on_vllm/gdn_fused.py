@@ -228,8 +228,9 @@ if triton is not None:
             v1 = _column(window, stride_cs_dim, stride_cs_tok, 0, v_channels, mask_v, x)
             v2 = _column(window, stride_cs_dim, stride_cs_tok, 1, v_channels, mask_v, x)
             v3 = _column(window, stride_cs_dim, stride_cs_tok, 2, v_channels, mask_v, x)
-            # each step's inputs are loaded one step ahead, so their latency hides behind the step before
-            next_token = tl.sum(tl.where(steps == 0, path, 0))
+            # each step's inputs are loaded one step ahead, so their latency hides behind the step before; the
+            # first step's token is the root, node 0, on every path: its load waits on no other
+            next_token = tl.zeros((), dtype=tl.int32)
             next_q, next_k, next_v, next_a, next_b = _inputs(x, stride_x, a, stride_a, b, stride_b, next_token, i_hv,
                                                              q_channels, k_channels, v_channels, mask_k, mask_v)
             for t in range(0, steps_to_walk):
@@ -299,10 +300,11 @@ if triton is not None:
         dt_bias_val = tl.load(dt_bias + i_hv).to(tl.float32)
         p_h = ssm_state + slot.to(tl.int64) * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
         b_h = tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
-        # each token's rows are loaded one step ahead, as in the verify (past the path's end: its first node's)
+        # each token's rows are loaded one step ahead, as in the verify, starting at the root (past the path's end:
+        # the root's again)
         next_q, next_k, next_v, next_a, next_b = _inputs(kept_conv, stride_x, kept_a, HV, kept_b, HV,
-                                                         tl.load(path), i_hv, q_channels, k_channels, v_channels,
-                                                         mask_k, mask_v)
+                                                         tl.zeros((), dtype=tl.int32), i_hv, q_channels, k_channels,
+                                                         v_channels, mask_k, mask_v)
         for t in range(0, length):
             b_q, b_k, b_v, a_t, b_t = next_q, next_k, next_v, next_a, next_b
             following = tl.load(path + tl.where(t + 1 < length, t + 1, 0))

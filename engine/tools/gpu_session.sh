@@ -52,6 +52,8 @@
 #              drafter too: whether vLLM's target compiled with a drafter's taps still decodes as its AR (it did, 3/3, on
 #              2026-12-04, while the Studio's --vllm-compile AR left it at token 0). NATIVE=ar,ar-graphless adds vLLM's AR
 #              compiled without its CUDA graphs, as the Studio runs it: whether vLLM's graphs change its own numbers.
+#              Session 51 (2026-12-04), after the gdn phase: LIMIT=3 BUDGETS=16,64 TOKENS=64 NATIVE=ar STEP=--vllm-compile
+#              6.6 min.
 #              Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
 #              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
 #   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
@@ -59,8 +61,8 @@
 #              Qwen3-1.7B's shape with random weights; the CPU found float32 q_proj leaving AR at 17 rows) (~2 min)
 #   rows-vllm  the same in vLLM's worker (engine.tools.row_invariance --engine vllm), trees through the path attention,
 #              then through vLLM's kernel with a query bias (DDTREE_ATTENTION=bias), Qwen3-1.7B's shape, bf16 (2.8 min on
-#              2026-12-04; chains equal AR's steps at every row count; the tree rows of that day's runs are void: the check
-#              compared them with the wrong AR steps, fixed since)
+#              2026-12-04; session 51: every row of chains and trees of 1-129 rows equal to AR's steps bit for bit, both
+#              attentions and the bundled SmolLM2)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
