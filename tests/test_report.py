@@ -299,3 +299,14 @@ def test_appended_sections_come_last_as_written(results_path, tmp_path):
     text = out.read_text()
     assert text.rstrip().endswith("| variant | 9.0, OTHER BITS |")
     assert text.index("## Gated DeltaNet verify and commit: shape") > text.index("## Headline")
+
+
+def test_the_gdn_table_names_each_program_s_registers_once_per_size():
+    from engine.tools.gdn_bench import table
+
+    timing = {"method": "fused", "nodes": 65, "step_us": 9.0, "layer_us": 4.5, "same_bits": None,
+              "programs": "verify_kernel 232 registers, 0 spills"}
+    text = table({"model": "shape", "linear_layers": 2, "dtype": "bfloat16",
+                  "timings": [timing | {"tree": "ddtree@64"}, timing | {"tree": "flat@64"}]})
+    assert text.count("verify_kernel 232 registers") == 1 and text.endswith("- fused, 65 nodes: verify_kernel 232 "
+                                                                           "registers, 0 spills")

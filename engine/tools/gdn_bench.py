@@ -13,6 +13,7 @@ step's tree verified and its root committed, all layers as one CUDA graph, repla
 a chain of the drafter's block (DFlash), DDTree's at each budget built from peaked random
 distributions like a trained drafter's (deep trees: the path walk's worst case), and ``flat@BUDGET``, from
 flat ones: the wide trees a random-weight drafter drafts in the shape runs (``gpu_session.sh shape``).
+Beside each module's timings: the registers a thread and spills of the programs it compiled for that tree size.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Timing:
     step_us: float  # all linear layers, verify + commit
     layer_us: float
     same_bits: bool | None = None  # an --also module: its nodes' outputs equal ``fused``'s bit for bit
+    programs: str | None = None  # a Triton module's programs compiled for this tree: registers a thread, spills
 
 
 @dataclass
@@ -158,6 +160,24 @@ def outputs(module, layer: Layer, visible: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def compiled_programs(module) -> dict[int, object]:
+    """The Triton programs ``module``'s verify and commit kernels have compiled so far, by identity (read from
+    Triton's per-device caches, whose layout is Triton's own: none where it differs from 3.x's)."""
+    programs = {}
+    for kernel in filter(None, (getattr(module, "_verify_kernel", None), getattr(module, "_commit_kernel", None))):
+        for cache in getattr(kernel, "device_caches", {}).values():
+            if isinstance(cache, tuple) and isinstance(cache[0], dict):
+                programs |= {id(program): program for program in cache[0].values()}
+    return programs
+
+
+def resources(programs) -> str:
+    """Each program's registers a thread and spilled ones: at one warp a program, registers bound how many
+    programs an SM holds at once, which is what a tree of many leaves waits on."""
+    return "; ".join(f"{program.name.strip('_')} {getattr(program, 'n_regs', '?')} registers, "
+                     f"{getattr(program, 'n_spills', '?')} spills" for program in programs)
+
+
 def time_graph(step, replays: int) -> float:
     """µs per replay of ``step`` recorded as one CUDA graph."""
     step()
@@ -194,6 +214,11 @@ def table(report: dict) -> str:
                 ", same bits" if timing["same_bits"] else ", OTHER BITS")
             row.append("–" if timing is None else f"{timing['layer_us']:.1f}{same}")
         lines.append(f"| {method} | " + " | ".join(row) + " |")
+    programs = {(t["method"], t["nodes"]): t["programs"] for t in report["timings"] if t.get("programs")}
+    if programs:
+        lines += ["", "Registers a thread and spills of each program compiled (at one warp a program, registers bound "
+                  "how many programs an SM holds at once):", ""]
+        lines += [f"- {method}, {nodes} nodes: {text}" for (method, nodes), text in programs.items()]
     return "\n".join(lines)
 
 
@@ -220,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     modules = {"fused": importlib.import_module("engine.on_vllm.gdn_fused")}
     modules |= {name: importlib.import_module(name) for name in filter(None, args.also.split(","))}
     timings = []
+    seen = {name: set() for name in modules}  # each module's programs compiled before the tree at hand
+    programs: dict[tuple[str, int], str] = {}
     for tree, visible in trees(args.trees.split(","), device).items():
         q = visible.shape[0]
         layers = [make_layer(shape, q, dtype, device) for _ in range(count)]
@@ -234,9 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         for method, step in steps.items():
             us = time_graph(step, args.replays)
             same = same_bits.get(method)
-            timings.append(Timing(method, tree, q, round(us, 1), round(us / count, 2), same))
+            if method in modules:  # a program's constants follow the node count: trees of one size share programs
+                compiled = compiled_programs(modules[method])
+                programs.setdefault((method, q), resources(p for key, p in compiled.items() if key not in seen[method]))
+                seen[method] = set(compiled)
+            timings.append(Timing(method, tree, q, round(us, 1), round(us / count, 2), same, programs.get((method, q))))
             print(f"{tree:>10} ({q:>3} nodes)  {method:<34} {us:9.1f} µs a step  {us / count:7.2f} µs a layer"
-                  + ("" if same is None else f"  same bits as fused: {'yes' if same else 'NO'}"), flush=True)
+                  + ("" if same is None else f"  same bits as fused: {'yes' if same else 'NO'}")
+                  + (f"  ({programs[method, q]})" if (method, q) in programs else ""), flush=True)
     if args.out:
         with open(args.out, "w") as handle:
             command = "python -m engine.tools.gdn_bench " + " ".join(sys.argv[1:] if argv is None else argv)
