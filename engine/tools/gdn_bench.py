@@ -263,12 +263,14 @@ def main(argv: list[str] | None = None) -> int:
             same = same_bits.get(method)
             if method in modules:  # a program's constants follow the node count: trees of one size share programs
                 compiled = compiled_programs(modules[method])
-                programs.setdefault((method, q), resources(p for key, p in compiled.items() if key not in seen[method]))
+                found = resources(p for key, p in compiled.items() if key not in seen[method])
+                if found:
+                    programs.setdefault((method, q), found)
                 seen[method] = set(compiled)
             timings.append(Timing(method, tree, q, round(us, 1), round(us / count, 2), same, programs.get((method, q))))
             print(f"{tree:>10} ({q:>3} nodes)  {method:<34} {us:9.1f} µs a step  {us / count:7.2f} µs a layer"
                   + ("" if same is None else f"  same bits as fused: {'yes' if same else 'NO'}")
-                  + (f"  ({programs[method, q]})" if (method, q) in programs else ""), flush=True)
+                  + (f"  ({programs[method, q]})" if programs.get((method, q)) else ""), flush=True)
     if args.out:
         with open(args.out, "w") as handle:
             command = "python -m engine.tools.gdn_bench " + " ".join(sys.argv[1:] if argv is None else argv)
