@@ -11,6 +11,8 @@
 #              on 2026-12-02)
 #   gdn        the Gated DeltaNet programs' tests natively, and their cost per step at the 27B hybrid's shape
 #              (engine.tools.gdn_bench; carry .whl for vLLM's kernels' imports) (2.1 min on 2026-12-04, cold)
+#   gdn-profile  Nsight Compute on one verify of the Gated DeltaNet program at a flat 64-node tree (TREE=...): registers,
+#              occupancy, stalls (not run yet)
 #   tests      the GPU tests of the fixed step and the vLLM engine (~5 min)
 #   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
@@ -70,7 +72,7 @@
 # (STEP=--compile-step TAG=-compiled: the compiled step; STEP=--vllm-compile: vLLM compiles the target itself, which
 # --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile limit: not run yet).
 set -uo pipefail
-PHASES='check, kernels, gdn, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
+PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -129,6 +131,15 @@ gdn)  # the Gated DeltaNet programs natively (against vLLM's decode kernels), th
   timeout 240 python3 -m engine.tools.gdn_bench --model "assets/shapes/${SHAPE:-qwen3.6-27b}" ${ALSO:+--also "$ALSO"} \
       --out "$OUT/gdn-bench.json" > "$OUT/gdn-bench.txt" 2>&1
   grep -E 'µs|error' "$OUT/gdn-bench.txt" ;;
+gdn-profile)  # Nsight Compute on one Gated DeltaNet verify of TREE (default flat@64) at SHAPE's size: launch size,
+  # registers, occupancy and where its warps stall (ncu reads the counters on Firecracker machines, KINDS.md)
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
+  timeout 300 "${ncu:-ncu}" --clock-control none --kernel-name regex:_verify_kernel --launch-count 1 --section LaunchStats \
+      --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      python3 -m engine.tools.gdn_bench --model "assets/shapes/${SHAPE:-qwen3.6-27b}" --trees "${TREE:-flat@64}" \
+      --replays 1 > "$OUT/ncu-gdn.txt" 2>&1
+  grep -E 'Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit|Duration|Warp Cycles Per|Stall|error|ERR' \
+      "$OUT/ncu-gdn.txt" | head -n 30 ;;
 shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; UTIL: the GPU share of each of the two
   # engines (the Studio's, then vLLM's own AR once the Studio's has closed). LAYERS=8: the shape cut to its first
   # 8 layers (the drafter tapping layers within them): for kernel profiles (DDTREE_SLOWEST_KERNELS=40 names 40
