@@ -1,21 +1,23 @@
-"""A Gated DeltaNet layer's tree verify and commit in one Triton program each.
+"""A Gated DeltaNet layer's tree verify in two Triton programs and its commit in one.
 
 ``engine.on_vllm.gdn_tree`` verifies a tree with vLLM's own kernels: gathered windows, a convolution
 launch, q/k/v splits and gathers, a varlen path replay, then the commit's second replay; about
 twenty launches a layer, which at 48 linear layers is most of a hybrid's step. Here the same
-arithmetic runs as two programs a layer:
+arithmetic runs as three programs a layer:
 
-- ``verify``: one program per (value block, value head, leaf) walks the leaf's root-to-leaf path
-  (``ddtree.forks.path_table``) and scores the nodes of the leaf's chain on it
-  (``ddtree.forks.leaf_chains``: each node lies on one chain, so it is scored once, and a chain of
-  16 is one walk of 16 tokens, not 16 walks of 1 to 16). At each path token it convolves the token's
-  window (the three older inputs ride along in registers, from the committed window on) and applies
-  the token to the recurrent state it holds in registers, starting from the request's committed
-  state; the convolution's taps are loaded once and each token's inputs one step ahead, so a step
-  waits on no memory (a chain of 16 took 36 µs a layer at 27B sizes, 52 with the taps loaded at
-  every step). Nothing in the caches is written: for each
-  node it scores, the program that owns the node's channels keeps its inputs, convolution output
-  and gates for the commit.
+- ``verify``, first every node's convolution: one program per (channel block, node) convolves the
+  node's window, the last four inputs on its root-to-node path (``ddtree.forks.path_table``; the
+  committed window's columns before the root), and keeps its inputs, convolution output and gates
+  for the walk and the commit (vLLM reuses its input buffers layer after layer). The convolution
+  needs no recurrence, so it runs once a node, not once a path through it and a value block.
+- then the walk: one program per (value block, value head, leaf) walks the leaf's path and scores
+  the nodes of the leaf's chain on it (``ddtree.forks.leaf_chains``: each node lies on one chain,
+  so it is scored once, and a chain of 16 is one walk of 16 tokens, not 16 walks of 1 to 16),
+  applying each token to the recurrent state it holds in registers from the request's committed
+  state on; each token's convolved rows are loaded one step ahead. With the convolution out of the
+  walk, a program holds no window or taps: at 27B sizes it compiles to 220 registers a thread at 32
+  value columns (255 and spills with them), 168 at 16 (Triton 3.9 for sm_90, ``cuobjdump``), so an
+  SM holds more walks at once, what a tree of many leaves waits on. Nothing in the caches is written.
 - ``commit``: one program per (value block, value head) applies the accepted path's kept tokens
   to the committed state (each token's rows loaded one step ahead), stores it, and shifts the
   convolution window along the path.
@@ -66,6 +68,7 @@ class KeptNodes:
 
 CONV_KERNEL = 4  # the convolution width the verify program is written for (Qwen3-Next's, Qwen3.5's)
 WARPS = 1  # vLLM's packed decode kernel's: how a sum splits over warps sets its order, hence its bits
+CONV_BLOCK = 1024  # channels a convolution program takes (each channel's arithmetic is its own: any block will do)
 
 
 def fused_fits(device: torch.device, conv_kernel: int = CONV_KERNEL) -> bool:
@@ -90,17 +93,19 @@ def verify(params: GDNParams, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch
     heads = params.value_dim // params.head_v_dim
     kept = KeptNodes(mixed_qkv.new_empty(q, channels), mixed_qkv.new_empty(q, channels), a.new_empty(q, heads),
                      b.new_empty(q, heads))
-    block_k, block_v = _blocks(params, q)
-    grid = (triton.cdiv(params.head_v_dim, block_v), heads, q)
-    _verify_kernel[grid](
+    _convolve_kernel[(triton.cdiv(channels, CONV_BLOCK), q)](
         mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), params.conv_weight,
-        params.conv_weight.stride(0), params.conv_weight.stride(1), params.conv_bias, params.A_log, params.dt_bias,
-        conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), slot, ssm_state,
-        ssm_state.stride(0), paths.table, paths.depth, paths.chain_start, out, out.stride(0), kept.inputs,
-        kept.convolved, channels, kept.a, kept.b, params.head_k_dim ** -0.5,
+        params.conv_weight.stride(0), params.conv_weight.stride(1), params.conv_bias, conv_state, conv_state.stride(0),
+        conv_state.stride(1), conv_state.stride(2), slot, paths.table, paths.depth, kept.inputs, kept.convolved,
+        kept.convolved.stride(0), channels, kept.a, kept.b, HV=heads, HEADS=triton.next_power_of_2(heads),
+        LENGTH=paths.table.shape[1], BLOCK=CONV_BLOCK, HAS_BIAS=params.conv_bias is not None,
+        SILU=params.activation in ("silu", "swish", True))
+    block_k, block_v = _blocks(params, q)
+    _walk_kernel[(triton.cdiv(params.head_v_dim, block_v), heads, q)](
+        kept.convolved, kept.convolved.stride(0), kept.a, kept.b, params.A_log, params.dt_bias, slot, ssm_state,
+        ssm_state.stride(0), paths.table, paths.depth, paths.chain_start, out, out.stride(0), params.head_k_dim ** -0.5,
         H=params.key_dim // params.head_k_dim, HV=heads, K=params.head_k_dim, V=params.head_v_dim, BK=block_k,
         BV=block_v, LENGTH=paths.table.shape[1], PATH=triton.next_power_of_2(paths.table.shape[1]),
-        HAS_BIAS=params.conv_bias is not None, SILU=params.activation in ("silu", "swish", True),
         SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=WARPS)
     return kept
 
@@ -145,51 +150,75 @@ if triton is not None:
         return b_h, b_o
 
     @triton.jit
-    def _column(window, stride_cs_dim, stride_cs_tok, column, channels, mask, x):
-        return tl.load(window + channels * stride_cs_dim + column * stride_cs_tok, mask=mask,
-                       other=0.0).to(x.dtype.element_ty)
-
-    @triton.jit
-    def _taps(bias, weight, stride_w_dim, stride_w_tap, channels, mask, HAS_BIAS: tl.constexpr):
-        """The convolution's bias (zeros without one) and its four taps, oldest first, on ``channels``: loaded
-        once a program, so that a step of the walk waits on no load but its token's inputs."""
-        if HAS_BIAS:
-            start = tl.load(bias + channels, mask=mask, other=0.0).to(tl.float32)
-        else:
-            start = tl.zeros(channels.shape, dtype=tl.float32)
-        return (start, tl.load(weight + channels * stride_w_dim, mask=mask, other=0.0),
-                tl.load(weight + channels * stride_w_dim + stride_w_tap, mask=mask, other=0.0),
-                tl.load(weight + channels * stride_w_dim + 2 * stride_w_tap, mask=mask, other=0.0),
-                tl.load(weight + channels * stride_w_dim + 3 * stride_w_tap, mask=mask, other=0.0))
-
-    @triton.jit
-    def _conv4(start, w0, w1, w2, w3, oldest, older, newer, newest, SILU: tl.constexpr):
-        """``causal_conv1d_update``'s output (kernel 4) from ``_taps``: the bias, the taps oldest first, the
+    def _conv4(bias, weight, stride_w_dim, stride_w_tap, channels, mask, oldest, older, newer, newest,
+               HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+        """``causal_conv1d_update``'s output on ``channels`` (kernel 4): the bias, the taps oldest first, the
         activation, rounded to the inputs' dtype as its output buffer is."""
-        acc = start
-        acc += oldest * w0
-        acc += older * w1
-        acc += newer * w2
-        acc += newest * w3
+        if HAS_BIAS:
+            acc = tl.load(bias + channels, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros(channels.shape, dtype=tl.float32)
+        acc += oldest * tl.load(weight + channels * stride_w_dim, mask=mask, other=0.0)
+        acc += older * tl.load(weight + channels * stride_w_dim + stride_w_tap, mask=mask, other=0.0)
+        acc += newer * tl.load(weight + channels * stride_w_dim + 2 * stride_w_tap, mask=mask, other=0.0)
+        acc += newest * tl.load(weight + channels * stride_w_dim + 3 * stride_w_tap, mask=mask, other=0.0)
         if SILU:
             acc = acc / (1 + tl.exp(-acc))
         return acc.to(newest.dtype)
 
     @triton.jit
     def _inputs(x, stride_x, a, stride_a, b, stride_b, token, i_hv, q_channels, k_channels, v_channels, mask_k, mask_v):
-        """A token's convolution inputs on this program's channels, and its gate inputs."""
+        """A token's q, k and v rows of ``x`` on this program's channels, and its gate inputs."""
         return (tl.load(x + token * stride_x + q_channels, mask=mask_k, other=0.0),
                 tl.load(x + token * stride_x + k_channels, mask=mask_k, other=0.0),
                 tl.load(x + token * stride_x + v_channels, mask=mask_v, other=0.0),
                 tl.load(a + token * stride_a + i_hv), tl.load(b + token * stride_b + i_hv))
 
+    @triton.jit
+    def _window_input(x, stride_x, window, stride_cs_dim, stride_cs_tok, table, node, at_depth, channels, mask,
+                      LENGTH: tl.constexpr):
+        """The convolution input at ``at_depth`` on a node's path: a path node's input, or before the root the
+        committed window's column (the window holds the last inputs, in its own dtype)."""
+        on_path = tl.full(channels.shape, at_depth, tl.int32) >= 0
+        token = tl.load(table + node * LENGTH + tl.maximum(at_depth, 0))
+        from_path = tl.load(x + token * stride_x + channels, mask=mask & on_path, other=0.0)
+        from_window = tl.load(window + channels * stride_cs_dim + tl.maximum(3 + at_depth, 0) * stride_cs_tok,
+                              mask=mask & ~on_path, other=0.0)
+        return tl.where(on_path, from_path, from_window.to(from_path.dtype))
+
     @triton.jit(do_not_specialize=["slot"])  # a slot of 1 would otherwise compile as a constant
-    def _verify_kernel(x, stride_x, a, stride_a, b, stride_b, weight, stride_w_dim, stride_w_tap, bias, A_log, dt_bias,
-                       conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot,
-                       table, depth, chain_start, out, stride_out, kept_x, kept_conv, stride_kept, kept_a, kept_b,
-                       scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, LENGTH: tl.constexpr, PATH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SILU: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
+    def _convolve_kernel(x, stride_x, a, stride_a, b, stride_b, weight, stride_w_dim, stride_w_tap, bias, conv_state,
+                         stride_cs_slot, stride_cs_dim, stride_cs_tok, slot, table, depth, kept_x, kept_conv,
+                         stride_kept, channel_count, kept_a, kept_b, HV: tl.constexpr, HEADS: tl.constexpr,
+                         LENGTH: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+        """One node's convolution on a block of channels, over its path's last four inputs, into what the walk and
+        the commit read (the node's inputs, convolution output and gates, kept apart from vLLM's reused buffers)."""
+        block, node = tl.program_id(0), tl.program_id(1)
+        channels = block * BLOCK + tl.arange(0, BLOCK)
+        mask = channels < channel_count
+        window = conv_state + slot.to(tl.int64) * stride_cs_slot
+        at = tl.load(depth + node)
+        oldest = _window_input(x, stride_x, window, stride_cs_dim, stride_cs_tok, table, node, at - 3, channels, mask,
+                               LENGTH)
+        older = _window_input(x, stride_x, window, stride_cs_dim, stride_cs_tok, table, node, at - 2, channels, mask,
+                              LENGTH)
+        newer = _window_input(x, stride_x, window, stride_cs_dim, stride_cs_tok, table, node, at - 1, channels, mask,
+                              LENGTH)
+        newest = tl.load(x + node * stride_x + channels, mask=mask, other=0.0)
+        tl.store(kept_x + node * stride_kept + channels, newest, mask=mask)
+        convolved = _conv4(bias, weight, stride_w_dim, stride_w_tap, channels, mask, oldest, older, newer, newest,
+                           HAS_BIAS, SILU)
+        tl.store(kept_conv + node * stride_kept + channels, convolved, mask=mask)
+        if block == 0:
+            heads = tl.arange(0, HEADS)
+            tl.store(kept_a + node * HV + heads, tl.load(a + node * stride_a + heads, mask=heads < HV), mask=heads < HV)
+            tl.store(kept_b + node * HV + heads, tl.load(b + node * stride_b + heads, mask=heads < HV), mask=heads < HV)
+
+    @triton.jit(do_not_specialize=["slot"])
+    def _walk_kernel(kept_conv, stride_kept, kept_a, kept_b, A_log, dt_bias, slot, ssm_state, stride_state_slot, table,
+                     depth, chain_start, out, stride_out, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LENGTH: tl.constexpr, PATH: tl.constexpr,
+                     SOFTPLUS_THRESHOLD: tl.constexpr):
         i_v, i_hv, node = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_h = i_hv // (HV // H)
         o_k = tl.arange(0, BK)
@@ -199,7 +228,6 @@ if triton is not None:
         q_channels = i_h * K + o_k
         k_channels = H * K + i_h * K + o_k
         v_channels = 2 * H * K + i_hv * V + o_v
-        window = conv_state + slot.to(tl.int64) * stride_cs_slot
         # a leaf walks its path and scores its chain (``leaf_chains``); every other node's program has nothing to do
         start = tl.load(chain_start + node)
         if start >= 0:
@@ -209,57 +237,23 @@ if triton is not None:
             path = tl.load(table + node * LENGTH + steps, mask=steps < LENGTH, other=0)
             A_log_val = tl.load(A_log + i_hv).to(tl.float32)
             dt_bias_val = tl.load(dt_bias + i_hv).to(tl.float32)
-            q_bias, q_w0, q_w1, q_w2, q_w3 = _taps(bias, weight, stride_w_dim, stride_w_tap, q_channels, mask_k,
-                                                   HAS_BIAS)
-            k_bias, k_w0, k_w1, k_w2, k_w3 = _taps(bias, weight, stride_w_dim, stride_w_tap, k_channels, mask_k,
-                                                   HAS_BIAS)
-            v_bias, v_w0, v_w1, v_w2, v_w3 = _taps(bias, weight, stride_w_dim, stride_w_tap, v_channels, mask_v,
-                                                   HAS_BIAS)
             p_h = ssm_state + slot.to(tl.int64) * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
             b_h = tl.load(p_h, mask=mask_v[:, None] & mask_k[None, :], other=0).to(tl.float32)
-            # the convolution's three older inputs ride along the path, starting as the committed window's columns
-            # (the window holds past inputs, in the inputs' dtype)
-            q1 = _column(window, stride_cs_dim, stride_cs_tok, 0, q_channels, mask_k, x)
-            q2 = _column(window, stride_cs_dim, stride_cs_tok, 1, q_channels, mask_k, x)
-            q3 = _column(window, stride_cs_dim, stride_cs_tok, 2, q_channels, mask_k, x)
-            k1 = _column(window, stride_cs_dim, stride_cs_tok, 0, k_channels, mask_k, x)
-            k2 = _column(window, stride_cs_dim, stride_cs_tok, 1, k_channels, mask_k, x)
-            k3 = _column(window, stride_cs_dim, stride_cs_tok, 2, k_channels, mask_k, x)
-            v1 = _column(window, stride_cs_dim, stride_cs_tok, 0, v_channels, mask_v, x)
-            v2 = _column(window, stride_cs_dim, stride_cs_tok, 1, v_channels, mask_v, x)
-            v3 = _column(window, stride_cs_dim, stride_cs_tok, 2, v_channels, mask_v, x)
-            # each step's inputs are loaded one step ahead, so their latency hides behind the step before; the
-            # first step's token is the root, node 0, on every path: its load waits on no other
+            # each step's rows are loaded one step ahead, so their latency hides behind the step before; the first
+            # step's token is the root, node 0, on every path: its load waits on no other
             next_token = tl.zeros((), dtype=tl.int32)
-            next_q, next_k, next_v, next_a, next_b = _inputs(x, stride_x, a, stride_a, b, stride_b, next_token, i_hv,
-                                                             q_channels, k_channels, v_channels, mask_k, mask_v)
+            next_q, next_k, next_v, next_a, next_b = _inputs(kept_conv, stride_kept, kept_a, HV, kept_b, HV, next_token,
+                                                             i_hv, q_channels, k_channels, v_channels, mask_k, mask_v)
             for t in range(0, steps_to_walk):
-                token, x_q, x_k, x_v, a_t, b_t = next_token, next_q, next_k, next_v, next_a, next_b
+                token, b_q, b_k, b_v, a_t, b_t = next_token, next_q, next_k, next_v, next_a, next_b
                 next_token = tl.sum(tl.where(steps == t + 1, path, 0))  # past the path's end: node 0's, never used
-                next_q, next_k, next_v, next_a, next_b = _inputs(x, stride_x, a, stride_a, b, stride_b, next_token,
-                                                                 i_hv, q_channels, k_channels, v_channels, mask_k,
-                                                                 mask_v)
-                b_q = _conv4(q_bias, q_w0, q_w1, q_w2, q_w3, q1, q2, q3, x_q, SILU)
-                b_k = _conv4(k_bias, k_w0, k_w1, k_w2, k_w3, k1, k2, k3, x_k, SILU)
-                b_v = _conv4(v_bias, v_w0, v_w1, v_w2, v_w3, v1, v2, v3, x_v, SILU)
-                q1, q2, q3 = q2, q3, x_q
-                k1, k2, k3 = k2, k3, x_k
-                v1, v2, v3 = v2, v3, x_v
+                next_q, next_k, next_v, next_a, next_b = _inputs(kept_conv, stride_kept, kept_a, HV, kept_b, HV,
+                                                                 next_token, i_hv, q_channels, k_channels, v_channels,
+                                                                 mask_k, mask_v)
                 b_h, b_o = _delta_step(b_h, b_q, b_k, b_v, a_t, b_t, A_log_val, dt_bias_val, scale,
                                        SOFTPLUS_THRESHOLD)
-                # a node of this leaf's chain: its output, and what its commit needs (inputs, convolution, gates)
-                if t >= start:
+                if t >= start:  # a node of this leaf's chain
                     tl.store(out + token * stride_out + i_hv * V + o_v, b_o.to(out.dtype.element_ty), mask=mask_v)
-                    tl.store(kept_x + token * stride_kept + v_channels, x_v, mask=mask_v)
-                    tl.store(kept_conv + token * stride_kept + v_channels, b_v, mask=mask_v)
-                    if i_v == 0:
-                        tl.store(kept_a + token * HV + i_hv, a_t)
-                        tl.store(kept_b + token * HV + i_hv, b_t)
-                        if i_hv % (HV // H) == 0:  # q and k: kept by one program of their key head
-                            tl.store(kept_x + token * stride_kept + q_channels, x_q, mask=mask_k)
-                            tl.store(kept_x + token * stride_kept + k_channels, x_k, mask=mask_k)
-                            tl.store(kept_conv + token * stride_kept + q_channels, b_q, mask=mask_k)
-                            tl.store(kept_conv + token * stride_kept + k_channels, b_k, mask=mask_k)
 
     @triton.jit
     def _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, channels, mask,

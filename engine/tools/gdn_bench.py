@@ -29,6 +29,7 @@ import torch
 import ddtree
 from engine.errors import EngineError
 from engine.gpu.graphs import record
+from engine.gpu.triton_support import triton
 from engine.models.target import shape_config
 from engine.on_vllm.gdn_tree import GDNParams, GDNTreePlan, AcceptedPath, commit_layer, verify_layer
 
@@ -161,10 +162,10 @@ def outputs(module, layer: Layer, visible: torch.Tensor) -> torch.Tensor:
 
 
 def compiled_programs(module) -> dict[int, object]:
-    """The Triton programs ``module``'s verify and commit kernels have compiled so far, by identity (read from
-    Triton's per-device caches, whose layout is Triton's own: none where it differs from 3.x's)."""
+    """The Triton programs ``module``'s kernels have compiled so far, by identity (read from Triton's per-device
+    caches, whose layout is Triton's own: none where it differs from 3.x's)."""
     programs = {}
-    for kernel in filter(None, (getattr(module, "_verify_kernel", None), getattr(module, "_commit_kernel", None))):
+    for kernel in (value for value in vars(module).values() if isinstance(value, triton.runtime.JITFunction)):
         for cache in getattr(kernel, "device_caches", {}).values():
             if isinstance(cache, tuple) and isinstance(cache[0], dict):
                 programs |= {id(program): program for program in cache[0].values()}

@@ -134,7 +134,7 @@ gdn)  # the Gated DeltaNet programs natively (against vLLM's decode kernels), th
 gdn-profile)  # Nsight Compute on one Gated DeltaNet verify of TREE (default flat@64) at SHAPE's size: launch size,
   # registers, occupancy and where its warps stall (ncu reads the counters on Firecracker machines, KINDS.md)
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -n 1)
-  timeout 300 "${ncu:-ncu}" --clock-control none --kernel-name regex:_verify_kernel --launch-count 1 --section LaunchStats \
+  timeout 300 "${ncu:-ncu}" --clock-control none --kernel-name regex:'_(walk|verify)_kernel' --launch-count 1 --section LaunchStats \
       --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       python3 -m engine.tools.gdn_bench --model "assets/shapes/${SHAPE:-qwen3.6-27b}" --trees "${TREE:-flat@64}" \
       --replays 1 > "$OUT/ncu-gdn.txt" 2>&1
