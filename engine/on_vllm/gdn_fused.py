@@ -178,7 +178,7 @@ if triton is not None:
     def _window_input(x, stride_x, window, stride_cs_dim, stride_cs_tok, table, node, at_depth, channels, mask,
                       LENGTH: tl.constexpr):
         """The convolution input at ``at_depth`` on a node's path: a path node's input, or before the root the
-        committed window's column (the window holds the last inputs, in its own dtype)."""
+        committed window's column (its three columns hold the last inputs, kernel 4's, in its own dtype)."""
         on_path = tl.full(channels.shape, at_depth, tl.int32) >= 0
         token = tl.load(table + node * LENGTH + tl.maximum(at_depth, 0))
         from_path = tl.load(x + token * stride_x + channels, mask=mask & on_path, other=0.0)

@@ -72,8 +72,9 @@ def compile_for_hopper(launch: Launch) -> Program:
 
     kernel, constants = launch.kernel, dict(launch.constants)
     warps = constants.pop("num_warps", 4)
-    signature = {}
-    for name, value in zip(kernel.arg_names, launch.args + (None,) * len(kernel.arg_names)):
+    positional, signature = dict(zip(kernel.arg_names, launch.args)), {}
+    for name in kernel.arg_names:
+        value = positional.get(name)
         if name in constants:
             signature[name] = "constexpr"
         elif value is None:
