@@ -157,7 +157,7 @@ def test_greedy_dflash_and_ddtree_equal_vllm_ar_in_float32(studio, readable, tor
                          DecodeSettings("ddtree", NEW_TOKENS, tree_budget=64, trace_detail="tokens")):
             for decoder in (studio, readable):
                 trace = decoder.run(prompt, settings)
-                step = "fixed-shape" if decoder is studio else "readable"
+                step = "fixed" if decoder is studio else "readable"
                 assert trace.output_ids == reference, f"{settings.method} ({step} step) left vLLM's AR output"
                 assert trace.config.engine == "vllm" and f"{step} step" in trace.config.notes[-1]
         assert torch_engine.run(prompt, DecodeSettings("ar", NEW_TOKENS)).output_ids == reference

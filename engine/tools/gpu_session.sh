@@ -12,8 +12,8 @@
 #   gdn        the Gated DeltaNet programs' tests natively, and their cost per step at the 27B hybrid's shape
 #              (engine.tools.gdn_bench; carry .whl for vLLM's kernels' imports) (2.1 min on 2026-12-04, cold)
 #   gdn-profile  Nsight Compute on one verify of the Gated DeltaNet program at a flat 64-node tree (TREE=...): registers,
-#              occupancy, stalls (not run yet)
-#   tests      the GPU tests of the fixed step and the vLLM engine (~5 min)
+#              occupancy, stalls (gdn and gdn-profile together 2.3 min on 2026-12-04, cold, staging's install included)
+#   tests      the GPU tests of the fixed step and the vLLM engine (6.6 min on 2026-12-04, warm: a call of its own)
 #   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
 #              brought back) (~7 min)
@@ -55,7 +55,7 @@
 #              2026-12-04, while the Studio's --vllm-compile AR left it at token 0). NATIVE=ar,ar-graphless adds vLLM's AR
 #              compiled without its CUDA graphs, as the Studio runs it: whether vLLM's graphs change its own numbers.
 #              Session 51 (2026-12-04), after the gdn phase: LIMIT=3 BUDGETS=16,64 TOKENS=64 NATIVE=ar STEP=--vllm-compile
-#              6.6 min.
+#              6.6 min. Session 52, after gdn and gdn-profile: the same 7.9 min.
 #              Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
 #              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
 #   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
@@ -68,7 +68,7 @@
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
 #              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
-# (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches and TAG to their results' names
+# (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches (and hybrid-exact's) and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step; STEP=--vllm-compile: vLLM compiles the target itself, which
 # --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile limit: not run yet).
 set -uo pipefail
@@ -89,7 +89,7 @@ kernels)
       tests/test_path_attention.py > "$OUT/pytest-kernels.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-kernels.txt" | tail -n 10 ;;
 tests)
-  timeout 330 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
+  timeout 520 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
       tests/test_vllm_engine.py > "$OUT/pytest.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest.txt" | tail -n 20 ;;
 float32)
@@ -191,7 +191,7 @@ hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR. A sc
     tag=$([ -n "$graphs" ] && echo -eager)
     timeout 400 python3 -m engine.tools.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-scripted" $graphs \
         --dtype "$HYBRID_DTYPE" --native ar --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar,dflash,ddtree \
-        --tree-budget 16,64 --max-new-tokens 64 --out "$OUT/gpu-vllm-hybrid-$HYBRID_DTYPE$tag.json" > "$OUT/bench-hybrid$tag.txt" 2>&1
+        --tree-budget 16,64 --max-new-tokens 64 $STEP --out "$OUT/gpu-vllm-hybrid-$HYBRID_DTYPE$TAG$tag.json" > "$OUT/bench-hybrid$tag.txt" 2>&1
     tables "$OUT/bench-hybrid$tag.txt" 12
   done ;;
 hybrid-cost)  # verify cost vs tree size: the same shape with and without its Gated DeltaNets (after hybrid)
