@@ -78,10 +78,11 @@ def fused_fits(device: torch.device, conv_kernel: int = CONV_KERNEL) -> bool:
 def _blocks(params: GDNParams, nodes: int) -> tuple[int, int]:
     """Key and value columns a program holds. Every value column's arithmetic is the same at any value
     block (the sums run over keys), so the block sets only how many programs share the work and how many
-    registers each takes. At 27B sizes, one H200 (``engine.tools.gdn_bench``, µs a layer): one token 9.6 at
-    8 columns against 12.2 at the packed decode kernel's 32 (one program, session 50); a 64-node tree's
-    walks 80.7 (deep) and 73.5 (flat) at 16 columns against 85.9 and 79.3 at 32, where a walk took 254
-    registers and an SM held 8 (Nsight Compute), 128 at 16 (two programs, session 52)."""
+    registers each takes. At 27B sizes, one H200 (``engine.tools.gdn_bench``, µs a layer): one token's
+    walk is fastest at 8 columns (the one-program verify of session 50: 9.6 against 12.2 at the packed
+    decode kernel's 32); a 64-node tree's walks at 16 columns took 80.7 (deep) and 73.5 (flat) against
+    85.9 and 79.3 at 32, where a walk took 254 registers and an SM held 8 (Nsight Compute), at 16 128
+    registers (session 52)."""
     value_block = 8 if nodes == 1 else 16
     return triton.next_power_of_2(params.head_k_dim), min(triton.next_power_of_2(params.head_v_dim), value_block)
 
