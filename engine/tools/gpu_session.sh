@@ -32,6 +32,9 @@
 #              GDN prefill refuses float32: engine.on_vllm.vllm_gdn runs it through vLLM's recurrent kernel, in
 #              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (2.1 min each)
 #   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (3.0 min)
+#   hybrid-kernels  after hybrid: CUDA kernels per step on the tiny hybrid (3 Gated DeltaNet layers, 1 attention; random
+#              weights, so the fixed step's graphs run), the Gated DeltaNet programs against vLLM's own kernels run per
+#              path (DDTREE_GDN=vllm-kernels, the verify before #41): the difference over 3 is a layer's (not run yet)
 #   hybrid-modules  after hybrid: which module of vLLM's float32 prompt pass leaves float64 (engine.tools.module_check: every
 #              decoder module's inputs and outputs captured in vLLM, replayed in float64 by transformers there), the
 #              tiny Qwen3.5 and its all-attention twin, exact dots; the captures (~30 MB each) stay there (~3 min)
@@ -72,7 +75,7 @@
 # (STEP=--compile-step TAG=-compiled: the compiled step; STEP=--vllm-compile: vLLM compiles the target itself, which
 # --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile limit: not run yet).
 set -uo pipefail
-PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
+PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -193,6 +196,16 @@ hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR. A sc
         --dtype "$HYBRID_DTYPE" --native ar --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar,dflash,ddtree \
         --tree-budget 16,64 --max-new-tokens 64 $STEP --out "$OUT/gpu-vllm-hybrid-$HYBRID_DTYPE$TAG$tag.json" > "$OUT/bench-hybrid$tag.txt" 2>&1
     tables "$OUT/bench-hybrid$tag.txt" 12
+  done ;;
+hybrid-kernels)  # kernels per step, the Gated DeltaNet programs (fused) against vLLM's kernels per path (after hybrid)
+  # a drafter of random weights (its config alone: a scripted drafter never runs as a CUDA graph)
+  mkdir -p "$HYBRID-random" && cp "$HYBRID-shape/config.json" "$HYBRID-random/"
+  for gdn in fused vllm-kernels; do
+    DDTREE_GDN=$gdn timeout 250 python3 -m engine.tools.bench --engine vllm --no-progress --model "$HYBRID" \
+        --drafter "$HYBRID-random" --random-weights --dtype "$HYBRID_DTYPE" --prompts assets/prompts/fresh.jsonl --limit 1 \
+        --methods ar,dflash,ddtree --tree-budget 16,64 --max-new-tokens 32 --count-kernels $STEP \
+        --out "$OUT/gpu-vllm-hybrid-kernels-$gdn$TAG.json" > "$OUT/bench-hybrid-kernels-$gdn.txt" 2>&1
+    echo "DDTREE_GDN=$gdn"; sed -n '/^kernels per step/,/^$/p' "$OUT/bench-hybrid-kernels-$gdn.txt"; grep -E '^error' "$OUT/bench-hybrid-kernels-$gdn.txt"
   done ;;
 hybrid-cost)  # verify cost vs tree size: the same shape with and without its Gated DeltaNets (after hybrid)
   for model in "$HYBRID" "$HYBRID-attention"; do
