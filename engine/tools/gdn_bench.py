@@ -23,11 +23,12 @@ import importlib
 import json
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
 import ddtree
-from engine.errors import EngineError
+from engine.errors import EngineError, run_command
 from engine.gpu.graphs import record
 from engine.gpu.triton_support import triton
 from engine.models.target import shape_config
@@ -223,7 +224,7 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="assets/shapes/qwen3.6-27b")
     parser.add_argument("--trees", default="ar,chain,ddtree@16,ddtree@64,flat@64")
@@ -232,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--out")
     parser.add_argument("--table", metavar="REPORT", help="print a report's markdown table and stop")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.table:
         with open(args.table) as handle:
             print(table(json.load(handle)))
@@ -280,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_command(partial(_main, argv=argv), parse_args(argv))
+
+
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except EngineError as error:
-        sys.exit(f"error: {error}")
+    sys.exit(main())

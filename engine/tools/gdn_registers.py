@@ -25,7 +25,7 @@ from unittest import mock
 
 import torch
 
-from engine.errors import EngineError
+from engine.errors import EngineError, run_command
 from engine.gpu.triton_support import triton
 from engine.tools.gdn_bench import SLOT, linear_layers, make_layer, trees
 
@@ -98,12 +98,15 @@ def compile_for_hopper(launch: Launch) -> Program:
     return Program(kernel.__name__.strip("_"), int(registers.group(1)), int(stack.group(1)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="assets/shapes/qwen3.6-27b")
     parser.add_argument("--trees", default="ar,chain,ddtree@16,ddtree@64,flat@64")
     parser.add_argument("--also", default="", help="modules with gdn_fused's verify/commit, compiled beside it")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _main(args: argparse.Namespace) -> int:
     if triton is None or os.environ.get("TRITON_INTERPRET") == "1":
         raise EngineError("gdn_registers compiles with Triton: install it (pip install triton), without TRITON_INTERPRET")
     _, shape = linear_layers(args.model)
@@ -117,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_command(_main, parse_args(argv))
+
+
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except EngineError as error:
-        sys.exit(f"error: {error}")
+    sys.exit(main())
