@@ -1022,10 +1022,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the bench's fastest GPU step (default with --engine vllm; --no-compile-step turns it "
                              "off); each method and budget compiles at its first run, cached in "
                              "~/.cache/ddtree-studio (DDTREE_STUDIO_CACHE) for the next start")
-    parser.add_argument("--vllm-compile", action="store_true",
-                        help="vllm engine: vLLM compiles the target itself (its fused layers; on the Qwen3.6-27B "
-                             "hybrid's shape AR then costs 0.99 of vLLM's own AR steps, not 1.27), replayed in the "
-                             "Studio's CUDA graphs; its outputs may leave vLLM's AR at near-ties")
+    parser.add_argument("--vllm-compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="vllm engine: vLLM compiles the target itself (its fused layers), replayed in the "
+                             "Studio's CUDA graphs: the default for hybrid targets (on the Qwen3.6-27B shape AR "
+                             "then costs 0.98 of vLLM's own AR steps, not 1.27); --no-vllm-compile runs them eagerly")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="the DDTree budget the page starts with (default: the largest tree within 5%% of the "
                              "fastest budget: the bench's record for this kind of machine in assets/budgets.json, "

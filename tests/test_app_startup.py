@@ -91,10 +91,13 @@ def test_the_vllm_app_loads_the_compiled_fixed_step_with_its_caches_set(monkeypa
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     app.load_studio_decoder(app.parse_args(["--engine", "vllm"]))
-    assert loaded["options"].compile_step and loaded["options"].fixed_step and not loaded["options"].vllm_compile
+    # vllm_compile None: the engine decides by the target (vLLM compiles hybrids)
+    assert loaded["options"].compile_step and loaded["options"].fixed_step and loaded["options"].vllm_compile is None
     assert loaded["inductor"] == str(tmp_path / "torchinductor")
     app.load_studio_decoder(app.parse_args(["--engine", "vllm", "--vllm-compile"]))
-    assert loaded["options"].vllm_compile
+    assert loaded["options"].vllm_compile is True
+    app.load_studio_decoder(app.parse_args(["--engine", "vllm", "--no-vllm-compile"]))
+    assert loaded["options"].vllm_compile is False
 
 
 def test_vllm_compile_is_refused_without_the_vllm_engine(capsys):

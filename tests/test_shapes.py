@@ -264,7 +264,8 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
 
     from engine.models.drafter import drafter_shape, fresh_config, write_scripted_drafter
     from engine.models.target import shape_config
-    from engine.on_vllm.vllm_engine import VllmOptions, llm_settings, load_vllm_decoder, native_settings, preflight
+    from engine.on_vllm.vllm_engine import (VllmOptions, compiles_target, llm_settings, load_vllm_decoder,
+                                            native_settings, preflight)
     from tests.hybrid_models import save_tiny_hybrid
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched
@@ -291,6 +292,10 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     assert native_ar_settings(0).endswith("vLLM's default max_num_seqs")
     assert llm_settings(str(SHAPES / "qwen3-8b"), studio=True) == {
         "worker_extension_cls": "engine.on_vllm.vllm_worker.StudioWorker"}
+    # vLLM compiles a hybrid unless told not to, a dense target only when told
+    assert compiles_target(str(folder), None) and compiles_target(str(SHAPES / "qwen3.6-27b"), None)
+    assert not compiles_target(str(folder), False) and not compiles_target(str(SHAPES / "qwen3-8b"), None)
+    assert compiles_target(str(SHAPES / "qwen3-8b"), True)
     narrow = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)
     narrow.hidden_size = 128
     with pytest.raises(EngineError, match="drafter hidden size 128 does not match the target's 256"):

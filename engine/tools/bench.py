@@ -437,9 +437,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile-step", action="store_true",
                         help="fixed step: its draft pass, tree and walk through torch.compile, and on the vLLM "
                              "engine the target's verify pass too (fused kernels; compiles at first use)")
-    parser.add_argument("--vllm-compile", action="store_true",
+    parser.add_argument("--vllm-compile", action=argparse.BooleanOptionalAction, default=None,
                         help="vllm engine: vLLM compiles the target itself (its inductor graph, one for every pass "
-                             "size) instead of running it eagerly; the Studio's CUDA graphs replay it as before")
+                             "size) instead of running it eagerly; the Studio's CUDA graphs replay it as before "
+                             "(default for hybrid targets; --no-vllm-compile runs them eagerly)")
     parser.add_argument("--reduced-traces", action="store_true",
                         help="also time every method with traces kept to the committed tokens (label suffix :tokens)")
     parser.add_argument("--count-kernels", action="store_true",
@@ -556,7 +557,7 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "tensor_parallel_size": args.tensor_parallel_size if args.engine == "vllm" else None,
         "cuda_graphs": not args.no_cuda_graphs if gpu else None,
         "step": "readable" if step == "readable" else "fixed", "compile_step": step == "compiled fixed",
-        "vllm_compile": args.vllm_compile if args.engine == "vllm" else None,
+        "vllm_compile": decoder.options.vllm_compile if args.engine == "vllm" else None,
         "vllm_ar_settings": native_ar_settings(args.native_max_seqs) if args.native else None,
         "vllm_mtp_tokens": args.native_mtp_tokens if "mtp" in args.native else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
