@@ -72,8 +72,9 @@
 #              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
 # (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches (and hybrid-exact's) and TAG to their results' names
-# (STEP=--compile-step TAG=-compiled: the compiled step; STEP=--vllm-compile: vLLM compiles the target itself, which
-# --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile limit: not run yet).
+# (STEP=--compile-step TAG=-compiled: the compiled step; STEP=--vllm-compile: vLLM compiles a dense target itself, as it
+# does a hybrid by default, which --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile
+# limit; STEP=--no-vllm-compile: a hybrid's layers eager).
 set -uo pipefail
 PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
@@ -189,7 +190,8 @@ hybrid)  # the folders, the kernels under trees, and a drafter scripted with the
       --out "$OUT/gpu-vllm-hybrid-ar.json" > "$OUT/bench-hybrid-ar.txt" 2>&1
   python3 -m engine.tools.scripted "$OUT/gpu-vllm-hybrid-ar.json" --shape "$HYBRID-shape" --out "$HYBRID-scripted" ;;
 hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR. A scripted drafter never runs as a CUDA
-  # graph, so with graphs its trees take the readable step; without them (-eager) the fixed step, run eagerly
+  # graph, so with graphs its trees take the readable step; without them (-eager) the fixed step, run eagerly; vLLM
+  # compiles the target in both (STEP=--no-vllm-compile TAG=-eager-target: it does not)
   for graphs in "" --no-cuda-graphs; do
     tag=$([ -n "$graphs" ] && echo -eager)
     timeout 400 python3 -m engine.tools.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-scripted" $graphs \
