@@ -178,7 +178,7 @@ def compiles_target(folder: str, asked: bool | None) -> bool:
     """Whether vLLM compiles the target: as asked, else for a hybrid alone. On Qwen3.6-27B's shape (H200, bf16)
     the eager target made a fixed step cost 1.27 (AR) to 1.87 (DDTree@64) vLLM AR steps, the compiled one 0.98 to
     1.38 (session 52), every output still vLLM's AR's. A dense target keeps the Studio's own compiled step
-    (``compile_step``: torch.compile reaches all its layers), the one its measured speed-ups ran."""
+    (``compile_step``), the one its measured speed-ups ran: vLLM's compilation is not yet timed against it."""
     if asked is not None:
         return asked
     config = shape_config(folder)
