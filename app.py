@@ -30,7 +30,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from engine.loop.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, Budget
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
 from engine.models.target import resolve_device
+from engine.serving.model_queue import ModelQueue
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError, divergence
 from viz.figures import (acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop,
                          probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics)
@@ -70,22 +70,15 @@ TRACE_FILE_NAME = "ddtree-traces.json"
 
 # ---------------------------------------------------------------- models (shared)
 
-def model_thread() -> ThreadPoolExecutor:
-    """The one thread every torch call of the app runs on (loading, calibration, runs): each thread
-    that runs torch on the CPU keeps its own OpenMP thread team, and on a few cores two teams take
-    turns with each other, so steps would cost more than the bench measures."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-
-
 @dataclass
 class Studio:
-    """The loaded models, shared read-only by every session. ``lock`` serialises
-    decoding: a torch model with caches is not safe to drive from two threads."""
+    """The loaded models, shared by every session. Every call that touches them is a job on ``queue``,
+    their one owner (``engine.serving.model_queue``): a torch model with caches is not safe to drive
+    from two threads, and no handler takes a lock around the model, so no two can wait on each other."""
 
     decoder: Decoder
     budget: BudgetChoice  # the DDTree budget the page starts with, and why
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    worker: ThreadPoolExecutor = field(default_factory=model_thread)
+    queue: ModelQueue = field(default_factory=ModelQueue)
     timing: StartupTiming | None = None  # budgets still being timed in the background, if any
     timing_error: str | None = None
     started: set[tuple[str, int | None]] = field(default_factory=set)  # (method, budget) run once already
@@ -118,8 +111,7 @@ class Studio:
         run would slow both and measure neither), then open new pages at the budget it chose."""
         try:
             for label in self.timing.missing():
-                with self.lock:
-                    self.worker.submit(self.timing.time, label).result()
+                self.queue.run(self.timing.time, label)  # one label a job: visitors' runs queue between them
                 # what the timing ran (DFlash warms up with the first label) is compiled: the page need not say so
                 self.started |= {("dflash", None), ("ar", None) if label == "ar" else ("ddtree", int(label))}
                 log.info("timed %s: %s", label, self.timing.progress())
@@ -227,11 +219,19 @@ class LiveRun:
         self.trace: Trace | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
-        studio.worker.submit(self._work, studio.decoder, prompt, prompt_ids, settings, control, warm_up)
+        self.queue = studio.queue
+        self.job = studio.queue.submit(self._work, studio.decoder, prompt, prompt_ids, settings, control, warm_up)
+
+    @property
+    def waiting_behind(self) -> int:
+        """How many jobs (the running one included) this run waits behind in the model's queue; 0 once it runs."""
+        return 0 if self.job.running() or self.job.done() else self.queue.ahead_of(self.job) + 1
 
     def _work(self, decoder: Decoder, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
               control: RunControl, warm_up: bool) -> None:
         try:
+            if control.stop:  # stopped (or the page left) while it queued
+                return
             if warm_up:
                 decoder.run(prompt, settings.warm_up(), prompt_ids=prompt_ids, should_stop=lambda: control.stop)
             self.trace = decoder.run(prompt, settings, prompt_ids=prompt_ids, on_step=self._on_step,
@@ -247,16 +247,11 @@ class LiveRun:
 
 def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
              control: RunControl) -> Iterator[LiveRun]:
-    """Yield the live run every ``POLL_S`` until it ends (yielding once more at the
-    end). The model lock is held throughout; while another session holds it this
-    yields None, so the caller can say it is waiting."""
-    while not studio.lock.acquire(timeout=POLL_S):
-        if control.stop:
-            return
-        yield None
-    live = None
+    """Yield the live run every ``POLL_S`` until it ends (yielding once more at the end); while it waits in
+    the model's queue its ``waiting_behind`` says so. Nothing here holds the model: the queue runs one job
+    at a time."""
+    live = LiveRun(studio, prompt, prompt_ids, settings, control, warm_up=studio.first_use(settings) is not None)
     try:
-        live = LiveRun(studio, prompt, prompt_ids, settings, control, warm_up=studio.first_use(settings) is not None)
         while not live.done.wait(POLL_S):
             yield live
         if live.error is not None:
@@ -264,10 +259,10 @@ def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: Decod
         studio.started.add(run_key(settings))
         yield live
     finally:
-        if live is not None and not live.done.is_set():
-            control.stop = True  # the page went away mid-run: let the worker stop at its next step
-            live.done.wait()
-        studio.lock.release()
+        if not live.done.is_set():
+            control.stop = True  # the page went away mid-run: let the run stop at its next step
+            if not studio.queue.cancel(live.job):
+                live.done.wait()
 
 
 def run_key(settings: DecodeSettings) -> tuple[str, int | None]:
@@ -416,9 +411,10 @@ class RunView:
             live = None
             try:
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control):
-                    if live is None:
-                        yield {self.status: f"{heading}: waiting for the model (another session's run or the "
-                                            "start-up timing of the budgets holds it)…"}
+                    if live.waiting_behind:
+                        yield {self.status: f"{heading}: waiting for the model, behind {live.waiting_behind} "
+                                            "other run(s) (other visitors', the doctor's or the start-up timing "
+                                            "of the budgets)…"}
                     else:
                         yield self._live_update(setting, live, finished, heading)
             except Exception as exc:
@@ -684,8 +680,9 @@ class SweepView:
             try:
                 compiling = self.studio.first_use(setting)
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control):
-                    tokens = run_stats(live.trace).tokens if live is not None and live.trace else 0
-                    doing = f"{compiling}…" if compiling and not tokens else f"{tokens} tokens"
+                    tokens = run_stats(live.trace).tokens if live.trace else 0
+                    doing = (f"waiting for the model, behind {live.waiting_behind} other run(s)" if live.waiting_behind
+                             else f"{compiling}…" if compiling and not tokens else f"{tokens} tokens")
                     yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {doing}{said}"}
             except Exception as exc:
                 yield {self.status: problem(exc), **self._results(runs, baseline)}
@@ -938,12 +935,8 @@ def build_doctor_tab(studio: Studio) -> None:
             raise refusal(exc) from None
         lines = [line.strip() for line in (prompt_text or "").splitlines() if line.strip()]
 
-        def run_locked():
-            with studio.lock:
-                return diagnose(studio.decoder, lines, settings)
-
         try:
-            report = studio.worker.submit(run_locked).result()
+            report = studio.queue.run(diagnose, studio.decoder, lines, settings)
         except Exception as exc:  # shown in the tab; the app keeps running
             return {verdict: problem(exc)}
         figures = doctor_figures(report)
@@ -984,22 +977,22 @@ def load_studio_decoder(args: argparse.Namespace) -> Decoder:
                         cuda_graphs=fixed, compile_step=fixed and compile_step, draft_dtype=args.draft_dtype)
 
 
-def startup_studio(decoder: Decoder, worker: ThreadPoolExecutor, tree_budget: int | None) -> Studio:
+def startup_studio(decoder: Decoder, queue: ModelQueue, tree_budget: int | None) -> Studio:
     """The page's first budget, at once: set by hand, the bench's record for this kind of machine, or what
     earlier starts timed here; where timings are missing the page starts at a tree that branches and
     ``Studio.time_budgets`` times the rest in the background."""
     if tree_budget is not None:
-        return Studio(decoder, BudgetChoice(tree_budget, {}, "set with --tree-budget"), worker=worker)
+        return Studio(decoder, BudgetChoice(tree_budget, {}, "set with --tree-budget"), queue=queue)
     if decoder.drafter is None:
-        return Studio(decoder, BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time"), worker=worker)
+        return Studio(decoder, BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time"), queue=queue)
     recorded = recorded_choice(decoder)
     if recorded is not None:
-        return Studio(decoder, recorded, worker=worker)
+        return Studio(decoder, recorded, queue=queue)
     timing = StartupTiming(decoder, path=cache_dir() / "timings.json")
     if not timing.missing():
-        return Studio(decoder, timing.choice(), worker=worker)
+        return Studio(decoder, timing.choice(), queue=queue)
     provisional = BudgetChoice(PROVISIONAL_BUDGET, {}, "for now, while the timing runs")
-    return Studio(decoder, provisional, worker=worker, timing=timing)
+    return Studio(decoder, provisional, queue=queue, timing=timing)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1044,14 +1037,14 @@ def main() -> None:
     log.setLevel(logging.INFO)
     log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
     started = time.perf_counter()
-    worker = model_thread()
+    queue = ModelQueue()
     try:
-        decoder = worker.submit(load_studio_decoder, args).result()
+        decoder = queue.run(load_studio_decoder, args)
     except EngineError as exc:
         raise SystemExit(f"error: {exc}") from None
     log.info("loaded %s with drafter %s in %.1f s", decoder.target.name, decoder.drafter_info.name,
              time.perf_counter() - started)
-    studio = startup_studio(decoder, worker, args.tree_budget)
+    studio = startup_studio(decoder, queue, args.tree_budget)
     log.info("%s", studio.budget_sentence())
     if decoder.compile_step:
         log.info("the step is compiled: each method and budget compiles at its first run (the page says so while "

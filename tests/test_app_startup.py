@@ -4,7 +4,6 @@ while the rest is timed in the background), and the vLLM engine's compiled step,
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 import app
 import engine.loop.calibration as calibration
 from engine.loop.decode import DecodeSettings, DrafterInfo
+from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
 
 
@@ -32,7 +32,7 @@ def record(monkeypatch, decoder, speedups: dict[int, float]) -> None:
 def test_a_recorded_machine_starts_at_once_at_the_largest_tree_near_the_fastest(decoder, monkeypatch, tmp_path):
     record(monkeypatch, decoder, {4: 1.53, 8: 1.53, 16: 1.46, 32: 1.26})
     monkeypatch.setattr(decoder, "run", lambda *a, **k: pytest.fail("nothing is timed when the bench decides"))
-    studio = app.startup_studio(decoder, ThreadPoolExecutor(1), tree_budget=None)
+    studio = app.startup_studio(decoder, ModelQueue(), tree_budget=None)
     assert studio.budget.budget == 16 and not studio.timing_pending
     assert "not on this one (benchmarks/cpu.json)" in studio.budget_sentence()
 
@@ -40,7 +40,7 @@ def test_a_recorded_machine_starts_at_once_at_the_largest_tree_near_the_fastest(
 def test_without_a_record_the_page_starts_at_a_branching_tree_and_times_the_rest_in_the_background(decoder,
                                                                                                    monkeypatch):
     monkeypatch.setattr(calibration, "measured_budgets", lambda: {})
-    studio = app.startup_studio(decoder, ThreadPoolExecutor(1), tree_budget=None)
+    studio = app.startup_studio(decoder, ModelQueue(), tree_budget=None)
     assert studio.budget.budget == calibration.PROVISIONAL_BUDGET == 16 and studio.timing_pending
     assert "0 of 6 timed" in studio.budget_sentence() and "timings.json" in studio.budget_sentence()
     studio.timing.budgets, studio.timing.prompt = (2, 8), "howdoesitwork"  # a short timing the tiny model reads
@@ -56,7 +56,7 @@ def test_without_a_record_the_page_starts_at_a_branching_tree_and_times_the_rest
 
 def test_a_failed_timing_keeps_the_page_serving_and_says_so(decoder, monkeypatch):
     monkeypatch.setattr(calibration, "measured_budgets", lambda: {})
-    studio = app.startup_studio(decoder, ThreadPoolExecutor(1), tree_budget=None)
+    studio = app.startup_studio(decoder, ModelQueue(), tree_budget=None)
     monkeypatch.setattr(studio.timing, "time", lambda label: (_ for _ in ()).throw(RuntimeError("out of memory")))
     studio.time_budgets()
     assert studio.budget.budget == 16 and not studio.timing_pending
@@ -137,7 +137,7 @@ def test_a_compiled_steps_first_run_warms_up_untimed_and_shows_only_the_run_afte
 
 def test_the_open_page_follows_the_timing_and_moves_the_budget_box_once_it_ends(decoder, monkeypatch):
     monkeypatch.setattr(calibration, "measured_budgets", lambda: {})
-    studio = app.startup_studio(decoder, ThreadPoolExecutor(1), tree_budget=None)
+    studio = app.startup_studio(decoder, ModelQueue(), tree_budget=None)
     page = app.StudioApp(studio)
     assert set(page.follow_timing(16)) == {page.banner}, "while timing, only the banner moves"
     studio.timing.budgets, studio.timing.prompt = (2, 8), "howdoesitwork"
