@@ -731,7 +731,9 @@ class StudioApp:
                 with gr.Tab("Budget sweep"):
                     self.sweep_view = SweepView(self.session)
                     self.sweep_view.build()
-                build_doctor_tab(self.studio)
+                with gr.Tab("Doctor"):
+                    self.doctor_view = DoctorView(self.studio)
+                    self.doctor_view.build()
             self.timing_clock = gr.Timer(TIMING_POLL_S, active=self.studio.timing_pending)
             self._wire()
         return demo
@@ -897,36 +899,46 @@ CSS = """
 """
 
 
-def build_doctor_tab(studio: Studio) -> None:
+class DoctorView:
     """The Doctor tab: why the loaded pair's acceptance is what it is, and what to fix (``engine.loop.doctor``,
     the same report as ``python -m engine.tools.doctor``), drawn by ``viz.doctor_figures``."""
-    from engine.loop.doctor import DEFAULT_PROMPTS, ProbeSettings, diagnose
-    from viz.doctor_figures import doctor_figures, report_markdown
 
-    with gr.Tab("Doctor"):
+    PLOTS = ("positions", "calibration", "confidence", "wirings")
+
+    def __init__(self, studio: Studio):
+        self.studio = studio
+
+    def build(self) -> None:
+        from engine.loop.doctor import DEFAULT_PROMPTS, ProbeSettings
+
         gr.Markdown("Checks the loaded target + drafter pair: the configs, acceptance per draft position on the "
                     "target's own greedy output, calibration, and the same blocks fed as a miswired engine would "
                     "feed them (layer ids ±1, sliding windows, the final norm). About a minute on the CPU.")
         with gr.Row():
-            prompts = gr.Textbox("\n".join(DEFAULT_PROMPTS), lines=4, label="Prompts (one a line)", scale=3,
-                                 elem_id="doctor-prompts")
+            self.prompts = gr.Textbox("\n".join(DEFAULT_PROMPTS), lines=4, label="Prompts (one a line)", scale=3,
+                                      elem_id="doctor-prompts")
             with gr.Column(scale=1):
-                tokens = gr.Number(ProbeSettings.max_new_tokens, label="Greedy tokens per prompt", precision=0,
-                                   elem_id="doctor-tokens")
-                vllm = gr.Checkbox(False, label="Also probe the wiring vLLM 0.23 gives this drafter")
-                button = gr.Button("Run the doctor", variant="primary", elem_id="doctor-button")
-        verdict = gr.Markdown("Not run yet.", elem_id="doctor-verdict")
-        names = ("positions", "calibration", "confidence", "wirings")
+                self.tokens = gr.Number(ProbeSettings.max_new_tokens, label="Greedy tokens per prompt", precision=0,
+                                        elem_id="doctor-tokens")
+                self.vllm = gr.Checkbox(False, label="Also probe the wiring vLLM 0.23 gives this drafter")
+                self.button = gr.Button("Run the doctor", variant="primary", elem_id="doctor-button")
+        self.verdict = gr.Markdown("Not run yet.", elem_id="doctor-verdict")
         with gr.Row():
-            plots = [gr.Plot(empty_figure("run the doctor"), show_label=False, elem_id=f"doctor-{name}")
-                     for name in names[:2]]
+            self.plots = [gr.Plot(empty_figure("run the doctor"), show_label=False, elem_id=f"doctor-{name}")
+                          for name in self.PLOTS[:2]]
         with gr.Row():
-            plots += [gr.Plot(empty_figure("run the doctor"), show_label=False, elem_id=f"doctor-{name}")
-                      for name in names[2:]]
+            self.plots += [gr.Plot(empty_figure("run the doctor"), show_label=False, elem_id=f"doctor-{name}")
+                           for name in self.PLOTS[2:]]
+        self.button.click(self.examine, [self.prompts, self.tokens, self.vllm], [self.verdict, *self.plots],
+                          api_name="examine")
 
-    def examine(prompt_text: str, max_new_tokens, check_vllm: bool):
+    def examine(self, prompt_text: str, max_new_tokens, check_vllm: bool) -> dict:
+        """The doctor's report on the prompts, as one job on the model's queue."""
+        from engine.loop.doctor import ProbeSettings, diagnose
+        from viz.doctor_figures import doctor_figures, report_markdown
+
         try:
-            if studio.decoder.engine != "torch":
+            if self.studio.decoder.engine != "torch":
                 raise EngineError("the Doctor tab probes on the torch engine: run python -m engine.tools.doctor "
                                   "--engine vllm for vLLM's wiring")
             settings = ProbeSettings(max_new_tokens=whole(max_new_tokens, "greedy tokens per prompt"),
@@ -934,15 +946,13 @@ def build_doctor_tab(studio: Studio) -> None:
         except EngineError as exc:
             raise refusal(exc) from None
         lines = [line.strip() for line in (prompt_text or "").splitlines() if line.strip()]
-
         try:
-            report = studio.queue.run(diagnose, studio.decoder, lines, settings)
+            report = self.studio.queue.run(diagnose, self.studio.decoder, lines, settings)
         except Exception as exc:  # shown in the tab; the app keeps running
-            return {verdict: problem(exc)}
+            return {self.verdict: problem(exc)}
         figures = doctor_figures(report)
-        return {verdict: report_markdown(report)} | {plot: figures[name] for plot, name in zip(plots, names)}
-
-    button.click(examine, [prompts, tokens, vllm], [verdict, *plots])
+        return {self.verdict: report_markdown(report)} | {plot: figures[name]
+                                                          for plot, name in zip(self.plots, self.PLOTS)}
 
 
 def compile_caches(environ: dict[str, str]) -> dict[str, str]:

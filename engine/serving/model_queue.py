@@ -43,8 +43,9 @@ class ModelQueue:
 
     def ahead_of(self, future: Future) -> int:
         """How many queued jobs start before this one (0 once it runs or ends); a job running now is not counted."""
-        with self._guard:
-            return self._waiting.index(future) if future in self._waiting else 0
+        with self._guard:  # a job the thread has taken may not have unlisted itself yet
+            waiting = [job for job in self._waiting if not job.running() and not job.done()]
+        return waiting.index(future) if future in waiting else 0
 
     def cancel(self, future: Future) -> bool:
         """Drop a job that has not started; False if it already runs or ran."""
