@@ -5,7 +5,7 @@
 
 The page answers as soon as the models are loaded: its first DDTree budget comes from the bench's
 record for this kind of machine (``assets/budgets.json``), or from timings kept by earlier starts;
-what is missing is timed in the background (``engine.loop.calibration``).
+what is missing is timed in the background (``engine.measure.calibration``).
 
 The models load once at startup and are shared read-only by every browser session;
 each session keeps its own traces in ``gr.State``. ``--port`` defaults to Gradio's
@@ -36,10 +36,10 @@ from pathlib import Path
 import gradio as gr
 
 from engine.errors import EngineError
-from engine.loop.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir,
-                                     recorded_choice)
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
+from engine.measure.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir,
+                                        recorded_choice)
 from engine.models.target import resolve_device
 from engine.serving.model_queue import ModelQueue
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError, divergence
@@ -898,9 +898,9 @@ CSS = """
 
 
 def build_doctor_tab(studio: Studio) -> None:
-    """The Doctor tab: why the loaded pair's acceptance is what it is, and what to fix (``engine.loop.doctor``,
+    """The Doctor tab: why the loaded pair's acceptance is what it is, and what to fix (``engine.measure.doctor``,
     the same report as ``python -m engine.tools.doctor``), drawn by ``viz.doctor_figures``."""
-    from engine.loop.doctor import DEFAULT_PROMPTS, ProbeSettings, diagnose
+    from engine.measure.doctor import DEFAULT_PROMPTS, ProbeSettings, diagnose
     from viz.doctor_figures import doctor_figures, report_markdown
 
     with gr.Tab("Doctor"):

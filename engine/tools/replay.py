@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from engine.errors import EngineError, run_command
-from engine.loop.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, load_decoder
+from engine.measure.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.tools.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
                                 tokenize_prompts)
 
