@@ -113,7 +113,8 @@ def test_the_rooms_have_no_cycle(graph):
     engine = {name: deps for name, deps in graph.items() if name.startswith("engine.") and name != "engine"}
     rooms: dict[str, set[str]] = {}
     for name, deps in engine.items():
-        rooms.setdefault(room(name), set()).update(room(dep) for dep in deps if dep in engine and room(dep) != room(name))
+        others = {room(dep) for dep in deps if dep in engine} - {room(name)}
+        rooms.setdefault(room(name), set()).update(others)
     assert find_cycle(rooms) is None, " -> ".join(find_cycle(rooms))
 
 
@@ -171,9 +172,11 @@ def code_blocks(markdown: str) -> list[str]:
 
 
 def arrow_floors(markdown: str) -> tuple[tuple[str, ...], ...]:
-    """The arrows picture's top line (``tools, training ──▶ serving ──▶ ... ──▶ errors, trace``), ground floor first."""
+    """The arrows picture's top line (``tools, training ──▶ serving ──▶ ... ──▶ errors, trace``), ground
+    floor first."""
     line = next(line for block in code_blocks(markdown) for line in block.splitlines() if "──▶" in line)
-    return tuple(tuple(f"engine.{name.strip()}" for name in floor.split(",")) for floor in reversed(line.split("──▶")))
+    floors = reversed(line.split("──▶"))
+    return tuple(tuple(f"engine.{name.strip()}" for name in floor.split(",")) for floor in floors)
 
 
 def pictured_rooms(markdown: str) -> list[str]:
