@@ -5,7 +5,7 @@
 
 The page answers as soon as the models are loaded: its first DDTree budget comes from the bench's
 record for this kind of machine (``assets/budgets.json``), or from timings kept by earlier starts;
-what is missing is timed in the background (``engine.loop.calibration``).
+what is missing is timed in the background (``engine.measure.calibration``).
 
 The models load once at startup and are shared read-only by every browser session;
 each session keeps its own traces in ``gr.State``. ``--port`` defaults to Gradio's
@@ -36,10 +36,10 @@ from pathlib import Path
 import gradio as gr
 
 from engine.errors import EngineError
-from engine.loop.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir,
-                                     recorded_choice)
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
+from engine.measure.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir,
+                                        recorded_choice)
 from engine.models.target import resolve_device
 from engine.serving.model_queue import ModelQueue
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError, divergence
@@ -900,7 +900,7 @@ CSS = """
 
 
 class DoctorView:
-    """The Doctor tab: why the loaded pair's acceptance is what it is, and what to fix (``engine.loop.doctor``,
+    """The Doctor tab: why the loaded pair's acceptance is what it is, and what to fix (``engine.measure.doctor``,
     the same report as ``python -m engine.tools.doctor``), drawn by ``viz.doctor_figures``."""
 
     PLOTS = ("positions", "calibration", "confidence", "wirings")
@@ -909,7 +909,7 @@ class DoctorView:
         self.studio = studio
 
     def build(self) -> None:
-        from engine.loop.doctor import DEFAULT_PROMPTS, ProbeSettings
+        from engine.measure.doctor import DEFAULT_PROMPTS, ProbeSettings
 
         gr.Markdown("Checks the loaded target + drafter pair: the configs, acceptance per draft position on the "
                     "target's own greedy output, calibration, and the same blocks fed as a miswired engine would "
@@ -934,7 +934,7 @@ class DoctorView:
 
     def examine(self, prompt_text: str, max_new_tokens, check_vllm: bool) -> dict:
         """The doctor's report on the prompts, as one job on the model's queue."""
-        from engine.loop.doctor import ProbeSettings, diagnose
+        from engine.measure.doctor import ProbeSettings, diagnose
         from viz.doctor_figures import doctor_figures, report_markdown
 
         try:

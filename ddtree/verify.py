@@ -21,7 +21,7 @@ class TreeInputs:
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """``[n+1, n+1]`` bool: node i sees node j iff j is i itself or one of its ancestors.
 
-    ``parents`` lists the parent of nodes 1..n. Every node climbs one level per round (the
+    ``parents [n]`` lists the parent of nodes 1..n. Every node climbs one level per round (the
     root is its own parent), so the loop runs depth times, not once per node.
     """
     n = int(parents.numel())
@@ -46,7 +46,7 @@ def compile_tree(tree: DraftTree, root_token: int, start: int) -> TreeInputs:
 
 
 def attention_bias(visible: torch.Tensor, past_length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask ``[1, 1, q, past + q]``: the whole past, then the tree block."""
+    """Additive 4D mask ``[1, 1, q, past + q]`` for ``visible [q, q]``: the whole past, then the tree block."""
     q = visible.shape[0]
     bias = torch.zeros(1, 1, q, past_length + q, dtype=dtype, device=visible.device)
     bias[0, 0, :, past_length:].masked_fill_(~visible, torch.finfo(dtype).min)
@@ -73,7 +73,7 @@ def sample_tokens(
 def follow_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
     """Walk from the root, stepping into the child that holds the target's token.
 
-    ``target_tokens[i]`` is the target's choice after node i. Returns the accepted
+    ``target_tokens[i]`` (n+1 of them) is the target's choice after node i. Returns the accepted
     node indices (root first) and the bonus token: the target's choice at the last
     accepted node, which no child matched.
     """

@@ -1,3 +1,3 @@
-"""DDTree Studio's engine, in rooms by role: ``loop``, ``models``, ``on_vllm``, ``gpu``, ``tools`` and
-``training``, on ``errors`` and ``trace`` (the ``Trace`` that the app and ``viz`` read). ARCHITECTURE.md
-draws the floors."""
+"""DDTree Studio's engine, in rooms by role: ``loop``, ``models``, ``measure``, ``on_vllm``, ``gpu``,
+``serving``, ``tools`` and ``training``, on ``errors`` and ``trace`` (the ``Trace`` that the app and ``viz``
+read). ARCHITECTURE.md draws the floors."""

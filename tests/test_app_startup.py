@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 import app
-import engine.loop.calibration as calibration
 from engine.loop.decode import DecodeSettings, DrafterInfo
+import engine.measure.calibration as calibration
 from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
 

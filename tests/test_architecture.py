@@ -4,18 +4,20 @@ those inside functions and under ``TYPE_CHECKING``."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.loop.calibration import MEASURED_BUDGETS
 from engine.loop.loading import SHIPPED_DRAFTER, shipped_drafter
+from engine.measure.calibration import MEASURED_BUDGETS
 from engine.models.protocols import FixedKV, TargetModel
 from engine.on_vllm.vllm_engine import REPO
 from tests.tiny import tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
 PACKAGES = ("ddtree", "engine", "viz")
 # engine's rooms from the ground floor up: a room imports from its own floor and the floors below
 FLOORS = (
@@ -23,9 +25,14 @@ FLOORS = (
     ("engine.gpu",),
     ("engine.models",),
     ("engine.loop",),
+    ("engine.measure",),
     ("engine.on_vllm",),
+    ("engine.serving",),
     ("engine.tools", "engine.training"),
 )
+ROOMS = tuple(room for floor in FLOORS for room in floor)
+TOP_FLOOR = FLOORS[-1]
+SERVING = "engine.serving"
 MAX_TOP_LEVEL_MODULES = 6  # .py files directly in engine/, __init__.py included
 
 
@@ -70,6 +77,10 @@ def room(module: str) -> str:
     return next(room for floor in FLOORS for room in floor if module == room or module.startswith(room + "."))
 
 
+def room_of(module: str) -> str | None:
+    return room(module) if module.startswith("engine.") else None
+
+
 def floor(module: str) -> int:
     return next(level for level, rooms in enumerate(FLOORS) if room(module) in rooms)
 
@@ -102,7 +113,8 @@ def test_the_rooms_have_no_cycle(graph):
     engine = {name: deps for name, deps in graph.items() if name.startswith("engine.") and name != "engine"}
     rooms: dict[str, set[str]] = {}
     for name, deps in engine.items():
-        rooms.setdefault(room(name), set()).update(room(dep) for dep in deps if dep in engine and room(dep) != room(name))
+        others = {room(dep) for dep in deps if dep in engine} - {room(name)}
+        rooms.setdefault(room(name), set()).update(others)
     assert find_cycle(rooms) is None, " -> ".join(find_cycle(rooms))
 
 
@@ -138,9 +150,91 @@ def test_the_runtime_imports_no_tool_and_no_training(graph):
 
 
 def test_every_engine_module_has_a_room(graph):
-    for name in graph:
-        if name.startswith("engine."):
-            room(name)  # StopIteration names a module outside every floor
+    homeless = [name for name in graph if name.startswith("engine.")
+                and not any(name == room or name.startswith(room + ".") for room in ROOMS)]
+    assert homeless == []
+
+
+def test_viz_imports_no_tool_no_training_and_no_serving(graph):
+    """Figures read what runs measured; they never wait on a command, a training run or the model's queue."""
+    strays = {(name, dep) for name, deps in graph.items() if name.startswith("viz")
+              for dep in deps if dep.startswith("engine.") and room(dep) in TOP_FLOOR + (SERVING,)}
+    assert not strays
+
+
+def test_only_the_app_and_the_tools_import_serving(graph):
+    importers = {name for name, deps in graph.items() if any(room_of(dep) == SERVING for dep in deps)}
+    assert {name for name in importers if name != "app" and room_of(name) not in ("engine.tools", SERVING)} == set()
+
+
+def code_blocks(markdown: str) -> list[str]:
+    return re.findall(r"^```\n(.*?)^```", markdown, re.M | re.S)
+
+
+def arrow_floors(markdown: str) -> tuple[tuple[str, ...], ...]:
+    """The arrows picture's top line (``tools, training ──▶ serving ──▶ ... ──▶ errors, trace``), ground
+    floor first."""
+    line = next(line for block in code_blocks(markdown) for line in block.splitlines() if "──▶" in line)
+    floors = reversed(line.split("──▶"))
+    return tuple(tuple(f"engine.{name.strip()}" for name in floor.split(",")) for floor in floors)
+
+
+def pictured_rooms(markdown: str) -> list[str]:
+    """The engine rooms of the floors picture (the first drawing), top floor first."""
+    lines = code_blocks(markdown)[0].splitlines()
+    return [re.sub(r"(\.py)?/?$", "", path).replace("/", ".")
+            for line in lines if line.startswith("engine/") for path in re.findall(r"engine/\w+(?:\.py|/)", line)]
+
+
+def documented_files(markdown: str) -> set[str]:
+    """The files the rooms table names, as paths: a row's backticked file names sit in its room, and a row
+    with an empty first cell goes on with the room above it."""
+    rows = markdown.split("## The rooms", 1)[1].split("\n## ", 1)[0].splitlines()
+    found, room = set(), None
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        if not row.startswith("|") or len(cells) < 3:
+            continue
+        if cells[0].startswith("`"):
+            room = cells[0].strip("`")
+        elif cells[0]:
+            continue  # the header and its rule
+        found |= {room + name for name in re.findall(r"`([\w.]+\.(?:py|sh|md))`", cells[1])}
+    return found
+
+
+def module_files() -> set[str]:
+    return {path.relative_to(ROOT).as_posix() for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+            if path.name != "__init__.py"}
+
+
+def test_architecture_names_every_module_in_its_room():
+    assert module_files() - documented_files(ARCHITECTURE.read_text()) == set()
+
+
+def test_architecture_names_no_file_that_is_gone():
+    assert {path for path in documented_files(ARCHITECTURE.read_text()) if not (ROOT / path).is_file()} == set()
+
+
+def test_the_rooms_table_reader_sees_rooms_and_misses():
+    table = """## The rooms
+
+| room | modules | what |
+|---|---|---|
+| `ddtree/` | `tree.py` | the tree |
+| | `verify.py`, `cache.py` | the walk; `not_a_file` |
+| `viz/` | `figures.py` | figures |
+
+## Next
+| `engine/` | `later.py` | not in the rooms |
+"""
+    assert documented_files(table) == {"ddtree/tree.py", "ddtree/verify.py", "ddtree/cache.py", "viz/figures.py"}
+
+
+def test_the_floors_are_the_ones_architecture_draws():
+    markdown = ARCHITECTURE.read_text()
+    assert arrow_floors(markdown) == FLOORS
+    assert pictured_rooms(markdown) == [room for floor in reversed(FLOORS) for room in floor]
 
 
 def test_engine_top_level_is_small():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loop.calibration import BudgetChoice, StartupTiming, choose_budget, pick_budget
 from engine.loop.decode import Decoder, DrafterInfo
-from engine.loop.economics import Economics
+from engine.measure.calibration import BudgetChoice, StartupTiming, choose_budget, pick_budget
+from engine.measure.economics import Economics
 from engine.training.export import acceptance_record
 from tests.tiny import tiny_decoder
 
@@ -76,7 +76,7 @@ def test_a_recorded_bench_decides_without_timing_anything_and_says_where_it_was_
                                                                                            monkeypatch):
     import json
 
-    import engine.loop.calibration as calibration
+    import engine.measure.calibration as calibration
 
     results = bench_results(tmp_path / "cpu-fresh.json", {4: 1.50, 8: 1.49, 16: 1.44, 32: 1.2})
     table = tmp_path / "budgets.json"
@@ -120,7 +120,7 @@ def test_startup_timing_keeps_every_timing_and_a_restart_times_only_what_is_miss
 def test_a_compiled_fixed_step_is_recorded_apart_from_the_plain_one(tmp_path):
     import json
 
-    import engine.loop.calibration as calibration
+    import engine.measure.calibration as calibration
 
     table = tmp_path / "budgets.json"
     keys = []
@@ -137,7 +137,7 @@ def test_a_compiled_fixed_step_is_recorded_apart_from_the_plain_one(tmp_path):
 def test_recording_a_result_without_a_best_budget_is_one_clear_line(tmp_path, capsys):
     import json
 
-    from engine.loop.calibration import main
+    from engine.measure.calibration import main
 
     results = tmp_path / "r.json"
     results.write_text(json.dumps({"config": {}, "summary": {"ar": {}}}))

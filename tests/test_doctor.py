@@ -1,4 +1,4 @@
-"""The drafter doctor (engine.loop.doctor, engine.tools.doctor): verdicts that name the fault and the fix."""
+"""The drafter doctor (engine.measure.doctor, engine.tools.doctor): verdicts that name the fault and the fix."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.errors import EngineError
-from engine.loop.doctor import (DEFAULT_PROMPTS, FAULTY, HEALTHY, DoctorReport, ProbeSettings, diagnose,
-                                greedy_outputs, score_blocks, static_report, target_passes)
-from engine.loop.doctor_checks import FAULT, OK, WARNING, configured_wiring, static_checks
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.loop.loading import SHIPPED_DRAFTER
+from engine.measure.doctor import (DEFAULT_PROMPTS, FAULTY, HEALTHY, DoctorReport, ProbeSettings, diagnose,
+                                   greedy_outputs, score_blocks, static_report, target_passes)
+from engine.measure.doctor_checks import FAULT, OK, WARNING, configured_wiring, static_checks
 from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, read_drafter_config
 from engine.models.target import load_target
 from engine.tools import doctor as doctor_cli

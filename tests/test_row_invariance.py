@@ -1,4 +1,4 @@
-"""``engine.loop.row_check`` (``engine.tools.row_invariance``) names the first op whose row depends on how
+"""``engine.measure.row_check`` (``engine.tools.row_invariance``) names the first op whose row depends on how
 many rows a pass holds."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loop.row_check import ModuleTap, check
+from engine.measure.row_check import ModuleTap, check
 from engine.tools.row_invariance import main
 from tests.tiny import tiny_target
 

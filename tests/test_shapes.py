@@ -13,9 +13,10 @@ from transformers import AutoConfig
 from engine.errors import EngineError
 from engine.loop.decode import DecodeSettings
 from engine.loop.loading import load_decoder
+from engine.measure.projection import PAPER_QWEN3_8B, project
 from engine.models.drafter import drafter_shape
 from engine.tools.bench import main as bench_main, native_ar_settings
-from engine.tools.projection import PAPER_QWEN3_8B, main as projection_main, project
+from engine.tools.projection import main as projection_main
 from engine.trace import SCRIPTED, TIMING_ONLY, Trace
 from viz.figures import economics_figure
 from viz.report import load_setting, measurement_lines
@@ -168,7 +169,7 @@ def test_the_projection_divides_tau_by_the_step_cost():
 
 
 def test_the_mtp_row_counts_steps_by_accepted_drafts_and_caps_the_published_tau():
-    from engine.tools.projection import PUBLISHED_MTP, format_projection, project_mtp
+    from engine.measure.projection import PUBLISHED_MTP, format_projection, project_mtp
 
     results = {"config": {"model": "qwen3.6-27b", "drafter": "d", "timing_only": True, "vllm_mtp_tokens": 3},
                "runs": [{"label": "vllm-ar", "wall_s": 1.0, "new_tokens": 100},  # 10 ms per token
@@ -193,7 +194,7 @@ def test_a_projection_without_a_baseline_is_one_clear_line(tmp_path, capsys):
 
 
 def test_the_memory_estimate_counts_qwen3_8b_as_published():
-    from engine.tools.projection import memory_plan, parameter_count
+    from engine.measure.projection import memory_plan, parameter_count
 
     target = json.loads((SHAPES / "qwen3-8b" / "config.json").read_text())
     drafter = json.loads((SHAPES / "qwen3-8b-dflash-b16" / "config.json").read_text())
@@ -218,7 +219,7 @@ def test_the_memory_estimates_of_the_shipped_shapes_print_as_one_table(capsys):
 
 def test_the_memory_estimate_of_the_qwen3_6_hybrid_grows_with_its_attention_layers_only():
     """48 of its 64 layers are Gated DeltaNets: a fixed state per request, no KV per token."""
-    from engine.tools.projection import memory_plan, parameter_count
+    from engine.measure.projection import memory_plan, parameter_count
 
     target = json.loads((SHAPES / "qwen3.6-27b" / "config.json").read_text())
     drafter = json.loads((SHAPES / "qwen3.6-27b-dflash-b16" / "config.json").read_text())

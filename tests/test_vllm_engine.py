@@ -209,7 +209,7 @@ def test_bad_settings_fail_in_the_driver_and_the_engine_keeps_serving(studio):
 
 def test_the_row_check_runs_in_the_workers(studio):
     """``engine.tools.row_invariance --engine vllm``: the check on vLLM's own model and kernels, in its worker."""
-    from engine.loop.row_check import RowCheck
+    from engine.measure.row_check import RowCheck
 
     ids = studio.target.chat_ids(prompts(1)[0])
     found = [RowCheck(**c) for c in studio.llm.collective_rpc("studio_rows", args=([("p", ids)], [1, 5]))[0]]
@@ -221,7 +221,7 @@ def test_the_row_check_runs_in_the_workers(studio):
 def test_in_bf16_every_verified_row_is_ar_s_step_bit_for_bit(studio):
     """The row invariance the tree attention (``engine.on_vllm.path_attention``) exists for: chains and trees of
     1 to 65 rows, each row on AR's path against AR's one-token step of its token, in the dtype the GPU serves."""
-    from engine.loop.row_check import RowCheck
+    from engine.measure.row_check import RowCheck
     from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
     bf16 = load_vllm_decoder(MODEL, DRAFTER, dtype="bfloat16", options=VllmOptions(gpu_memory_utilization=0.15))

@@ -1,12 +1,12 @@
-"""The drafter doctor's report (``engine.loop.doctor.DoctorReport``) as figures and Markdown for the app's
+"""The drafter doctor's report (``engine.measure.doctor.DoctorReport``) as figures and Markdown for the app's
 Doctor tab: pure functions of the report."""
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from engine.loop.doctor import DoctorReport
-from engine.loop.doctor_checks import FAULT, WARNING
+from engine.measure.doctor import DoctorReport
+from engine.measure.doctor_checks import FAULT, WARNING
 from viz.figures import ACCEPTED_COLOUR, METHOD_COLOURS, TARGET_COLOUR, empty_figure
 
 SEVERITY_MARKS = {"ok": "✅", "note": "ℹ️", WARNING: "⚠️", FAULT: "❌"}

@@ -11,7 +11,7 @@ from collections import Counter
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.loop.economics import Economics, Timing, economics, explain
+from engine.measure.economics import Economics, Timing, economics, explain
 from engine.trace import STAGES, TIMING_ONLY, Step, Trace
 from viz.tokens import TokenText, shown
 

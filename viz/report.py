@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.measure.projection import projection_report
 from engine.models.target import BUNDLED_MODEL
 from engine.trace import (METHODS, NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP, SCRIPTED, STAGES,
                           TIMING_ONLY, TOKENS_ONLY)
@@ -392,10 +393,8 @@ def projects(setting: Setting) -> bool:
 
 
 def projection_text(setting: Setting) -> str:
-    """``engine.tools.projection``'s table for a run at a model's shape (random weights), τ from the shipped
+    """``engine.measure.projection``'s table for a run at a model's shape (random weights), τ from the shipped
     drafter's curve and from the DDTree paper."""
-    from engine.tools.projection import projection_report
-
     return projection_report({"config": setting.config, "runs": setting.runs, "summary": setting.summary})
 
 

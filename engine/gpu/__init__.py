@@ -1,2 +1,3 @@
 """GPU fast paths and measurement: Triton kernels (``beam_kernel``, ``kv_moves``, both on
-``triton_support``) and CUDA kernels per decoding stage (``profiling``)."""
+``triton_support``), CUDA graphs recorded once and replayed (``graphs``), and CUDA kernels per decoding
+stage (``profiling``)."""

@@ -14,8 +14,9 @@ the pair (e, t) is beaten by the (e+1)(t+1) - 1 pairs (e' <= e, t' <= t) other t
 score or, at a tie, on its lower index: it can be kept only if (e+1)(t+1) <= budget. Those pairs
 lie in log2(budget) + 1 blocks of ``budget`` pairs each (row 0 with every rank; rows
 [2^l, 2^(l+1)) with the best budget / 2^l ranks): at budget 64, 512 keys a depth instead of
-4096, where on the H200 at Qwen3-8B's shape the full sort made this kernel 1.3 ms of an 8.9 ms
-step. Budgets whose blocks exceed ``MAX_PAIRS`` stay on the readable path (``fused_fits``).
+4096. Sorting every pair made this kernel cost more than the tree attention at an 8B model's shape
+(docs/HISTORY.md, "GPU: the vLLM engine"; benchmarks/shapes/gpu-qwen3-8b-random-compiled.json).
+Budgets whose blocks exceed ``MAX_PAIRS`` stay on the readable path (``fused_fits``).
 """
 
 from __future__ import annotations
@@ -62,10 +63,21 @@ if triton is not None:
         tl.store(keys_out + tl.arange(0, ROWS)[:, None] * COLUMNS + token, keys)
 
     @triton.jit
-    def _beam_tree_kernel(top_lp, top_tokens, beam_parent, beam_rank, node_of, path_buffer, pair_keys,
-                          tokens, parents, depths, log_probs, path_log_probs, ranks, valid,
-                          DEPTH: tl.constexpr, DEPTH_P: tl.constexpr, BUDGET: tl.constexpr, BUDGET_P: tl.constexpr,
-                          WIDTH: tl.constexpr, WIDTH_P: tl.constexpr, LEVELS: tl.constexpr, PAIRS_P: tl.constexpr):
+    def _beam_tree_kernel(
+        top_lp,  # [rows, DEPTH, WIDTH] float32: each depth's best log-probabilities, best first
+        top_tokens,  # [rows, DEPTH, WIDTH] int64: their tokens
+        beam_parent,  # [rows, DEPTH, BUDGET_P] int64, scratch: each beam entry's parent entry a depth up
+        beam_rank,  # [rows, DEPTH, BUDGET_P] int64, scratch: each beam entry's token rank
+        node_of,  # [rows, DEPTH, BUDGET] int64, scratch: each beam entry's node, -1 for none
+        path_buffer,  # [rows, BUDGET_P] float32, scratch: the beam's path log-probabilities
+        pair_keys,  # [rows, PAIRS_P] int64, scratch: a depth's sort keys
+        tokens, parents, depths,  # [rows, BUDGET] int64 each: the tree, parents first
+        log_probs, path_log_probs,  # [rows, BUDGET] float32 each
+        ranks,  # [rows, BUDGET] int64
+        valid,  # [rows, BUDGET] int8
+        DEPTH: tl.constexpr, DEPTH_P: tl.constexpr, BUDGET: tl.constexpr, BUDGET_P: tl.constexpr,
+        WIDTH: tl.constexpr, WIDTH_P: tl.constexpr, LEVELS: tl.constexpr, PAIRS_P: tl.constexpr,
+    ):
         row = tl.program_id(0)
         top_lp += row * DEPTH * WIDTH
         top_tokens += row * DEPTH * WIDTH
@@ -152,7 +164,7 @@ def fused_fits(device: torch.device, budget: int) -> bool:
     return triton_runs_on(device) and pair_blocks(budget)[1] <= MAX_PAIRS
 
 
-def fused_beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
+def fused_beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:  # log_probs [..., depth, vocab]
     """``beam_tree`` as one top-k and one Triton launch (where ``fused_fits``)."""
     *batch, depth, vocab = log_probs.shape
     width = min(budget, vocab)

@@ -21,8 +21,14 @@ MAX_ELEMENTS = 4096  # a program holds moves x columns values: keep it in regist
 if triton is not None:
 
     @triton.jit
-    def _move_rows_kernel(addresses, like, sources, targets, block_size, block_stride, kv_stride,
-                          ROW: tl.constexpr, MOVES: tl.constexpr, COLUMNS: tl.constexpr):
+    def _move_rows_kernel(
+        addresses,  # [layers] int64: each layer's cache's address, every cache [blocks, 2, block_size, ...]
+        like,  # the first layer's cache: its pointer type
+        sources, targets,  # [MOVES] each: cache row indices, block table the identity
+        block_size, block_stride, kv_stride,
+        ROW: tl.constexpr,  # values in one cache row (heads x head size)
+        MOVES: tl.constexpr, COLUMNS: tl.constexpr,
+    ):
         layer, kv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         base = tl.load(addresses + layer).to(like.dtype, bitcast=True) + kv * kv_stride
         moves = tl.arange(0, MOVES)
@@ -50,7 +56,7 @@ class RowMover:
                                           device=first.device)
             self.row = first[0, 0, 0].numel()
 
-    def __call__(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+    def __call__(self, sources: torch.Tensor, targets: torch.Tensor) -> None:  # [moves] each
         """Copy rows ``sources[i]`` to ``targets[i]`` (cache row indices, block table the identity)."""
         if not self.fused:
             paged_sources, paged_targets = (ddtree.paged_slots(sources, self.block_size),

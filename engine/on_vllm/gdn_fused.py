@@ -15,9 +15,10 @@ arithmetic runs as three programs a layer:
   so it is scored once, and a chain of 16 is one walk of 16 tokens, not 16 walks of 1 to 16),
   applying each token to the recurrent state it holds in registers from the request's committed
   state on; each token's convolved rows are loaded one step ahead. With the convolution out of the
-  walk, a program holds no window or taps: at 27B sizes it compiles to 220 registers a thread at 32
-  value columns (255 and spills with them), 168 at 16 (Triton 3.9 for sm_90, ``cuobjdump``), so an
-  SM holds more walks at once, what a tree of many leaves waits on. Nothing in the caches is written.
+  walk, a program holds no window or taps, so it takes fewer registers a thread and an SM holds more
+  walks at once, what a tree of many leaves waits on (``python -m engine.tools.gdn_registers`` prints
+  each program's registers; benchmarks/kernels/gpu-gdn-qwen3.6-27b-two-programs.md holds them beside
+  the one-program verify's). Nothing in the caches is written.
 - ``commit``: one program per (value block, value head) applies the accepted path's kept tokens
   to the committed state (each token's rows loaded one step ahead), stores it, and shifts the
   convolution window along the path.
@@ -78,17 +79,26 @@ def fused_fits(device: torch.device, conv_kernel: int = CONV_KERNEL) -> bool:
 def _blocks(params: GDNParams, nodes: int) -> tuple[int, int]:
     """Key and value columns a program holds. Every value column's arithmetic is the same at any value
     block (the sums run over keys), so the block sets only how many programs share the work and how many
-    registers each takes. At 27B sizes, one H200 (``engine.tools.gdn_bench``, µs a layer): one token's
-    walk is fastest at 8 columns (the one-program verify of session 50: 9.6 against 12.2 at the packed
-    decode kernel's 32); a 64-node tree's walks at 16 columns took 80.7 (deep) and 73.5 (flat) against
-    85.9 and 79.3 at 32, where a walk took 254 registers and an SM held 8 (Nsight Compute), at 16 128
-    registers (session 52)."""
+    registers each takes. One token's walk is fastest at 8 columns, where more programs share its one
+    path; past one node, 16 columns halve a walk's registers against 32, so an SM holds twice the walks a
+    tree of many leaves waits on. ``engine.tools.gdn_bench`` times each size (BENCHMARKS.md, "Gated
+    DeltaNet verify and commit"; benchmarks/kernels/gpu-gdn-qwen3.6-27b-size-rule.md and
+    gpu-gdn-qwen3.6-27b-two-programs.md)."""
     value_block = 8 if nodes == 1 else 16
     return triton.next_power_of_2(params.head_k_dim), min(triton.next_power_of_2(params.head_v_dim), value_block)
 
 
-def verify(params: GDNParams, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
-           ssm_state: torch.Tensor, slot: int, paths: TreePaths, out: torch.Tensor) -> KeptNodes:
+def verify(
+    params: GDNParams,
+    mixed_qkv: torch.Tensor,  # [nodes, channels]
+    a: torch.Tensor,  # [nodes, heads]
+    b: torch.Tensor,  # [nodes, heads]
+    conv_state: torch.Tensor,  # [slots, channels, W], any strides, read only
+    ssm_state: torch.Tensor,  # [slots, heads, V, K], read only
+    slot: int,
+    paths: TreePaths,
+    out: torch.Tensor,  # [nodes, heads, V]
+) -> KeptNodes:
     """Every node's core output into ``out [q, heads, V]`` for inputs ``mixed_qkv [q, channels]``,
     ``a``/``b [q, heads]``; ``conv_state [slots, channels, W]`` (any strides) and ``ssm_state`` are read only."""
     q, channels = mixed_qkv.shape
@@ -112,8 +122,15 @@ def verify(params: GDNParams, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch
     return kept
 
 
-def commit(params: GDNParams, kept: KeptNodes, conv_state: torch.Tensor, ssm_state: torch.Tensor, slot: int,
-           path: torch.Tensor, length: torch.Tensor) -> None:
+def commit(
+    params: GDNParams,
+    kept: KeptNodes,
+    conv_state: torch.Tensor,  # [slots, channels, W]
+    ssm_state: torch.Tensor,  # [slots, heads, V, K]
+    slot: int,
+    path: torch.Tensor,  # [max path length] int32
+    length: torch.Tensor,  # [] int32
+) -> None:
     """The accepted ``path`` (node indices, root first, int32, padded past the device scalar ``length``)
     becomes the request's state in ``slot``: the recurrent state and the convolution window."""
     heads = params.value_dim // params.head_v_dim
@@ -189,10 +206,21 @@ if triton is not None:
         return tl.where(on_path, from_path, from_window.to(from_path.dtype))
 
     @triton.jit(do_not_specialize=["slot"])  # a slot of 1 would otherwise compile as a constant
-    def _convolve_kernel(x, stride_x, a, stride_a, b, stride_b, weight, stride_w_dim, stride_w_tap, bias, conv_state,
-                         stride_cs_slot, stride_cs_dim, stride_cs_tok, slot, table, depth, kept_x, kept_conv,
-                         stride_kept, channel_count, kept_a, kept_b, HV: tl.constexpr, HEADS: tl.constexpr,
-                         LENGTH: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    def _convolve_kernel(
+        x, stride_x,  # [nodes, channels]: the layer's inputs, q/k/v packed as vLLM packs them
+        a, stride_a, b, stride_b,  # [nodes, HV] each: the gates' inputs
+        weight, stride_w_dim, stride_w_tap,  # [channels, W]: the convolution's taps
+        bias,  # [channels], or None
+        conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok,  # [slots, channels, W], read only
+        slot,  # the request's slot in both state caches
+        table,  # [nodes, LENGTH] int32: each node's ancestor at each depth (``ddtree.forks.path_table``)
+        depth,  # [nodes] int32
+        kept_x, kept_conv, stride_kept,  # [nodes, channels] each: what the walk and the commit read
+        channel_count,
+        kept_a, kept_b,  # [nodes, HV] each, contiguous
+        HV: tl.constexpr, HEADS: tl.constexpr, LENGTH: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SILU: tl.constexpr,
+    ):
         """One node's convolution on a block of channels, over its path's last four inputs, into what the walk and
         the commit read (the node's inputs, convolution output and gates, kept apart from vLLM's reused buffers)."""
         block, node = tl.program_id(0), tl.program_id(1)
@@ -217,10 +245,20 @@ if triton is not None:
             tl.store(kept_b + node * HV + heads, tl.load(b + node * stride_b + heads, mask=heads < HV), mask=heads < HV)
 
     @triton.jit(do_not_specialize=["slot"])
-    def _walk_kernel(kept_conv, stride_kept, kept_a, kept_b, A_log, dt_bias, slot, ssm_state, stride_state_slot, table,
-                     depth, chain_start, out, stride_out, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LENGTH: tl.constexpr, PATH: tl.constexpr,
-                     SOFTPLUS_THRESHOLD: tl.constexpr):
+    def _walk_kernel(
+        kept_conv, stride_kept,  # [nodes, channels]: every node's convolved q/k/v (``_convolve_kernel``)
+        kept_a, kept_b,  # [nodes, HV] each, contiguous
+        A_log, dt_bias,  # [HV] each
+        slot,  # the request's slot
+        ssm_state, stride_state_slot,  # [slots, HV, V, K], read only
+        table,  # [nodes, LENGTH] int32, contiguous: each node's ancestor at each depth
+        depth,  # [nodes] int32
+        chain_start,  # [nodes] int32: a leaf's chain's first depth, -1 for other nodes
+        out, stride_out,  # [nodes, HV, V]: every node's core output
+        scale,  # K ** -0.5
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        LENGTH: tl.constexpr, PATH: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr,
+    ):
         i_v, i_hv, node = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_h = i_hv // (HV // H)
         o_k = tl.arange(0, BK)
@@ -277,10 +315,19 @@ if triton is not None:
                  mask=(columns < WIDTH - 1)[:, None] & mask[None, :])
 
     @triton.jit(do_not_specialize=["slot"])
-    def _commit_kernel(kept_x, kept_conv, stride_x, kept_a, kept_b, A_log, dt_bias, conv_state, stride_cs_slot,
-                       stride_cs_dim, stride_cs_tok, slot, ssm_state, stride_state_slot, path, length_ptr, scale,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, WIDTH: tl.constexpr, COLUMNS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
+    def _commit_kernel(
+        kept_x, kept_conv, stride_x,  # [nodes, channels] each: the verify's inputs and convolved q/k/v
+        kept_a, kept_b,  # [nodes, HV] each, contiguous
+        A_log, dt_bias,  # [HV] each
+        conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok,  # [slots, channels, W]: the window is shifted
+        slot,  # the request's slot
+        ssm_state, stride_state_slot,  # [slots, HV, V, K]: the state is stored
+        path,  # [max path length] int32: the accepted nodes, root first, padded past ``length``
+        length_ptr,  # [] int32: the accepted path's length, on the device
+        scale,  # K ** -0.5
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        WIDTH: tl.constexpr, COLUMNS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr,
+    ):
         i_v, i_hv = tl.program_id(0), tl.program_id(1)
         i_h = i_hv // (HV // H)
         o_k = tl.arange(0, BK)

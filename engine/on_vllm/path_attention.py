@@ -31,12 +31,23 @@ def block_rows(queries_per_kv: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _segments(segm_out_ptr, segm_max_ptr, segm_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
-                  seq_len_ptr, table_ptr, depth_ptr, scale, num_nodes, q_stride_0, q_stride_1, table_stride,
-                  k_stride_0, k_stride_1, k_stride_2, v_stride_0, v_stride_1, v_stride_2, k_stride_3: tl.constexpr,
-                  v_stride_3: tl.constexpr, num_query_heads: tl.constexpr, queries_per_kv: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_SIZE: tl.constexpr,
-                  HEAD_SIZE_PADDED: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    def _segments(
+        segm_out_ptr,  # [nodes, num_query_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] float32
+        segm_max_ptr,  # [nodes, num_query_heads, NUM_SEGMENTS] float32
+        segm_sum_ptr,  # [nodes, num_query_heads, NUM_SEGMENTS] float32
+        q_ptr,  # [nodes, num_query_heads, HEAD_SIZE]
+        k_cache_ptr,  # [blocks, BLOCK_SIZE, kv heads, HEAD_SIZE]
+        v_cache_ptr,  # [blocks, BLOCK_SIZE, kv heads, HEAD_SIZE]
+        block_table_ptr,  # [max blocks]: the request's block ids
+        seq_len_ptr,  # [1] int32: context + nodes
+        table_ptr,  # [nodes, length] int32: each node's ancestor at each depth
+        depth_ptr,  # [nodes] int32
+        scale, num_nodes,
+        q_stride_0, q_stride_1, table_stride, k_stride_0, k_stride_1, k_stride_2, v_stride_0, v_stride_1, v_stride_2,
+        k_stride_3: tl.constexpr, v_stride_3: tl.constexpr,
+        num_query_heads: tl.constexpr, queries_per_kv: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+        HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    ):
         node = tl.program_id(0)
         kv_head = tl.program_id(1)
         segment = tl.program_id(2)
@@ -92,9 +103,17 @@ if triton is not None:
         tl.store(segm_sum_ptr + rows * NUM_SEGMENTS + segment, l, mask=row_mask)
 
     @triton.jit
-    def _combine(out_ptr, segm_out_ptr, segm_max_ptr, segm_sum_ptr, seq_len_ptr, depth_ptr, num_nodes, out_stride_0,
-                 out_stride_1, num_query_heads: tl.constexpr, TILE: tl.constexpr, HEAD_SIZE: tl.constexpr,
-                 HEAD_SIZE_PADDED: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    def _combine(
+        out_ptr,  # [nodes, num_query_heads, HEAD_SIZE]
+        segm_out_ptr,  # [nodes, num_query_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] float32 (``_segments``)
+        segm_max_ptr,  # [nodes, num_query_heads, NUM_SEGMENTS] float32
+        segm_sum_ptr,  # [nodes, num_query_heads, NUM_SEGMENTS] float32
+        seq_len_ptr,  # [1] int32: context + nodes
+        depth_ptr,  # [nodes] int32
+        num_nodes, out_stride_0, out_stride_1,
+        num_query_heads: tl.constexpr, TILE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr,
+    ):
         """vLLM's ``reduce_segments``, op for op, for one node's row: its sequence is AR's step's."""
         node = tl.program_id(0)
         query_head = tl.program_id(1)
@@ -123,9 +142,17 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def path_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                   block_table: torch.Tensor, seq_len: torch.Tensor, table: torch.Tensor, depth: torch.Tensor,
-                   scale: float) -> None:
+def path_attention(
+    q: torch.Tensor,  # [nodes, query heads, head size]
+    k_cache: torch.Tensor,  # [blocks, block size, KV heads, head size]
+    v_cache: torch.Tensor,  # [blocks, block size, KV heads, head size]
+    out: torch.Tensor,  # [nodes, query heads, head size]
+    block_table: torch.Tensor,  # [max blocks]
+    seq_len: torch.Tensor,  # [1] int32
+    table: torch.Tensor,  # [nodes, length] int32
+    depth: torch.Tensor,  # [nodes] int32
+    scale: float,
+) -> None:
     """One request's verify pass: ``q`` and ``out`` [nodes, query heads, head size]; the caches in vLLM's layout
     [blocks, block size, KV heads, head size], this pass's nodes already written after the committed context (node i
     at row ``context + i``); ``block_table`` the request's row of block ids; ``seq_len`` [1] int32, context + nodes

@@ -36,10 +36,11 @@ from engine.trace import Step, Trace
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
 REPO = Path(__file__).resolve().parent.parent.parent
 CONVERTED = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree-studio"))
-# vLLM's own runs (the baseline) serve one request at a time with room for 8: on one H200, 2026-12-03, its AR on
-# the bundled model ran 494 tokens/s at 8 and 416 at its shipped default (1,024 here) on the same prompts, each
-# output first leaving the Studio's AR at the same token in both (`gpu_session.sh baseline`); and a hybrid's
-# state blocks (one per sequence) for that default do not fit beside the Studio's engine at 27B (159 at 0.45).
+# vLLM's own runs (the baseline) serve one request at a time with room for 8: its AR on the bundled model runs
+# faster at 8 than at its shipped default (1,024 here), each output first leaving the Studio's AR at the same token
+# at both (`gpu_session.sh baseline`: benchmarks/baseline/gpu-vllm-baseline-8.json against
+# gpu-vllm-baseline-default.json); and a hybrid's state blocks (one per sequence) for that default do not fit
+# beside the Studio's engine at 27B (159 at 0.45).
 NATIVE_MAX_SEQS = 8
 
 
@@ -175,10 +176,10 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
 
 
 def compiles_target(folder: str, asked: bool | None) -> bool:
-    """Whether vLLM compiles the target: as asked, else for a hybrid alone. On Qwen3.6-27B's shape (H200, bf16)
-    the eager target made a fixed step cost 1.27 (AR) to 1.87 (DDTree@64) vLLM AR steps, the compiled one 0.98 to
-    1.38 (session 52), every output still vLLM's AR's. A dense target keeps the Studio's own compiled step
-    (``compile_step``), the one its measured speed-ups ran: vLLM's compilation is not yet timed against it."""
+    """Whether vLLM compiles the target: as asked, else for a hybrid alone. On a hybrid's shape the compiled target
+    makes every method's fixed step cheaper than the eager one, every output still vLLM's AR's (README, "Results",
+    the Qwen3.6-27B shape with and without ``--no-vllm-compile``). A dense target keeps the Studio's own compiled
+    step (``compile_step``), the one its measured speed-ups ran: vLLM's compilation is not yet timed against it."""
     if asked is not None:
         return asked
     config = shape_config(folder)

@@ -3,8 +3,8 @@
 Qwen3-Next and Qwen3.5 / Qwen3.6 mix full-attention layers, which verify a tree with the
 query bias like any target (``engine.on_vllm.vllm_worker``), with Gated DeltaNet layers
 (``QwenGatedDeltaNetAttention``), whose state must fork at every tree node. Those layers
-verify a tree in one Triton program a layer and commit the accepted path in one more
-(``engine.on_vllm.gdn_fused``: each node walks its own path, convolving and applying each token as
+verify a tree in two Triton programs a layer, every node's convolution and then a walk per leaf, and
+commit the accepted path in one more (``engine.on_vllm.gdn_fused``: each token convolved and applied as
 vLLM's one-token decode does). With ``DDTREE_GDN=vllm-kernels`` in the environment they run the
 readable reference instead, vLLM's own kernels as ``engine.on_vllm.gdn_tree`` lays it out: each node
 convolves the window of its own ancestors (``causal_conv1d_update`` over gathered windows),

@@ -48,7 +48,7 @@ from engine.gpu.graphs import GraphedCall, record
 from engine.gpu.kv_moves import RowMover
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.loop.fixed_step import padded_prompt, prefill_bucket
-from engine.loop.row_check import check as row_check
+from engine.measure.row_check import check as row_check
 from engine.models.drafter import load_drafter
 from engine.models.target import Target, stop_token_ids
 from engine.on_vllm.path_attention import path_attention
@@ -486,7 +486,7 @@ class StudioWorker:
         return trace.to_json()
 
     def studio_rows(self, prompts: list[tuple[str, list[int]]], rows: list[int]) -> list[dict]:
-        """``engine.loop.row_check`` on this worker's target, for each (prompt id, context ids)."""
+        """``engine.measure.row_check`` on this worker's target, for each (prompt id, context ids)."""
         target: PagedTarget = self.studio.target
         if target.gdn is not None:
             raise EngineError("the row check runs AR steps without commits: an all-attention target only, not a "

@@ -26,8 +26,8 @@ from tqdm import tqdm
 from engine.errors import EngineError, run_command
 from engine.gpu.profiling import KernelProfile
 from engine.loop.decode import DecodeSettings, Decoder
-from engine.loop.economics import Timing, economics
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, RANDOM, load_decoder, shipped_drafter
+from engine.measure.economics import Timing, economics
 from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
 from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS, VllmOptions, check_mtp_layers, load_vllm_decoder

@@ -3,7 +3,7 @@
     python -m engine.tools.doctor [--model M] --drafter D [--prompts P.jsonl] [--engine torch|vllm]
         [--max-new-tokens 48] [--static] [--out REPORT.json]
 
-Prints the verdict first, then the evidence (``engine.loop.doctor``). Exit status: 0 healthy, 1 a fault
+Prints the verdict first, then the evidence (``engine.measure.doctor``). Exit status: 0 healthy, 1 a fault
 (named, with its fix), 2 bad input (one error line). ``--engine vllm`` also checks what vLLM 0.23 itself
 reads (its layer-id convention, its drafter windows) and probes that wiring on the torch engine: vLLM
 itself is not run. ``--static``: the config checks alone, for config-only shapes (``assets/shapes/``).
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from engine.errors import EngineError, run_command
 from engine.loop.decode import Decoder
-from engine.loop.doctor import DEFAULT_PROMPTS, ProbeSettings, diagnose, probe_can_run, static_report
-from engine.loop.doctor_checks import check_for_this_target, static_checks
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, display_name, draft_dtype_for, drafter_info
+from engine.measure.doctor import DEFAULT_PROMPTS, ProbeSettings, diagnose, probe_can_run, static_report
+from engine.measure.doctor_checks import check_for_this_target, static_checks
 from engine.models.drafter import load_drafter, read_drafter_config
 from engine.models.target import BUNDLED_MODEL, bundled_gguf, has_tokenizer, load_target, shape_config
 from engine.tools.bench import read_prompts

@@ -111,7 +111,7 @@ fresh)
       --tree-budget "${BUDGETS:-16,32,64,128}" \
       --max-new-tokens "$TOKENS" --reduced-traces --count-kernels --out "$OUT/gpu-vllm-fresh$TAG.json" > "$OUT/bench-fresh.txt" 2>&1
   tables "$OUT/bench-fresh.txt"
-  python3 -m engine.loop.calibration record "$OUT/gpu-vllm-fresh$TAG.json" && cp assets/budgets.json "$OUT/budgets.json" ;;
+  python3 -m engine.measure.calibration record "$OUT/gpu-vllm-fresh$TAG.json" && cp assets/budgets.json "$OUT/budgets.json" ;;
 baseline)
   for seqs in 8 default 8-again; do
     cap=$([ "$seqs" = 8 ] && echo 250 || echo 170)

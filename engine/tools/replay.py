@@ -6,8 +6,8 @@ from one target pass over prompt + output. One drafter pass per output position 
 every step any method could take: a step's acceptance is its tree's longest path along AR's
 next tokens (``ddtree.follow_tree`` with AR as the target). No verify pass runs, so this
 estimates acceptance, not speed or exactness; the bench measures those. It is for choosing
-among drafters, checkpoints and budgets quickly (the 69 fresh prompts: ~2.5 min on 2 CPU
-cores against ~28 min for the bench at five budgets).
+among drafters, checkpoints and budgets quickly: one target pass and one drafter pass per output
+position stand for every method at every budget, where the bench decodes each of them in turn.
 
     python -m engine.tools.replay --prompts assets/prompts/fresh.jsonl --drafter FOLDER \\
         --methods dflash,ddtree --tree-budget 4,8,16,32,64 [--ar-outputs RESULTS.json] [--first-slot]
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from engine.errors import EngineError, run_command
-from engine.loop.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, load_decoder
+from engine.measure.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.tools.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
                                 tokenize_prompts)
 

@@ -28,7 +28,7 @@ from dataclasses import asdict
 import torch
 
 from engine.errors import EngineError
-from engine.loop.row_check import RowCheck, check
+from engine.measure.row_check import RowCheck, check
 from engine.models.target import load_target
 from engine.tools.bench import read_prompts
 

@@ -87,7 +87,7 @@ class VllmSettings:
     max_model_len: int = 2048
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 1024  # a 135M model is overhead-bound: many sequences per step pay for it
-    enforce_eager: bool = False  # CUDA graphs: ~60 s to start, several times faster per step
+    enforce_eager: bool = False  # CUDA graphs: a longer start, then several times faster per step
     # a fixed KV cache size skips vLLM's memory profiling, which fails when engines sharing the GPU
     # start together (each sees the others' memory come and go); None: profile, fill the utilization
     kv_cache_gib: float | None = None

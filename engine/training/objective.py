@@ -9,9 +9,9 @@ Two implementations of one loss:
   gradient with respect to a slot's logits has a closed form,
   ``c * (q - (1-d) onehot(label) - d p)`` (q the drafter's softmax, p the target's, d the
   distillation weight, c the slot's normalised weight); it is computed chunk by chunk in
-  the forward pass and only the [slots, hidden] gradient is kept for backward. On the H200
-  the reference's vocabulary-sized elementwise work (casts, softmaxes, their backward) was
-  most of the training step (profile in the session-2 log).
+  the forward pass and only the [slots, hidden] gradient is kept for backward: on a GPU the
+  reference's vocabulary-sized elementwise work (casts, softmaxes, their backward) is most of
+  the training step when profiled.
 
 ``tests/test_training.py`` checks the two against each other: loss, metrics and gradients.
 """

@@ -1,5 +1,5 @@
 """The drafter doctor's static side: checks of the two configs and the tokenizer, and the wirings an engine
-could feed the drafter with (``engine.loop.doctor`` probes them).
+could feed the drafter with (``engine.measure.doctor`` probes them).
 
 vLLM's convention, read from vLLM 0.23's source: its own DFlash taps the target's "aux hidden states" at
 ``eagle_aux_hidden_state_layer_ids`` when the draft config has them, else at ``dflash_config.target_layer_ids``

@@ -3,12 +3,12 @@ Doctor tab).
 
 Three kinds of evidence, in one ``DoctorReport``:
 
-- static checks of the two configs and the tokenizer (``engine.loop.doctor_checks``);
+- static checks of the two configs and the tokenizer (``engine.measure.doctor_checks``);
 - the acceptance probe: every prompt's greedy output teacher-forced through the target once, then the
   drafter's block at every root of the output scored in batched passes (many blocks a pass, each seeing
   only its own context, as ``engine.models.drafter.block_visibility`` lays them out): acceptance per draft
   position given an accepted prefix, the first slot against the target's own confidence, calibration, and
-  DFlash / DDTree τ replayed along the output (``engine.loop.acceptance``);
+  DFlash / DDTree τ replayed along the output (``engine.measure.acceptance``);
 - the miswiring probes: the same blocks fed as a miswired engine would feed them (target layer ids shifted,
   sliding-window layers as full attention and back, the last layer read before the final norm, vLLM's own
   wiring). A wiring far better than the configured one names the fault; a deployment's wiring far worse
@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from engine.errors import EngineError
-from engine.loop.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.loop.decode import MAX_NEW_TOKENS, DecodeSettings, Decoder
-from engine.loop.doctor_checks import (FAULT, NOTE, WARNING, Finding, Wiring, configured_wiring, deployment_wirings,
-                                       static_checks, variant_wirings)
+from engine.measure.acceptance import CONFIDENCE_EDGES, Proposals, replay
+from engine.measure.doctor_checks import (FAULT, NOTE, WARNING, Finding, Wiring, configured_wiring, deployment_wirings,
+                                          static_checks, variant_wirings)
 from engine.models import hybrid
 from engine.models.drafter import ScriptedDrafter, block_inputs, block_visibility
 
@@ -347,7 +347,7 @@ def calibration(scores: list[BlockScores]) -> list[CalibrationBin]:
 
 
 def replayed_tau(scores: list[BlockScores], runs: list[PromptPass], budgets: tuple[int, ...]) -> dict[str, float]:
-    """DFlash and DDTree τ, their greedy steps replayed along each output (``engine.loop.acceptance``)."""
+    """DFlash and DDTree τ, their greedy steps replayed along each output (``engine.measure.acceptance``)."""
     lengths: dict[str, list[int]] = {"dflash": []} | {f"ddtree@{b}": [] for b in budgets}
     for score, run in zip(scores, runs):
         proposals = Proposals(run.ids[run.prompt_length:].tolist(), score.log_probs, score.tokens, run.confidence)

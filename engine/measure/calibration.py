@@ -1,7 +1,7 @@
 """The DDTree budget the page starts with: from the bench's record for this kind of machine, else timed here.
 
 Where a bench run on this kind of machine (device, engine, dtype, step, drafter weights) has been
-recorded in ``assets/budgets.json`` (``python -m engine.loop.calibration record RESULTS.json``), its
+recorded in ``assets/budgets.json`` (``python -m engine.measure.calibration record RESULTS.json``), its
 speed-up per budget decides and nothing is timed: the app answers as soon as the models are loaded.
 Otherwise ``StartupTiming`` times the budgets on this machine, one at a time, in the background
 (the page shows its progress), and keeps every timing in a cache (``~/.cache/ddtree-studio``), so a
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from engine.loop.decode import DecodeSettings, Decoder, step_kind
-from engine.loop.economics import Economics, Timing, economics
+from engine.measure.economics import Economics, Timing, economics
 
 CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
 CALIBRATION_PROMPT = "Explain briefly how a refrigerator keeps food cold."
@@ -231,7 +231,7 @@ def record_best(results_path: str, path: Path = MEASURED_BUDGETS) -> tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.loop.calibration",
+    parser = argparse.ArgumentParser(prog="python -m engine.measure.calibration",
                                      description="record a bench run's speed-up per DDTree budget for its machine")
     parser.add_argument("command", choices=["record"])
     parser.add_argument("results", help="results JSON written by engine.tools.bench (--out)")
