@@ -11,8 +11,8 @@ import time
 import pytest
 
 import app
-import engine.loop.calibration as calibration
-from engine.loop.calibration import BudgetChoice, StartupTiming
+import engine.measure.calibration as calibration
+from engine.measure.calibration import BudgetChoice, StartupTiming
 from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
 
