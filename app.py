@@ -42,6 +42,7 @@ from engine.measure.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, Bud
                                         recorded_choice)
 from engine.models.target import resolve_device
 from engine.serving.model_queue import ModelQueue
+from engine.serving.traffic import DEFAULT_SERVER, ServedRequest, recent_requests, request_traces, server_url
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError, divergence
 from viz.figures import (acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop,
                          probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics)
@@ -76,12 +77,23 @@ class Studio:
     their one owner (``engine.serving.model_queue``): a torch model with caches is not safe to drive
     from two threads, and no handler takes a lock around the model, so no two can wait on each other."""
 
-    decoder: Decoder
+    decoder: Decoder | None  # None: the page loads no model and opens a server's traffic (``--server``)
     budget: BudgetChoice  # the DDTree budget the page starts with, and why
     queue: ModelQueue = field(default_factory=ModelQueue)
+    server: str | None = None  # the Studio server whose traffic the page opens first
     timing: StartupTiming | None = None  # budgets still being timed in the background, if any
     timing_error: str | None = None
     started: set[tuple[str, int | None]] = field(default_factory=set)  # (method, budget) run once already
+
+    @property
+    def has_model(self) -> bool:
+        return self.decoder is not None
+
+    def require_model(self) -> Decoder:
+        if self.decoder is None:
+            raise EngineError(f"this page loads no model: it opens the traffic of {self.server}; start it without "
+                              "--server to run prompts here")
+        return self.decoder
 
     @property
     def timing_pending(self) -> bool:
@@ -101,7 +113,7 @@ class Studio:
 
     def first_use(self, settings: DecodeSettings) -> str | None:
         """Said while a compiled step's first run of a method and budget compiles it (a minute or more)."""
-        if not self.decoder.compile_step or run_key(settings) in self.started:
+        if not self.has_model or not self.decoder.compile_step or run_key(settings) in self.started:
             return None
         return (f"compiling the {settings.method} step for this budget (once per method and budget; the compile "
                 f"cache in {cache_dir()} keeps it for the next start)")
@@ -129,7 +141,7 @@ class Studio:
     def token_text_for(self, traces: list[Trace]) -> TokenText:
         """The tokenizer for traces of the loaded model; otherwise (an upload from
         another model) the text pieces the traces themselves carry."""
-        if traces and all(trace.config.model == self.decoder.target.name for trace in traces):
+        if self.has_model and traces and all(trace.config.model == self.decoder.target.name for trace in traces):
             return self.decode_token
         return pieces_token_text(traces)
 
@@ -271,6 +283,7 @@ def run_key(settings: DecodeSettings) -> tuple[str, int | None]:
 
 
 def encode_prompt(studio: Studio, prompt: str) -> list[int]:
+    studio.require_model()
     if not prompt or not prompt.strip():
         raise EngineError("the prompt is empty: type a message for the model to answer")
     return studio.decoder.target.chat_ids(prompt)
@@ -353,7 +366,7 @@ class RunView:
         self.studio = session.studio
 
     def build(self) -> None:
-        with gr.Row():
+        with gr.Row(visible=self.studio.has_model):  # a page without a model only opens traces
             with gr.Column(scale=3):
                 self.prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLE_PROMPTS[0], elem_id="prompt")
                 gr.Examples(EXAMPLE_PROMPTS, inputs=self.prompt, label="Example prompts")
@@ -514,6 +527,65 @@ class ReplayView:
 
     def shown(self, traces: dict[str, Trace]) -> dict:
         return {self.race: race_chart(ordered(traces))}
+
+
+class TrafficView:
+    """A Studio server's recent requests (``python -m engine.tools.serve``), any of them opened in every view of
+    the page as an upload is: the columns, the economics, the replay and the step inspector."""
+
+    HEADERS = ["time (UTC)", "endpoint", "method", "prompt", "tokens", "steps", "τ", "tokens/s", "finish"]
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.studio = session.studio
+
+    def build(self) -> None:
+        server = self.studio.server
+        with gr.Accordion("Traffic: the requests a Studio server answered (open one to inspect its trees)",
+                          open=server is not None):
+            with gr.Row():
+                self.url = gr.Textbox(server or DEFAULT_SERVER, label="Server (python -m engine.tools.serve)", scale=3,
+                                      elem_id="traffic-url")
+                self.refresh_button = gr.Button("Refresh", scale=1, elem_id="traffic-refresh")
+            self.table = gr.Dataframe(headers=self.HEADERS, label="Recent requests, newest first (click one to open "
+                                      "it)", interactive=False, elem_id="traffic-table")
+            with gr.Row():
+                self.request = gr.Dropdown([], label="Request", scale=3, elem_id="traffic-request")
+                self.open_button = gr.Button("Open in the inspector", scale=1, elem_id="traffic-open")
+            self.listed = gr.State([])  # the ids of the table's rows, in its order
+
+    def refresh(self, url: str) -> dict:
+        try:
+            requests = recent_requests(url)
+        except EngineError as exc:
+            raise refusal(exc) from None
+        rows = [[time.strftime("%H:%M:%S", time.gmtime(r.created)), r.endpoint, _served_label(r), r.prompt[:80],
+                 r.tokens, r.steps, round(r.tau, 2), round(r.tokens_per_s, 1), r.finish_reason] for r in requests]
+        choices = [(f"{row[0]} · {row[2]} · {request.prompt[:40]!r}", request.id) for row, request in zip(rows, requests)]
+        return {self.table: rows, self.listed: [request.id for request in requests],
+                self.request: gr.Dropdown(choices=choices, value=choices[0][1] if choices else None),
+                self.session.status: f"{len(requests)} request(s) served by {server_url(url)}."}
+
+    def open(self, url: str, trace_id: str | None, present: Callable[[dict[str, Trace], str], dict]) -> dict:
+        try:
+            traces = request_traces(url, trace_id)
+        except EngineError as exc:
+            raise refusal(exc) from None
+        trace = traces[0]
+        return present({trace.config.method: trace}, f"Opened request {trace_id} from {server_url(url)}: "
+                                                     f"{trace.config.label}, {len(trace.steps)} steps.")
+
+    def open_row(self, url: str, ids: list[str], present: Callable[[dict[str, Trace], str], dict],
+                 selected: gr.SelectData) -> dict:
+        """A click on the table opens the request of that row."""
+        row = selected.index[0] if isinstance(selected.index, (list, tuple)) else selected.index
+        if not 0 <= row < len(ids):
+            raise refusal(EngineError("that row is not in the list any more: refresh it"))
+        return {self.request: ids[row], **self.open(url, ids[row], present)}
+
+
+def _served_label(request: ServedRequest) -> str:
+    return f"ddtree@{request.tree_budget}" if request.method == "ddtree" else request.method
 
 
 class TracesView:
@@ -720,6 +792,8 @@ class StudioApp:
             self.banner = gr.Markdown(self._model_banner, elem_id="model-banner")
             with gr.Tabs():
                 with gr.Tab("Run & inspect"):
+                    self.traffic_view = TrafficView(self.session)
+                    self.traffic_view.build()
                     self.run_view = RunView(self.session)
                     self.run_view.build()
                     self.replay_view = ReplayView(self.session, self.run_view.columns)
@@ -728,18 +802,22 @@ class StudioApp:
                     self.traces_view.build()
                     self.inspector = InspectorView(self.session)
                     self.inspector.build()
-                with gr.Tab("Budget sweep"):
+                # both need the model
+                with gr.Tab("Budget sweep", visible=self.studio.has_model):
                     self.sweep_view = SweepView(self.session)
                     self.sweep_view.build()
-                with gr.Tab("Doctor"):
+                with gr.Tab("Doctor", visible=self.studio.has_model):
                     self.doctor_view = DoctorView(self.studio)
                     self.doctor_view.build()
             self.timing_clock = gr.Timer(TIMING_POLL_S, active=self.studio.timing_pending)
-            self._wire()
+            self._wire(demo)
         return demo
 
     def _model_banner(self) -> str:
         decoder = self.studio.decoder
+        if decoder is None:
+            return (f"No model loaded: this page opens the traffic of the Studio server at **{self.studio.server}** "
+                    "(the Traffic panel). Open a request to see its trees, its economics and its replay.")
         target, info = decoder.target, decoder.drafter_info
         drafts = f", {decoder.draft_dtype} drafts" if decoder.draft_dtype else ""
         drafter = (f"**{info.name}** (trained{drafts})" if info.trained else
@@ -748,7 +826,7 @@ class StudioApp:
         return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
                 f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget_sentence()}")
 
-    def _wire(self) -> None:
+    def _wire(self, demo: gr.Blocks) -> None:
         session, run, replay, traces, inspector, sweep = (self.session, self.run_view, self.replay_view,
                                                           self.traces_view, self.inspector, self.sweep_view)
         run_inputs = [run.prompt, run.max_new_tokens, run.temperature, run.seed, run.budget, run.methods,
@@ -779,6 +857,15 @@ class StudioApp:
             concurrency_limit=4, show_progress="minimal")
         sweep.stop_button.click(request_stop, session.control, sweep.status, api_visibility="private", queue=False)
         gr.api(self.info, api_name="info", queue=False)
+        traffic = self.traffic_view
+        listing = [traffic.table, traffic.listed, traffic.request, session.status]
+        traffic.refresh_button.click(traffic.refresh, traffic.url, listing, api_name="traffic")
+        traffic.open_button.click(functools.partial(traffic.open, present=self.present), [traffic.url, traffic.request],
+                                  self.run_outputs, api_name="open_request")
+        traffic.table.select(functools.partial(traffic.open_row, present=self.present), [traffic.url, traffic.listed],
+                             [traffic.request, *self.run_outputs], api_visibility="private")
+        if self.studio.server is not None:  # the page opens on the server's list
+            demo.load(traffic.refresh, traffic.url, listing, api_visibility="private")
         self.timing_clock.tick(self.follow_timing, run.budget, [self.banner, run.budget, self.timing_clock],
                                api_visibility="private", queue=False, show_progress="hidden")
 
@@ -794,6 +881,8 @@ class StudioApp:
     def info(self) -> dict:
         """What the page runs on and the DDTree budget it starts with, and why."""
         decoder, choice = self.studio.decoder, self.studio.budget
+        if decoder is None:
+            return {"engine": None, "model": None, "server": self.studio.server, "why": self._model_banner()}
         return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
                 "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget,
                 "why": self.studio.budget_sentence(),
@@ -938,7 +1027,7 @@ class DoctorView:
         from viz.doctor_figures import doctor_figures, report_markdown
 
         try:
-            if self.studio.decoder.engine != "torch":
+            if self.studio.require_model().engine != "torch":
                 raise EngineError("the Doctor tab probes on the torch engine: run python -m engine.tools.doctor "
                                   "--engine vllm for vLLM's wiring")
             settings = ProbeSettings(max_new_tokens=whole(max_new_tokens, "greedy tokens per prompt"),
@@ -1009,6 +1098,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default=None, help="address to serve on (default: GRADIO_SERVER_NAME or 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default: GRADIO_SERVER_PORT or 7860)")
+    parser.add_argument("--server", default=None,
+                        help="open the traffic of a Studio server (python -m engine.tools.serve), e.g. "
+                             f"{DEFAULT_SERVER}: the page loads no model, it lists the server's requests and opens "
+                             "any of them in the inspector")
     parser.add_argument("--model", default=None, help="target model: folder, GGUF file or hub id (default: bundled)")
     parser.add_argument("--drafter", default=None,
                         help="DFlash drafter folder, or 'random' (default: the shipped drafter, else random)")
@@ -1036,6 +1129,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tree_budget is not None and args.tree_budget < 1:
         parser.error(f"--tree-budget must be at least 1, got {args.tree_budget}")
+    if args.server is not None:
+        try:
+            server_url(args.server)
+        except EngineError as exc:
+            parser.error(str(exc))
     if args.vllm_compile and args.engine != "vllm":
         parser.error("--vllm-compile has vLLM compile its target: it needs --engine vllm")
     return args
@@ -1045,6 +1143,11 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
+    if args.server is not None:
+        studio = Studio(None, BudgetChoice(FALLBACK_BUDGET, {}, "no model loaded"), server=server_url(args.server))
+        log.info("no model: opening the traffic of %s", studio.server)
+        launch(studio, args)
+        return
     log.info("loading models (the bundled SmolLM2 takes ~20 s on CPU)…")
     started = time.perf_counter()
     queue = ModelQueue()
@@ -1061,6 +1164,10 @@ def main() -> None:
                  "it does), cached in %s for the next start", cache_dir())
     if studio.timing_pending:
         threading.Thread(target=studio.time_budgets, name="budget-timing", daemon=True).start()
+    launch(studio, args)
+
+
+def launch(studio: Studio, args: argparse.Namespace) -> None:
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
         server_name=args.host, server_port=args.port, css=CSS)
 
