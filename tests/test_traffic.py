@@ -1,0 +1,88 @@
+"""The Studio opening a server's traffic (``python app.py --server URL``): a page without a model lists the
+requests a real server answered through the ``openai`` client, and opens any of them in every view."""
+
+from __future__ import annotations
+
+import json
+
+import gradio as gr
+import pytest
+
+import app
+from engine.errors import EngineError
+from engine.measure.calibration import BudgetChoice
+from engine.serving.traffic import recent_requests, request_traces, server_url
+from tests.test_serve import BUDGET, client, serving
+from tests.tiny import tiny_decoder
+
+PROMPTS = ["Hello!", "Why?"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A server on the tiny model that has answered a DDTree chat and an AR completion; its URL and the answers."""
+    with serving(tiny_decoder(0), tree_budget=BUDGET) as url:
+        api = client(url)
+        chat = api.chat.completions.create(model="tiny-llama", max_tokens=12,
+                                           messages=[{"role": "user", "content": PROMPTS[0]}])
+        completion = api.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=6,
+                                            extra_body={"method": "ar"})
+        yield url.removesuffix("/v1"), chat, completion
+
+
+@pytest.fixture()
+def page(served) -> app.StudioApp:
+    url = served[0]
+    return app.StudioApp(app.Studio(None, BudgetChoice(16, {}, "no model loaded"), server=url))
+
+
+def test_the_listing_names_each_request_newest_first(served):
+    url, chat, completion = served
+    listed = recent_requests(url)
+    assert [r.id for r in listed] == [completion.model_extra["ddtree"]["trace_id"], chat.model_extra["ddtree"]["trace_id"]]
+    assert [(r.endpoint, r.method, r.tree_budget) for r in listed] == [("completions", "ar", None),
+                                                                        ("chat.completions", "ddtree", BUDGET)]
+    assert listed[0].tokens == completion.usage.completion_tokens and listed[0].tau == 1.0
+    assert PROMPTS[0] in listed[1].prompt  # the chat's prompt as the template wrote it
+
+
+def test_a_page_without_a_model_lists_the_traffic_and_opens_a_request_in_every_view(served, page):
+    url, chat, _ = served
+    listing = page.traffic_view.refresh(url + "/v1/")  # a client's base URL works too
+    rows, ids = listing[page.traffic_view.table], listing[page.traffic_view.listed]
+    chat_id = chat.model_extra["ddtree"]["trace_id"]
+    assert ids[1] == chat_id and [row[2] for row in rows] == ["ar", f"ddtree@{BUDGET}"]
+    shown = page.traffic_view.open(url, chat_id, present=page.present)
+    trace = shown[page.session.traces]["ddtree"]
+    assert trace.text == chat.choices[0].message.content and trace.config.tree_budget == BUDGET
+    assert shown[page.session.status].startswith(f"Opened request {chat_id}")
+    first = trace.steps[0]
+    tree = json.loads(shown[page.inspector.tree].to_json())["data"]
+    nodes = sorted(node for part in tree for node in part.get("customdata") or [])
+    assert nodes == list(range(first.tree_size + 2))  # root, every drafted node, the bonus
+    assert "ddt-text" in shown[page.run_view.columns["ddtree"]]
+    clicked = page.traffic_view.open_row(url, ids, page.present, gr.SelectData(None, {"index": [1, 0], "value": ""}))
+    assert clicked[page.traffic_view.request] == chat_id and clicked[page.session.traces]["ddtree"].text == trace.text
+
+
+def test_what_the_traffic_cannot_open_is_refused_with_its_reason(served, page):
+    url = served[0]
+    with pytest.raises(gr.Error, match="answered 404: no trace 'trace-nope'"):
+        page.traffic_view.open(url, "trace-nope", present=page.present)
+    with pytest.raises(gr.Error, match="Choose a request to open"):
+        page.traffic_view.open(url, None, present=page.present)
+    with pytest.raises(gr.Error, match="No Studio server answers at http://127.0.0.1:9"):
+        page.traffic_view.refresh("http://127.0.0.1:9")
+    with pytest.raises(EngineError, match="is not a server address"):
+        server_url("localhost:8000")
+    with pytest.raises(gr.Error, match="This page loads no model: it opens the traffic of"):
+        list(page.run_view.run("Hi", 4, 0.0, 0, 4, ["ar"], app.RunControl(), present=page.present))
+    with pytest.raises(gr.Error, match="This page loads no model"):
+        page.doctor_view.examine("Hi", 4, False)
+    assert request_traces(url, recent_requests(url)[0].id)  # the server still answers
+
+
+def test_the_server_flag_is_checked_before_the_page_starts():
+    with pytest.raises(SystemExit):
+        app.parse_args(["--server", "localhost:8000"])
+    assert app.parse_args(["--server", "http://127.0.0.1:8000/"]).server == "http://127.0.0.1:8000/"
