@@ -24,6 +24,7 @@ FLOORS = (
     ("engine.models",),
     ("engine.loop",),
     ("engine.on_vllm",),
+    ("engine.serving",),  # what the app and the server share: the model's queue, start-up, the OpenAI API
     ("engine.tools", "engine.training"),
 )
 MAX_TOP_LEVEL_MODULES = 6  # .py files directly in engine/, __init__.py included
