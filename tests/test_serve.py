@@ -138,6 +138,14 @@ def test_a_request_without_a_method_runs_the_servers_default(tiny_url, twin):
     assert answer["text"] == solo(twin, PROMPTS[0], max_tokens=8).text
 
 
+def test_a_sampled_request_is_its_seeds_run(tiny_url, twin):
+    settings = DecodeSettings("ddtree", max_new_tokens=12, temperature=0.8, seed=5, tree_budget=BUDGET)
+    expected = twin.run(prompt_ids=twin.target.text_ids(PROMPTS[0]), settings=settings).text
+    answers = [ask(tiny_url, "completions", PROMPTS[0], stream, max_tokens=12, temperature=0.8, seed=seed)["text"]
+               for stream, seed in ((False, 5), (True, 5), (False, 6))]
+    assert answers[:2] == [expected, expected] and answers[2] != expected
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_cuts_the_text_and_ends_the_run(tiny_url, twin, stream):
     full = solo(twin, PROMPTS[2], max_tokens=40).text
@@ -228,7 +236,9 @@ def test_bad_input_is_refused_in_openais_shape_naming_the_field(tiny_url, bad, s
 
 def test_a_completion_refuses_what_only_a_chat_takes_and_what_it_does_not_do(tiny_url):
     api = client(tiny_url)
-    for request, param in (({"echo": True}, "echo"), ({"extra_body": {"messages": []}}, "messages"), ({"prompt": ["a", "b"]}, "prompt")):
+    refusals = (({"echo": True}, "echo"), ({"extra_body": {"messages": []}}, "messages"),
+                ({"prompt": ["a", "b"]}, "prompt"))
+    for request, param in refusals:
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(**({"model": TINY, "prompt": "Hi", "max_tokens": 4} | request))
         assert refused.value.body["param"] == param

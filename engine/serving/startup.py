@@ -19,7 +19,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None,
                         help="DFlash drafter folder, or 'random' (default: the shipped drafter, else random)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    parser.add_argument("--dtype", default=None, help="float32 (torch default), bfloat16 (vllm default), float16, float64")
+    parser.add_argument("--dtype", default=None,
+                        help="float32 (torch default), bfloat16 (vllm default), float16, float64")
     parser.add_argument("--draft-dtype", default=AUTO, help=DRAFT_DTYPE_HELP)
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"],
                         help="torch (any machine) or vllm (CUDA GPU + requirements-gpu.txt)")
