@@ -147,12 +147,14 @@ def test_a_sampled_request_is_its_seeds_run(tiny_url, twin):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_stop_string_cuts_the_text_and_ends_the_run(tiny_url, twin, stream):
+# the second: the text's first five characters, where one token a step must show nothing until it is known
+@pytest.mark.parametrize("start, length, others", [(12, 2, ["never!in!this!text"]), (0, 5, [])])
+def test_a_stop_string_cuts_the_text_and_ends_the_run(tiny_url, twin, stream, start, length, others):
     full = solo(twin, PROMPTS[2], max_tokens=40).text
-    stop = full[12:14]
+    stop = full[start:start + length]
     cut = full[:full.index(stop)]
-    answer = ask(tiny_url, "chat", PROMPTS[2], stream, max_tokens=40, stop=[stop, "never!in!this!text"],
-                 stream_options={"include_usage": True} if stream else None)
+    answer = ask(tiny_url, "chat", PROMPTS[2], stream, max_tokens=40, stop=[stop, *others],
+                 stream_options={"include_usage": True} if stream else None, extra_body={"method": "ar"})
     assert answer["text"] == cut and answer["finish_reason"] == "stop"
     assert answer["usage"].completion_tokens == len(cut) + len(stop), "one character a token, through the stop"
     trace = trace_of(tiny_url, answer["ddtree"]["trace_id"])

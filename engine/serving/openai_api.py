@@ -167,6 +167,7 @@ class Job:
     prompt_ids: list[int]
     settings: DecodeSettings
     stops: tuple[str, ...]
+    created: int  # unix seconds, when the request came
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ class TraceBook:
 
     def add(self, job: Job, completion: Completion) -> None:
         trace, summary = completion.trace, completion.trace.summary
-        entry = {"id": job.trace_id, "created": int(time.time()), "endpoint": job.endpoint,
+        entry = {"id": job.trace_id, "created": job.created, "endpoint": job.endpoint,
                  "method": trace.config.method, "tree_budget": trace.config.tree_budget,
                  "prompt": job.prompt[:PROMPT_PREVIEW_CHARS], "tokens": completion.tokens, "steps": summary.steps,
                  "tau": round(summary.tau, 4), "tokens_per_s": round(summary.tokens_per_s, 3),
@@ -321,7 +322,7 @@ class Server:
             self.decoder.prepare(settings, len(prompt_ids))
         except EngineError as exc:
             raise ApiError(400, str(exc)) from None
-        return Job(f"trace-{uuid.uuid4().hex}", endpoint, prompt, prompt_ids, settings, body.stops)
+        return Job(f"trace-{uuid.uuid4().hex}", endpoint, prompt, prompt_ids, settings, body.stops, int(time.time()))
 
     def max_tokens(self, body: Body, method: str, prompt_length: int, prompt_param: str) -> int:
         """The request's token limit, within what the context leaves; unset, all of that (a chat, as OpenAI)
@@ -361,7 +362,7 @@ class Server:
         try:
             yield event(chunk(None, role=True))
             while (text := await texts.get()) is not None:
-                shown = text[:len(text) - held]
+                shown = text[:max(len(text) - held, 0)]
                 if len(shown) > sent:
                     yield event(chunk(shown[sent:]))
                     sent = len(shown)
@@ -436,7 +437,7 @@ def create_app(decoder: Decoder, options: ServeOptions = ServeOptions(), queue: 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
         job = server.job(body)
-        base = {"id": f"chatcmpl-{job.trace_id.removeprefix('trace-')}", "created": int(time.time()),
+        base = {"id": f"chatcmpl-{job.trace_id.removeprefix('trace-')}", "created": job.created,
                 "model": decoder.target.name}
         if body.stream:
             return event_stream(server.stream(job, chat_chunk(base | {"object": "chat.completion.chunk"}),
@@ -450,7 +451,7 @@ def create_app(decoder: Decoder, options: ServeOptions = ServeOptions(), queue: 
     async def completions(body: CompletionBody):
         job = server.job(body)
         base = {"id": f"cmpl-{job.trace_id.removeprefix('trace-')}", "object": "text_completion",
-                "created": int(time.time()), "model": decoder.target.name}
+                "created": job.created, "model": decoder.target.name}
         if body.stream:
             return event_stream(server.stream(job, completion_chunk(base), include_usage(body)))
         done = await run_or_refuse(server, job)
