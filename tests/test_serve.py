@@ -175,23 +175,42 @@ def test_sixteen_clients_at_once_each_get_their_own_answer(tiny_url, twin):
     assert answers == [solo(twin, prompt, max_tokens=12).text for _, prompt, _, _ in asks]
 
 
-def test_a_client_that_leaves_mid_stream_stops_its_run_and_the_server_serves_on():
-    decoder, twin = tiny_decoder(0), tiny_decoder(0)
-    for model in (decoder, twin):
-        model.target.stop_ids = []  # no stop token: the long run could only end at its limit
+@pytest.fixture()
+def slow_url() -> Iterator[str]:
+    """A server whose model takes 10 ms a pass and never meets a stop token: a long run ends only at its limit."""
+    decoder = tiny_decoder(0)
+    decoder.target.stop_ids = []
     forward = decoder.target.forward
     decoder.target.forward = lambda *args, **kwargs: time.sleep(0.01) or forward(*args, **kwargs)
     with serving(decoder, tree_budget=BUDGET) as url:
-        stream = client(url).chat.completions.create(model=TINY, messages=[{"role": "user", "content": PROMPTS[0]}],
-                                                     max_tokens=400, stream=True, extra_body={"method": "ar"})
-        for number, _ in enumerate(stream):
-            if number == 2:
-                break
-        stream.close()
-        answer = ask(url, "completions", PROMPTS[3], max_tokens=10, extra_body={"method": "ddtree"})
-        assert answer["text"] == solo(twin, PROMPTS[3], max_tokens=10).text
-        left = traces(url)[-1]
-        assert left["finish_reason"] == "cancelled" and 2 <= left["tokens"] < 400
+        yield url
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_run_and_the_server_serves_on(slow_url):
+    stream = client(slow_url).chat.completions.create(model=TINY, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                      max_tokens=400, stream=True, extra_body={"method": "ar"})
+    for number, _ in enumerate(stream):
+        if number == 2:
+            break
+    stream.close()
+    answer = ask(slow_url, "completions", PROMPTS[3], max_tokens=10, extra_body={"method": "ddtree"})
+    twin = tiny_decoder(0)
+    twin.target.stop_ids = []
+    assert answer["text"] == solo(twin, PROMPTS[3], max_tokens=10).text
+    left = traces(slow_url)[-1]
+    assert left["finish_reason"] == "cancelled" and 2 <= left["tokens"] < 400
+
+
+def test_a_client_that_leaves_before_a_whole_answer_stops_its_run_too(slow_url):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{slow_url}/completions", json={"model": TINY, "prompt": PROMPTS[1], "max_tokens": 400,
+                                                    "method": "ar"}, timeout=1.0)
+    deadline = time.monotonic() + STARTUP_S
+    while not traces(slow_url):  # the run ends at its next step after the server sees the client gone
+        assert time.monotonic() < deadline, "the run went on"
+        time.sleep(0.1)
+    left = traces(slow_url)[0]
+    assert left["finish_reason"] == "cancelled" and left["tokens"] < 400
 
 
 # ---------------------------------------------------------------- refusals

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,6 +45,7 @@ KEPT_TRACES = 200
 PROMPT_PREVIEW_CHARS = 200
 MAX_STOP_STRINGS = 4  # as OpenAI
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; a chat runs until the context is full
+DISCONNECT_POLL_S = 0.25  # how often a handler waiting for a run's answer checks that its client is still there
 FINISH_REASONS = {"eos": "stop", "max_new_tokens": "length", "cancelled": "cancelled"}  # cancelled: the client left
 
 
@@ -345,9 +347,22 @@ class Server:
                                 f"of {context} tokens: at most {room} new tokens fit after this prompt", name)
         return value
 
-    async def complete(self, job: Job) -> Completion:
-        future = self.queue.submit(Generation(job).run, self.decoder, self.book)
-        return await asyncio.wrap_future(future)
+    async def complete(self, job: Job, request: Request) -> Completion:
+        """The run's answer, once it is done; a client that leaves first stops it at its next step."""
+        generation = Generation(job)
+        future = self.queue.submit(generation.run, self.decoder, self.book)
+        answer = asyncio.wrap_future(future)
+        while not future.done():
+            await asyncio.wait([answer], timeout=DISCONNECT_POLL_S)
+            if not future.done() and await request.is_disconnected():
+                self.leave(generation, future)
+                raise ApiError(400, "the client left before its answer")  # said to no one: the connection is gone
+        return await answer
+
+    def leave(self, generation: Generation, future: Future) -> None:
+        """The client left: stop its run at the next step, or drop it from the queue if it has not started."""
+        generation.cancelled = True
+        self.queue.cancel(future)
 
     async def stream(self, job: Job, chunk: Callable[..., dict], include_usage: bool) -> AsyncIterator[str]:
         """The run's text as server-sent events, step by step, holding back a tail as long as the longest stop
@@ -380,9 +395,8 @@ class Server:
             log.exception("a streamed run failed")
             yield event(unexpected(exc).payload())
         finally:
-            if not future.done():  # the client left: stop the run at its next step, or drop it from the queue
-                generation.cancelled = True
-                self.queue.cancel(future)
+            if not future.done():
+                self.leave(generation, future)
 
 
 def event(data: dict) -> str:
@@ -435,26 +449,26 @@ def create_app(decoder: Decoder, options: ServeOptions = ServeOptions(), queue: 
                                             "owned_by": "ddtree-studio"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody):
+    async def chat(body: ChatBody, request: Request):
         job = server.job(body)
         base = {"id": f"chatcmpl-{job.trace_id.removeprefix('trace-')}", "created": job.created,
                 "model": decoder.target.name}
         if body.stream:
             return event_stream(server.stream(job, chat_chunk(base | {"object": "chat.completion.chunk"}),
                                               include_usage(body)))
-        done = await run_or_refuse(server, job)
+        done = await run_or_refuse(server, job, request)
         return base | {"object": "chat.completion", "usage": done.usage(), "ddtree": done.ddtree(job.trace_id),
                        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
                                     "logprobs": None, "finish_reason": done.finish_reason}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, request: Request):
         job = server.job(body)
         base = {"id": f"cmpl-{job.trace_id.removeprefix('trace-')}", "object": "text_completion",
                 "created": job.created, "model": decoder.target.name}
         if body.stream:
             return event_stream(server.stream(job, completion_chunk(base), include_usage(body)))
-        done = await run_or_refuse(server, job)
+        done = await run_or_refuse(server, job, request)
         return base | {"usage": done.usage(), "ddtree": done.ddtree(job.trace_id),
                        "choices": [{"index": 0, "text": done.text, "logprobs": None,
                                     "finish_reason": done.finish_reason}]}
@@ -483,9 +497,9 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def run_or_refuse(server: Server, job: Job) -> Completion:
+async def run_or_refuse(server: Server, job: Job, request: Request) -> Completion:
     try:
-        return await server.complete(job)
+        return await server.complete(job, request)
     except EngineError as exc:  # the engine's own check, past the request's: still the request's fault
         raise ApiError(400, str(exc)) from None
 
