@@ -262,8 +262,12 @@ class TraceBook:
             self._kept[job.trace_id] = (entry, trace)
             while len(self._kept) > self.keep:
                 self._kept.popitem(last=False)
-        if self.folder is not None:
+        if self.folder is None:
+            return
+        try:
             (self.folder / f"{job.trace_id}.json").write_text(json.dumps(trace_file(trace)))
+        except OSError as exc:  # the answer and the kept trace stand; only the file is missing
+            log.warning("could not write %s's trace file in %s: %s", job.trace_id, self.folder, exc)
 
     def listing(self) -> list[dict]:
         with self._lock:
