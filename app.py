@@ -25,7 +25,6 @@ import argparse
 import functools
 import json
 import logging
-import os
 import tempfile
 import threading
 import time
@@ -37,11 +36,10 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.decode import DecodeSettings, Decoder
-from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
-from engine.measure.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir,
-                                        recorded_choice)
-from engine.models.target import resolve_device
+from engine.measure.calibration import FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir
 from engine.serving.model_queue import ModelQueue
+from engine.serving.startup import (add_model_arguments, check_model_arguments, load_studio_decoder,
+                                    opening_budget)
 from engine.serving.traffic import DEFAULT_SERVER, ServedRequest, recent_requests, request_traces, server_url
 from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError, divergence
 from viz.figures import (acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop,
@@ -1044,54 +1042,11 @@ class DoctorView:
                                                           for plot, name in zip(self.plots, self.PLOTS)}
 
 
-def compile_caches(environ: dict[str, str]) -> dict[str, str]:
-    """Where torch.compile and vLLM keep what they compiled, so a restart loads it instead of compiling
-    again: under the app's cache unless the environment already says."""
-    wanted = {"TORCHINDUCTOR_CACHE_DIR": cache_dir() / "torchinductor", "VLLM_CACHE_ROOT": cache_dir() / "vllm"}
-    return {name: str(path) for name, path in wanted.items() if not environ.get(name)}
-
-
-def compiles_step(args: argparse.Namespace) -> bool:
-    """The vLLM engine compiles its fixed step unless told not to: the bench's fastest GPU step, so the app's
-    speed-up is the bench's; the torch engine only when asked (``--compile-step``)."""
-    if args.compile_step is not None:
-        return args.compile_step
-    return args.engine == "vllm" and args.step != "readable"
-
-
-def load_studio_decoder(args: argparse.Namespace) -> Decoder:
-    compile_step = compiles_step(args)
-    if compile_step:  # before torch.compile or vLLM read them
-        os.environ.update(compile_caches(os.environ))
-    if args.engine == "vllm":  # imported here: the torch engine never needs vLLM
-        from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
-
-        return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
-                                 options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
-                                                     fixed_step=args.step != "readable",
-                                                     compile_step=compile_step, vllm_compile=args.vllm_compile))
-    # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.loop.fixed_step)
-    fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
-    return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
-                        cuda_graphs=fixed, compile_step=fixed and compile_step, draft_dtype=args.draft_dtype)
-
-
 def startup_studio(decoder: Decoder, queue: ModelQueue, tree_budget: int | None) -> Studio:
-    """The page's first budget, at once: set by hand, the bench's record for this kind of machine, or what
-    earlier starts timed here; where timings are missing the page starts at a tree that branches and
-    ``Studio.time_budgets`` times the rest in the background."""
-    if tree_budget is not None:
-        return Studio(decoder, BudgetChoice(tree_budget, {}, "set with --tree-budget"), queue=queue)
-    if decoder.drafter is None:
-        return Studio(decoder, BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time"), queue=queue)
-    recorded = recorded_choice(decoder)
-    if recorded is not None:
-        return Studio(decoder, recorded, queue=queue)
-    timing = StartupTiming(decoder, path=cache_dir() / "timings.json")
-    if not timing.missing():
-        return Studio(decoder, timing.choice(), queue=queue)
-    provisional = BudgetChoice(PROVISIONAL_BUDGET, {}, "for now, while the timing runs")
-    return Studio(decoder, provisional, queue=queue, timing=timing)
+    """The page's first budget, at once (``opening_budget``); where timings are missing the page starts at a
+    tree that branches and ``Studio.time_budgets`` times the rest in the background."""
+    budget, timing = opening_budget(decoder, tree_budget)
+    return Studio(decoder, budget, queue=queue, timing=timing)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1102,26 +1057,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="open the traffic of a Studio server (python -m engine.tools.serve), e.g. "
                              f"{DEFAULT_SERVER}: the page loads no model, it lists the server's requests and opens "
                              "any of them in the inspector")
-    parser.add_argument("--model", default=None, help="target model: folder, GGUF file or hub id (default: bundled)")
-    parser.add_argument("--drafter", default=None,
-                        help="DFlash drafter folder, or 'random' (default: the shipped drafter, else random)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    parser.add_argument("--dtype", default=None, help="float32 (torch default), bfloat16 (vllm default), float16, float64")
-    parser.add_argument("--draft-dtype", default=AUTO, help=DRAFT_DTYPE_HELP)
-    parser.add_argument("--engine", default="torch", choices=["torch", "vllm"],
-                        help="torch (any machine) or vllm (CUDA GPU + requirements-gpu.txt)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
-    parser.add_argument("--step", choices=["fixed", "readable"], default=None,
-                        help="greedy steps as fixed-shape device programs (default on a GPU) or the readable loop")
-    parser.add_argument("--compile-step", action=argparse.BooleanOptionalAction, default=None,
-                        help="fixed step: its stages (and the vLLM engine's verify pass) through torch.compile: "
-                             "the bench's fastest GPU step (default with --engine vllm; --no-compile-step turns it "
-                             "off); each method and budget compiles at its first run, cached in "
-                             "~/.cache/ddtree-studio (DDTREE_STUDIO_CACHE) for the next start")
-    parser.add_argument("--vllm-compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="vllm engine: vLLM compiles the target itself (its fused layers), replayed in the "
-                             "Studio's CUDA graphs: the default for hybrid targets (on the Qwen3.6-27B shape AR "
-                             "then costs 0.98 of vLLM's own AR steps, not 1.27); --no-vllm-compile runs them eagerly")
+    add_model_arguments(parser)
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="the DDTree budget the page starts with (default: the largest tree within 5%% of the "
                              "fastest budget: the bench's record for this kind of machine in assets/budgets.json, "
@@ -1134,8 +1070,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             server_url(args.server)
         except EngineError as exc:
             parser.error(str(exc))
-    if args.vllm_compile and args.engine != "vllm":
-        parser.error("--vllm-compile has vLLM compile its target: it needs --engine vllm")
+    check_model_arguments(parser, args)
     return args
 
 

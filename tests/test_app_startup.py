@@ -4,13 +4,15 @@ while the rest is timed in the background), and the vLLM engine's compiled step,
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
 
 import app
-from engine.loop.decode import DecodeSettings, DrafterInfo
 import engine.measure.calibration as calibration
+import engine.serving.startup as startup
+from engine.loop.decode import DecodeSettings, DrafterInfo
 from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
 
@@ -71,14 +73,14 @@ def test_a_failed_timing_keeps_the_page_serving_and_says_so(decoder, monkeypatch
     (["--compile-step"], True),
 ])
 def test_the_vllm_engine_compiles_its_step_by_default(argv, compiled):
-    assert app.compiles_step(app.parse_args(argv)) is compiled
+    assert startup.compiles_step(app.parse_args(argv)) is compiled
 
 
 def test_compiled_steps_are_cached_where_a_restart_finds_them(monkeypatch, tmp_path):
     monkeypatch.setenv("DDTREE_STUDIO_CACHE", str(tmp_path))
-    assert app.compile_caches({}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor"),
+    assert startup.compile_caches({}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor"),
                                       "VLLM_CACHE_ROOT": str(tmp_path / "vllm")}
-    assert app.compile_caches({"VLLM_CACHE_ROOT": "/data/vllm"}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor")}
+    assert startup.compile_caches({"VLLM_CACHE_ROOT": "/data/vllm"}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor")}
 
 
 def test_the_vllm_app_loads_the_compiled_fixed_step_with_its_caches_set(monkeypatch, tmp_path):
@@ -86,17 +88,17 @@ def test_the_vllm_app_loads_the_compiled_fixed_step_with_its_caches_set(monkeypa
 
     loaded = {}
     monkeypatch.setattr(vllm_engine, "load_vllm_decoder", lambda model, drafter, dtype, options: loaded.update(
-        options=options, inductor=app.os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
+        options=options, inductor=os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
     monkeypatch.setenv("DDTREE_STUDIO_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
-    app.load_studio_decoder(app.parse_args(["--engine", "vllm"]))
+    startup.load_studio_decoder(app.parse_args(["--engine", "vllm"]))
     # vllm_compile None: the engine decides by the target (vLLM compiles hybrids)
     assert loaded["options"].compile_step and loaded["options"].fixed_step and loaded["options"].vllm_compile is None
     assert loaded["inductor"] == str(tmp_path / "torchinductor")
-    app.load_studio_decoder(app.parse_args(["--engine", "vllm", "--vllm-compile"]))
+    startup.load_studio_decoder(app.parse_args(["--engine", "vllm", "--vllm-compile"]))
     assert loaded["options"].vllm_compile is True
-    app.load_studio_decoder(app.parse_args(["--engine", "vllm", "--no-vllm-compile"]))
+    startup.load_studio_decoder(app.parse_args(["--engine", "vllm", "--no-vllm-compile"]))
     assert loaded["options"].vllm_compile is False
 
 

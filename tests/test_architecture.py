@@ -27,7 +27,7 @@ FLOORS = (
     ("engine.loop",),
     ("engine.measure",),
     ("engine.on_vllm",),
-    ("engine.serving",),
+    ("engine.serving",),  # what the app and the server share: the model's queue, start-up, the OpenAI API
     ("engine.tools", "engine.training"),
 )
 ROOMS = tuple(room for floor in FLOORS for room in floor)

@@ -87,12 +87,22 @@ class Target:
 
     def chat_ids(self, prompt: str) -> list[int]:
         """The user message wrapped in the model's chat template, ready for the reply."""
+        return self.conversation_ids([{"role": "user", "content": prompt}])
+
+    def conversation_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Messages (``role``, ``content``) through the model's chat template, ready for the reply. A model
+        without a template reads one user message as plain text, and cannot tell the turns of more apart."""
         if self.tokenizer.chat_template is None:
-            return self.tokenizer(prompt)["input_ids"]
-        encoded = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
+            if [message["role"] for message in messages] != ["user"]:
+                raise EngineError(f"{self.name} has no chat template to mark the turns of a conversation: send one "
+                                  "user message, or the text itself as a completion")
+            return self.text_ids(messages[0]["content"])
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def text_ids(self, text: str) -> list[int]:
+        """Plain text as tokens, no template."""
+        return list(self.tokenizer(text)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
