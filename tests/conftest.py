@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,13 +24,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def app_url(tmp_path_factory) -> str:
+@contextmanager
+def launched_app(args: list[str], log_path: Path) -> Iterator[str]:
+    """``python app.py ARGS`` on a free port, until it answers; yields its URL and stops it after."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("app") / "app.log"
     env = os.environ | {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port)],
+        process = subprocess.Popen([sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port), *args],
                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -50,6 +52,12 @@ def app_url(tmp_path_factory) -> str:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="session")
+def app_url(tmp_path_factory) -> Iterator[str]:
+    with launched_app([], tmp_path_factory.mktemp("app") / "app.log") as url:
+        yield url
 
 
 def pytest_configure(config):

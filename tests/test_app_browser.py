@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import launched_app
+from tests.test_serve import client, serving
+from tests.tiny import tiny_decoder
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -109,3 +113,26 @@ def test_the_doctor_tab_renders_its_verdict_and_plots(browser, app_url):
     page.locator("#doctor-positions .js-plotly-plot").wait_for()
     assert "Acceptance per draft position" in page.locator("#doctor-positions .gtitle").text_content()
     assert page.locator("#doctor-wirings .ytick", has_text="layer ids +1").count() == 1
+
+
+def test_a_servers_traffic_opens_in_the_inspector(browser, tmp_path):
+    """Serve, ask through the openai client, open the Studio on the server's traffic (no model), open the request
+    and see its tree."""
+    with serving(tiny_decoder(0), tree_budget=8) as api_url:
+        answer = client(api_url).chat.completions.create(model="tiny-llama", max_tokens=12,
+                                                          messages=[{"role": "user", "content": "Hello!"}])
+        trace_id = answer.model_extra["ddtree"]["trace_id"]
+        with launched_app(["--server", api_url.removesuffix("/v1")], tmp_path / "app.log") as app_url:
+            page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            page.goto(app_url)
+            assert page.locator("#run-button").is_hidden()  # no model: nothing to run
+            page.locator("#traffic-table", has_text="ddtree@8").wait_for()
+            assert "No model loaded" in page.locator("#model-banner").inner_text()
+            page.locator("#traffic-table [role=gridcell]", has_text="ddtree@8").first.click()
+            page.wait_for_function("document.querySelector('#status')?.innerText.startsWith('Opened request')",
+                                   timeout=RUN_TIMEOUT_MS)
+            assert trace_id in page.locator("#status").inner_text()
+            assert page.locator("#column-ddtree .ddt-text").inner_text() == answer.choices[0].message.content
+            page.locator("#tree-plot .js-plotly-plot").wait_for()
+            assert page.locator("#tree-plot .js-plotly-plot .point").count() >= 3  # root, drafts, bonus
+            assert "Step 1" in tree_title(page)
