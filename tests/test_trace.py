@@ -4,10 +4,13 @@ with a sentence that says what is wrong."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from engine.loop.decode import DecodeSettings
+from engine.loop.loading import SHIPPED_DRAFTER, display_name
+from engine.models.target import BUNDLED_MODEL
 from engine.trace import Trace, TraceError, read_trace_file, write_trace_file
 from tests.tiny import tiny_decoder
 
@@ -71,3 +74,35 @@ def test_a_missing_field_and_a_broken_tree_are_named(traces, tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(TraceError, match="^step 1 of the ddtree trace is inconsistent: its tree lists differ in len"):
         read_trace_file(path)
+
+
+def test_the_bench_writes_one_prompts_runs_to_a_trace_file_and_refuses_several(capsys):
+    from engine.tools.bench import main
+
+    assert main(["--prompts", "assets/prompts/smoke.jsonl", "--trace-file", "never.json"]) == 2
+    assert capsys.readouterr().err == ("error: --trace-file holds one prompt's runs, as the app's download; the "
+                                       "prompts give 3: pick one with --limit 1 or a one-prompt file\n")
+
+
+# ---------------------------------------------------------------- the shipped examples (assets/traces/)
+
+EXAMPLES = sorted(Path("assets/traces").glob("*.json"))
+
+
+def test_there_is_a_shipped_example():
+    assert EXAMPLES
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.name)
+def test_a_shipped_example_names_the_bundled_pair_and_every_method_writes_ars_text(path):
+    """Names that resolve to the bundled model and the shipped drafter let the app label tree nodes with the
+    tokenizer's text (not ``#4421``); an example whose drafting runs leave AR's output shows a near-tie, not
+    speculative decoding."""
+    traces = read_trace_file(path)
+    ar, dflash, ddtree = traces
+    assert [t.config.method for t in traces] == ["ar", "dflash", "ddtree"]
+    assert {t.config.model for t in traces} == {BUNDLED_MODEL}
+    assert dflash.config.drafter == ddtree.config.drafter == display_name(str(SHIPPED_DRAFTER))
+    assert dflash.config.drafter_trained and ddtree.config.drafter_trained
+    assert dflash.output_ids == ddtree.output_ids == ar.output_ids and dflash.text == ddtree.text == ar.text
+    assert ddtree.summary.tokens_per_s > 1.5 * ar.summary.tokens_per_s  # the example shows a real speed-up
