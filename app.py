@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import tempfile
 import threading
@@ -41,7 +40,7 @@ from engine.serving.model_queue import ModelQueue
 from engine.serving.startup import (add_model_arguments, check_model_arguments, load_studio_decoder,
                                     opening_budget)
 from engine.serving.traffic import DEFAULT_SERVER, ServedRequest, recent_requests, request_traces, server_url
-from engine.trace import METHODS, SCHEMA_VERSION, Trace, TraceError, divergence
+from engine.trace import METHODS, Trace, TraceError, divergence, read_trace_file, write_trace_file
 from viz.figures import (acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop,
                          probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics)
 from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
@@ -159,62 +158,7 @@ def ordered(traces: dict[str, Trace]) -> list[Trace]:
 
 
 def save_traces(traces: list[Trace]) -> str:
-    path = Path(tempfile.mkdtemp(prefix="ddtree-studio-")) / TRACE_FILE_NAME
-    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "traces": [t.to_dict() for t in traces]}))
-    return str(path)
-
-
-def read_traces(path: str) -> list[Trace]:
-    """Parse a trace file (see the module docstring for the accepted shapes)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(f"not a JSON trace file: {exc}") from exc
-    if isinstance(data, dict) and not {"traces", "config"} & data.keys():
-        raise TraceError(f"not a trace file: it holds {', '.join(map(repr, data)) or 'an empty object'}, where a trace "
-                         f"file holds {{\"schema_version\": {SCHEMA_VERSION}, \"traces\": [...]}} (the app's "
-                         "download) or one trace with its \"config\" and \"steps\" (Trace.save)")
-    if isinstance(data, dict) and "traces" in data:
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise TraceError(f"trace file schema version {data.get('schema_version')!r} is not supported "
-                             f"(expected {SCHEMA_VERSION})")
-        data = data["traces"]
-    items = data if isinstance(data, list) else [data]
-    traces = [Trace.from_dict(item) for item in items]
-    if not traces:
-        raise TraceError("the file holds no traces")
-    for trace in traces:
-        check_consistent(trace)
-    return traces
-
-
-def check_consistent(trace: Trace) -> None:
-    """Catch a hand-edited or truncated trace at the upload rather than deep inside a figure."""
-    if trace.config.method not in METHODS:
-        raise TraceError(f"unknown method {trace.config.method!r} in trace file; expected one of {', '.join(METHODS)}")
-    if trace.summary is None:
-        raise TraceError(f"the {trace.config.method} trace has no summary: it was saved before its run finished")
-    for step in trace.steps:
-        try:
-            n = len(step.tree_tokens)
-            tree_lists = (step.tree_parents, step.tree_depths, step.tree_node_probs, step.tree_path_probs,
-                          step.tree_ranks)
-            faults = [
-                (any(len(values) != n for values in tree_lists), "its tree lists differ in length"),
-                (len(step.target_tokens) != n + 1, "it needs one target token per node plus the root"),
-                (any(not 0 <= parent < node for node, parent in enumerate(step.tree_parents, start=1)),
-                 "a node's parent does not come before it"),
-                (not step.accepted or step.accepted[0] != 0 or any(not 0 < a <= n for a in step.accepted[1:]),
-                 "its accepted path is not root-first node indices"),
-                (len(step.committed_ids) != len(step.committed_text), "committed ids and texts differ in length"),
-                (len(step.draft_top_tokens) != len(step.draft_top_probs), "draft top-k tokens and probs differ"),
-            ]
-        except TypeError as exc:
-            raise TraceError(f"step {step.number} of the {trace.config.method} trace has malformed values: {exc}") \
-                from exc
-        for failed, why in faults:
-            if failed:
-                raise TraceError(f"step {step.number} of the {trace.config.method} trace is inconsistent: {why}")
+    return str(write_trace_file(Path(tempfile.mkdtemp(prefix="ddtree-studio-")) / TRACE_FILE_NAME, traces))
 
 
 # ---------------------------------------------------------------- running the model
@@ -603,7 +547,7 @@ class TracesView:
         if not path:
             return {}
         try:
-            traces = read_traces(path)
+            traces = read_trace_file(path)
         except TraceError as exc:
             raise refusal(exc) from None
         by_method: dict[str, Trace] = {}

@@ -8,7 +8,10 @@ plus the bonus token, so its acceptance length counts the bonus and AR's is 1.
 
 from __future__ import annotations
 
+import functools
 import json
+import types
+import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -176,22 +179,23 @@ class Trace:
         if version != SCHEMA_VERSION:
             raise TraceError(f"trace schema version {version!r} is not supported (expected {SCHEMA_VERSION})")
         try:
+            steps = data["steps"]
+            if not isinstance(steps, list):
+                raise TypeError(f"steps must be a list, got {_shown(steps)}")
             return Trace(
-                config=_build(RunConfig, data["config"]),
-                prefill=_build(Prefill, data["prefill"]),
-                steps=[_build(Step, s) for s in data["steps"]],
-                summary=_build(Summary, data["summary"]) if data.get("summary") is not None else None,
+                config=_build(RunConfig, data["config"], "config"),
+                prefill=_build(Prefill, data["prefill"], "prefill"),
+                steps=[_build(Step, s, f"steps[{i}]") for i, s in enumerate(steps)],
+                summary=_build(Summary, data["summary"], "summary") if data.get("summary") is not None else None,
             )
-        except (KeyError, TypeError) as exc:
+        except KeyError as exc:
+            raise TraceError(f"trace is missing or has malformed field: {exc.args[0]} is missing") from exc
+        except TypeError as exc:
             raise TraceError(f"trace is missing or has malformed field: {exc}") from exc
 
     @staticmethod
     def from_json(text: str) -> "Trace":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"not valid JSON: {exc}") from exc
-        return Trace.from_dict(data)
+        return Trace.from_dict(_parse_json(text))
 
     @staticmethod
     def load(path: str | Path) -> "Trace":
@@ -223,15 +227,133 @@ def divergence(trace: Trace, reference: Trace) -> Divergence | None:
                       trace.margins[index] if index < len(ours) else None)
 
 
-def _build(cls, data: dict):
+def _build(cls, data: dict, where: str):
+    """``cls`` from its JSON object at ``where`` (``summary``, ``steps[3]``), every field of its annotated type:
+    a hand-edited ``"wall_s": "fast"`` is refused here, not met deep inside a figure."""
     if not isinstance(data, dict):
-        raise TypeError(f"{cls.__name__} must be an object")
-    names = {f.name for f in fields(cls)}
+        raise TypeError(f"{where} must be an object, got {_shown(data)}")
+    hints = _type_hints(cls)
     required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     missing = required - data.keys()
     if missing:
-        raise KeyError(f"{cls.__name__}.{sorted(missing)[0]}")
-    return cls(**{k: data[k] for k in names if k in data})
+        raise KeyError(f"{where}.{sorted(missing)[0]}")
+    values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+    for name, value in values.items():
+        if not _fits(value, hints[name]):
+            raise TypeError(f"{where}.{name} must be {_described(hints[name])}, got {_shown(value)}")
+    return cls(**values)
+
+
+@functools.cache
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value has the annotated type (a whole number fits a float field: JSON writes 0.0 as 0)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _described(hint, plural: bool = False) -> str:
+    """A type as a JSON value is said to be: ``a list of integers``, ``an integer or null``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_described(arg, plural) for arg in args)
+    if origin is list:
+        return f"{'lists' if plural else 'a list'} of {_described(args[0], plural=True)}"
+    if origin is dict:
+        return f"{'objects' if plural else 'an object'} of {_described(args[1], plural=True)}"
+    names = {float: ("a number", "numbers"), int: ("an integer", "integers"), str: ("a string", "strings"),
+             bool: ("true or false", "true or false values"), type(None): ("null", "nulls")}
+    return names.get(hint, (hint.__name__, hint.__name__))[plural]
+
+
+def _shown(value) -> str:
+    text = json.dumps(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _parse_json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"not a JSON trace file: {exc}") from exc
+    except RecursionError as exc:
+        raise TraceError("not a JSON trace file: it nests deeper than any trace (arrays or objects inside each "
+                         "other thousands of levels down)") from exc
+
+
+# ---------------------------------------------------------------- trace files
+
+def write_trace_file(path: str | Path, traces: list[Trace]) -> Path:
+    """The app's download: ``{"schema_version": 1, "traces": [<Trace>, ...]}``, one trace per run."""
+    path = Path(path)
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "traces": [t.to_dict() for t in traces]}))
+    return path
+
+
+def read_trace_file(path: str | Path) -> list[Trace]:
+    """Every trace in a trace file of any shape the Studio writes: the app's download (``write_trace_file``),
+    one trace (``Trace.save``, as ``engine.tools.bench --traces`` writes them) or a plain list of traces;
+    each checked by ``check_consistent``. Anything else is a ``TraceError`` that says what the file holds."""
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"not a JSON trace file: {exc}") from exc
+    data = _parse_json(text)
+    if isinstance(data, dict) and not {"traces", "config"} & data.keys():
+        raise TraceError(f"not a trace file: it holds {', '.join(map(repr, data)) or 'an empty object'}, where a trace "
+                         f"file holds {{\"schema_version\": {SCHEMA_VERSION}, \"traces\": [...]}} (the app's "
+                         "download) or one trace with its \"config\" and \"steps\" (Trace.save)")
+    if isinstance(data, dict) and "traces" in data:
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise TraceError(f"trace file schema version {data.get('schema_version')!r} is not supported "
+                             f"(expected {SCHEMA_VERSION})")
+        data = data["traces"]
+    items = data if isinstance(data, list) else [data]
+    traces = [Trace.from_dict(item) for item in items]
+    if not traces:
+        raise TraceError("the file holds no traces")
+    for trace in traces:
+        check_consistent(trace)
+    return traces
+
+
+def check_consistent(trace: Trace) -> None:
+    """Catch a hand-edited or truncated trace when it is read rather than deep inside a figure."""
+    if trace.config.method not in METHODS:
+        raise TraceError(f"unknown method {trace.config.method!r} in trace file; expected one of {', '.join(METHODS)}")
+    if trace.summary is None:
+        raise TraceError(f"the {trace.config.method} trace has no summary: it was saved before its run finished")
+    for step in trace.steps:
+        n = len(step.tree_tokens)
+        tree_lists = (step.tree_parents, step.tree_depths, step.tree_node_probs, step.tree_path_probs, step.tree_ranks)
+        faults = [
+            (any(len(values) != n for values in tree_lists), "its tree lists differ in length"),
+            (len(step.target_tokens) != n + 1, "it needs one target token per node plus the root"),
+            (any(not 0 <= parent < node for node, parent in enumerate(step.tree_parents, start=1)),
+             "a node's parent does not come before it"),
+            (not step.accepted or step.accepted[0] != 0 or any(not 0 < a <= n for a in step.accepted[1:]),
+             "its accepted path is not root-first node indices"),
+            (len(step.committed_ids) != len(step.committed_text), "committed ids and texts differ in length"),
+            (len(step.draft_top_tokens) != len(step.draft_top_probs), "draft top-k tokens and probs differ"),
+        ]
+        for failed, why in faults:
+            if failed:
+                raise TraceError(f"step {step.number} of the {trace.config.method} trace is inconsistent: {why}")
 
 
 def summarize(config: RunConfig, prefill: Prefill, steps: list[Step], wall_s: float, stop_reason: str) -> Summary:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -11,16 +13,17 @@ from transformers import LlamaConfig
 
 from engine.errors import EngineError
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.measure.doctor import (CANNOT_JUDGE, DEFAULT_PROMPTS, FAULTY, HEALTHY, MIN_JUDGED_ROOTS, CalibrationBin,
+                                DoctorReport, PositionStats, ProbeSettings, diagnose, greedy_outputs, score_blocks,
+                                static_report, target_passes)
+from engine.measure.doctor_checks import FAULT, OK, WARNING, Finding, configured_wiring, static_checks
 from engine.loop.loading import SHIPPED_DRAFTER
-from engine.measure.doctor import (DEFAULT_PROMPTS, FAULTY, HEALTHY, DoctorReport, ProbeSettings, diagnose,
-                                   greedy_outputs, score_blocks, static_report, target_passes)
-from engine.measure.doctor_checks import FAULT, OK, WARNING, configured_wiring, static_checks
 from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, read_drafter_config
 from engine.models.target import load_target
 from engine.tools import doctor as doctor_cli
 from engine.tools.replay import proposals_along
 from tests.tiny import tiny_target
-from viz.doctor_figures import doctor_figures, report_markdown
+from viz.doctor_figures import calibration_figure, doctor_figures, report_markdown
 
 SHIPPED_IDS = [1, 8, 14, 20, 27]
 QWEN36_DRAFTER = "assets/shapes/qwen3.6-27b-dflash-b16"
@@ -90,7 +93,66 @@ def test_the_report_round_trips_through_json_and_draws(bundled):
     figures = doctor_figures(again)
     assert set(figures) == {"positions", "calibration", "confidence", "wirings"}
     assert all(figure.data for figure in figures.values())
-    assert report.verdict in report_markdown(report)
+    assert report_markdown(report).startswith(f"✅ **Healthy**: {report.verdict.removeprefix('healthy: ')}\n")
+
+
+def test_one_short_prompt_is_too_few_to_judge_and_names_no_fault(bundled, capsys):
+    """One prompt of 8 tokens (the Doctor tab's "Hello", 8) once named the shipped drafter's wiring a fault."""
+    target, drafter, _ = bundled
+    report = diagnose(Decoder(target, drafter, DrafterInfo("shipped", trained=True)), ["Hello"],
+                      ProbeSettings(max_new_tokens=8))
+    judged = report.wirings[0].roots
+    assert 0 < judged < MIN_JUDGED_ROOTS
+    assert report.status == CANNOT_JUDGE, report.lines()
+    assert report.verdict == (f"too few draft positions to judge ({judged} scored, need {MIN_JUDGED_ROOTS}): use "
+                              "more prompts or more tokens per prompt")
+    assert not any(f.severity == FAULT for f in report.findings)
+    assert report.first_slot is not None and all(figure.data for figure in doctor_figures(report).values())
+    assert report_markdown(report).startswith(f"⏳ **Not judged yet**: too few draft positions to judge ({judged} ")
+    assert doctor_cli.finish(report, None) == CANNOT_JUDGE  # the CLI's exit status: neither healthy nor a fault
+    assert capsys.readouterr().out.startswith(f"verdict: {report.verdict}\n")
+
+
+def test_enough_short_prompts_are_judged_but_extra_prompts_past_the_probed_ones_are_not_asked_for(bundled):
+    """The wiring probes score the first prompts alone (ProbeSettings.wiring_prompts): past them, only more
+    tokens per prompt help, and the verdict says so."""
+    target, drafter, _ = bundled
+    decoder = Decoder(target, drafter, DrafterInfo("shipped", trained=True))
+    runs = target_passes(decoder, DEFAULT_PROMPTS[:5], max_new_tokens=4)
+    report = diagnose(decoder, settings=ProbeSettings(max_new_tokens=4), runs=runs)
+    assert report.status == CANNOT_JUDGE
+    assert report.verdict.endswith("use more tokens per prompt (the wiring probes score the first 4 prompts)")
+
+
+def test_the_doctor_tabs_markdown_keeps_token_text_and_says_healthy_once():
+    findings = [Finding(OK, "mask token", "16 = '<|im_start|>', a special token no text produces"),
+                Finding(WARNING, "rope", "theta *10000* against the target's `100000` [sic]")]
+    report = DoctorReport("smollm2", "smollm2-135m-dflash-b16", "torch", "healthy: first-slot hits 71.5%", HEALTHY,
+                          findings)
+    text = shown_text(report_markdown(report))
+    assert text.splitlines()[0] == "✅ Healthy: first-slot hits 71.5%"
+    assert "mask token: 16 = '<|im_start|>', a special token no text produces" in text
+    assert "rope: theta *10000* against the target's `100000` [sic]" in text
+    assert "Target smollm2 · drafter smollm2-135m-dflash-b16 · torch engine" in text
+
+
+def test_the_calibration_plots_slots_by_colour_without_labels_that_overlap():
+    """Fifteen slots' points crowd together; text labels beside them overlapped into an unreadable smear."""
+    positions = [PositionStats(slot, 0.7 - slot / 50, 0.72 - slot / 40, 0.7 - slot / 45, 100) for slot in range(1, 16)]
+    report = DoctorReport("smollm2", "shipped", "torch", "healthy", HEALTHY, [], first_slot=0.7, positions=positions,
+                          calibration=[CalibrationBin(0.6, 0.7, 0.65, 0.66, 40)])
+    slots = next(trace for trace in calibration_figure(report).data if trace.name == "per draft slot")
+    assert slots.mode == "markers" and slots.text is None
+    assert list(slots.marker.color) == list(slots.customdata) == list(range(1, 16))
+    assert slots.marker.colorbar.title.text == "draft slot"
+    assert list(slots.x) == [p.mean_probability for p in positions] and list(slots.y) == [p.hit_rate for p in positions]
+
+
+def shown_text(markdown: str) -> str:
+    """What a reader sees of ``markdown``: rendered by CommonMark (markdown-it, a Gradio dependency), tags dropped."""
+    from markdown_it import MarkdownIt
+
+    return html.unescape(re.sub(r"<[^>]+>", "", MarkdownIt().render(markdown)))
 
 
 # ---------------------------------------------------------------- the command line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import imageio_ffmpeg
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.models.drafter import ScriptedDrafter, fresh_config
+from engine.trace import read_trace_file, write_trace_file
 from tests.tiny import tiny_drafter, tiny_target
 from viz.video import (HOLD_S, INTRO_S, PRESETS, THEME, Column, Scene, Timeline, VideoError, column_states, load_font,
                        main, pick_traces, render_video, visible_lines, wrap_text)
@@ -43,16 +45,20 @@ def slowdown(traces):
     return 1.0 / max(t.summary.wall_s for t in traces)
 
 
+def decoded(path: Path) -> dict:
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = next(reader)
+    width, height = meta["size"]
+    return {"path": path, "meta": meta, "frames": [np.frombuffer(raw, np.uint8).reshape(height, width, 3)
+                                                   for raw in reader]}
+
+
 @pytest.fixture(scope="module")
 def video(traces, slowdown, tmp_path_factory):
     calls = []
     path = render_video(traces, tmp_path_factory.mktemp("video") / "comparison.mp4", preset="small", fps=FPS,
                         slowdown=slowdown, progress=lambda done, total: calls.append((done, total)))
-    reader = imageio_ffmpeg.read_frames(str(path))
-    meta = next(reader)
-    width, height = meta["size"]
-    frames = [np.frombuffer(raw, np.uint8).reshape(height, width, 3) for raw in reader]
-    return {"path": path, "meta": meta, "frames": frames, "progress": calls}
+    return decoded(path) | {"progress": calls}
 
 
 def badge_patch_colour(frame: np.ndarray, scene: Scene, column: int) -> np.ndarray:
@@ -168,3 +174,40 @@ def test_the_video_draws_each_tree_as_the_inspector_lays_it_out(traces):
         assert rows == [layout.positions[node][1] for node in range(step.tree_size + 1)]
         assert [round(x / drawing.depth_width - 0.5) for x, _ in drawing.points] == \
             [layout.positions[node][0] for node in range(step.tree_size + 1)]
+
+
+def assert_renders_every_run(source: Path, traces, out: Path, fps: int, slowdown: float = 1.0) -> None:
+    """``python -m viz.video --traces source`` writes the whole race: every frame at 640x360, every column's
+    finish badge on the last one."""
+    assert main(["--traces", str(source), "--out", str(out), "--preset", "small", "--fps", str(fps),
+                 "--slowdown", str(slowdown)]) == 0
+    scene = Scene(traces, PRESETS["small"], slowdown)
+    video = decoded(out)
+    assert video["meta"]["size"] == (640, 360)
+    assert len(video["frames"]) == Timeline(scene.race_s, fps, slowdown).frame_count
+    for column in range(len(traces)):
+        assert np.abs(badge_patch_colour(video["frames"][-1], scene, column) - THEME.badge).max() < 30
+
+
+def test_cli_renders_the_apps_download(traces, slowdown, tmp_path):
+    download = write_trace_file(tmp_path / "ddtree-traces.json", traces)  # what app.save_traces writes
+    assert_renders_every_run(download, traces, tmp_path / "download.mp4", FPS, slowdown)
+    with pytest.raises(VideoError, match="--prompt picks among a folder's trace sets"):
+        pick_traces(download, "p1", None)
+
+
+@pytest.mark.parametrize("path", sorted(Path("assets/traces").glob("*.json")), ids=lambda path: path.name)
+def test_cli_renders_every_shipped_example_trace(path, tmp_path):
+    traces = read_trace_file(path)
+    assert [t.config.method for t in traces] == ["ar", "dflash", "ddtree"]
+    assert_renders_every_run(path, traces, tmp_path / "example.mp4", fps=2)
+
+
+def test_a_folder_of_mixed_trace_files_is_picked_by_prompt(traces, tmp_path):
+    write_trace_file(tmp_path / "download.json", traces)
+    for trace in traces:
+        trace.save(tmp_path / f"p1.{trace.config.label}.json")
+    with pytest.raises(VideoError, match="holds traces of 2 prompts; choose one with --prompt: download, p1"):
+        pick_traces(tmp_path, None, None)
+    assert pick_traces(tmp_path, "download", None) == traces
+    assert pick_traces(tmp_path, "p1", ["ddtree@16", "ar"]) == [traces[2], traces[0]]

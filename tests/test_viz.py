@@ -10,7 +10,7 @@ import torch
 
 import ddtree
 from engine.loop.decode import DecodeSettings
-from engine.trace import Step, Trace
+from engine.trace import Step, Trace, read_trace_file
 from tests.tiny import tiny_decoder
 from viz.figures import (CORNER, DARK_CELL, acceptance_histogram, draft_rank, economics_figure, economics_text,
                          explain_stop, probability_figure, race_chart, stage_figure, sweep_figure)
@@ -246,15 +246,26 @@ def test_explain_stop_when_the_whole_path_was_accepted():
     assert ("the draft block ends here" in text) == (step.tree_depths[last - 1] == len(step.draft_top_tokens))
 
 
+def test_the_acceptance_histogram_shows_the_drafting_runs_as_shares_of_their_steps(traces):
+    """AR's one-token steps (every step, one tall bar) would swamp the drafting runs' shapes: left out."""
+    histogram = acceptance_histogram(list(traces.values()))
+    drafting = [traces["dflash"], traces["ddtree"]]
+    assert [bar.name for bar in histogram.data] == ["dflash", "ddtree@16"]
+    for bar, trace in zip(histogram.data, drafting):
+        lengths = [step.acceptance_length for step in trace.steps]
+        assert list(bar.x) == sorted(set(lengths))
+        assert list(bar.y) == [pytest.approx(lengths.count(n) / len(lengths)) for n in bar.x]
+        assert [count for count, _ in bar.customdata] == [lengths.count(n) for n in bar.x]
+    only_ar = acceptance_histogram([traces["ar"]])
+    assert not only_ar.data and "AR commits one token every step" in only_ar.layout.annotations[0].text
+
+
 def test_stage_and_run_figures(traces):
     runs = list(traces.values())
     stages = stage_figure({t.config.label: t.summary.stage_s for t in runs}, "run")
     verify = next(bar for bar in stages.data if bar.name == "verify")
     assert list(verify.y) == ["ar", "dflash", "ddtree@16"]
     assert verify.x[0] == pytest.approx(traces["ar"].summary.stage_s["verify"] * 1e3)
-    histogram = acceptance_histogram(runs)
-    for bar, trace in zip(histogram.data, runs):
-        assert sum(bar.y) == trace.summary.steps
     race = race_chart(runs)
     assert [line.y[-1] for line in race.data] == [t.summary.new_tokens for t in runs]
     sweep = sweep_figure([traces["ddtree"]], traces["ar"])
@@ -345,13 +356,11 @@ def test_visible_whitespace():
 
 # ---------------------------------------------------------------- traces from the vLLM engine
 
-VLLM_SAMPLE = "assets/traces/h200-vllm-heldout-f664308deb20.json"  # recorded on an H200 (engine.tools.bench --traces)
+VLLM_SAMPLE = "benchmarks/traces/h200-vllm-heldout-f664308deb20.json"  # recorded on an H200 (engine.tools.bench --traces)
 
 
 def test_vllm_engine_traces_open_in_the_inspector_unchanged():
-    from app import read_traces
-
-    traces = read_traces(VLLM_SAMPLE)  # what the app's upload does
+    traces = read_trace_file(VLLM_SAMPLE)  # what the app's upload does
     assert [t.config.method for t in traces] == ["ar", "dflash", "ddtree"] and {t.config.engine for t in traces} == {"vllm"}
     text = pieces_token_text(traces)
     for trace in traces:

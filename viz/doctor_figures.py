@@ -3,13 +3,16 @@ Doctor tab: pure functions of the report."""
 
 from __future__ import annotations
 
+import html
+
 import plotly.graph_objects as go
 
-from engine.measure.doctor import DoctorReport
+from engine.measure.doctor import CANNOT_JUDGE, FAULTY, HEALTHY, DoctorReport
 from engine.measure.doctor_checks import FAULT, WARNING
 from viz.figures import ACCEPTED_COLOUR, METHOD_COLOURS, TARGET_COLOUR, empty_figure
 
 SEVERITY_MARKS = {"ok": "✅", "note": "ℹ️", WARNING: "⚠️", FAULT: "❌"}
+STATUS_HEADINGS = {HEALTHY: "✅ **Healthy**", FAULTY: "❌ **Fault**", CANNOT_JUDGE: "⏳ **Not judged yet**"}
 ROLE_COLOURS = {"configured": METHOD_COLOURS["dflash"], "variant": "#9467bd", "deployment": METHOD_COLOURS["ddtree"]}
 
 
@@ -43,11 +46,15 @@ def calibration_figure(report: DoctorReport) -> go.Figure:
                              name="all drafts, binned", marker=dict(size=[6 + min(b.count, 400) ** 0.5 for b in bins]),
                              line=dict(color=METHOD_COLOURS["ddtree"]), customdata=[b.count for b in bins],
                              hovertemplate="drafter p %{x:.2f}: right %{y:.1%} (%{customdata} drafts)<extra></extra>"))
+    # fifteen slots crowd into a corner of the square, so a slot is told by its colour (and hover), not a label
     shown = [p for p in report.positions if p.mean_probability is not None and p.hit_rate is not None]
-    fig.add_trace(go.Scatter(x=[p.mean_probability for p in shown], y=[p.hit_rate for p in shown], mode="markers+text",
-                             name="per draft slot", text=[str(p.position) for p in shown], textposition="top center",
-                             marker=dict(color=METHOD_COLOURS["dflash"]),
-                             hovertemplate="slot %{text}: drafter p %{x:.2f}, right %{y:.1%}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=[p.mean_probability for p in shown], y=[p.hit_rate for p in shown], mode="markers",
+                             name="per draft slot", customdata=[p.position for p in shown],
+                             marker=dict(size=9, color=[p.position for p in shown], colorscale="Viridis",
+                                         line=dict(width=1, color="white"),
+                                         colorbar=dict(title=dict(text="draft slot"), thickness=12, len=0.8,
+                                                       dtick=max(1, len(shown) // 5))),
+                             hovertemplate="slot %{customdata}: drafter p %{x:.2f}, right %{y:.1%}<extra></extra>"))
     return _layout(fig, "Calibration: the drafter's probability against the real hit rate",
                    xaxis=dict(title="drafter probability of its top token", range=[0, 1]),
                    yaxis=dict(title="hit rate", range=[0, 1], tickformat=".0%"))
@@ -89,11 +96,19 @@ def doctor_figures(report: DoctorReport) -> dict[str, go.Figure]:
             "confidence": confidence_figure(report), "wirings": wirings_figure(report)}
 
 
+def plain(text: str) -> str:
+    """Report text as Markdown shows it literally: a tokenizer's ``<|im_start|>`` is no HTML tag to drop, nor
+    ``*`` or ``_`` emphasis, nor a backtick a code span."""
+    escaped = text.translate(str.maketrans({c: "\\" + c for c in "\\`*_[]#|"}))
+    return html.escape(escaped, quote=False)  # after the backslashes: an entity's "#" stays unescaped
+
+
 def report_markdown(report: DoctorReport) -> str:
-    mark = "✅ **Healthy**" if report.healthy else "❌ **Fault**"
-    lines = [f"{mark}: {report.verdict}", "",
-             f"Target `{report.model}` · drafter `{report.drafter}` · {report.engine} engine", ""]
-    lines += [f"- {SEVERITY_MARKS.get(f.severity, '')} **{f.check}**: {f.line}" for f in report.findings]
+    # a healthy verdict starts with the word its heading already says
+    said = report.verdict.removeprefix("healthy").removeprefix(":").strip() if report.healthy else report.verdict
+    lines = [f"{STATUS_HEADINGS[report.status]}: {plain(said)}" if said else STATUS_HEADINGS[report.status], "",
+             f"Target {plain(report.model)} · drafter {plain(report.drafter)} · {report.engine} engine", ""]
+    lines += [f"- {SEVERITY_MARKS.get(f.severity, '')} **{f.check}**: {plain(f.line)}" for f in report.findings]
     if report.first_slot is not None:
         taus = ", ".join(f"{name} **{value:.2f}**" for name, value in report.tau.items())
         lines += ["", f"Probe: {report.prompts} prompts, {report.roots} roots; first-slot hits "

@@ -177,23 +177,30 @@ def stage_figure(rows: dict[str, dict[str, float]], title: str) -> go.Figure:
 
 
 def acceptance_histogram(traces: list[Trace]) -> go.Figure:
-    """How many tokens each step committed (acceptance length, bonus included)."""
+    """How many tokens each drafting run's steps committed (acceptance length, bonus included), as a share of its
+    steps: AR commits one a step, its every step one bar that would dwarf the others' shapes, so it is left out;
+    shares, not counts, so a run of few long steps reads beside one of many short ones."""
     if not traces:
         return empty_figure("Run or upload traces to see acceptance lengths.")
+    drafting = [trace for trace in traces if trace.config.method != "ar" and trace.steps]
+    if not drafting:
+        return empty_figure("AR commits one token every step: run DFlash or DDTree to see acceptance lengths.")
     fig = go.Figure()
-    longest = max((step.acceptance_length for trace in traces for step in trace.steps), default=1)
-    for trace in traces:
+    longest = max(step.acceptance_length for trace in drafting for step in trace.steps)
+    for trace in drafting:
         counts = Counter(step.acceptance_length for step in trace.steps)
         lengths = sorted(counts)
-        fig.add_trace(go.Bar(x=lengths, y=[counts[n] for n in lengths], name=trace.config.label,
+        fig.add_trace(go.Bar(x=lengths, y=[counts[n] / len(trace.steps) for n in lengths], name=trace.config.label,
                              marker_color=METHOD_COLOURS.get(trace.config.method),
-                             hovertemplate="length %{x}: %{y} steps<extra>%{fullData.name}</extra>"))
-    fig.update_layout(barmode="group", title=dict(text=timing_title("Acceptance length per step (bonus included)", traces), x=0,
-                                                  font=dict(size=14)),
+                             customdata=[[counts[n], len(trace.steps)] for n in lengths],
+                             hovertemplate="length %{x}: %{customdata[0]} of %{customdata[1]} steps"
+                                           "<extra>%{fullData.name}</extra>"))
+    title = "Acceptance length per step (bonus included; AR's is always 1)"
+    fig.update_layout(barmode="group", title=dict(text=timing_title(title, drafting), x=0, font=dict(size=14)),
                       template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),
                       # a few empty lengths on the right keep one-length runs from drawing slabs
                       xaxis=dict(title="tokens committed in one step", dtick=1, range=[0.5, max(longest, 6) + 0.5]),
-                      yaxis=dict(title="steps"),
+                      yaxis=dict(title="share of the run's steps", tickformat=".0%", rangemode="tozero"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
     return fig
 

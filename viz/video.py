@@ -6,7 +6,11 @@ Debian's ``fonts-dejavu-core``, else the copy bundled with matplotlib, else Pill
 built-in scalable font. Frames go to H.264 through the ffmpeg binary that ships inside
 the ``imageio-ffmpeg`` wheel.
 
-    python -m viz.video --traces DIR --out comparison.mp4 [--prompt ID] [--preset 720p]
+    python -m viz.video --traces FILE|DIR --out comparison.mp4 [--prompt ID] [--preset 720p]
+
+``--traces``: any trace file the Studio writes (the app's download, one ``Trace.save``, a list of traces) or
+a folder of them: the bench's ``<prompt_id>.<label>.json`` (``engine.tools.bench --traces``), one set a
+prompt, and any other file a set of its own named by its stem (``--prompt`` picks one).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Callable
 
 from PIL import Image, ImageDraw, ImageFont
 
-from engine.trace import METHODS, Step, Trace, TraceError
+from engine.trace import METHODS, Step, Trace, TraceError, read_trace_file
 from viz.tree_figure import tidy_layout
 
 MAX_COLUMNS = 4
@@ -817,45 +821,59 @@ def _write_frames(writer, scene: Scene, timeline: Timeline, progress: Callable[[
             progress(index + 1, timeline.frame_count)
 
 
-def find_traces(folder: str | Path) -> dict[str, dict[str, Path]]:
-    """Trace files ``<prompt_id>.<label>.json`` in ``folder``, by prompt id, then label."""
-    found: dict[str, dict[str, Path]] = {}
+def trace_sets(folder: str | Path) -> dict[str, list[Path]]:
+    """The trace files in ``folder`` by the prompt they record: the bench's ``<prompt_id>.<label>.json``
+    grouped by prompt id; any other file (the app's download, one ``Trace.save``) a set named by its stem."""
+    found: dict[str, list[Path]] = {}
     for path in sorted(Path(folder).glob("*.json")):
-        prompt_id, _, label = path.stem.rpartition(".")
-        if prompt_id:
-            found.setdefault(prompt_id, {})[label] = path
+        prompt_id, _, _ = path.stem.rpartition(".")
+        found.setdefault(prompt_id or path.stem, []).append(path)
     return found
 
 
-def pick_traces(folder: str | Path, prompt_id: str | None, labels: list[str] | None) -> list[Trace]:
-    found = find_traces(folder)
-    if not found:
-        raise VideoError(f"no <prompt_id>.<label>.json trace files in {folder}")
-    if prompt_id is None:
-        if len(found) > 1:
-            raise VideoError(f"{folder} holds traces of {len(found)} prompts; choose one with --prompt: "
-                             + ", ".join(found))
-        prompt_id = next(iter(found))
-    if prompt_id not in found:
-        raise VideoError(f"no traces for prompt {prompt_id!r} in {folder}; found: {', '.join(found)}")
-    by_label = found[prompt_id]
+def pick_traces(source: str | Path, prompt_id: str | None, labels: list[str] | None) -> list[Trace]:
+    """The traces to show from ``source``: a trace file of any shape the Studio writes
+    (``engine.trace.read_trace_file``), or a folder of them (``trace_sets``; ``prompt_id`` picks a set);
+    ``labels`` (``ar``, ``ddtree@32``) picks runs, else every run (the first of each label)."""
+    source = Path(source)
+    if source.is_dir():
+        found = trace_sets(source)
+        if not found:
+            raise VideoError(f"no trace files (*.json) in {source}")
+        if prompt_id is None:
+            if len(found) > 1:
+                raise VideoError(f"{source} holds traces of {len(found)} prompts; choose one with --prompt: "
+                                 + ", ".join(found))
+            prompt_id = next(iter(found))
+        if prompt_id not in found:
+            raise VideoError(f"no traces for prompt {prompt_id!r} in {source}; found: {', '.join(found)}")
+        files = found[prompt_id]
+    elif prompt_id is not None:
+        raise VideoError(f"--prompt picks among a folder's trace sets; {source} is one file")
+    else:
+        files = [source]
+    by_label: dict[str, Trace] = {}
+    for path in files:
+        for trace in read_trace_file(path):
+            by_label.setdefault(trace.config.label, trace)
     labels = labels or list(by_label)
     missing = [label for label in labels if label not in by_label]
     if missing:
-        raise VideoError(f"prompt {prompt_id!r} has no {missing[0]} trace; found: {', '.join(by_label)}")
+        raise VideoError(f"{prompt_id or source.name} has no {missing[0]} trace; found: {', '.join(by_label)}")
     if len(labels) > MAX_COLUMNS:
-        raise VideoError(f"prompt {prompt_id!r} has {len(labels)} traces ({', '.join(labels)}); pick at most "
+        raise VideoError(f"{prompt_id or source.name} has {len(labels)} traces ({', '.join(labels)}); pick at most "
                          f"{MAX_COLUMNS} with --labels, e.g. --labels ar,dflash,ddtree@32")
-    return [Trace.load(by_label[label]) for label in labels]
+    return [by_label[label] for label in labels]
 
 
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     parser = argparse.ArgumentParser(prog="python -m viz.video", description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", required=True, help="folder of <prompt_id>.<label>.json traces")
+    parser.add_argument("--traces", required=True, help="a trace file (the app's download, one trace, a list) or a "
+                                                         "folder of them (engine.tools.bench --traces)")
     parser.add_argument("--out", default="comparison.mp4")
-    parser.add_argument("--prompt", help="prompt id, when the folder holds several prompts")
+    parser.add_argument("--prompt", help="prompt id (or file stem), when the folder holds several prompts")
     parser.add_argument("--labels", help="comma-separated labels to show, e.g. ar,dflash,ddtree@32 (default: all)")
     parser.add_argument("--preset", choices=list(PRESETS), default="1080p")
     parser.add_argument("--fps", type=int, default=30)

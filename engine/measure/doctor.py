@@ -17,6 +17,7 @@ Three kinds of evidence, in one ``DoctorReport``:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -46,7 +47,12 @@ FAR_GAIN, FAR_RATIO = 0.15, 1.5  # "far higher": at least this many points more 
 LONGER, LIKELIER = 1.15, 0.05  # chains this many times as long (and 0.05 tokens more), 0.05 nats a slot likelier
 ROOTS_PER_PASS = 32  # blocks in one drafter pass: a [32*15, vocab] logits chunk stays small
 CALIBRATION_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-HEALTHY, FAULTY = 0, 1  # the CLI's exit status (bad input is EngineError: 2)
+# Judged roots: below this many the wiring probes' differences are noise (one prompt of 8 tokens once named the
+# shipped drafter's wiring a fault). A first-slot rate on n roots has a standard error of at most 0.5 / sqrt(n)
+# (binomial, at p = 1/2), the difference of two rates at most sqrt(2) times that; "far more hits" (FAR_GAIN) must
+# be at least two standard errors of that difference: n >= 2 * (2 * 0.5 / FAR_GAIN) ** 2, 89 roots.
+MIN_JUDGED_ROOTS = math.ceil(2 * (2 * 0.5 / FAR_GAIN) ** 2)
+HEALTHY, FAULTY, CANNOT_JUDGE = 0, 1, 3  # the CLI's exit status (bad input is EngineError: 2)
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,7 @@ class DoctorReport:
     drafter: str
     engine: str
     verdict: str
-    status: int  # HEALTHY or FAULTY
+    status: int  # HEALTHY, FAULTY or CANNOT_JUDGE
     findings: list[Finding]
     prompts: int = 0
     roots: int = 0
@@ -396,10 +402,26 @@ def probe_findings(results: list[WiringResult]) -> list[Finding]:
     return findings
 
 
-def verdict(findings: list[Finding], first_slot: float | None, tau: dict[str, float]) -> tuple[str, int]:
+def sample_shortfall(results: list[WiringResult], prompts: int, settings: ProbeSettings) -> str | None:
+    """Why the probes cannot judge the wiring yet (too few roots scored), or None when they can."""
+    judged = next(r for r in results if r.role == "configured").roots
+    if judged >= MIN_JUDGED_ROOTS:
+        return None
+    if prompts < settings.wiring_prompts:
+        remedy = "more prompts or more tokens per prompt"
+    else:
+        remedy = f"more tokens per prompt (the wiring probes score the first {settings.wiring_prompts} prompts)"
+    return f"too few draft positions to judge ({judged} scored, need {MIN_JUDGED_ROOTS}): use {remedy}"
+
+
+def verdict(findings: list[Finding], first_slot: float | None, tau: dict[str, float],
+            shortfall: str | None = None) -> tuple[str, int]:
+    """The faults, else why the sample cannot be judged (``sample_shortfall``), else healthy."""
     faults = [f for f in findings if f.severity == FAULT]
     if faults:
         return "; ".join(f.line for f in faults), FAULTY
+    if shortfall:
+        return shortfall, CANNOT_JUDGE
     measured = (" configs (static checks only: no acceptance probe)" if first_slot is None else
                 f": first-slot hits {first_slot:.1%}, " + ", ".join(f"{k} τ {v:.2f}" for k, v in tau.items()))
     warned = sum(f.severity == WARNING for f in findings)
@@ -459,8 +481,10 @@ def diagnose(decoder: Decoder, prompts: list[str] | tuple[str, ...] = DEFAULT_PR
     clock = time.perf_counter()
     report.wirings = probe_wirings(decoder, runs, scores, settings, raw_drafter_config, progress)
     report.seconds["wirings"] = time.perf_counter() - clock
-    report.findings += probe_findings(report.wirings)
-    report.verdict, report.status = verdict(report.findings, report.first_slot, report.tau)
+    shortfall = sample_shortfall(report.wirings, len(runs), settings)
+    if shortfall is None:  # a small sample's probes name no fault: their differences would be noise
+        report.findings += probe_findings(report.wirings)
+    report.verdict, report.status = verdict(report.findings, report.first_slot, report.tau, shortfall)
     return report
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -32,7 +33,7 @@ from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
 from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS, VllmOptions, check_mtp_layers, load_vllm_decoder
 from engine.trace import (METHODS, NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP, NEAR_TIE, STAGES,
-                          TOKENS_ONLY, Trace, divergence)
+                          TOKENS_ONLY, Trace, divergence, write_trace_file)
 
 NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
 
@@ -427,6 +428,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--per-category", type=int, default=None,
                         help="only the first N prompts of each category (a short run that still spans them all)")
     parser.add_argument("--traces", default=None, help="folder to write each run's Trace JSON into")
+    parser.add_argument("--trace-file", default=None, metavar="FILE.json",
+                        help="one prompt's runs in one file, as the app's download: what the app's upload and "
+                             "python -m viz.video read (assets/traces/)")
     parser.add_argument("--out", default=None, help="results JSON path")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs per model")
@@ -478,6 +482,9 @@ def on_gpu(args: argparse.Namespace) -> bool:
 def _main(args: argparse.Namespace) -> int:
     prompts = per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
     jobs = plan_jobs(args.methods, args.tree_budget)
+    if args.trace_file and len(prompts) != 1:
+        raise EngineError(f"--trace-file holds one prompt's runs, as the app's download; the prompts give "
+                          f"{len(prompts)}: pick one with --limit 1 or a one-prompt file")
     if args.reduced_traces:
         jobs = with_reduced_traces(jobs)
     gpu = on_gpu(args)
@@ -503,10 +510,13 @@ def _main(args: argparse.Namespace) -> int:
     tokenized = tokenize_prompts(decoder.target, prompts, args.compare_to)
     base = DecodeSettings("ar", max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           block_size=args.block_size, tree_budget=32)
-    traces_dir = Path(args.traces) if args.traces else None
+    traces_dir = Path(args.traces) if args.traces else Path(tempfile.mkdtemp()) if args.trace_file else None
     if traces_dir is not None:
         traces_dir.mkdir(parents=True, exist_ok=True)
     runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
+    if args.trace_file:
+        write_trace_file(args.trace_file, [Trace.load(traces_dir / f"{prompts[0]['id']}.{job.label}.json")
+                                           for job in jobs])
     notes = tokenized + notes
     measured = Measured(jobs, runs, notes, {})
     config = run_config(args, decoder, dtype, prompts, jobs, runs)

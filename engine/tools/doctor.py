@@ -4,7 +4,8 @@
         [--max-new-tokens 48] [--static] [--out REPORT.json]
 
 Prints the verdict first, then the evidence (``engine.measure.doctor``). Exit status: 0 healthy, 1 a fault
-(named, with its fix), 2 bad input (one error line). ``--engine vllm`` also checks what vLLM 0.23 itself
+(named, with its fix), 2 bad input (one error line), 3 not judged: too few draft positions scored to tell a
+miswiring from noise (more prompts or tokens per prompt). ``--engine vllm`` also checks what vLLM 0.23 itself
 reads (its layer-id convention, its drafter windows) and probes that wiring on the torch engine: vLLM
 itself is not run. ``--static``: the config checks alone, for config-only shapes (``assets/shapes/``).
 """

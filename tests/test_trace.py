@@ -1,0 +1,108 @@
+"""Reading trace files back (engine.trace.read_trace_file): every shape the Studio writes, and bad files refused
+with a sentence that says what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.loop.decode import DecodeSettings
+from engine.loop.loading import SHIPPED_DRAFTER, display_name
+from engine.models.target import BUNDLED_MODEL
+from engine.trace import Trace, TraceError, read_trace_file, write_trace_file
+from tests.tiny import tiny_decoder
+
+
+@pytest.fixture(scope="module")
+def traces() -> list[Trace]:
+    decoder = tiny_decoder()
+    return [decoder.run(prompt_ids=[5, 6, 7, 8], settings=DecodeSettings(method, max_new_tokens=8, tree_budget=8))
+            for method in ("ar", "dflash", "ddtree")]
+
+
+def test_every_shape_the_studio_writes_reads_back(traces, tmp_path):
+    download = write_trace_file(tmp_path / "download.json", traces)
+    single = tmp_path / "one.json"
+    traces[2].save(single)
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps([t.to_dict() for t in traces]))
+    assert read_trace_file(download) == traces
+    assert read_trace_file(single) == traces[2:]
+    assert read_trace_file(listed) == traces
+
+
+@pytest.mark.parametrize("nesting", ["[" * 100_000 + "]" * 100_000, '{"traces": ' * 100_000 + "1" + "}" * 100_000])
+def test_deeply_nested_json_is_a_trace_error(tmp_path, nesting):
+    path = tmp_path / "deep.json"
+    path.write_text(nesting)
+    with pytest.raises(TraceError, match="^not a JSON trace file: it nests deeper than any trace"):
+        read_trace_file(path)
+
+
+@pytest.mark.parametrize(("where", "value", "message"), [
+    (("summary", "wall_s"), "fast", 'summary.wall_s must be a number, got "fast"'),
+    (("steps", 0, "tree_tokens"), 5, "steps[0].tree_tokens must be a list of integers, got 5"),
+    (("steps", 1, "draft_top_probs"), [["x"]], "steps[1].draft_top_probs must be a list of lists of numbers, got list"),
+    (("config", "tree_budget"), "8", 'config.tree_budget must be an integer or null, got "8"'),
+    (("prefill", "first_token"), True, "prefill.first_token must be an integer, got true"),
+    (("steps",), {}, "steps must be a list, got dict"),
+])
+def test_a_wrong_typed_field_is_named_when_read(traces, tmp_path, where, value, message):
+    raw = traces[2].to_dict()
+    parent = raw
+    for key in where[:-1]:
+        parent = parent[key]
+    parent[where[-1]] = value
+    path = tmp_path / "typed.json"
+    path.write_text(json.dumps({"schema_version": 1, "traces": [raw]}))
+    with pytest.raises(TraceError) as refused:
+        read_trace_file(path)
+    assert str(refused.value) == f"trace is missing or has malformed field: {message}"
+
+
+def test_a_missing_field_and_a_broken_tree_are_named(traces, tmp_path):
+    raw = traces[2].to_dict()
+    del raw["summary"]["tau"]
+    path = tmp_path / "missing.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(TraceError, match=r"^trace is missing or has malformed field: summary\.tau is missing$"):
+        read_trace_file(path)
+    raw = traces[2].to_dict()
+    raw["steps"][0]["tree_parents"].pop()
+    path.write_text(json.dumps(raw))
+    with pytest.raises(TraceError, match="^step 1 of the ddtree trace is inconsistent: its tree lists differ in len"):
+        read_trace_file(path)
+
+
+def test_the_bench_writes_one_prompts_runs_to_a_trace_file_and_refuses_several(capsys):
+    from engine.tools.bench import main
+
+    assert main(["--prompts", "assets/prompts/smoke.jsonl", "--trace-file", "never.json"]) == 2
+    assert capsys.readouterr().err == ("error: --trace-file holds one prompt's runs, as the app's download; the "
+                                       "prompts give 3: pick one with --limit 1 or a one-prompt file\n")
+
+
+# ---------------------------------------------------------------- the shipped examples (assets/traces/)
+
+EXAMPLES = sorted(Path("assets/traces").glob("*.json"))
+
+
+def test_there_is_a_shipped_example():
+    assert EXAMPLES
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.name)
+def test_a_shipped_example_names_the_bundled_pair_and_every_method_writes_ars_text(path):
+    """Names that resolve to the bundled model and the shipped drafter let the app label tree nodes with the
+    tokenizer's text (not ``#4421``); an example whose drafting runs leave AR's output shows a near-tie, not
+    speculative decoding."""
+    traces = read_trace_file(path)
+    ar, dflash, ddtree = traces
+    assert [t.config.method for t in traces] == ["ar", "dflash", "ddtree"]
+    assert {t.config.model for t in traces} == {BUNDLED_MODEL}
+    assert dflash.config.drafter == ddtree.config.drafter == display_name(str(SHIPPED_DRAFTER))
+    assert dflash.config.drafter_trained and ddtree.config.drafter_trained
+    assert dflash.output_ids == ddtree.output_ids == ar.output_ids and dflash.text == ddtree.text == ar.text
+    assert ddtree.summary.tokens_per_s > 1.5 * ar.summary.tokens_per_s  # the example shows a real speed-up
