@@ -427,7 +427,7 @@ class RunView:
         gr.HTML(legend_html())
         with gr.Row(equal_height=False):
             self.columns = {method: gr.HTML(column_html(method, None), label=f"{METHOD_NAMES[method]} output",
-                                            show_label=False, elem_id=f"column-{method}")
+                                            show_label=False, elem_id=f"column-{method}", elem_classes="ddt-output")
                             for method in METHODS}
         with gr.Row(equal_height=False):
             self.economics_plot = gr.Plot(economics_figure([]), label="Step economics", show_label=False,
@@ -878,12 +878,11 @@ class StudioApp:
         """``fn`` on ``trigger`` with the busy buttons disabled until it ends, however it ends (done, stopped,
         refused or failed), so a second click cannot start a run the page would not show. Only ``fn`` is
         the API's endpoint: the buttons are the page's."""
-        buttons = self.busy_buttons
-        trigger(lambda: {button: gr.Button(interactive=False) for button in buttons}, None, buttons, queue=False,
-                api_visibility="private", show_progress="hidden").then(
-            fn, inputs, outputs, show_progress="hidden", **event).then(
-            lambda: {button: gr.Button(interactive=True) for button in buttons}, None, buttons, queue=False,
-            api_visibility="private", show_progress="hidden")
+        buttons, private = self.busy_buttons, dict(queue=False, api_visibility="private", show_progress="hidden")
+        work = trigger(lambda: {button: gr.Button(interactive=False) for button in buttons}, None, buttons,
+                       **private).then(fn, inputs, outputs, show_progress="hidden", **event)
+        for ended in (work.then, work.failure):  # the page runs a .then only after a success
+            ended(lambda: {button: gr.Button(interactive=True) for button in buttons}, None, buttons, **private)
 
     def follow_timing(self, budget_typed: bool) -> dict:
         """The banner follows the background timing; when it ends, the budget box moves to its choice
@@ -998,11 +997,8 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 CSS = """
 .ddt-column { min-height: 8em; }
 #status { min-height: 1.5em; }
-/* a phone: the output columns (and every other row) stack rather than shrink to a word per line */
-@media (max-width: 640px) {
-  .row { flex-direction: column !important; }
-  .row > * { min-width: 0 !important; width: 100% !important; }
-}
+/* a row wraps what it cannot fit: on a phone each output column takes a line of its own rather than a word */
+.ddt-output { min-width: min(280px, 100%) !important; }
 """
 
 

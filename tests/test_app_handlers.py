@@ -136,12 +136,15 @@ def test_run_sweep_and_replay_disable_each_other_until_they_end_however_they_end
     for name in ("run", "sweep", "replay"):
         work = next(dep for dep in dependencies if dep["api_name"] == name)
         before = by_id[work["trigger_after"]]
-        after = next(dep for dep in dependencies if dep.get("trigger_after") == work["id"])
-        assert not work["trigger_only_on_success"] and not after["trigger_only_on_success"]
-        assert sorted(before["outputs"]) == sorted(after["outputs"]) == buttons
-        assert before["api_visibility"] == after["api_visibility"] == "private"
-    disable, enable = (next(fn.fn for fn in page.demo.fns.values() if fn._id == dep_id)
-                       for dep_id in (before["id"], after["id"]))
+        after = [dep for dep in dependencies if dep.get("trigger_after") == work["id"]]
+        assert not work["trigger_only_on_success"], "the work starts once the buttons are off"
+        # the page runs a .then only after a success: a refused or failed run needs its .failure
+        assert sorted((dep["trigger_only_on_success"], dep["trigger_only_on_failure"]) for dep in after) == [
+            (False, False), (False, True)]
+        assert [sorted(dep["outputs"]) for dep in (before, *after)] == [buttons] * 3
+        assert {dep["api_visibility"] for dep in (before, *after)} == {"private"}
+    disable, enable = (next(fn.fn for fn in page.demo.fns.values() if fn._id == dep["id"])
+                       for dep in (before, after[0]))
     assert {button.interactive for button in disable().values()} == {False}
     assert {button.interactive for button in enable().values()} == {True}
 
