@@ -71,6 +71,9 @@ DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
 MAX_SWEEP_POINTS = 8
 MAX_SEED = 2**63 - 1
 KEPT_FILES = 64  # trace downloads and videos kept on disk; Gradio serves its own copy of each
+# Gradio keeps every session's traces and a copy of every output it was shown (a few MB after a run) until this
+# many newer sessions evict it; its default, 10000, is unbounded in practice: memory grew with every visitor
+MAX_SESSIONS = 128
 TRACE_FILE_NAME = "ddtree-traces.json"
 
 
@@ -1165,7 +1168,7 @@ def main() -> None:
     if studio.timing_pending:
         threading.Thread(target=studio.time_budgets, name="budget-timing", daemon=True).start()
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
-        server_name=args.host, server_port=args.port, css=CSS)
+        server_name=args.host, server_port=args.port, css=CSS, state_session_capacity=MAX_SESSIONS)
 
 
 if __name__ == "__main__":

@@ -197,3 +197,13 @@ def test_the_public_api_names_every_endpoint_and_output(page):
                for name, endpoint in endpoints.items()}
     assert {name: labels for name, labels in unnamed.items() if labels} == {}
 
+
+
+def test_the_served_page_keeps_a_bounded_number_of_sessions(monkeypatch):
+    """Gradio keeps each session's traces and outputs until newer sessions evict it: main bounds how many."""
+    launched = {}
+    monkeypatch.setattr(app, "load_studio_decoder", lambda args: tiny_decoder(0))
+    monkeypatch.setattr(gr.Blocks, "launch", lambda demo, **kwargs: launched.update(kwargs))
+    monkeypatch.setattr("sys.argv", ["app.py", "--tree-budget", "8"])
+    app.main()
+    assert launched["state_session_capacity"] == app.MAX_SESSIONS < 10000  # Gradio's own default
