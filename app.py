@@ -682,8 +682,8 @@ class InspectorView:
         """A visitor's (or an API client's) choice of method must name one of this session's traces."""
         if not traces:
             raise refusal(EngineError("nothing to inspect yet: run the methods or upload traces"))
-        if method not in traces:
-            raise refusal(EngineError(f"this session has no {method} trace; it has "
+        if not isinstance(method, str) or method not in traces:  # unprocessed (``inspect``): it may be anything
+            raise refusal(EngineError(f"this session has no {method!r} trace; it has "
                                       f"{', '.join(t.config.method for t in ordered(traces))}"))
 
     def choose_method(self, traces: dict[str, Trace], method: str | None) -> dict:

@@ -101,6 +101,11 @@ def test_a_step_that_is_no_whole_number_is_refused_with_a_sentence(page, traces,
     assert refused(lambda: page.inspector.choose_step(traces, "ddtree", step)) == message
 
 
+def test_a_method_that_is_no_name_is_refused_with_a_sentence(page, traces):
+    assert refused(lambda: page.inspector.choose_step(traces, ["ddtree"], 1)) == (
+        "This session has no ['ddtree'] trace; it has ar, dflash, ddtree")
+
+
 def test_next_past_the_last_step_stays_on_it(page, traces):
     last = len(traces["ar"].steps)
     update = page.inspector.show_step(traces, "ar", last, delta=1)
