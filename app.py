@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import logging
+import math
+import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +39,7 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.decode import DecodeSettings, Decoder
-from engine.measure.calibration import FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir
+from engine.measure.calibration import FALLBACK_BUDGET, BudgetChoice, StartupTiming, cache_dir
 from engine.serving.model_queue import ModelQueue
 from engine.serving.startup import (add_model_arguments, check_model_arguments, load_studio_decoder,
                                     opening_budget)
@@ -63,6 +67,11 @@ REPLAY_FRAME_S = 0.1
 REPLAY_SPEEDS = [("0.25×", "0.25"), ("0.5×", "0.5"), ("1× (real time)", "1")]
 DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
 MAX_SWEEP_POINTS = 8
+MAX_SEED = 2**63 - 1
+KEPT_FILES = 64  # trace downloads and videos kept on disk; Gradio serves its own copy of each
+# Gradio keeps every session's traces and a copy of every output it was shown (a few MB after a run) until this
+# many newer sessions evict it; its default, 10000, is unbounded in practice: memory grew with every visitor
+MAX_SESSIONS = 128
 TRACE_FILE_NAME = "ddtree-traces.json"
 
 
@@ -157,8 +166,30 @@ def ordered(traces: dict[str, Trace]) -> list[Trace]:
     return [traces[method] for method in METHODS if method in traces]
 
 
-def save_traces(traces: list[Trace]) -> str:
-    return str(write_trace_file(Path(tempfile.mkdtemp(prefix="ddtree-studio-")) / TRACE_FILE_NAME, traces))
+class ScratchFiles:
+    """Files the page hands to Gradio, which copies each into its own cache at once: one folder for the app's
+    life that keeps the newest ``keep`` of them (a folder per file would fill /tmp over a day of visitors)."""
+
+    def __init__(self, keep: int = KEPT_FILES):
+        self.folder = tempfile.TemporaryDirectory(prefix="ddtree-studio-")  # removed when the app exits
+        self.keep = keep
+        self.made: deque[Path] = deque()
+        self.count = itertools.count()
+        self.lock = threading.Lock()
+
+    def path(self, name: str) -> Path:
+        """A fresh path ending in ``name``, the name a visitor's download gets."""
+        with self.lock:
+            folder = Path(self.folder.name) / str(next(self.count))
+            folder.mkdir()
+            self.made.append(folder)
+            while len(self.made) > self.keep:
+                shutil.rmtree(self.made.popleft(), ignore_errors=True)
+        return folder / name
+
+
+def save_traces(traces: list[Trace], path: Path) -> str:
+    return str(write_trace_file(path, traces))
 
 
 # ---------------------------------------------------------------- running the model
@@ -238,17 +269,35 @@ def filled(value, name: str):
     return value
 
 
+def is_number(value) -> bool:
+    """A finite int or float; not a bool, whose True a box would take as 1."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
+                                                                          and math.isfinite(value))
+
+
+def number(value, name: str) -> float:
+    """A box's number. An API client can send anything: "hot", true or NaN must be refused here, not fail
+    inside the model."""
+    value = filled(value, name)
+    if not is_number(value):
+        raise EngineError(f"{name} must be a number, got {value!r}")
+    return value
+
+
 def whole(value, name: str) -> int:
-    """A count's box: an API client can send 2.5, which must not quietly run as 2."""
-    number = filled(value, name)
-    if number != int(number):
-        raise EngineError(f"{name} must be a whole number, got {number}")
-    return int(number)
+    """A count's box: an API client can send 2.5, which must not quietly run as 2, or "ten"."""
+    value = filled(value, name)
+    if not is_number(value) or value != int(value):
+        raise EngineError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
 
 
 def common_settings(max_new_tokens, temperature, seed) -> dict:
+    seed = whole(seed, "seed")
+    if not 0 <= seed <= MAX_SEED:  # torch.manual_seed overflows past 64 bits
+        raise EngineError(f"seed must be a whole number between 0 and 2**63-1, got {seed}")
     return dict(max_new_tokens=whole(max_new_tokens, "max new tokens"),
-                temperature=float(filled(temperature, "temperature")), seed=whole(seed, "seed"))
+                temperature=number(temperature, "temperature"), seed=seed)
 
 
 def checked(studio: Studio, prompt_ids: list[int],
@@ -273,9 +322,12 @@ def problem(exc: Exception) -> str:
 
 def refusal(exc: Exception) -> gr.Error:
     """Bad input, refused before anything changed: the page shows it as an error toast and keeps
-    everything it shows; an API client gets the message as its error, not a status line beside
-    unchanged outputs."""
-    return gr.Error(capitalized(str(exc)))
+    everything it shows (its events hide their progress, which would mark every output "Error");
+    an API client gets the message as its error, not a status line beside unchanged outputs.
+    Refusals are expected: the log gets one line, not a traceback."""
+    message = capitalized(str(exc))
+    log.info("refused: %s", message)
+    return gr.Error(message, print_exception=False)
 
 
 def capitalized(message: str) -> str:
@@ -298,6 +350,7 @@ class Session:
     traces: gr.State
     control: gr.State
     status: gr.Markdown
+    files: ScratchFiles  # shared by every session: the app's files on disk, bounded
 
 
 class RunView:
@@ -321,22 +374,26 @@ class RunView:
                     self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)")
                 with gr.Row():
                     self.seed = gr.Number(0, label="Seed", step=1)
-                    self.budget = gr.Number(lambda: self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
+                    # a plain value, not one computed at page load: a load event, queued behind runs, would
+                    # overwrite what the visitor typed meanwhile; the timing clock moves an untouched box
+                    self.budget = gr.Number(self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
                                             step=1, elem_id="budget")
+                    self.budget_typed = gr.State(False)
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
         self.session.status.render()
         gr.HTML(legend_html())
         with gr.Row(equal_height=False):
-            self.columns = {method: gr.HTML(column_html(method, None), elem_id=f"column-{method}")
+            self.columns = {method: gr.HTML(column_html(method, None), label=f"{METHOD_NAMES[method]} output",
+                                            show_label=False, elem_id=f"column-{method}", elem_classes="ddt-output")
                             for method in METHODS}
         with gr.Row(equal_height=False):
             self.economics_plot = gr.Plot(economics_figure([]), label="Step economics", show_label=False,
                                           elem_id="economics-plot", scale=3)
             self.economics_text = gr.Markdown("A method is faster than AR when the tokens it commits per step (τ) "
                                               "exceed what a step costs, counted in AR steps.",
-                                              elem_id="economics-text")
+                                              label="Step economics in words", elem_id="economics-text")
 
     @property
     def status(self) -> gr.Markdown:
@@ -391,7 +448,8 @@ class RunView:
 
     @staticmethod
     def _run_status(traces: dict[str, Trace], stopped: bool) -> str:
-        notes = [note for trace in traces.values() for note in trace.config.notes]
+        # each run keeps the notes on its settings: one temperature warning per method is one warning
+        notes = list(dict.fromkeys(note for trace in traces.values() for note in trace.config.notes))
         for note in notes:
             gr.Info(note)
         done = "Stopped" if stopped else "Done"
@@ -403,6 +461,11 @@ class RunView:
         return {**{column: column_html(method, traces.get(method), ar, all_done=True)
                    for method, column in self.columns.items()},
                 self.economics_plot: economics_figure(runs), self.economics_text: economics_text(runs)}
+
+
+def typed() -> bool:
+    """The visitor typed in a box: what the page would put there later must not replace it."""
+    return True
 
 
 def request_stop(control: RunControl) -> str:
@@ -422,7 +485,7 @@ class ReplayView:
             with gr.Row():
                 self.speed = gr.Radio(REPLAY_SPEEDS, value="0.5", label="Replay speed", scale=3)
                 self.replay_button = gr.Button("Replay race", scale=1, elem_id="replay-button")
-            self.race = gr.Plot(race_chart([]), label="Tokens over time", show_label=False)
+            self.race = gr.Plot(race_chart([]), label="Tokens over time", show_label=False, elem_id="race-plot")
             with gr.Row():
                 self.video_button = gr.Button("Render comparison video (MP4, 720p)", scale=1, elem_id="video-button")
                 self.video = gr.Video(label="Comparison video", interactive=False, scale=3, elem_id="video")
@@ -432,7 +495,8 @@ class ReplayView:
         return self.session.status
 
     def replay(self, traces: dict[str, Trace], speed: str, control: RunControl):
-        """Animate every run on one clock, each token appearing when its step ended."""
+        """Animate every run on one clock, each token appearing when its step ended: the race chart beside the
+        button, and the columns above it."""
         runs = ordered(traces)
         if not runs:
             raise refusal(EngineError("nothing to replay yet: run the methods or upload traces"))
@@ -447,12 +511,21 @@ class ReplayView:
             time.sleep(REPLAY_FRAME_S)
         yield self._race_frame(traces, None, "Replay finished." if not control.stop else "Replay stopped.")
 
-    def render_video(self, traces: dict[str, Trace], speed: str, progress=gr.Progress()) -> dict:
-        """The race as an MP4, drawn from the traces (the replay speed sets the slow motion)."""
+    @staticmethod
+    def filmable(traces: dict[str, Trace]) -> list[Trace]:
         runs = ordered(traces)
         if not runs:
             raise refusal(EngineError("nothing to film yet: run the methods or upload traces"))
-        out = Path(tempfile.mkdtemp(prefix="ddtree-video-")) / "ddtree-comparison.mp4"
+        return runs
+
+    @staticmethod
+    def check_film(traces: dict[str, Trace]) -> None:
+        ReplayView.filmable(traces)
+
+    def render_video(self, traces: dict[str, Trace], speed: str, progress=gr.Progress()) -> dict:
+        """The race as an MP4, drawn from the traces (the replay speed sets the slow motion)."""
+        runs = self.filmable(traces)
+        out = self.session.files.path("ddtree-comparison.mp4")
         try:
             render_video(runs, out, preset="720p", slowdown=1.0 / float(speed or 1),
                          progress=lambda done, total: progress(done / total, desc="rendering video frames"))
@@ -463,7 +536,7 @@ class ReplayView:
 
     def _race_frame(self, traces: dict[str, Trace], clock: float | None, status: str) -> dict:
         ar = traces.get("ar")
-        return {self.status: status, **{
+        return {self.status: status, self.race: race_chart(ordered(traces), until=clock), **{
             column: column_html(method, traces.get(method), ar, until=clock, all_done=clock is None)
             for method, column in self.columns.items()}}
 
@@ -477,9 +550,10 @@ class TrafficView:
 
     HEADERS = ["time (UTC)", "endpoint", "method", "prompt", "tokens", "steps", "τ", "tokens/s", "finish"]
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, present: Callable[[dict[str, Trace], str], dict]):
         self.session = session
         self.studio = session.studio
+        self.present = present
 
     def build(self) -> None:
         server = self.studio.server
@@ -508,22 +582,21 @@ class TrafficView:
                 self.request: gr.Dropdown(choices=choices, value=choices[0][1] if choices else None),
                 self.session.status: f"{len(requests)} request(s) served by {server_url(url)}."}
 
-    def open(self, url: str, trace_id: str | None, present: Callable[[dict[str, Trace], str], dict]) -> dict:
+    def open(self, url: str, trace_id: str | None) -> dict:
         try:
             traces = request_traces(url, trace_id)
         except EngineError as exc:
             raise refusal(exc) from None
         trace = traces[0]
-        return present({trace.config.method: trace}, f"Opened request {trace_id} from {server_url(url)}: "
+        return self.present({trace.config.method: trace}, f"Opened request {trace_id} from {server_url(url)}: "
                                                      f"{trace.config.label}, {len(trace.steps)} steps.")
 
-    def open_row(self, url: str, ids: list[str], present: Callable[[dict[str, Trace], str], dict],
-                 selected: gr.SelectData) -> dict:
+    def open_row(self, url: str, ids: list[str], selected: gr.SelectData) -> dict:
         """A click on the table opens the request of that row."""
         row = selected.index[0] if isinstance(selected.index, (list, tuple)) else selected.index
         if not 0 <= row < len(ids):
             raise refusal(EngineError("that row is not in the list any more: refresh it"))
-        return {self.request: ids[row], **self.open(url, ids[row], present)}
+        return {self.request: ids[row], **self.open(url, ids[row])}
 
 
 def _served_label(request: ServedRequest) -> str:
@@ -556,11 +629,17 @@ class TracesView:
         status = f"Loaded {len(by_method)} trace(s) from the upload."
         if len(by_method) < len(traces):
             status += " The file holds several traces of one method; the first of each is shown."
-        return present(by_method, status)
+        try:
+            return present(by_method, status)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # a value of the wrong kind that the reader let through: refused, not an internal error
+            raise refusal(TraceError(f"the file's traces hold a value that cannot be shown ({type(exc).__name__}: "
+                                     f"{exc})")) from None
 
     def shown(self, traces: dict[str, Trace]) -> dict:
         runs = ordered(traces)
-        return {self.summary: run_summary(traces), self.download: save_traces(runs) if runs else None}
+        download = save_traces(runs, self.session.files.path(TRACE_FILE_NAME)) if runs else None
+        return {self.summary: run_summary(traces), self.download: download}
 
 
 class InspectorView:
@@ -584,7 +663,7 @@ class InspectorView:
         with gr.Row(equal_height=False):
             with gr.Column():
                 gr.Markdown("### Why it stopped")
-                self.why = gr.Markdown("", elem_id="why-stopped")
+                self.why = gr.Markdown("", label="Why it stopped", elem_id="why-stopped")
             self.step_stages = gr.Plot(empty_figure("Stage timings for the step."), label="Step timing")
         self.probs = gr.Plot(empty_figure("Per-depth draft probabilities appear here."), label="Draft top-k",
                              elem_id="probs-plot")
@@ -614,34 +693,39 @@ class InspectorView:
         return {self.step: gr.Slider(minimum=1, maximum=max(count, 2), value=1, step=1, interactive=count > 1),
                 **self.inspect(traces, method, 1)}
 
-    def shift_step(self, traces: dict[str, Trace], method: str | None, number, delta: int) -> dict:
-        number = min(max(int(number or 1) + delta, 1), max(step_count(traces, method), 1))
-        return {self.step: number, **self.inspect(traces, method, number)}
-
     def requested(self, traces: dict[str, Trace], method: str | None) -> None:
         """A visitor's (or an API client's) choice of method must name one of this session's traces."""
         if not traces:
             raise refusal(EngineError("nothing to inspect yet: run the methods or upload traces"))
-        if method not in traces:
-            raise refusal(EngineError(f"this session has no {method} trace; it has "
+        if not isinstance(method, str) or method not in traces:  # unprocessed (``inspect``): it may be anything
+            raise refusal(EngineError(f"this session has no {method!r} trace; it has "
                                       f"{', '.join(t.config.method for t in ordered(traces))}"))
 
     def choose_method(self, traces: dict[str, Trace], method: str | None) -> dict:
         self.requested(traces, method)
         return self.select_method(traces, method)
 
-    def choose_step(self, traces: dict[str, Trace], method: str | None, number) -> dict:
+    def choose_step(self, traces: dict[str, Trace], method: str | None, step) -> dict:
         self.requested(traces, method)
-        return self.inspect(traces, method, number)
+        return self.show_step(traces, method, step)
 
-    def inspect(self, traces: dict[str, Trace], method: str | None, number) -> dict:
-        """Step ``number`` (from 1) of the method's trace."""
+    def show_step(self, traces: dict[str, Trace], method: str | None, step, delta: int = 0) -> dict:
+        """The step asked for, moved by ``delta`` and kept within the trace; the step box shows the step drawn
+        (its number box takes 999 or 0 as typed)."""
+        try:
+            shown = min(max(whole(step, "step") + delta, 1), max(step_count(traces, method), 1))
+        except EngineError as exc:
+            raise refusal(exc) from None
+        return {self.step: shown, **self.inspect(traces, method, shown)}
+
+    def inspect(self, traces: dict[str, Trace], method: str | None, number: int) -> dict:
+        """Step ``number`` (from 1, within the trace) of the method's trace."""
         trace = traces.get(method) if method else None
         if trace is None or not trace.steps:
             message = "No steps to inspect." if trace is not None else "Run or upload traces to inspect steps."
             return {self.tree: empty_figure(message), self.probs: empty_figure(message), self.why: "",
                     self.step_stages: empty_figure(message)}
-        step = trace.steps[min(max(int(number or 1), 1), len(trace.steps)) - 1]
+        step = trace.steps[number - 1]
         token_text = self.studio.token_text_for(ordered(traces))
         label = trace.config.label
         return {
@@ -668,7 +752,7 @@ class SweepView:
                                       scale=3)
             self.sweep_button = gr.Button("Run sweep", variant="primary", scale=1)
             self.stop_button = gr.Button("Stop", variant="stop", scale=0)
-        self.status = gr.Markdown("")
+        self.status = gr.Markdown("", label="Sweep status")
         self.plot = gr.Plot(sweep_figure([]), label="Budget sweep")
         self.table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
 
@@ -727,14 +811,14 @@ class StudioApp:
     def _build(self) -> gr.Blocks:
         with gr.Blocks(title="DDTree Studio", delete_cache=(3600, 3600)) as demo:
             # method -> Trace, this session's run or upload; and its Stop switch
-            self.session = Session(self.studio, gr.State({}), gr.State(RunControl()),
-                                   gr.Markdown("Ready.", elem_id="status", render=False))  # the Run view places it
+            status = gr.Markdown("Ready.", label="Status", elem_id="status", render=False)  # the Run view places it
+            self.session = Session(self.studio, gr.State({}), gr.State(RunControl()), status, ScratchFiles())
             gr.Markdown("# DDTree Studio\nAR, DFlash and DDTree decoding side by side — same target, same prompt.")
-            # evaluated at every page load: the budget may have been chosen since the app started
-            self.banner = gr.Markdown(self._model_banner, elem_id="model-banner")
+            # while the budgets are timed, the timing clock keeps it current
+            self.banner = gr.Markdown(self._model_banner(), elem_id="model-banner")
             with gr.Tabs():
                 with gr.Tab("Run & inspect"):
-                    self.traffic_view = TrafficView(self.session)
+                    self.traffic_view = TrafficView(self.session, self.present)
                     self.traffic_view.build()
                     self.run_view = RunView(self.session)
                     self.run_view.build()
@@ -771,54 +855,77 @@ class StudioApp:
     def _wire(self, demo: gr.Blocks) -> None:
         session, run, replay, traces, inspector, sweep = (self.session, self.run_view, self.replay_view,
                                                           self.traces_view, self.inspector, self.sweep_view)
+        # A refusal raises gr.Error: an API client gets its sentence as the error, the page a toast. Gradio marks
+        # every output of a failed event "Error" unless the event hides its progress, so events that can refuse
+        # hide it (their status line says how they are doing), or check first in an event without outputs.
         run_inputs = [run.prompt, run.max_new_tokens, run.temperature, run.seed, run.budget, run.methods,
                       session.control]
-        run.run_button.click(
-            functools.partial(run.run, present=self.present), run_inputs, self.run_outputs, api_name="run",
-            concurrency_id="model", concurrency_limit=4, show_progress="minimal")
-        run.stop_button.click(request_stop, session.control, session.status, api_name="stop", queue=False)
-        replay.replay_button.click(replay.replay, [session.traces, replay.speed, session.control],
-                                   [session.status, *run.columns.values()], api_name="replay", show_progress="hidden")
-        replay.video_button.click(replay.render_video, [session.traces, replay.speed], [session.status, replay.video],
-                                  api_name="video", concurrency_id="video", concurrency_limit=1)
+        self.while_busy(run.run_button.click, functools.partial(run.run, present=self.present), run_inputs,
+                        self.run_outputs, api_name="run", concurrency_id="model", concurrency_limit=4)
+        run.stop_button.click(request_stop, session.control, session.status, api_name="stop", queue=False,
+                              show_progress="hidden")
+        self.while_busy(replay.replay_button.click, replay.replay, [session.traces, replay.speed, session.control],
+                        [session.status, *run.columns.values(), replay.race], api_name="replay")
+        replay.video_button.click(replay.check_film, session.traces, None, queue=False, api_visibility="private",
+                                  show_progress="hidden").success(
+            replay.render_video, [session.traces, replay.speed], [session.status, replay.video], api_name="video",
+            concurrency_id="video", concurrency_limit=1)
         traces.upload.upload(functools.partial(traces.load_upload, present=self.present), traces.upload,
-                             self.run_outputs, api_name="upload")
+                             self.run_outputs, api_name="upload", show_progress="hidden")
         # .input (not .change) so the updates a run or upload makes do not trigger these again
         inspector.method.input(inspector.choose_method, [session.traces, inspector.method],
-                               [inspector.step, *inspector.step_views], api_name="select_method")
+                               [inspector.step, *inspector.step_views], api_name="select_method",
+                               show_progress="hidden")
+        # unprocessed, so the handler (not the slider's range check) answers a step of 999, 0 or "x"
         inspector.step.input(inspector.choose_step, [session.traces, inspector.method, inspector.step],
-                             inspector.step_views, api_name="inspect", trigger_mode="always_last",
-                             show_progress="hidden")
+                             [inspector.step, *inspector.step_views], api_name="inspect", trigger_mode="always_last",
+                             show_progress="hidden", preprocess=False)
         for button, delta in ((inspector.prev_button, -1), (inspector.next_button, 1)):
-            button.click(functools.partial(inspector.shift_step, delta=delta),
+            button.click(functools.partial(inspector.show_step, delta=delta),
                          [session.traces, inspector.method, inspector.step], [inspector.step, *inspector.step_views],
-                         api_visibility="private", show_progress="hidden")
-        sweep.sweep_button.click(
-            sweep.sweep, [run.prompt, run.max_new_tokens, run.temperature, run.seed, sweep.budgets, session.control],
-            [sweep.status, sweep.plot, sweep.table], api_name="sweep", concurrency_id="model",
-            concurrency_limit=4, show_progress="minimal")
-        sweep.stop_button.click(request_stop, session.control, sweep.status, api_visibility="private", queue=False)
+                         api_visibility="private", show_progress="hidden", preprocess=False)
+        self.while_busy(sweep.sweep_button.click, sweep.sweep,
+                        [run.prompt, run.max_new_tokens, run.temperature, run.seed, sweep.budgets, session.control],
+                        [sweep.status, sweep.plot, sweep.table], api_name="sweep", concurrency_id="model",
+                        concurrency_limit=4)
+        sweep.stop_button.click(request_stop, session.control, sweep.status, api_visibility="private", queue=False,
+                                show_progress="hidden")
         gr.api(self.info, api_name="info", queue=False)
         traffic = self.traffic_view
         listing = [traffic.table, traffic.listed, traffic.request, session.status]
-        traffic.refresh_button.click(traffic.refresh, traffic.url, listing, api_name="traffic")
-        traffic.open_button.click(functools.partial(traffic.open, present=self.present), [traffic.url, traffic.request],
-                                  self.run_outputs, api_name="open_request")
-        traffic.table.select(functools.partial(traffic.open_row, present=self.present), [traffic.url, traffic.listed],
-                             [traffic.request, *self.run_outputs], api_visibility="private")
+        traffic.refresh_button.click(traffic.refresh, traffic.url, listing, api_name="traffic", show_progress="hidden")
+        self.while_busy(traffic.open_button.click, traffic.open, [traffic.url, traffic.request], self.run_outputs,
+                        api_name="open_request")
+        self.while_busy(traffic.table.select, traffic.open_row, [traffic.url, traffic.listed],
+                        [traffic.request, *self.run_outputs], api_visibility="private")
         if self.studio.server is not None:  # the page opens on the server's list
-            demo.load(traffic.refresh, traffic.url, listing, api_visibility="private")
-        self.timing_clock.tick(self.follow_timing, run.budget, [self.banner, run.budget, self.timing_clock],
+            demo.load(traffic.refresh, traffic.url, listing, api_visibility="private", show_progress="hidden")
+        run.budget.input(typed, None, run.budget_typed, api_visibility="private", queue=False, show_progress="hidden")
+        self.timing_clock.tick(self.follow_timing, run.budget_typed, [self.banner, run.budget, self.timing_clock],
                                api_visibility="private", queue=False, show_progress="hidden")
 
-    def follow_timing(self, budget) -> dict:
+    @property
+    def busy_buttons(self) -> list[gr.Button]:
+        """The buttons that start work in the session's columns or on its Stop switch: one at a time."""
+        return [self.run_view.run_button, self.sweep_view.sweep_button, self.replay_view.replay_button]
+
+    def while_busy(self, trigger: Callable, fn: Callable, inputs: list, outputs: list, **event) -> None:
+        """``fn`` on ``trigger`` with the busy buttons disabled until it ends, however it ends (done, stopped,
+        refused or failed), so a second click cannot start a run the page would not show. Only ``fn`` is
+        the API's endpoint: the buttons are the page's."""
+        buttons, private = self.busy_buttons, dict(queue=False, api_visibility="private", show_progress="hidden")
+        work = trigger(lambda: {button: gr.Button(interactive=False) for button in buttons}, None, buttons,
+                       **private).then(fn, inputs, outputs, show_progress="hidden", **event)
+        for ended in (work.then, work.failure):  # the page runs a .then only after a success
+            ended(lambda: {button: gr.Button(interactive=True) for button in buttons}, None, buttons, **private)
+
+    def follow_timing(self, budget_typed: bool) -> dict:
         """The banner follows the background timing; when it ends, the budget box moves to its choice
-        (unless the visitor has changed it) and the clock stops."""
+        (unless the visitor has typed in it) and the clock stops."""
         if self.studio.timing_pending:
             return {self.banner: self._model_banner()}
-        chosen = self.studio.budget.budget if budget == PROVISIONAL_BUDGET else budget
-        return {self.banner: self._model_banner(), self.run_view.budget: chosen,
-                self.timing_clock: gr.Timer(active=False)}
+        moved = {} if budget_typed else {self.run_view.budget: self.studio.budget.budget}
+        return {self.banner: self._model_banner(), **moved, self.timing_clock: gr.Timer(active=False)}
 
     def info(self) -> dict:
         """What the page runs on and the DDTree budget it starts with, and why."""
@@ -927,6 +1034,8 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 CSS = """
 .ddt-column { min-height: 8em; }
 #status { min-height: 1.5em; }
+/* a row wraps what it cannot fit: on a phone each output column takes a line of its own rather than a word */
+.ddt-output { min-width: min(280px, 100%) !important; }
 """
 
 
@@ -949,33 +1058,44 @@ class DoctorView:
             self.prompts = gr.Textbox("\n".join(DEFAULT_PROMPTS), lines=4, label="Prompts (one a line)", scale=3,
                                       elem_id="doctor-prompts")
             with gr.Column(scale=1):
-                self.tokens = gr.Number(ProbeSettings.max_new_tokens, label="Greedy tokens per prompt", precision=0,
-                                        elem_id="doctor-tokens")
+                self.tokens = gr.Number(ProbeSettings.max_new_tokens, label="Greedy tokens per prompt", step=1,
+                                        elem_id="doctor-tokens")  # no precision: ``whole`` refuses 2.5, never rounds
                 self.vllm = gr.Checkbox(False, label="Also probe the wiring vLLM 0.23 gives this drafter")
                 self.button = gr.Button("Run the doctor", variant="primary", elem_id="doctor-button")
-        self.verdict = gr.Markdown("Not run yet.", elem_id="doctor-verdict")
+        self.verdict = gr.Markdown("Not run yet.", label="Verdict", elem_id="doctor-verdict")
         with gr.Row():
-            self.plots = [gr.Plot(empty_figure("run the doctor"), show_label=False, elem_id=f"doctor-{name}")
-                          for name in self.PLOTS[:2]]
+            self.plots = [gr.Plot(empty_figure("run the doctor"), label=name, show_label=False,
+                                  elem_id=f"doctor-{name}") for name in self.PLOTS[:2]]
         with gr.Row():
-            self.plots += [gr.Plot(empty_figure("run the doctor"), show_label=False, elem_id=f"doctor-{name}")
-                           for name in self.PLOTS[2:]]
-        self.button.click(self.examine, [self.prompts, self.tokens, self.vllm], [self.verdict, *self.plots],
-                          api_name="examine")
+            self.plots += [gr.Plot(empty_figure("run the doctor"), label=name, show_label=False,
+                                   elem_id=f"doctor-{name}") for name in self.PLOTS[2:]]
+        # the page checks the settings first, in an event without outputs, so a refusal marks none of them "Error"
+        # while the probe itself keeps its progress; an API client calls /examine, which checks them too
+        self.button.click(self.check, [self.tokens, self.vllm], None, queue=False, api_visibility="private",
+                          show_progress="hidden").success(
+            self.examine, [self.prompts, self.tokens, self.vllm], [self.verdict, *self.plots], api_name="examine")
 
-    def examine(self, prompt_text: str, max_new_tokens, check_vllm: bool) -> dict:
-        """The doctor's report on the prompts, as one job on the model's queue."""
-        from engine.measure.doctor import ProbeSettings, diagnose
-        from viz.doctor_figures import doctor_figures, report_markdown
+    def probe_settings(self, max_new_tokens, check_vllm: bool):
+        from engine.measure.doctor import ProbeSettings
 
         try:
             if self.studio.require_model().engine != "torch":
                 raise EngineError("the Doctor tab probes on the torch engine: run python -m engine.tools.doctor "
                                   "--engine vllm for vLLM's wiring")
-            settings = ProbeSettings(max_new_tokens=whole(max_new_tokens, "greedy tokens per prompt"),
-                                     engine="vllm" if check_vllm else "torch")
+            return ProbeSettings(max_new_tokens=whole(max_new_tokens, "greedy tokens per prompt"),
+                                 engine="vllm" if check_vllm else "torch")
         except EngineError as exc:
             raise refusal(exc) from None
+
+    def check(self, max_new_tokens, check_vllm: bool) -> None:
+        self.probe_settings(max_new_tokens, check_vllm)
+
+    def examine(self, prompt_text: str, max_new_tokens, check_vllm: bool) -> dict:
+        """The doctor's report on the prompts, as one job on the model's queue."""
+        from engine.measure.doctor import diagnose
+        from viz.doctor_figures import doctor_figures, report_markdown
+
+        settings = self.probe_settings(max_new_tokens, check_vllm)
         lines = [line.strip() for line in (prompt_text or "").splitlines() if line.strip()]
         try:
             report = self.studio.queue.run(diagnose, self.studio.decoder, lines, settings)
@@ -1048,7 +1168,7 @@ def main() -> None:
 
 def launch(studio: Studio, args: argparse.Namespace) -> None:
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
-        server_name=args.host, server_port=args.port, css=CSS)
+        server_name=args.host, server_port=args.port, css=CSS, state_session_capacity=MAX_SESSIONS)
 
 
 if __name__ == "__main__":

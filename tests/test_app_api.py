@@ -85,10 +85,17 @@ def test_run_summary_explains_the_speed_with_tau_and_step_cost(full_run):
 
 def test_inspect_moves_through_steps(client, full_run):
     client.predict("ddtree", api_name="/select_method")
-    tree, probs, why, _ = client.predict("ddtree", 2, api_name="/inspect")
-    assert "Step 2" in json.loads(tree["plot"])["layout"]["title"]["text"]
+    step, tree, probs, why, _ = client.predict("ddtree", 2, api_name="/inspect")
+    assert step == 2 and "Step 2" in json.loads(tree["plot"])["layout"]["title"]["text"]
     assert "Step 2" in why
     assert any(trace["type"] == "heatmap" for trace in plot_data(probs))
+    last = full_run["summary"]["ddtree"]["steps"]
+    step, tree = client.predict("ddtree", 999, api_name="/inspect")[:2]
+    assert step == last and f"Step {last}" in json.loads(tree["plot"])["layout"]["title"]["text"]
+    for value, message in (("x", "Step must be a whole number, got 'x'"), (None, "Step is empty: enter a number")):
+        with pytest.raises(AppError) as refused:
+            client.predict("ddtree", value, api_name="/inspect")
+        assert message in str(refused.value)
 
 
 def read_download(path: str) -> list[Trace]:
@@ -105,6 +112,9 @@ def read_download(path: str) -> list[Trace]:
     (dict(max_new_tokens=2.5), "max new tokens must be a whole number, got 2.5"),
     (dict(budget=16.5), "tree budget must be a whole number, got 16.5"),
     (dict(methods=[]), "choose at least one method"),
+    (dict(seed=2**70), "seed must be a whole number between 0 and 2**63-1, got 1180591620717411303424"),
+    (dict(max_new_tokens="ten"), "max new tokens must be a whole number, got 'ten'"),
+    (dict(temperature=None), "temperature is empty: enter a number"),
 ])
 def test_bad_input_is_refused_with_its_reason_and_the_app_keeps_serving(client, kwargs, message):
     # the API's error is the reason itself, not a status line beside {'__type__': 'update'} outputs
@@ -143,9 +153,10 @@ def test_uploaded_traces_replay_and_inspect_without_running(app_url, full_run):
     loaded = dict(zip(OUTPUTS, fresh.predict(handle_file(full_run["download"]), api_name="/upload")))
     assert loaded["status"].startswith("Loaded 3 trace(s)")
     assert loaded["summary"] == full_run["summary"]
-    status, *columns = fresh.predict("1", api_name="/replay")
+    status, *columns, race = fresh.predict("1", api_name="/replay")
     assert status == "Replay finished."
     assert all("ddt-text" in column for column in columns)
+    assert [line["name"] for line in plot_data(race)] == ["ar", "dflash", "ddtree@8"]  # the whole race, last
     assert "identical to AR" in columns[2]
 
 

@@ -29,8 +29,8 @@ def browser():
         browser.close()
 
 
-def open_page(browser, app_url):
-    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+def open_page(browser, app_url, width: int = 1400):
+    page = browser.new_context(viewport={"width": width, "height": 1000}).new_page()
     page.goto(app_url)
     page.locator("#run-button").wait_for()
     return page
@@ -136,3 +136,55 @@ def test_a_servers_traffic_opens_in_the_inspector(browser, tmp_path):
             page.locator("#tree-plot .js-plotly-plot").wait_for()
             assert page.locator("#tree-plot .js-plotly-plot .point").count() >= 3  # root, drafts, bonus
             assert "Step 1" in tree_title(page)
+
+
+# every visible "Error" outside a toast: the pills Gradio puts on the outputs of a failed event
+ERROR_PILLS = """[...document.querySelectorAll('body *')].filter(e => e.children.length === 0
+    && e.textContent.trim() === 'Error' && e.checkVisibility({opacityProperty: true, visibilityProperty: true})
+    && !e.closest('[data-testid="toast-body"], .toast-body')).length"""
+
+
+def test_a_refusal_says_its_sentence_once_and_leaves_the_outputs_unmarked(browser, app_url):
+    page = open_page(browser, app_url)
+    columns = [page.locator(f"#column-{method} .ddt-column") for method in ("ar", "dflash", "ddtree")]
+    before = [column.inner_html() for column in columns]
+    page.locator("#max-new-tokens input").fill("0")
+    page.locator("#run-button").click()
+    toast = page.locator('[data-testid="toast-body"]', has_text="Max new tokens must be between 1 and 4096, got 0")
+    toast.wait_for()
+    assert toast.count() == 1
+    page.wait_for_function("!document.querySelector('#run-button').disabled")  # the refused run has ended
+    assert page.evaluate(ERROR_PILLS) == 0
+    assert [column.inner_html() for column in columns] == before
+
+
+def test_run_is_disabled_while_a_run_goes_and_the_replay_moves_the_race_chart(browser, app_url):
+    page = open_page(browser, app_url)
+    start_run(page, "Count to five.", max_new_tokens=24)
+    page.wait_for_function("document.querySelector('#run-button').disabled")
+    assert page.locator("#replay-button").is_disabled()
+    wait_until_done(page)
+    page.wait_for_function("!document.querySelector('#run-button').disabled")
+    page.get_by_label("1× (real time)").check()
+    page.locator("#replay-button").click()
+    # the clock line of a replay frame, then the finished race without it
+    page.wait_for_function("document.querySelectorAll('#race-plot .shapelayer path').length > 0")
+    page.wait_for_function("document.querySelector('#status')?.innerText.startsWith('Replay finished')",
+                           timeout=RUN_TIMEOUT_MS)
+    page.wait_for_function("document.querySelectorAll('#race-plot .shapelayer path').length === 0")
+
+
+def test_a_phone_wide_page_stacks_the_output_columns(browser, app_url):
+    page = open_page(browser, app_url, width=390)
+    boxes = [page.locator(f"#column-{method}").bounding_box() for method in ("ar", "dflash", "ddtree")]
+    assert all(box["width"] > 300 for box in boxes), boxes
+    assert boxes[0]["y"] + boxes[0]["height"] <= boxes[1]["y"] and boxes[1]["y"] + boxes[1]["height"] <= boxes[2]["y"]
+
+
+def test_a_budget_typed_at_once_is_kept(browser, app_url):
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page.goto(app_url)
+    box = page.locator("#budget input")
+    box.fill("40")
+    page.wait_for_timeout(3000)  # longer than a load event or a tick of the timing clock takes
+    assert box.input_value() == "40"

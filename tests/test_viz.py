@@ -282,6 +282,22 @@ def test_stage_and_run_figures(traces):
     assert "AR steps" in economics_figure([traces["ddtree"]]).layout.annotations[0].text
 
 
+def test_a_replay_frame_of_the_race_draws_each_line_up_to_its_clock_on_the_whole_races_axes(traces):
+    runs = list(traces.values())
+    ddtree = traces["ddtree"]
+    clock = (ddtree.steps[1].t_end + ddtree.steps[2].t_end) / 2  # after DDTree's second step, before its third
+    frame = race_chart(runs, until=clock)
+    line = frame.data[2]
+    committed = 1 + ddtree.steps[0].acceptance_length + ddtree.steps[1].acceptance_length
+    assert list(line.x[-2:]) == [ddtree.steps[1].t_end, clock] and list(line.y[-2:]) == [committed, committed]
+    assert all(max(drawn.x) == clock for drawn in frame.data), "every line runs up to the clock"
+    assert [shape.x0 for shape in frame.layout.shapes] == [clock]
+    whole = max(t.steps[-1].t_end for t in runs)
+    assert frame.layout.xaxis.range[1] >= whole, "the frame shows the whole race's time axis"
+    assert frame.layout.yaxis.range[1] >= max(t.summary.new_tokens for t in runs)
+    assert not race_chart(runs).layout.shapes, "the finished race has no clock"
+
+
 def test_the_sweep_marks_its_best_budget_inside_the_log_axis(traces):
     import math
 

@@ -288,16 +288,14 @@ def sweep_figure(traces: list[Trace], baseline: Trace | None = None) -> go.Figur
     return fig
 
 
-def race_chart(traces: list[Trace]) -> go.Figure:
-    """Tokens committed against wall time for each run: the race, as one static plot."""
+def race_chart(traces: list[Trace], until: float | None = None) -> go.Figure:
+    """Tokens committed against wall time for each run: the race. ``until``: the race as of that many seconds,
+    a frame of the replay, with its clock drawn and the axes of the whole race, so frames do not jump."""
     if not traces:
         return empty_figure("Run or upload traces to see the race.")
     fig = go.Figure()
     for trace in traces:
-        times, counts = [0.0, trace.prefill.t_end], [0, 1]
-        for step in trace.steps:
-            times.append(step.t_end)
-            counts.append(counts[-1] + step.acceptance_length)
+        times, counts = race_line(trace, until)
         fig.add_trace(go.Scatter(x=times, y=counts, mode="lines", line_shape="hv", name=trace.config.label,
                                  line=dict(color=METHOD_COLOURS.get(trace.config.method), width=2)))
     fig.update_layout(title=dict(text=timing_title("Tokens over time (each method ran alone)", traces), x=0,
@@ -305,4 +303,23 @@ def race_chart(traces: list[Trace]) -> go.Figure:
                       template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),
                       xaxis=dict(title="seconds since start"), yaxis=dict(title="tokens"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
+    if until is not None:
+        finish = max(trace.steps[-1].t_end if trace.steps else trace.prefill.t_end for trace in traces)
+        most = max(race_line(trace)[1][-1] for trace in traces)
+        fig.add_vline(x=until, line=dict(color="#888", dash="dot", width=1),
+                      annotation=dict(text=f"t = {until:.2f} s", font=dict(size=11, color="#666")))
+        fig.update_layout(xaxis_range=[0, finish * 1.02], yaxis_range=[0, most * 1.05 + 1])
     return fig
+
+
+def race_line(trace: Trace, until: float | None = None) -> tuple[list[float], list[int]]:
+    """The run's (seconds, tokens committed) corners, as of ``until`` seconds (``None``: the whole run); a line
+    cut by the clock runs flat up to it."""
+    times, counts = [0.0, trace.prefill.t_end], [0, 1]
+    for step in trace.steps:
+        times.append(step.t_end)
+        counts.append(counts[-1] + step.acceptance_length)
+    if until is None:
+        return times, counts
+    shown = sum(t <= until for t in times)
+    return times[:shown] + [until], counts[:shown] + [counts[shown - 1]]

@@ -1,0 +1,214 @@
+"""The page's handlers called directly on a StudioApp over the tiny models: what bad input is told, what a
+refusal leaves alone, what the replay animates, and what the page keeps on disk and in the budget box."""
+
+from __future__ import annotations
+
+import logging
+
+import gradio as gr
+import pytest
+
+import app
+from engine.loop.calibration import BudgetChoice
+from engine.loop.decode import DecodeSettings
+from tests.tiny import tiny_decoder
+
+PROMPT = "howdoesitwork"  # the tiny tokenizer reads printable characters without spaces
+
+
+@pytest.fixture(scope="module")
+def page() -> app.StudioApp:
+    return app.StudioApp(app.Studio(tiny_decoder(0), BudgetChoice(8, {}, "set by the test")))
+
+
+@pytest.fixture(scope="module")
+def traces(page) -> dict:
+    decoder = page.studio.decoder
+    return {method: decoder.run(PROMPT, DecodeSettings(method, max_new_tokens=24, tree_budget=8))
+            for method in ("ar", "dflash", "ddtree")}
+
+
+def run_once(page, max_new_tokens=4, temperature=0.0, seed=0, budget=8, methods=("ar",)) -> list[dict]:
+    """Every update the Run handler streams, to the end."""
+    return list(page.run_view.run(PROMPT, max_new_tokens, temperature, seed, budget, list(methods), app.RunControl(),
+                                  present=page.present))
+
+
+def refused(call) -> str:
+    with pytest.raises(gr.Error) as error:
+        call()
+    return error.value.message
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seed", 2**70, "Seed must be a whole number between 0 and 2**63-1, got 1180591620717411303424"),
+    ("seed", -1, "Seed must be a whole number between 0 and 2**63-1, got -1"),
+    ("seed", True, "Seed must be a whole number, got True"),
+    ("seed", None, "Seed is empty: enter a number"),
+    ("max_new_tokens", "ten", "Max new tokens must be a whole number, got 'ten'"),
+    ("max_new_tokens", 2**70, "Max new tokens must be between 1 and 4096, got 1180591620717411303424"),
+    ("max_new_tokens", float("inf"), "Max new tokens must be a whole number, got inf"),
+    ("temperature", "hot", "Temperature must be a number, got 'hot'"),
+    ("temperature", float("nan"), "Temperature must be a number, got nan"),
+    ("temperature", -0.5, "Temperature must be >= 0, got -0.5"),
+    ("budget", [8], "Tree budget must be a whole number, got [8]"),
+    ("budget", -3, "Tree budget must be at least 1, got -3"),
+])
+def test_every_number_of_a_run_and_a_sweep_is_refused_with_a_sentence_before_anything_runs(page, field, value,
+                                                                                           message):
+    assert refused(lambda: run_once(page, **{field: value}, methods=("ar", "ddtree"))) == message
+    if field != "budget":  # the sweep takes its budgets as text
+        settings = dict(max_new_tokens=4, temperature=0.0, seed=0) | {field: value}
+        sweep = page.sweep_view.sweep(PROMPT, settings["max_new_tokens"], settings["temperature"], settings["seed"],
+                                      "2, 4", app.RunControl())
+        assert refused(lambda: next(sweep)) == message
+
+
+def test_a_refusal_logs_one_line_not_a_traceback(page, caplog):
+    caplog.set_level(logging.INFO, logger="ddtree-studio")
+    refused(lambda: run_once(page, seed=-1))
+    assert [record.getMessage() for record in caplog.records] == [
+        "refused: Seed must be a whole number between 0 and 2**63-1, got -1"]
+    assert caplog.records[0].exc_info is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("ten", "Greedy tokens per prompt must be a whole number, got 'ten'"),
+    (None, "Greedy tokens per prompt is empty: enter a number"),
+    (2.5, "Greedy tokens per prompt must be a whole number, got 2.5"),
+    (10**30, "The probe's greedy tokens per prompt must be 2 to 4096, got 1000000000000000000000000000000"),
+])
+def test_the_doctor_refuses_a_bad_token_count_in_its_check_and_in_its_endpoint(page, value, message):
+    examine, check = (next(fn.fn for fn in page.demo.fns.values() if fn.name == name) for name in ("examine", "check"))
+    assert refused(lambda: check(value, False)) == message
+    assert refused(lambda: examine("Say hi.", value, False)) == message
+
+
+@pytest.mark.parametrize("step, shown", [(999, "last"), (0, 1), (-5, 1), (3.0, 3)])
+def test_a_step_past_either_end_shows_the_nearest_step_and_says_which_in_the_box(page, traces, step, shown):
+    inspector = page.inspector
+    shown = len(traces["ddtree"].steps) if shown == "last" else shown
+    update = inspector.choose_step(traces, "ddtree", step)
+    assert update[inspector.step] == shown
+    assert f"Step {shown}" in update[inspector.tree].layout.title.text
+    assert f"Step {shown}" in update[inspector.why]
+
+
+@pytest.mark.parametrize("step, message", [("x", "Step must be a whole number, got 'x'"),
+                                           (None, "Step is empty: enter a number"),
+                                           (2.5, "Step must be a whole number, got 2.5")])
+def test_a_step_that_is_no_whole_number_is_refused_with_a_sentence(page, traces, step, message):
+    assert refused(lambda: page.inspector.choose_step(traces, "ddtree", step)) == message
+
+
+def test_a_method_that_is_no_name_is_refused_with_a_sentence(page, traces):
+    assert refused(lambda: page.inspector.choose_step(traces, ["ddtree"], 1)) == (
+        "This session has no ['ddtree'] trace; it has ar, dflash, ddtree")
+
+
+def test_next_past_the_last_step_stays_on_it(page, traces):
+    last = len(traces["ar"].steps)
+    update = page.inspector.show_step(traces, "ar", last, delta=1)
+    assert update[page.inspector.step] == last
+
+
+def test_an_upload_whose_values_cannot_be_drawn_is_refused_with_a_sentence(page, traces, tmp_path, monkeypatch):
+    path = tmp_path / "traces.json"
+    app.save_traces(list(traces.values()), path)
+    # a field of the wrong type that the reader lets through, as the text view first meets it
+    monkeypatch.setattr(app, "read_traces", lambda _: [*traces.values()][:1])
+    monkeypatch.setattr(traces["ar"].summary, "wall_s", "fast")
+    message = refused(lambda: page.traces_view.load_upload(str(path), present=page.present))
+    assert message.startswith("The file's traces hold a value that cannot be shown (TypeError: ")
+
+
+def test_every_event_that_shows_progress_cannot_be_refused_on_its_outputs(page):
+    """A failed event marks each output it shows progress on "Error", long after the toast: events that can
+    refuse hide their progress, or refuse in a check without outputs that runs before them."""
+    dependencies = page.demo.config["dependencies"]
+    checked = {dep["id"] for before in dependencies if not before["outputs"]
+               for dep in dependencies if dep.get("trigger_after") == before["id"] and dep["trigger_only_on_success"]}
+    showing = {dep["api_name"] for dep in dependencies
+               if dep["outputs"] and dep["show_progress"] != "hidden" and dep["id"] not in checked}
+    assert showing == set(), "these can mark their outputs 'Error'"
+    assert {dep["api_name"] for dep in dependencies if dep["id"] in checked} == {"video", "examine"}
+
+
+def test_run_sweep_and_replay_disable_each_other_until_they_end_however_they_end(page):
+    dependencies = page.demo.config["dependencies"]
+    by_id = {dep["id"]: dep for dep in dependencies}
+    buttons = sorted(button._id for button in page.busy_buttons)
+    for name in ("run", "sweep", "replay"):
+        work = next(dep for dep in dependencies if dep["api_name"] == name)
+        before = by_id[work["trigger_after"]]
+        after = [dep for dep in dependencies if dep.get("trigger_after") == work["id"]]
+        assert not work["trigger_only_on_success"], "the work starts once the buttons are off"
+        # the page runs a .then only after a success: a refused or failed run needs its .failure
+        assert sorted((dep["trigger_only_on_success"], dep["trigger_only_on_failure"]) for dep in after) == [
+            (False, False), (False, True)]
+        assert [sorted(dep["outputs"]) for dep in (before, *after)] == [buttons] * 3
+        assert {dep["api_visibility"] for dep in (before, *after)} == {"private"}
+    disable, enable = (next(fn.fn for fn in page.demo.fns.values() if fn._id == dep["id"])
+                       for dep in (before, after[0]))
+    assert {button.interactive for button in disable().values()} == {False}
+    assert {button.interactive for button in enable().values()} == {True}
+
+
+def test_the_replay_animates_the_race_chart_with_its_clock(page, traces):
+    frames = list(page.replay_view.replay(traces, "1", app.RunControl()))
+    race = page.replay_view.race
+    assert all(race in frame for frame in frames)
+    clocks = [frame[race].layout.shapes[0].x0 for frame in frames[:-1]]
+    assert clocks and clocks == sorted(clocks), "the clock line moves forward"
+    assert not frames[-1][race].layout.shapes, "the finished replay shows the whole race"
+    assert frames[-1][page.session.status] == "Replay finished."
+
+
+def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page):
+    status = run_once(page, temperature=1000.0, max_new_tokens=2, methods=("ar", "dflash", "ddtree"))[-1][
+        page.session.status]
+    assert status.startswith("**Done**") and status.count("temperature 1000 is far above 2") == 1
+
+
+def test_the_budget_box_is_never_set_at_page_load_and_the_timing_leaves_a_typed_one_alone(page):
+    budget = page.run_view.budget
+    loads = [dep for dep in page.demo.config["dependencies"]
+             if any(trigger == "load" for _, trigger in dep["targets"]) and budget._id in dep["outputs"]]
+    assert loads == [] and budget.value == 8
+    assert budget not in page.follow_timing(True)
+    assert page.follow_timing(False)[budget] == 8
+
+
+def test_the_page_keeps_a_bounded_number_of_files_in_one_folder(tmp_path):
+    files = app.ScratchFiles(keep=2)
+    paths = []
+    for _ in range(3):
+        paths.append(files.path(app.TRACE_FILE_NAME))
+        paths[-1].write_text("{}")
+    assert [path.exists() for path in paths] == [False, True, True]
+    assert {path.parent.parent for path in paths} == {app.Path(files.folder.name)}
+    assert {path.name for path in paths} == {app.TRACE_FILE_NAME}, "the visitor's download keeps its name"
+
+
+def test_the_public_api_names_every_endpoint_and_output(page):
+    endpoints = page.demo.get_api_info()["named_endpoints"]
+    assert set(endpoints) == {"/run", "/stop", "/replay", "/video", "/upload", "/select_method", "/inspect",
+                              "/sweep", "/examine", "/info"}
+    assert [p["parameter_name"] for p in endpoints["/run"]["parameters"]] == [
+        "prompt", "max_new_tokens", "temperature", "seed", "budget", "methods"]
+    assert [p["parameter_name"] for p in endpoints["/examine"]["parameters"]] == [
+        "prompt_text", "max_new_tokens", "check_vllm"]
+    unnamed = {name: [r["label"] for r in endpoint["returns"] if r["label"].startswith("value_")]
+               for name, endpoint in endpoints.items()}
+    assert {name: labels for name, labels in unnamed.items() if labels} == {}
+
+
+
+def test_the_served_page_keeps_a_bounded_number_of_sessions(monkeypatch):
+    """Gradio keeps each session's traces and outputs until newer sessions evict it: main bounds how many."""
+    launched = {}
+    monkeypatch.setattr(app, "load_studio_decoder", lambda args: tiny_decoder(0))
+    monkeypatch.setattr(gr.Blocks, "launch", lambda demo, **kwargs: launched.update(kwargs))
+    monkeypatch.setattr("sys.argv", ["app.py", "--tree-budget", "8"])
+    app.main()
+    assert launched["state_session_capacity"] == app.MAX_SESSIONS < 10000  # Gradio's own default
