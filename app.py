@@ -591,12 +591,12 @@ class TrafficView:
         return self.present({trace.config.method: trace}, f"Opened request {trace_id} from {server_url(url)}: "
                                                      f"{trace.config.label}, {len(trace.steps)} steps.")
 
-    def open_row(self, url: str, ids: list[str], selected: gr.SelectData) -> dict:
-        """A click on the table opens the request of that row."""
+    def pick_row(self, ids: list[str], selected: gr.SelectData) -> str:
+        """A click on the table picks the request of that row (which ``open`` then opens)."""
         row = selected.index[0] if isinstance(selected.index, (list, tuple)) else selected.index
         if not 0 <= row < len(ids):
             raise refusal(EngineError("that row is not in the list any more: refresh it"))
-        return {self.request: ids[row], **self.open(url, ids[row])}
+        return ids[row]
 
 
 def _served_label(request: ServedRequest) -> str:
@@ -896,8 +896,11 @@ class StudioApp:
         traffic.refresh_button.click(traffic.refresh, traffic.url, listing, api_name="traffic", show_progress="hidden")
         self.while_busy(traffic.open_button.click, traffic.open, [traffic.url, traffic.request], self.run_outputs,
                         api_name="open_request")
-        self.while_busy(traffic.table.select, traffic.open_row, [traffic.url, traffic.listed],
-                        [traffic.request, *self.run_outputs], api_visibility="private")
+        # the click's row reaches only the event it triggers: pick the request there, then open it
+        traffic.table.select(traffic.pick_row, traffic.listed, traffic.request, api_visibility="private",
+                             show_progress="hidden").success(traffic.open, [traffic.url, traffic.request],
+                                                             self.run_outputs, api_visibility="private",
+                                                             show_progress="hidden")
         if self.studio.server is not None:  # the page opens on the server's list
             demo.load(traffic.refresh, traffic.url, listing, api_visibility="private", show_progress="hidden")
         run.budget.input(typed, None, run.budget_typed, api_visibility="private", queue=False, show_progress="hidden")

@@ -9,7 +9,7 @@ import gradio as gr
 import pytest
 
 import app
-from engine.loop.calibration import BudgetChoice
+from engine.measure.calibration import BudgetChoice
 from engine.loop.decode import DecodeSettings
 from tests.tiny import tiny_decoder
 
@@ -116,7 +116,7 @@ def test_an_upload_whose_values_cannot_be_drawn_is_refused_with_a_sentence(page,
     path = tmp_path / "traces.json"
     app.save_traces(list(traces.values()), path)
     # a field of the wrong type that the reader lets through, as the text view first meets it
-    monkeypatch.setattr(app, "read_traces", lambda _: [*traces.values()][:1])
+    monkeypatch.setattr(app, "read_trace_file", lambda _: [*traces.values()][:1])
     monkeypatch.setattr(traces["ar"].summary, "wall_s", "fast")
     message = refused(lambda: page.traces_view.load_upload(str(path), present=page.present))
     assert message.startswith("The file's traces hold a value that cannot be shown (TypeError: ")
@@ -193,7 +193,7 @@ def test_the_page_keeps_a_bounded_number_of_files_in_one_folder(tmp_path):
 def test_the_public_api_names_every_endpoint_and_output(page):
     endpoints = page.demo.get_api_info()["named_endpoints"]
     assert set(endpoints) == {"/run", "/stop", "/replay", "/video", "/upload", "/select_method", "/inspect",
-                              "/sweep", "/examine", "/info"}
+                              "/sweep", "/examine", "/traffic", "/open_request", "/info"}
     assert [p["parameter_name"] for p in endpoints["/run"]["parameters"]] == [
         "prompt", "max_new_tokens", "temperature", "seed", "budget", "methods"]
     assert [p["parameter_name"] for p in endpoints["/examine"]["parameters"]] == [

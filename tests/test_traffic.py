@@ -52,7 +52,7 @@ def test_a_page_without_a_model_lists_the_traffic_and_opens_a_request_in_every_v
     rows, ids = listing[page.traffic_view.table], listing[page.traffic_view.listed]
     chat_id = chat.model_extra["ddtree"]["trace_id"]
     assert ids[1] == chat_id and [row[2] for row in rows] == ["ar", f"ddtree@{BUDGET}"]
-    shown = page.traffic_view.open(url, chat_id, present=page.present)
+    shown = page.traffic_view.open(url, chat_id)
     trace = shown[page.session.traces]["ddtree"]
     assert trace.text == chat.choices[0].message.content and trace.config.tree_budget == BUDGET
     assert shown[page.session.status].startswith(f"Opened request {chat_id}")
@@ -61,16 +61,15 @@ def test_a_page_without_a_model_lists_the_traffic_and_opens_a_request_in_every_v
     nodes = sorted(node for part in tree for node in part.get("customdata") or [])
     assert nodes == list(range(first.tree_size + 2))  # root, every drafted node, the bonus
     assert "ddt-text" in shown[page.run_view.columns["ddtree"]]
-    clicked = page.traffic_view.open_row(url, ids, page.present, gr.SelectData(None, {"index": [1, 0], "value": ""}))
-    assert clicked[page.traffic_view.request] == chat_id and clicked[page.session.traces]["ddtree"].text == trace.text
+    assert page.traffic_view.pick_row(ids, gr.SelectData(None, {"index": [1, 0], "value": ""})) == chat_id
 
 
 def test_what_the_traffic_cannot_open_is_refused_with_its_reason(served, page):
     url = served[0]
     with pytest.raises(gr.Error, match="answered 404: no trace 'trace-nope'"):
-        page.traffic_view.open(url, "trace-nope", present=page.present)
+        page.traffic_view.open(url, "trace-nope")
     with pytest.raises(gr.Error, match="Choose a request to open"):
-        page.traffic_view.open(url, None, present=page.present)
+        page.traffic_view.open(url, None)
     with pytest.raises(gr.Error, match="No Studio server answers at http://127.0.0.1:9"):
         page.traffic_view.refresh("http://127.0.0.1:9")
     with pytest.raises(EngineError, match="is not a server address"):
