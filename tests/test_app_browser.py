@@ -99,20 +99,26 @@ def test_two_sessions_at_once_keep_their_own_results(browser, app_url):
     assert "not run" in third.locator("#column-ar").inner_text()
 
 
-def test_the_doctor_tab_renders_its_verdict_and_plots(browser, app_url):
+def test_the_doctor_while_a_run_runs_both_finish_and_the_doctor_renders_its_verdict(browser, app_url):
+    """Run, then "Run the doctor" while it runs: once the two waited on each other for every visitor."""
     page = open_page(browser, app_url)
+    start_run(page, "Name three colors.", max_new_tokens=24)
     page.get_by_role("tab", name="Doctor").click()
-    page.locator("#doctor-prompts textarea").fill("Write a Python function that adds two numbers.")
-    page.locator("#doctor-tokens input").fill("24")
+    page.locator("#doctor-tokens input").fill("24")  # the six default prompts: enough draft positions to judge
     page.locator("#doctor-button").click()
-    page.wait_for_function("/Healthy|Fault/.test(document.querySelector('#doctor-verdict')?.innerText ?? '')",
+    page.wait_for_function("/Healthy|Fault|Not judged/.test(document.querySelector('#doctor-verdict')?.innerText ?? '')",
                            timeout=RUN_TIMEOUT_MS)
     verdict = page.locator("#doctor-verdict").inner_text()
-    assert "Healthy: healthy: first-slot hits" in verdict, verdict  # the shipped pair
-    assert "layer ids" in verdict and "mask token" in verdict
+    assert verdict.startswith("✅ Healthy: first-slot hits"), verdict  # the shipped pair
+    assert "Healthy: healthy" not in verdict  # said once
+    assert "layer ids" in verdict and "mask token: " in verdict
     page.locator("#doctor-positions .js-plotly-plot").wait_for()
     assert "Acceptance per draft position" in page.locator("#doctor-positions .gtitle").text_content()
     assert page.locator("#doctor-wirings .ytick", has_text="layer ids +1").count() == 1
+    page.get_by_role("tab", name="Run & inspect").click()
+    wait_until_done(page)
+    texts = column_texts(page)
+    assert texts["ar"].strip() and texts["ar"] == texts["dflash"] == texts["ddtree"]
 
 
 def test_a_servers_traffic_opens_in_the_inspector(browser, tmp_path):
