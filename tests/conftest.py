@@ -1,7 +1,9 @@
-"""One launched app (``python app.py`` on the bundled model) shared by the app tests."""
+"""One launched app (``python app.py`` on the bundled model) shared by the app tests; Triton's interpreter for the
+kernel tests on a machine without a GPU; the ``slow`` and ``gpu`` markers."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -11,6 +13,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
+
+INTERPRET = "TRITON_INTERPRET"
+# Triton makes a kernel compiled or interpreted when its @jit decorates it, as a test module imports it: without a
+# GPU the kernels must be decorated for the interpreter, so it is on before any test module is collected.
+INTERPRETING = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
+if INTERPRETING:
+    os.environ[INTERPRET] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 300  # model load is ~20 s on an idle 2-core machine; leave room for a busy one
@@ -52,5 +62,23 @@ def app_url(tmp_path_factory) -> str:
             process.kill()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def no_interpreter_outside_kernel_tests():
+    """The engine takes its Triton paths wherever the interpreter is on (``triton_runs_on``). Outside the kernel
+    tests it picks them as a CPU install does, the app the tests launch too: the interpreter would take seconds
+    for each tree a decoding step builds."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(INTERPRET, raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def interpreter_in_kernel_tests(request, monkeypatch):
+    if INTERPRETING and request.node.get_closest_marker("triton"):
+        monkeypatch.setenv(INTERPRET, "1")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and vLLM (requirements-gpu.txt); skipped elsewhere")
+    config.addinivalue_line("markers", "triton: runs Triton kernels (without a GPU under Triton's interpreter)")
+    config.addinivalue_line("markers", "slow: takes long on 2 CPU cores; `pytest -m \"not slow\"` leaves it out")
