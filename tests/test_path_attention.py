@@ -71,7 +71,8 @@ def tree_and_ar_steps(dtype: torch.dtype, query_heads: int, kv_heads: int, conte
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     DEVICE.type != "cuda", reason="bf16 as a GPU runs it (the interpreter's bf16 loads are not)"))])
 # 300: past 16 segments of one 16-key tile, each segment two tiles
-@pytest.mark.parametrize("query_heads, kv_heads, context, nodes", [(4, 2, 37, 13), pytest.param(16, 2, 70, 33, marks=pytest.mark.slow), (4, 1, 300, 9)])
+@pytest.mark.parametrize("query_heads, kv_heads, context, nodes", [
+    (4, 2, 37, 13), pytest.param(16, 2, 70, 33, marks=pytest.mark.slow), (4, 1, 300, 9)])
 def test_every_node_attends_as_the_ar_step_of_its_path(dtype, query_heads, kv_heads, context, nodes):
     tree, steps, kv, q, visible = tree_and_ar_steps(dtype, query_heads, kv_heads, context, nodes, seed=nodes)
     assert torch.equal(tree, steps), "a node's row left its AR step's"
