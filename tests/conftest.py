@@ -23,6 +23,7 @@ if INTERPRETING:
     os.environ[INTERPRET] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_THREADS = torch.get_num_threads()
 STARTUP_TIMEOUT_S = 300  # model load is ~20 s on an idle 2-core machine; leave room for a busy one
 
 
@@ -62,6 +63,23 @@ def app_url(tmp_path_factory) -> str:
             process.kill()
 
 
+@pytest.fixture(scope="session")
+def launched_threads() -> int:
+    """Intra-op threads of what the tests launch (the app, the bench): torch's default, which ``one_thread``
+    leaves to them."""
+    return DEFAULT_THREADS
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """The models the tests run in their own process are tiny or small: intra-op threads gain them nothing, and on
+    a shared 2-core machine a descheduled worker stalls every small op for tens of milliseconds (a tiny DDTree run
+    of 20 tokens took 12 s on 2 threads beside other work, 0.12 s on one)."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(DEFAULT_THREADS)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def no_interpreter_outside_kernel_tests():
     """The engine takes its Triton paths wherever the interpreter is on (``triton_runs_on``). Outside the kernel
@@ -76,6 +94,12 @@ def no_interpreter_outside_kernel_tests():
 def interpreter_in_kernel_tests(request, monkeypatch):
     if INTERPRETING and request.node.get_closest_marker("triton"):
         monkeypatch.setenv(INTERPRET, "1")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "app_url" in item.fixturenames:  # the launched app: ~25 s to start, seconds a request on 2 cores
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config):

@@ -20,20 +20,19 @@ from engine.models import hybrid
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.models.target import load_target
 from engine.tools import bench
-from tests.hybrid_models import (FAMILIES, FULL, LINEAR, hybrid_decoder, hybrid_model, hybrid_target, reference_greedy,
-                                 save_tiny_hybrid, scripted_drafter_for)
+from tests.hybrid_models import (
+    FAMILIES,
+    FULL,
+    LINEAR,
+    hybrid_decoder,
+    hybrid_model,
+    hybrid_target,
+    reference_greedy,
+    save_tiny_hybrid,
+    scripted_drafter_for,
+)
 from tests.test_sampling import CHI2_CRITICAL_DF5, chi_square, three_token_marginals
 from tests.tiny import tiny_drafter
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a
-    descheduled worker stalls every small conv1d call for tens of milliseconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prompt(seed, length, vocab):
