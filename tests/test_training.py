@@ -230,6 +230,7 @@ def test_the_fused_loss_has_the_references_loss_metrics_and_gradients(monkeypatc
         torch.testing.assert_close(a.float(), b.float())
 
 
+@pytest.mark.slow
 def test_choosing_the_loss_trains_ordinary_steps_with_each_and_keeps_one():
     """The reference, the fused and the compiled loss, three steps each (a warm-up and two timed turns,
     interleaved), then the fastest: the weights equal ten steps of the reference alone (float32)."""
@@ -412,6 +413,7 @@ class TextTokenizer:
         return "".join(chr(i + 30) for i in ids if 2 <= i <= 94)
 
 
+@pytest.mark.slow
 def test_data_pipeline_writes_split_prompts_and_replies_that_load(tmp_path):
     tiny = tiny_target(seed=1, dtype=torch.float32)
     chat = Target(model=tiny.model, tokenizer=TextTokenizer(), name="tiny", stop_ids=[STOP])
@@ -732,6 +734,7 @@ def mean_tau(target: Target, drafter, prompts: list[list[int]], method: str) -> 
     return sum(taus) / len(taus)
 
 
+@pytest.mark.slow
 def test_training_on_the_targets_own_outputs_raises_acceptance():
     target = tiny_target(seed=5, dtype=torch.float32)
     prompts = random_prompts(24, 6, seed=5)
