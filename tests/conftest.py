@@ -73,8 +73,7 @@ def launched_threads() -> int:
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """The models the tests run in their own process are tiny or small: intra-op threads gain them nothing, and on
-    a shared 2-core machine a descheduled worker stalls every small op for tens of milliseconds (a tiny DDTree run
-    of 20 tokens took 12 s on 2 threads beside other work, 0.12 s on one)."""
+    a shared 2-core machine a descheduled worker stalls every small op for tens of milliseconds."""
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(DEFAULT_THREADS)
