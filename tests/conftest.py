@@ -1,7 +1,9 @@
-"""One launched app (``python app.py`` on the bundled model) shared by the app tests."""
+"""One launched app (``python app.py`` on the bundled model) shared by the app tests; Triton's interpreter for the
+kernel tests on a machine without a GPU; the ``slow`` and ``gpu`` markers."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -13,8 +15,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
+
+INTERPRET = "TRITON_INTERPRET"
+# Triton makes a kernel compiled or interpreted when its @jit decorates it, as a test module imports it: without a
+# GPU the kernels must be decorated for the interpreter, so it is on before any test module is collected.
+INTERPRETING = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
+if INTERPRETING:
+    os.environ[INTERPRET] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_THREADS = torch.get_num_threads()
 STARTUP_TIMEOUT_S = 300  # model load is ~20 s on an idle 2-core machine; leave room for a busy one
 
 
@@ -60,5 +71,46 @@ def app_url(tmp_path_factory) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="session")
+def launched_threads() -> int:
+    """Intra-op threads of what the tests launch (the app, the bench): torch's default, which ``one_thread``
+    leaves to them."""
+    return DEFAULT_THREADS
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """The models the tests run in their own process are tiny or small: intra-op threads gain them nothing, and on
+    a shared 2-core machine a descheduled worker stalls every small op for tens of milliseconds."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(DEFAULT_THREADS)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_interpreter_outside_kernel_tests():
+    """The engine takes its Triton paths wherever the interpreter is on (``triton_runs_on``). Outside the kernel
+    tests it picks them as a CPU install does, the app the tests launch too: the interpreter would take seconds
+    for each tree a decoding step builds."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(INTERPRET, raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def interpreter_in_kernel_tests(request, monkeypatch):
+    if INTERPRETING and request.node.get_closest_marker("triton"):
+        monkeypatch.setenv(INTERPRET, "1")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        # the launched app: ~25 s to start, seconds a request on 2 cores; a browser's page of it
+        if {"app_url", "browser"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and vLLM (requirements-gpu.txt); skipped elsewhere")
+    config.addinivalue_line("markers", "triton: runs Triton kernels (without a GPU under Triton's interpreter)")
+    config.addinivalue_line("markers", "slow: takes long on 2 CPU cores; `pytest -m \"not slow\"` leaves it out")

@@ -4,10 +4,9 @@ Every node's output must be what decoding its root-to-node path token by token g
 must leave the caches alone, and a commit must leave them as decoding the accepted path would.
 On a GPU the reference is vLLM's own decode kernels (``causal_conv1d_update``, then
 ``fused_recurrent_gated_delta_rule_packed_decode``, what vLLM's AR runs), and the fused programs
-must match them bit for bit. On the CPU, under Triton's interpreter
-(``TRITON_INTERPRET=1 python -m pytest -q tests/test_gdn_fused.py``, with ``triton`` installed),
-the reference is ``engine.on_vllm.gdn_tree``'s readable torch kernels, to float32 rounding (their l2 norm
-multiplies by a reciprocal square root where the packed kernel divides). Elsewhere it is skipped.
+must match them bit for bit. On the CPU, under Triton's interpreter (tests/conftest.py turns it on
+there), the reference is ``engine.on_vllm.gdn_tree``'s readable torch kernels, to float32 rounding (their l2 norm
+multiplies by a reciprocal square root where the packed kernel divides). Without Triton it is skipped.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from engine.on_vllm.gdn_tree import REFERENCE_KERNELS
 from tests.test_gdn_tree import SLOT, decode_path, layer, node_inputs, wide_deep_tree
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not gdn_fused.fused_fits(DEVICE), reason="Triton does not run here")
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(not gdn_fused.fused_fits(DEVICE), reason="Triton does not run here")]
 
 
 def vllm_decode():
@@ -143,13 +143,15 @@ def test_every_leaf_of_a_wide_tree_scores_like_its_path_and_commits_like_it():
         assert same(out[node], decoded(params, reference_conv.clone(), reference_ssm.clone(), mixed_qkv, a, b,
                                        path)[-1]), node
     path = torch.tensor([0, 20, 0, 0, 0, 0, 0, 0], dtype=torch.int32, device=DEVICE)
-    gdn_fused.commit(params, kept, conv_state, ssm_state, SLOT, path, torch.tensor([2], dtype=torch.int32, device=DEVICE))
+    accepted = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    gdn_fused.commit(params, kept, conv_state, ssm_state, SLOT, path, accepted)
     decoded(params, reference_conv, reference_ssm, mixed_qkv, a, b, [0, 20])
     assert torch.equal(conv_state, reference_conv) and same(ssm_state, reference_ssm)
 
 
 @needs_reference
-@pytest.mark.parametrize("budget", [0, 12, 40])  # one token, a small tree, past 32 nodes: each value block
+# one token, a small tree, past 32 nodes: each value block
+@pytest.mark.parametrize("budget", [0, 12, pytest.param(40, marks=pytest.mark.slow)])
 def test_real_head_sizes_score_like_decoding(budget):
     """At a real model's head sizes (128), where the value block a program holds depends on the tree's size."""
     params, conv_state, ssm_state = layer(7, DEVICE.type, key_heads=1, heads=2, head_k=128, head_v=128)

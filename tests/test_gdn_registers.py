@@ -1,27 +1,36 @@
 """The Gated DeltaNet programs compiled for a Hopper GPU on this machine (``engine.tools.gdn_registers``): what a
-program holds in registers bounds how many an SM runs at once. Needs Triton (not its interpreter), no GPU."""
+program holds in registers bounds how many an SM runs at once. Needs Triton, not its interpreter (the kernels this
+session imported are the interpreter's where tests/conftest.py turned it on), so the tool runs in its own process;
+no GPU needed."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-from engine.on_vllm import gdn_fused
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = re.compile(r"(\w+) (\d+) registers, (\d+) stack bytes")
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1" or importlib.util.find_spec("triton") is None,
-                    reason="compiles with Triton for sm_90")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="compiles with Triton for sm_90")
 def test_at_27b_sizes_no_program_spills_registers():
-    """``engine.tools.gdn_registers``: the walk holds only its state and a token's rows (the one-program verify
-    held the window and taps too, and spilled at 65 nodes); compiled here, no GPU needed."""
-    from engine.tools.gdn_bench import linear_layers, trees
-    from engine.tools.gdn_registers import compile_for_hopper, launches
-
-    _, shape = linear_layers("assets/shapes/qwen3.6-27b")
-    for name, tree in trees(["ar", "ddtree@16", "flat@64"], torch.device("cpu")).items():
-        programs = [compile_for_hopper(launch) for launch in launches(gdn_fused, tree, shape)]
-        assert [p.name for p in programs] == ["convolve_kernel", "walk_kernel", "commit_kernel"], name
-        assert all(p.stack == 0 and p.registers <= 255 for p in programs), (name, programs)
+    """The walk holds only its state and a token's rows (the one-program verify held the window and taps too, and
+    spilled at 65 nodes)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "engine.tools.gdn_registers", "--model", "assets/shapes/qwen3.6-27b",
+                           "--trees", "ar,ddtree@16,flat@64"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "engine.on_vllm.gdn_fused ar (1 nodes)", "engine.on_vllm.gdn_fused ddtree@16 (17 nodes)",
+        "engine.on_vllm.gdn_fused flat@64 (65 nodes)"]
+    for line in lines:
+        programs = PROGRAM.findall(line)
+        assert [name for name, _, _ in programs] == ["convolve_kernel", "walk_kernel", "commit_kernel"], line
+        assert all(int(stack) == 0 and int(registers) <= 255 for _, registers, stack in programs), line

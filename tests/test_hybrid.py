@@ -20,20 +20,19 @@ from engine.models import hybrid
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.models.target import load_target
 from engine.tools import bench
-from tests.hybrid_models import (FAMILIES, FULL, LINEAR, hybrid_decoder, hybrid_model, hybrid_target, reference_greedy,
-                                 save_tiny_hybrid, scripted_drafter_for)
+from tests.hybrid_models import (
+    FAMILIES,
+    FULL,
+    LINEAR,
+    hybrid_decoder,
+    hybrid_model,
+    hybrid_target,
+    reference_greedy,
+    save_tiny_hybrid,
+    scripted_drafter_for,
+)
 from tests.test_sampling import CHI2_CRITICAL_DF5, chi_square, three_token_marginals
 from tests.tiny import tiny_drafter
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a
-    descheduled worker stalls every small conv1d call for tens of milliseconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prompt(seed, length, vocab):
@@ -269,6 +268,7 @@ def test_deep_acceptance_commits_the_leaf_state(family):
 VOCAB, RUNS, TEMPERATURE, SAMPLE_PROMPT = 6, 1200, 1.3, [2, 4, 3, 5]
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_ddtree_sampling_on_a_hybrid_matches_the_targets_marginals():
     target = hybrid_target("qwen3_5", seed=7, vocab=VOCAB, layer_types=[LINEAR, FULL, LINEAR])
@@ -309,6 +309,7 @@ def exact_marginals(model) -> list[torch.Tensor]:
 # --- a saved hybrid folder is just another target ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_runs_a_saved_hybrid_folder_with_the_readable_step_and_says_so(tmp_path):
     """The fixed-shape programs hold no forked linear states: asked for them, a hybrid runs the readable
     step, and the results file names the step that ran (its step costs are compared by it)."""
@@ -329,6 +330,7 @@ def test_bench_runs_a_saved_hybrid_folder_with_the_readable_step_and_says_so(tmp
         "dflash": "1/1", "ddtree@8": "1/1", "ddtree@32": "1/1"}
 
 
+@pytest.mark.slow
 def test_the_tiny_hybrid_of_the_vllm_check_decodes_exactly_and_deep(tmp_path):
     """The GPU check's model and drafter (``engine/tools/gpu_session.sh hybrid``), on the torch engine:
     a scripted drafter that knows the answers gets every method accepted levels deep, and the

@@ -1,8 +1,7 @@
 """The one-launch KV compaction (engine.gpu.kv_moves) against the readable per-layer moves.
 
 It runs where Triton runs: natively on a GPU (``engine/tools/gpu_session.sh check``), or on the
-CPU under Triton's interpreter with ``triton`` installed beside the requirements:
-``TRITON_INTERPRET=1 python -m pytest -q tests/test_kv_moves.py``. Elsewhere it is skipped.
+CPU under Triton's interpreter, which tests/conftest.py turns on there. Without Triton it is skipped.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from engine.gpu.kv_moves import RowMover
 from engine.gpu.triton_support import triton_runs_on
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not triton_runs_on(DEVICE), reason="Triton does not run here")
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(not triton_runs_on(DEVICE), reason="Triton does not run here")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

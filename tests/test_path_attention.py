@@ -3,8 +3,7 @@
 Every node's row must be, bit for bit, the kernel's own one-node pass over the node's path laid out as AR lays it
 out (context, then the ancestors, then the node, in consecutive rows), close to float64 attention, and on a GPU
 with vLLM, what vLLM's unified attention gives AR's one-token step. On the CPU it runs under Triton's interpreter
-(``TRITON_INTERPRET=1 python -m pytest -q tests/test_path_attention.py``, with ``triton`` installed) in float32;
-elsewhere it is skipped.
+(tests/conftest.py turns it on there) in float32; without Triton it is skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from engine.gpu.triton_support import triton_runs_on
 from engine.on_vllm.path_attention import path_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not triton_runs_on(DEVICE), reason="Triton does not run here")
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(not triton_runs_on(DEVICE), reason="Triton does not run here")]
 BLOCK_SIZE, HEAD_SIZE = 16, 64
 
 
@@ -72,7 +71,8 @@ def tree_and_ar_steps(dtype: torch.dtype, query_heads: int, kv_heads: int, conte
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     DEVICE.type != "cuda", reason="bf16 as a GPU runs it (the interpreter's bf16 loads are not)"))])
 # 300: past 16 segments of one 16-key tile, each segment two tiles
-@pytest.mark.parametrize("query_heads, kv_heads, context, nodes", [(4, 2, 37, 13), (16, 2, 70, 33), (4, 1, 300, 9)])
+@pytest.mark.parametrize("query_heads, kv_heads, context, nodes", [
+    (4, 2, 37, 13), pytest.param(16, 2, 70, 33, marks=pytest.mark.slow), (4, 1, 300, 9)])
 def test_every_node_attends_as_the_ar_step_of_its_path(dtype, query_heads, kv_heads, context, nodes):
     tree, steps, kv, q, visible = tree_and_ar_steps(dtype, query_heads, kv_heads, context, nodes, seed=nodes)
     assert torch.equal(tree, steps), "a node's row left its AR step's"

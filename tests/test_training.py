@@ -14,35 +14,38 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.loop.decode import Decoder, DecodeSettings, DrafterInfo
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.models.drafter import load_drafter, weights_digest
 from engine.models.target import Target
-from engine.training import data as data_module
-from engine.training import objective
-from engine.training import prompts as prompt_module
+from engine.training import data as data_module, objective, prompts as prompt_module
 from engine.training.data import DataSettings, SequenceData, repetition_cut, user_turn_ids
 from engine.training.export import export_drafter
 from engine.training.generation import Sampling, TransformersGenerator, as_completion
 from engine.training.objective import block_loss, distillation_kl, fused_block_loss, target_logits
 from engine.training.run import Plan
 from engine.training.settings import TrainSettings
-from engine.training.train import (Batch, Blocks, Progress, Trainer, block_labels, block_visibility, choose_loss,
-                                   draft_hidden, greedy_tokens, learning_rate, load_state, make_batch, sample_anchors,
-                                   save_state, target_pass)
+from engine.training.train import (
+    Batch,
+    Blocks,
+    Progress,
+    Trainer,
+    block_labels,
+    block_visibility,
+    choose_loss,
+    draft_hidden,
+    greedy_tokens,
+    learning_rate,
+    load_state,
+    make_batch,
+    sample_anchors,
+    save_state,
+    target_pass,
+)
 from tests.tiny import STOP, VOCAB, tiny_drafter, tiny_target
 
 COMPOSED = Path(DataSettings().composed_file)  # the shipped composed prompts
 
 MASK = 95  # tiny_drafter's mask token: the last id of the tiny vocabulary
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when other work shares the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -227,6 +230,7 @@ def test_the_fused_loss_has_the_references_loss_metrics_and_gradients(monkeypatc
         torch.testing.assert_close(a.float(), b.float())
 
 
+@pytest.mark.slow
 def test_choosing_the_loss_trains_ordinary_steps_with_each_and_keeps_one():
     """The reference, the fused and the compiled loss, three steps each (a warm-up and two timed turns,
     interleaved), then the fastest: the weights equal ten steps of the reference alone (float32)."""
@@ -311,8 +315,8 @@ def start_from_an_export(tmp_path, *flags: str):
     drafter = tiny_drafter(target, seed=3, layers=2)
     drafter.config.acceptance = {"dflash": 2.5}
     export_drafter(drafter, tmp_path / "drafter", shard_mb=None)
-    args = parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "drafter"),
-                       "--schedule-steps", "10", *flags])
+    args = parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "out"),
+                       "--init-from", str(tmp_path / "drafter"), "--schedule-steps", "10", *flags])
     return target, drafter, start(args, target)
 
 
@@ -409,6 +413,7 @@ class TextTokenizer:
         return "".join(chr(i + 30) for i in ids if 2 <= i <= 94)
 
 
+@pytest.mark.slow
 def test_data_pipeline_writes_split_prompts_and_replies_that_load(tmp_path):
     tiny = tiny_target(seed=1, dtype=torch.float32)
     chat = Target(model=tiny.model, tokenizer=TextTokenizer(), name="tiny", stop_ids=[STOP])
@@ -620,7 +625,8 @@ def test_a_round_of_composed_requests_adds_only_what_is_new_and_far_from_evaluat
     out = tmp_path / "composed.jsonl"
     first = write(tmp_path / "round1.jsonl", ["How do bees fly?", "how do  BEES fly?", "Is a tomato a fruit?"])
     assert add([first], out, str(evals))[0] == 2
-    second = write(tmp_path / "round2.jsonl", ["Is a tomato a fruit?", "why do onions make people cry when you cut them",
+    second = write(tmp_path / "round2.jsonl", ["Is a tomato a fruit?",
+                                               "why do onions make people cry when you cut them",
                                                "Write a haiku about rain."], category="creative")
     added, report = add([second], out, str(evals))
     assert added == 1 and report.removed == 1 and report.eval_prompts_hit == {"fresh": [0]}
@@ -728,6 +734,7 @@ def mean_tau(target: Target, drafter, prompts: list[list[int]], method: str) -> 
     return sum(taus) / len(taus)
 
 
+@pytest.mark.slow
 def test_training_on_the_targets_own_outputs_raises_acceptance():
     target = tiny_target(seed=5, dtype=torch.float32)
     prompts = random_prompts(24, 6, seed=5)
@@ -752,13 +759,15 @@ def test_a_grown_drafter_drafts_what_it_grew_from_and_then_learns_in_its_new_lay
     with torch.no_grad():
         hidden = target.model(input_ids=prompt, output_hidden_states=True).hidden_states
         features = loaded.context_features(hidden).float()
-        block = loaded.embed(torch.full((1, 4), loaded.mask_token_id), target.model.get_input_embeddings().weight.float())
+        embeddings = target.model.get_input_embeddings().weight.float()
+        block = loaded.embed(torch.full((1, 4), loaded.mask_token_id), embeddings)
         positions, context_positions = torch.arange(12, 16)[None], torch.arange(12)[None]
         torch.testing.assert_close(grown(block, features, positions, context_positions),
                                    loaded(block, features, positions, context_positions), rtol=0, atol=0)
     new_layer = grown.layers[2]
     (grown(block, features, positions, context_positions) ** 2).sum().backward()
-    assert new_layer.self_attn.o_proj.weight.grad.abs().sum() > 0 and new_layer.mlp.down_proj.weight.grad.abs().sum() > 0
+    assert new_layer.self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert new_layer.mlp.down_proj.weight.grad.abs().sum() > 0
     with pytest.raises(SystemExit, match="--grow-layers grows a drafter given with --init-from"):
         start(parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--grow-layers", "1",
                           "--schedule-steps", "10"]), target)

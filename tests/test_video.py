@@ -15,8 +15,23 @@ from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.trace import read_trace_file, write_trace_file
 from tests.tiny import tiny_drafter, tiny_target
-from viz.video import (HOLD_S, INTRO_S, PRESETS, THEME, Column, Scene, Timeline, VideoError, column_states, load_font,
-                       main, pick_traces, render_video, visible_lines, wrap_text)
+from viz.video import (
+    HOLD_S,
+    INTRO_S,
+    PRESETS,
+    THEME,
+    Column,
+    Scene,
+    Timeline,
+    VideoError,
+    column_states,
+    load_font,
+    main,
+    pick_traces,
+    render_video,
+    visible_lines,
+    wrap_text,
+)
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 MAX_NEW_TOKENS = 24
@@ -155,7 +170,10 @@ def test_cli_renders_a_folder_of_traces(traces, tmp_path):
         trace.save(folder / f"p1.{trace.config.label}.json")
     out = tmp_path / "cli.mp4"
     assert main(["--traces", str(folder), "--out", str(out), "--preset", "small", "--fps", "5"]) == 0
-    assert out.stat().st_size > 0
+    video, frames = decoded(out), Timeline(Scene(traces, PRESETS["small"]).race_s, 5).frame_count
+    assert (video["meta"]["size"], video["meta"]["fps"]) == ((640, 360), 5)
+    assert len(video["frames"]) == frames
+    assert video["meta"]["duration"] == pytest.approx(frames / 5, abs=1 / 5)
     traces[0].save(folder / "p2.ar.json")
     with pytest.raises(VideoError, match="--prompt"):
         pick_traces(folder, None, None)

@@ -12,8 +12,19 @@ import ddtree
 from engine.loop.decode import DecodeSettings
 from engine.trace import Step, Trace, read_trace_file
 from tests.tiny import tiny_decoder
-from viz.figures import (CORNER, DARK_CELL, acceptance_histogram, draft_rank, economics_figure, economics_text,
-                         explain_stop, probability_figure, race_chart, stage_figure, sweep_figure)
+from viz.figures import (
+    CORNER,
+    DARK_CELL,
+    acceptance_histogram,
+    draft_rank,
+    economics_figure,
+    economics_text,
+    explain_stop,
+    probability_figure,
+    race_chart,
+    stage_figure,
+    sweep_figure,
+)
 from viz.text_view import column_html, run_stats, tokens_html
 from viz.tokens import committed_origins, pieces_token_text, visible
 from viz.tree_figure import NODE_STYLES, tidy_layout, tree_figure, tree_height
@@ -203,7 +214,7 @@ def test_the_top_k_tokens_stay_readable_under_the_marks_on_dark_cells():
 
 
 def test_the_inspector_counts_steps_from_one_as_the_video_does(traces):
-    from viz.video import Scene, PRESETS
+    from viz.video import PRESETS, Scene
 
     first = traces["ddtree"].steps[0]
     assert first.index == 0 and first.number == 1
@@ -232,9 +243,20 @@ def test_explain_stop_names_depth_wanted_token_and_its_draft_rank(traces):
     assert visible(token_text(step.bonus_token)) in text
     rank, prob = draft_rank(step, 3, step.bonus_token)
     assert f"**rank {rank + 1}** (p={prob:.4f})" in text
-    real = next(s for s in traces["ddtree"].steps if s.tree_size)
-    assert "not in the top-8" in explain_stop(real, token_text) or "rank" in explain_stop(real, token_text)
-    assert "AR" in explain_stop(traces["ar"].steps[0], token_text)
+    # real steps: the target's token outside the drafter's top-8, and inside it
+    real = [s for s in traces["ddtree"].steps if s.tree_size]
+    missed = next(s for s in real if draft_rank(s, len(s.accepted), s.bonus_token) is None)
+    assert explain_stop(missed, token_text).endswith(
+        f"In the drafter's distribution at depth {len(missed.accepted)}, `{visible(token_text(missed.bonus_token))}` "
+        "is **not in the top-8**: the drafter did not see it coming.")
+    ranked = next(s for s in real if draft_rank(s, len(s.accepted), s.bonus_token) is not None)
+    rank, prob = draft_rank(ranked, len(ranked.accepted), ranked.bonus_token)
+    assert explain_stop(ranked, token_text).endswith(
+        f"In the drafter's distribution at depth {len(ranked.accepted)}, `{visible(token_text(ranked.bonus_token))}` "
+        f"was **rank {rank + 1}** (p={prob:.4f}), but the tree held no branch for it below this path.")
+    ar = traces["ar"].steps[0]
+    assert explain_stop(ar, token_text) == (f"**Step 1** drafts nothing (AR): the target produced "
+                                            f"`{visible(token_text(ar.bonus_token))}`.")
 
 
 def test_explain_stop_when_the_whole_path_was_accepted():
@@ -278,7 +300,11 @@ def test_stage_and_run_figures(traces):
     assert [bar.name for bar in bars.data] == ["τ: tokens per step", "step cost (AR steps)"]
     assert list(bars.data[1].y)[0] == pytest.approx(1.0), "AR costs one AR step"
     assert list(bars.data[1].y)[2] == pytest.approx(cost)
-    assert "faster than AR" in economics_text(runs) or "slower than AR" in economics_text(runs)
+    predicted, verdict = tree.tau / cost, "faster" if tree.tau / cost >= 1 else "slower"
+    measured = (tree.new_tokens / tree.wall_s) / (traces["ar"].summary.new_tokens / traces["ar"].summary.wall_s)
+    assert economics_text(runs).splitlines()[1] == (
+        f"- DDTree@16 commits {tree.tau:.2f} tokens per step and a step costs {cost:.2f} AR steps: {tree.tau:.2f} ÷ "
+        f"{cost:.2f} = {predicted:.2f}× ({verdict} than AR, measured {measured:.2f}×).")
     assert "AR steps" in economics_figure([traces["ddtree"]]).layout.annotations[0].text
 
 
@@ -377,7 +403,8 @@ VLLM_SAMPLE = "benchmarks/traces/h200-vllm-heldout-f664308deb20.json"  # recorde
 
 def test_vllm_engine_traces_open_in_the_inspector_unchanged():
     traces = read_trace_file(VLLM_SAMPLE)  # what the app's upload does
-    assert [t.config.method for t in traces] == ["ar", "dflash", "ddtree"] and {t.config.engine for t in traces} == {"vllm"}
+    assert [t.config.method for t in traces] == ["ar", "dflash", "ddtree"]
+    assert {t.config.engine for t in traces} == {"vllm"}
     text = pieces_token_text(traces)
     for trace in traces:
         for step in trace.steps:

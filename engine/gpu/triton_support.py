@@ -1,5 +1,6 @@
 """Triton where it runs: on a GPU, or on the CPU under its interpreter (``TRITON_INTERPRET=1``,
-how the tests check the kernels here). The CPU install has no Triton at all."""
+how the tests check the kernels here; the CPU install has Triton for them). Without Triton (a platform
+it has no wheel for) every path stays on torch."""
 
 from __future__ import annotations
 
