@@ -41,12 +41,22 @@ from engine.errors import EngineError
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.measure.calibration import FALLBACK_BUDGET, BudgetChoice, StartupTiming, cache_dir
 from engine.serving.model_queue import ModelQueue
-from engine.serving.startup import (add_model_arguments, check_model_arguments, load_studio_decoder,
-                                    opening_budget)
+from engine.serving.startup import add_model_arguments, check_model_arguments, load_studio_decoder, opening_budget
 from engine.serving.traffic import DEFAULT_SERVER, ServedRequest, recent_requests, request_traces, server_url
 from engine.trace import METHODS, Trace, TraceError, divergence, read_trace_file, write_trace_file
-from viz.figures import (acceptance_histogram, economics_figure, economics_text, empty_figure, explain_stop,
-                         probability_figure, race_chart, stage_figure, sweep_figure, timing_title, trace_economics)
+from viz.figures import (
+    acceptance_histogram,
+    economics_figure,
+    economics_text,
+    empty_figure,
+    explain_stop,
+    probability_figure,
+    race_chart,
+    stage_figure,
+    sweep_figure,
+    timing_title,
+    trace_economics,
+)
 from viz.text_view import METHOD_NAMES, column_html, identical_to, legend_html, run_stats
 from viz.tokens import TokenText, pieces_token_text
 from viz.tree_figure import tree_figure

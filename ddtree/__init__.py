@@ -5,6 +5,8 @@ compile it into verification inputs, walk it with the target's own tokens, and s
 which KV rows to keep. A DFlash chain is the width-1 tree.
 """
 
+from ddtree.cache import compact_rows, kept_rows
+from ddtree.paged import compaction_moves, move_rows, paged_slots, query_bias
 from ddtree.tree import DraftTree, build_tree, chain_tree
 from ddtree.verify import (
     TreeInputs,
@@ -14,8 +16,6 @@ from ddtree.verify import (
     follow_tree,
     sample_tokens,
 )
-from ddtree.cache import compact_rows, kept_rows
-from ddtree.paged import compaction_moves, move_rows, paged_slots, query_bias
 
 __all__ = [
     "DraftTree",

@@ -43,7 +43,7 @@ class FixedTree:
     valid: torch.Tensor  # [B] bool
 
     @staticmethod
-    def empty(device: torch.device) -> "FixedTree":
+    def empty(device: torch.device) -> FixedTree:
         """AR's tree: the root alone."""
         long = torch.empty(0, dtype=torch.long, device=device)
         real = torch.empty(0, dtype=torch.float32, device=device)

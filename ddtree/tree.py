@@ -36,7 +36,7 @@ class DraftTree:
         return children
 
     @staticmethod
-    def empty() -> "DraftTree":
+    def empty() -> DraftTree:
         long = torch.empty(0, dtype=torch.long)
         real = torch.empty(0, dtype=torch.float32)
         return DraftTree(long, long, long, real, real, long)

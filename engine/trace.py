@@ -172,7 +172,7 @@ class Trace:
         Path(path).write_text(self.to_json())
 
     @staticmethod
-    def from_dict(data: dict) -> "Trace":
+    def from_dict(data: dict) -> Trace:
         if not isinstance(data, dict):
             raise TraceError("a trace must be a JSON object")
         version = data.get("schema_version")
@@ -194,11 +194,11 @@ class Trace:
             raise TraceError(f"trace is missing or has malformed field: {exc}") from exc
 
     @staticmethod
-    def from_json(text: str) -> "Trace":
+    def from_json(text: str) -> Trace:
         return Trace.from_dict(_parse_json(text))
 
     @staticmethod
-    def load(path: str | Path) -> "Trace":
+    def load(path: str | Path) -> Trace:
         return Trace.from_json(Path(path).read_text())
 
 

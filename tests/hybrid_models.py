@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
 from engine.models.target import Target, bundled_gguf
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     args = parser.parse_args(argv)
     if args.scripted_drafter:
-        from engine.tools.bench import read_prompts
         from engine.models.target import load_target
+        from engine.tools.bench import read_prompts
 
         target = load_target(args.model, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
         prompts = [target.chat_ids(p["prompt"]) for p in read_prompts(args.prompts)[:args.limit]]

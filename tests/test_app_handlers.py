@@ -9,8 +9,8 @@ import gradio as gr
 import pytest
 
 import app
-from engine.measure.calibration import BudgetChoice
 from engine.loop.decode import DecodeSettings
+from engine.measure.calibration import BudgetChoice
 from tests.tiny import tiny_decoder
 
 PROMPT = "howdoesitwork"  # the tiny tokenizer reads printable characters without spaces

@@ -13,11 +13,24 @@ from transformers import LlamaConfig
 
 from engine.errors import EngineError
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
-from engine.measure.doctor import (CANNOT_JUDGE, DEFAULT_PROMPTS, FAULTY, HEALTHY, MIN_JUDGED_ROOTS, CalibrationBin,
-                                DoctorReport, PositionStats, ProbeSettings, diagnose, greedy_outputs, score_blocks,
-                                static_report, target_passes)
-from engine.measure.doctor_checks import FAULT, OK, WARNING, Finding, configured_wiring, static_checks
 from engine.loop.loading import SHIPPED_DRAFTER
+from engine.measure.doctor import (
+    CANNOT_JUDGE,
+    DEFAULT_PROMPTS,
+    FAULTY,
+    HEALTHY,
+    MIN_JUDGED_ROOTS,
+    CalibrationBin,
+    DoctorReport,
+    PositionStats,
+    ProbeSettings,
+    diagnose,
+    greedy_outputs,
+    score_blocks,
+    static_report,
+    target_passes,
+)
+from engine.measure.doctor_checks import FAULT, OK, WARNING, Finding, configured_wiring, static_checks
 from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, read_drafter_config
 from engine.models.target import load_target
 from engine.tools import doctor as doctor_cli

@@ -4,7 +4,6 @@ cached inference path matches a from-scratch pass over the whole context."""
 import json
 
 import pytest
-
 import torch
 from safetensors.torch import save_file
 
@@ -123,8 +122,8 @@ def test_static_context_with_padding_rows_equals_the_growing_context(tmp_path, l
 def test_a_scripted_drafter_loads_from_its_folder_and_never_runs_as_a_graph(tmp_path):
     """Its proposals come from the host, so a CUDA graph would freeze the first step's: the draft
     pass stays eager and the fixed-shape step (graphs on) is not taken, whatever the settings say."""
-    from engine.models.drafter import ScriptedDrafter, fresh_config, write_scripted_drafter
     from engine.loop.draft_pass import EagerDraft
+    from engine.models.drafter import ScriptedDrafter, fresh_config, write_scripted_drafter
 
     target = tiny_target(3)
     config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1, num_taps=2)

@@ -32,8 +32,10 @@ def same(ours: torch.Tensor, reference: torch.Tensor, device: str) -> bool:
 def kernel_sets():
     sets = [pytest.param((REFERENCE_KERNELS, "cpu"), id="torch-reference")]
     try:
-        from vllm.model_executor.layers.fla.ops import (fused_recurrent_gated_delta_rule,
-                                                        fused_sigmoid_gating_delta_rule_update)
+        from vllm.model_executor.layers.fla.ops import (
+            fused_recurrent_gated_delta_rule,
+            fused_sigmoid_gating_delta_rule_update,
+        )
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
     except ImportError:
         return sets

@@ -97,8 +97,8 @@ def test_tensor_parallel_copy_splits_the_heads_and_keeps_every_logit(tmp_path, t
     """SmolLM2's 9 query / 3 KV heads do not split over 2 GPUs; the rewritten copy does, and is the same model."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from engine.models.target import bundled_gguf
     from engine.models.convert import tensor_parallel_copy
+    from engine.models.target import bundled_gguf
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=72, intermediate_size=96, num_hidden_layers=2,

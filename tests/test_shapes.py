@@ -265,8 +265,14 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
 
     from engine.models.drafter import drafter_shape, fresh_config, write_scripted_drafter
     from engine.models.target import shape_config
-    from engine.on_vllm.vllm_engine import (VllmOptions, compiles_target, llm_settings, load_vllm_decoder,
-                                            native_settings, preflight)
+    from engine.on_vllm.vllm_engine import (
+        VllmOptions,
+        compiles_target,
+        llm_settings,
+        load_vllm_decoder,
+        native_settings,
+        preflight,
+    )
     from tests.hybrid_models import save_tiny_hybrid
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched

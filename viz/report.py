@@ -24,8 +24,17 @@ from pathlib import Path
 
 from engine.measure.projection import projection_report
 from engine.models.target import BUNDLED_MODEL
-from engine.trace import (METHODS, NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP, SCRIPTED, STAGES,
-                          TIMING_ONLY, TOKENS_ONLY)
+from engine.trace import (
+    METHODS,
+    NATIVE_AR,
+    NATIVE_AR_GRAPHLESS,
+    NATIVE_DFLASH,
+    NATIVE_MTP,
+    SCRIPTED,
+    STAGES,
+    TIMING_ONLY,
+    TOKENS_ONLY,
+)
 
 MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 16 drafts 15)
 METHOD_NAMES = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}

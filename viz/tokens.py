@@ -7,7 +7,7 @@ when it only has traces (an upload), which knows just the tokens a run committed
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from engine.trace import Step, Trace
 

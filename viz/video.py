@@ -21,10 +21,10 @@ import importlib.util
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Callable
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -109,7 +109,7 @@ def _font_dirs() -> list[Path]:
     return dirs
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_font(kind: str, size: int) -> Font:
     for folder in _font_dirs():
         path = folder / FONT_FILES[kind]
@@ -153,7 +153,7 @@ class Box:
     def xy(self) -> tuple[int, int, int, int]:
         return (self.x0, self.y0, self.x1, self.y1)
 
-    def inset(self, dx: int, dy: int | None = None) -> "Box":
+    def inset(self, dx: int, dy: int | None = None) -> Box:
         dy = dx if dy is None else dy
         return Box(self.x0 + dx, self.y0 + dy, self.x1 - dx, self.y1 - dy)
 
@@ -243,7 +243,7 @@ class Column:
     speedup: float | None  # tokens/s relative to AR; None when there is no AR trace
 
     @staticmethod
-    def from_trace(trace: Trace, ar_tokens_per_s: float | None = None) -> "Column":
+    def from_trace(trace: Trace, ar_tokens_per_s: float | None = None) -> Column:
         text = sanitize(trace.prefill.first_text)
         chars, tokens = [len(text)], [1]
         for step in trace.steps:

@@ -8,8 +8,9 @@ the outputs the graph holds are those of the next replay.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import torch
 

@@ -8,8 +8,8 @@ graph replays) starts inside that stage's range: kernels are attributed by start
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

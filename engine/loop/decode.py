@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -49,7 +48,7 @@ class DecodeSettings:
     record_top_k: int = 8
     trace_detail: str = "full"  # "tokens": steps keep what they commit, not the tree (timing a lean loop)
 
-    def warm_up(self) -> "DecodeSettings":
+    def warm_up(self) -> DecodeSettings:
         """The same run cut short, past two steps that each accept a whole block of 16: it builds (compiles,
         captures) every program this run will use, so that a timed run after it pays for none of them."""
         return replace(self, max_new_tokens=min(WARM_UP_TOKENS, self.max_new_tokens))

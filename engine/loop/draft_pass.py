@@ -49,7 +49,7 @@ class DraftBuffers:
 
     @staticmethod
     def allocate(drafter: DFlashDrafter, block_size: int, capacity: int, device: torch.device,
-                 dtype: torch.dtype) -> "DraftBuffers":
+                 dtype: torch.dtype) -> DraftBuffers:
         """For contexts of up to ``capacity`` tokens (a block more: the last block's rows)."""
         config = drafter.config
         long = dict(dtype=torch.long, device=device)

@@ -34,13 +34,12 @@ import torch
 import ddtree
 from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain
 from engine.gpu.beam_kernel import fused_beam_tree, fused_fits
-from engine.gpu.profiling import STAGE_MARK
 from engine.gpu.graphs import GraphedCall
+from engine.gpu.profiling import STAGE_MARK
 from engine.loop.draft_pass import DraftBuffers, draft_log_probs
 from engine.loop.run import Outcome, Run
 from engine.models.protocols import FixedKV
 from engine.trace import Step
-
 
 SMALLEST_PREFILL = 16
 

@@ -26,8 +26,17 @@ import torch
 from engine.errors import EngineError
 from engine.loop.decode import MAX_NEW_TOKENS, DecodeSettings, Decoder
 from engine.measure.acceptance import CONFIDENCE_EDGES, Proposals, replay
-from engine.measure.doctor_checks import (FAULT, NOTE, WARNING, Finding, Wiring, configured_wiring, deployment_wirings,
-                                          static_checks, variant_wirings)
+from engine.measure.doctor_checks import (
+    FAULT,
+    NOTE,
+    WARNING,
+    Finding,
+    Wiring,
+    configured_wiring,
+    deployment_wirings,
+    static_checks,
+    variant_wirings,
+)
 from engine.models import hybrid
 from engine.models.drafter import ScriptedDrafter, block_inputs, block_visibility
 
@@ -139,7 +148,7 @@ class DoctorReport:
         return asdict(self)
 
     @staticmethod
-    def from_dict(raw: dict) -> "DoctorReport":
+    def from_dict(raw: dict) -> DoctorReport:
         nested = {"findings": Finding, "positions": PositionStats, "confidence_bands": ConfidenceBand,
                   "calibration": CalibrationBin, "wirings": WiringResult}
         values = {f.name: raw[f.name] for f in fields(DoctorReport) if f.name in raw}
@@ -260,7 +269,7 @@ class BlockScores:
     def hits(self) -> torch.Tensor:
         return (self.tokens[:, :, 0] == self.labels) & self.valid
 
-    def every(self, stride: int) -> "BlockScores":
+    def every(self, stride: int) -> BlockScores:
         return BlockScores(self.anchors[::stride], self.log_probs[::stride], self.tokens[::stride],
                            self.labels[::stride], self.label_log_probs[::stride])
 

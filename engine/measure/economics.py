@@ -13,8 +13,8 @@ sampled run), the same wall time for more tokens is faster.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 from engine.trace import Summary
 
@@ -31,7 +31,7 @@ class Timing:
     tokens: int
 
     @staticmethod
-    def of(summaries: Iterable[Summary]) -> "Timing":
+    def of(summaries: Iterable[Summary]) -> Timing:
         summaries = list(summaries)
         return Timing(sum(s.wall_s for s in summaries), sum(s.time_to_first_token_s for s in summaries),
                       sum(s.steps for s in summaries), sum(sum(s.acceptance_lengths) for s in summaries),

@@ -72,7 +72,7 @@ class DrafterConfig:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
 
     @staticmethod
-    def from_json(raw: dict) -> "DrafterConfig":
+    def from_json(raw: dict) -> DrafterConfig:
         """Read a z-lab ``config.json`` (``dflash_config`` overrides top-level keys)."""
         architectures = raw.get("architectures") or []
         if ARCHITECTURE not in architectures:
@@ -242,7 +242,7 @@ class DraftContext:
     length: int = 0
 
     @staticmethod
-    def empty(num_layers: int) -> "DraftContext":
+    def empty(num_layers: int) -> DraftContext:
         return DraftContext([None] * num_layers, [None] * num_layers)
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +267,7 @@ class StaticDraftContext:
     ``Attention._window_mask`` shows them: row ``r`` of the context stands at index ``r``, the
     block after the real rows."""
 
-    def __init__(self, config: "DrafterConfig", capacity: int, device, dtype: torch.dtype):
+    def __init__(self, config: DrafterConfig, capacity: int, device, dtype: torch.dtype):
         shape = (1, config.num_key_value_heads, capacity, config.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in config.layer_types]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in config.layer_types]
@@ -455,7 +455,7 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def initialize(self, seed: int) -> "DFlashDrafter":
+    def initialize(self, seed: int) -> DFlashDrafter:
         """Fresh weights (untrained): small normal linears, unit norms."""
         generator = torch.Generator().manual_seed(seed)
         for module in self.modules():
@@ -467,7 +467,7 @@ class DFlashDrafter(nn.Module):
                 module.weight.data.fill_(1.0)
         return self
 
-    def with_extra_layers(self, count: int, seed: int) -> "DFlashDrafter":
+    def with_extra_layers(self, count: int, seed: int) -> DFlashDrafter:
         """This drafter with ``count`` fresh layers after its own, each adding nothing at first
         (output projections zero), so it drafts exactly what this one does and training grows it
         from there instead of from scratch."""

@@ -35,8 +35,8 @@ import functools
 import inspect
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -77,7 +77,7 @@ class TreePlan:
 
     @staticmethod
     def from_tree(parents: torch.Tensor, visible: torch.Tensor, width: int,
-                  device: torch.device | str = "cpu") -> "TreePlan":
+                  device: torch.device | str = "cpu") -> TreePlan:
         """``parents[i]`` is node i's parent (``-1``: it hangs below the committed state), parents
         before children; ``visible`` the ancestors-and-self mask. A node's window is the last
         ``width`` inputs of its path (``ddtree.forks``)."""
@@ -130,10 +130,10 @@ class Recurrence:
     g: torch.Tensor  # [q, 1, v_heads]: log decay
     beta: torch.Tensor  # [q, 1, v_heads]: write strength
 
-    def select(self, nodes: torch.Tensor) -> "Recurrence":
+    def select(self, nodes: torch.Tensor) -> Recurrence:
         return Recurrence(*(t[nodes] for t in self.fields()))
 
-    def as_sequence(self, path: torch.Tensor) -> "Recurrence":
+    def as_sequence(self, path: torch.Tensor) -> Recurrence:
         """The nodes along ``path`` as one sequence ``[1, len(path), ...]``."""
         return Recurrence(*(t[path].transpose(0, 1).contiguous() for t in self.fields()))
 

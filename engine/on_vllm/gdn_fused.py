@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.forks import depths, leaf_chains, path_table
-from engine.on_vllm.gdn_tree import GDNParams
 from engine.gpu.triton_support import tl, triton, triton_runs_on
+from engine.on_vllm.gdn_tree import GDNParams
 
 SOFTPLUS_THRESHOLD = 20.0
 
@@ -51,7 +51,7 @@ class TreePaths:
     chain_start: torch.Tensor  # [q] int32: a leaf's chain's first depth, -1 for other nodes (``leaf_chains``)
 
     @staticmethod
-    def build(visible: torch.Tensor, length: int) -> "TreePaths":
+    def build(visible: torch.Tensor, length: int) -> TreePaths:
         table, depth = path_table(visible, length), depths(visible)
         return TreePaths(table.to(torch.int32).contiguous(), depth.to(torch.int32),
                          leaf_chains(visible, table, depth).to(torch.int32))

@@ -28,8 +28,8 @@ and the GPU tests hold the real kernels to the same checks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,7 @@ class GDNTreePlan:
     one: torch.Tensor  # [1] int32
 
     @staticmethod
-    def build(visible: torch.Tensor, slot: int, width: int, length: int) -> "GDNTreePlan":
+    def build(visible: torch.Tensor, slot: int, width: int, length: int) -> GDNTreePlan:
         """From the ancestors-and-self mask ``[q, q]``; ``length`` bounds a path (the block size)."""
         q = visible.shape[0]
         device = visible.device
@@ -95,7 +95,7 @@ class GDNTreePlan:
             conv_rows=torch.arange(1, q + 1, dtype=torch.int32, device=device), commit_rows=commit_rows,
             one=torch.ones(1, dtype=torch.int32, device=device))
 
-    def for_slot(self, slot: int) -> "GDNTreePlan":
+    def for_slot(self, slot: int) -> GDNTreePlan:
         """The same tree over another state slot (another KV-cache group's block)."""
         q, length = self.read_rows.shape[0] - 1, self.commit_rows.shape[1]
         read_rows, commit_rows = _slot_rows(q, length, slot, self.read_rows.device)
@@ -151,7 +151,7 @@ class AcceptedPath:
     window: torch.Tensor  # [W] columns of a layer's kept inputs: the window the leaf leaves behind
 
     @staticmethod
-    def build(plan: GDNTreePlan, path: torch.Tensor, length: torch.Tensor) -> "AcceptedPath":
+    def build(plan: GDNTreePlan, path: torch.Tensor, length: torch.Tensor) -> AcceptedPath:
         """From ``path [L]`` (padded past ``length``, a device scalar), all on the device."""
         leaf = path.gather(0, (length - 1).reshape(1))
         bounds = torch.cat([torch.zeros_like(plan.one), length.reshape(1).to(torch.int32)])

@@ -16,9 +16,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -29,8 +29,16 @@ from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
 from engine.models.convert import convert, tensor_parallel_copy
 from engine.models.drafter import DFlashDrafter, drafter_shape
 from engine.models.hybrid import is_hybrid
-from engine.models.target import (BUNDLED_MODEL, Target, bundled_gguf, has_tokenizer, resolve_dtype, shape_config,
-                                  shape_tokenizer, stop_token_ids)
+from engine.models.target import (
+    BUNDLED_MODEL,
+    Target,
+    bundled_gguf,
+    has_tokenizer,
+    resolve_dtype,
+    shape_config,
+    shape_tokenizer,
+    stop_token_ids,
+)
 from engine.trace import Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals

@@ -72,7 +72,7 @@ class TreeQueries:
     depth: torch.Tensor  # [q] int32
 
     @staticmethod
-    def of(bias: torch.Tensor) -> "TreeQueries":
+    def of(bias: torch.Tensor) -> TreeQueries:
         visible = bias == 0
         return TreeQueries(bias, visible, path_table(visible, bias.shape[0]).to(torch.int32),
                            depths(visible).to(torch.int32))
@@ -132,7 +132,7 @@ class PagedCache:
 class _Forward:
     """One verify shape: static inputs, attention metadata and (once captured) a CUDA graph."""
 
-    def __init__(self, target: "PagedTarget", size: int, tree: bool, prefill: bool = False, last_row: bool = False):
+    def __init__(self, target: PagedTarget, size: int, tree: bool, prefill: bool = False, last_row: bool = False):
         device = target.device
         self.target, self.size, self.prefill = target, size, prefill
         # int32 as vLLM's runners feed it: a model vLLM compiled (--vllm-compile) runs without dynamo's guards,
@@ -364,7 +364,7 @@ class PagedTarget(Target):
                                                 if self.vllm_compiled else ""))
         return {layer: tap[None] for layer, tap in zip(self.taps, taps)}
 
-    def fixed_kv(self, capacity: int, compiled: bool = False) -> "PagedKV":
+    def fixed_kv(self, capacity: int, compiled: bool = False) -> PagedKV:
         return PagedKV(self, compiled)  # the paged cache is vLLM's, of its own capacity
 
     def _forward_for(self, size: int, tree: bool, prefill: bool, last_row: bool = False) -> _Forward:

@@ -34,8 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from engine.errors import EngineError
-from engine.measure.calibration import PROVISIONAL_BUDGET
 from engine.loop.decode import MAX_NEW_TOKENS, MAX_TREE_BUDGET, DecodeSettings, Decoder
+from engine.measure.calibration import PROVISIONAL_BUDGET
 from engine.serving.model_queue import ModelQueue
 from engine.trace import METHODS, SCHEMA_VERSION, Trace
 

@@ -6,10 +6,16 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.measure.calibration import (FALLBACK_BUDGET, PROVISIONAL_BUDGET, BudgetChoice, StartupTiming, cache_dir,
-                                     recorded_choice)
 from engine.loop.decode import Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
+from engine.measure.calibration import (
+    FALLBACK_BUDGET,
+    PROVISIONAL_BUDGET,
+    BudgetChoice,
+    StartupTiming,
+    cache_dir,
+    recorded_choice,
+)
 from engine.models.target import resolve_device
 
 

@@ -32,8 +32,19 @@ from engine.measure.economics import Timing, economics
 from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
 from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS, VllmOptions, check_mtp_layers, load_vllm_decoder
-from engine.trace import (METHODS, NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP, NEAR_TIE, STAGES,
-                          TOKENS_ONLY, Trace, divergence, write_trace_file)
+from engine.trace import (
+    METHODS,
+    NATIVE_AR,
+    NATIVE_AR_GRAPHLESS,
+    NATIVE_DFLASH,
+    NATIVE_MTP,
+    NEAR_TIE,
+    STAGES,
+    TOKENS_ONLY,
+    Trace,
+    divergence,
+    write_trace_file,
+)
 
 NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the command when set
 

@@ -32,7 +32,7 @@ from engine.errors import EngineError, run_command
 from engine.gpu.graphs import record
 from engine.gpu.triton_support import triton
 from engine.models.target import shape_config
-from engine.on_vllm.gdn_tree import GDNParams, GDNTreePlan, AcceptedPath, commit_layer, verify_layer
+from engine.on_vllm.gdn_tree import AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
 
 BLOCK = 16  # the drafter's block: DFlash's chain, DDTree's depth
 SLOT = 3  # (a slot of 1 would reach Triton as a constant)

@@ -86,9 +86,9 @@ def capture(args: argparse.Namespace) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: hooks see plain Python objects
     from vllm import SamplingParams, TokensPrompt
 
-    from engine.tools.bench import read_prompts
     from engine.models.target import Target, shape_tokenizer
     from engine.on_vllm.vllm_engine import native_llm
+    from engine.tools.bench import read_prompts
 
     # the chat template as the bench applies it, without the weights (vLLM holds the model)
     chat = Target(model=None, tokenizer=shape_tokenizer(args.model), name=args.model, stop_ids=[])

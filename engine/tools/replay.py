@@ -30,8 +30,15 @@ from engine.errors import EngineError, run_command
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.loop.loading import AUTO, load_decoder
 from engine.measure.acceptance import CONFIDENCE_EDGES, Proposals, replay
-from engine.tools.bench import (Job, per_category, plan_jobs, prompt_tokens, read_prompts, recorded_runs,
-                                tokenize_prompts)
+from engine.tools.bench import (
+    Job,
+    per_category,
+    plan_jobs,
+    prompt_tokens,
+    read_prompts,
+    recorded_runs,
+    tokenize_prompts,
+)
 
 
 def proposals_along(decoder: Decoder, prompt_ids: list[int], output_ids: list[int], top_k: int) -> Proposals:

@@ -37,12 +37,33 @@ import numpy as np
 import torch
 
 from engine.models.target import Target, load_target, stop_token_ids
-from engine.training.generation import (Completion, Generator, Sampling, TransformersGenerator, VllmGenerator,
-                                        VllmSettings, device_and_dtype)
+from engine.training.generation import (
+    Completion,
+    Generator,
+    Sampling,
+    TransformersGenerator,
+    VllmGenerator,
+    VllmSettings,
+    device_and_dtype,
+)
 from engine.training.overlap import OverlapIndex, OverlapReport
-from engine.training.prompts import (FOLLOW_UPS, FORMATS, GENERAL_TOPICS, Prompt, arithmetic_prompts, code_prompts,
-                                     composed_prompts, function_prompts, general_prompts, list_requests, listed_items,
-                                     math_prompts, passage_prompts, polyglot_prompts, self_written_openers)
+from engine.training.prompts import (
+    FOLLOW_UPS,
+    FORMATS,
+    GENERAL_TOPICS,
+    Prompt,
+    arithmetic_prompts,
+    code_prompts,
+    composed_prompts,
+    function_prompts,
+    general_prompts,
+    list_requests,
+    listed_items,
+    math_prompts,
+    passage_prompts,
+    polyglot_prompts,
+    self_written_openers,
+)
 from engine.training.stdlib_text import harvest
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -411,7 +432,7 @@ class SequenceData:
         return len(self.lengths)
 
     @staticmethod
-    def from_lists(sequences: list[list[int]], response_starts: list[int]) -> "SequenceData":
+    def from_lists(sequences: list[list[int]], response_starts: list[int]) -> SequenceData:
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         return SequenceData(
             tokens=torch.tensor([t for s in sequences for t in s], dtype=torch.int64),
@@ -421,7 +442,7 @@ class SequenceData:
         )
 
     @staticmethod
-    def load(folder: str | Path) -> "SequenceData":
+    def load(folder: str | Path) -> SequenceData:
         shards = [torch.load(p) for p in shard_paths(Path(folder))]
         if not shards:
             raise FileNotFoundError(f"no {SHARD_PATTERN} in {folder}: run the data stage first")
@@ -433,7 +454,7 @@ class SequenceData:
             response_starts=torch.cat([s["response_starts"] for s in shards]),
         )
 
-    def to(self, device) -> "SequenceData":
+    def to(self, device) -> SequenceData:
         return SequenceData(*(t.to(device) for t in (self.tokens, self.offsets, self.lengths, self.response_starts)))
 
 

@@ -84,7 +84,7 @@ class OverlapReport:
             out.append(f"overlap:   e.g. {example['train'][:90]!r} ~ {example['eval'][:90]!r} ({example['set']})")
         return out
 
-    def merge(self, other: "OverlapReport") -> "OverlapReport":
+    def merge(self, other: OverlapReport) -> OverlapReport:
         hit = {name: sorted(set(self.eval_prompts_hit.get(name, [])) | set(other.eval_prompts_hit.get(name, [])))
                for name in self.eval_prompts_hit.keys() | other.eval_prompts_hit.keys()}
         return OverlapReport(self.checked + other.checked, self.removed + other.removed,
@@ -107,7 +107,7 @@ class OverlapIndex:
                 self.by_gram[gram].append(index)
 
     @staticmethod
-    def from_files(pattern: str) -> "OverlapIndex":
+    def from_files(pattern: str) -> OverlapIndex:
         """Every ``{"prompt": ...}`` line of the JSONL files matching ``pattern``, keyed by file stem."""
         sets = {}
         for path in sorted(glob.glob(pattern)):

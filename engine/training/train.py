@@ -34,15 +34,22 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from engine.models.drafter import (DFlashDrafter, DrafterConfig, block_inputs, block_visibility, fresh_config,
-                                   load_drafter, parameter_count)
+from engine.models.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    block_inputs,
+    block_visibility,
+    fresh_config,
+    load_drafter,
+    parameter_count,
+)
 from engine.models.target import Target, load_target
 from engine.training.data import SequenceData
 from engine.training.export import export_drafter
@@ -257,7 +264,7 @@ class Trainer:
     loss: Callable = fused_block_loss  # one of loss_implementations(): the same loss and gradients
 
     @staticmethod
-    def new(drafter, target, data, settings: TrainSettings, progress: Progress, **kwargs) -> "Trainer":
+    def new(drafter, target, data, settings: TrainSettings, progress: Progress, **kwargs) -> Trainer:
         target.model.requires_grad_(False)
         drafter.train()
         decay = [p for p in drafter.parameters() if p.ndim >= 2]  # no weight decay on norms
