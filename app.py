@@ -587,7 +587,8 @@ class TrafficView:
             raise refusal(exc) from None
         rows = [[time.strftime("%H:%M:%S", time.gmtime(r.created)), r.endpoint, _served_label(r), r.prompt[:80],
                  r.tokens, r.steps, round(r.tau, 2), round(r.tokens_per_s, 1), r.finish_reason] for r in requests]
-        choices = [(f"{row[0]} · {row[2]} · {request.prompt[:40]!r}", request.id) for row, request in zip(rows, requests)]
+        choices = [(f"{row[0]} · {row[2]} · {request.prompt[:40]!r}", request.id)
+                   for row, request in zip(rows, requests)]
         return {self.table: rows, self.listed: [request.id for request in requests],
                 self.request: gr.Dropdown(choices=choices, value=choices[0][1] if choices else None),
                 self.session.status: f"{len(requests)} request(s) served by {server_url(url)}."}

@@ -74,7 +74,8 @@ def beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
     order = order.gather(-1, torch.sort(depth_of[order], dim=-1, stable=True).indices)  # parents first
     depth_index = order // budget
     numbers = torch.arange(1, budget + 1, device=device).expand(*batch, budget)
-    node_of = torch.full((*batch, depth_limit * budget), -1, dtype=torch.long, device=device).scatter_(-1, order, numbers)
+    node_of = torch.full((*batch, depth_limit * budget), -1, dtype=torch.long,
+                         device=device).scatter_(-1, order, numbers)
     parent_entry = (depth_index - 1).clamp(min=0) * budget + beam_parent.gather(-1, order)
     parents = torch.where(depth_index == 0, 0, node_of.gather(-1, parent_entry))
     ranks = beam_rank.gather(-1, order)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 METHODS = ("ar", "dflash", "ddtree")
-NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP = "vllm-ar", "vllm-dflash", "vllm-mtp"  # bench labels of vLLM's own decoding (--native)
+# bench labels of vLLM's own decoding (--native)
+NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP = "vllm-ar", "vllm-dflash", "vllm-mtp"
 NATIVE_AR_GRAPHLESS = "vllm-ar-graphless"  # vLLM's AR compiled, without its CUDA graphs (--native ar-graphless)
 TIMING_ONLY = "random weights: timing only"  # how a run on a config-only model shape is labelled
 SCRIPTED = "scripted: proposes known answers"  # how a drafter that knows the answers is labelled
@@ -48,7 +49,7 @@ class RunConfig:
     prompt_ids: list[int]
     notes: list[str] = field(default_factory=list)  # settings the engine adjusted, said plainly
     timing_only: bool = False  # random weights at a real model's shape: the costs are real, the text is not
-    step: str = "readable"  # the step that ran: "readable", "fixed" or "compiled fixed" (``engine.loop.decode.step_kind``)
+    step: str = "readable"  # which step ran: "readable", "fixed" or "compiled fixed" (``engine.loop.decode.step_kind``)
 
     @property
     def label(self) -> str:

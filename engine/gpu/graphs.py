@@ -9,8 +9,7 @@ the outputs the graph holds are those of the next replay.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
-from typing import ContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -31,7 +30,7 @@ class GraphedCall:
     parallelism); ``synchronize``: wait for the eager run before recording (its inputs were
     written by work still queued)."""
 
-    def __init__(self, program: Callable[[], object], capturing: Callable[[], ContextManager] = nullcontext,
+    def __init__(self, program: Callable[[], object], capturing: Callable[[], AbstractContextManager] = nullcontext,
                  synchronize: bool = False):
         self.program, self.capturing, self.synchronize = program, capturing, synchronize
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -67,7 +67,8 @@ class RowMover:
         moves = triton.next_power_of_2(sources.numel())
         if moves != sources.numel():  # the kernel takes a power of two: the last move again is a no-op
             extra = moves - sources.numel()
-            sources, targets = torch.cat([sources, sources[-1:].expand(extra)]), torch.cat([targets, targets[-1:].expand(extra)])
+            sources, targets = (torch.cat([sources, sources[-1:].expand(extra)]),
+                                torch.cat([targets, targets[-1:].expand(extra)]))
         columns = min(triton.next_power_of_2(self.row), max(16, MAX_ELEMENTS // moves))
         first = self.caches[0]
         grid = (len(self.caches), 2, triton.cdiv(self.row, columns))

@@ -164,7 +164,8 @@ class Decoder:
         return replace(settings, block_size=block_size), notes
 
     @torch.inference_mode()
-    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *, prompt_ids: list[int] | None = None,
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
+            prompt_ids: list[int] | None = None,
             on_step: Callable[[Trace, Step], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Trace:
         if prompt_ids is None:
@@ -288,8 +289,8 @@ class ReadableRun(Run):
             self.start += len(accepted)
             self.root = bonus
         full = self.settings.trace_detail == "full"
-        return self.record(index, t_start, root, _draft_top(log_probs, self.settings.record_top_k) if full else ([], []),
-                           outcome)
+        return self.record(index, t_start, root,
+                           _draft_top(log_probs, self.settings.record_top_k) if full else ([], []), outcome)
 
 
 def _draft_top(log_probs: torch.Tensor | None, k: int) -> tuple[list[list[int]], list[list[float]]]:

@@ -49,7 +49,7 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
         return Decoder(target, checkpoint.to(device=target.device, dtype=target.dtype).eval(),
                        drafter_info(drafter, timing_only=True),
                        fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step, timing_only=True)
-    checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast, before the slow target load
+    checkpoint = load_drafter(drafter) if drafter not in (None, RANDOM) else None  # fail fast: the target loads slowly
     if draft_dtype != AUTO:
         resolve_dtype(draft_dtype)  # likewise
     target = load_target(model, device=device, dtype=dtype)

@@ -35,7 +35,8 @@ class StageClock:
 
     @contextmanager
     def stage(self, name: str):
-        marked = torch.autograd.profiler.record_function(STAGE_MARK + name) if torch.autograd._profiler_enabled() else None
+        marked = (torch.autograd.profiler.record_function(STAGE_MARK + name)
+                  if torch.autograd._profiler_enabled() else None)
         begin = self.now()
         with marked or nullcontext():
             yield
@@ -155,7 +156,8 @@ class Run:
         tree = outcome.tree if full else ddtree.DraftTree.empty()
         top_tokens, top_probs = draft_top
         return Step(
-            index=index, t_start=t_start, t_end=self.elapsed(), stage_s=self.clock.take() if stage_s is None else stage_s,
+            index=index, t_start=t_start, t_end=self.elapsed(),
+            stage_s=self.clock.take() if stage_s is None else stage_s,
             root_token=root,
             draft_top_tokens=top_tokens, draft_top_probs=top_probs,
             tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),

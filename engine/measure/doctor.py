@@ -74,7 +74,8 @@ class ProbeSettings:
 
     def __post_init__(self):
         if not 2 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise EngineError(f"the probe's greedy tokens per prompt must be 2 to {MAX_NEW_TOKENS}, got {self.max_new_tokens}")
+            raise EngineError(f"the probe's greedy tokens per prompt must be 2 to {MAX_NEW_TOKENS}, "
+                              f"got {self.max_new_tokens}")
 
 
 @dataclass
@@ -162,13 +163,15 @@ class DoctorReport:
         out += [f"  [{f.severity}] {f.check}: {f.line}" for f in self.findings]
         if self.first_slot is None:
             return out
-        out.append(f"acceptance probe: {self.prompts} prompts, {self.roots} roots; first-slot hits {self.first_slot:.1%}; "
+        out.append(f"acceptance probe: {self.prompts} prompts, {self.roots} roots; "
+                   f"first-slot hits {self.first_slot:.1%}; "
                    + ", ".join(f"{name} τ {value:.2f}" for name, value in self.tau.items()))
         out.append("  position  acceptance  hit rate  drafter p  (blocks)")
         out += [f"  {p.position:8d}  {_percent(p.acceptance):>10}  {_percent(p.hit_rate):>8}  "
                 f"{_percent(p.mean_probability):>9}  ({p.blocks})" for p in self.positions]
         out.append("first slot by the target's confidence: " + ", ".join(
-            f"{band.low:g}–{min(band.high, 1):g}: {_percent(band.hit_rate)} ({band.roots})" for band in self.confidence_bands))
+            f"{band.low:g}–{min(band.high, 1):g}: {_percent(band.hit_rate)} ({band.roots})"
+            for band in self.confidence_bands))
         out.append("calibration (drafter p → hit rate): " + ", ".join(
             f"{b.mean_probability:.2f}→{b.hit_rate:.2f} ({b.count})" for b in self.calibration if b.count))
         out.append("wiring probes (first-slot hits, draft tokens a chain keeps, the right tokens' log-likelihood):")
@@ -345,7 +348,8 @@ def confidence_bands(scores: list[BlockScores], runs: list[PromptPass]) -> list[
     confidence = torch.cat([run.confidence for run in runs])
     edges = (0.0,) + CONFIDENCE_EDGES + (1.01,)
     return [ConfidenceBand(low, high, _rate(hits[(confidence >= low) & (confidence < high)]),
-                           int(((confidence >= low) & (confidence < high)).sum())) for low, high in zip(edges, edges[1:])]
+                           int(((confidence >= low) & (confidence < high)).sum()))
+            for low, high in zip(edges, edges[1:])]
 
 
 def calibration(scores: list[BlockScores]) -> list[CalibrationBin]:

@@ -93,8 +93,9 @@ def layer_id_checks(config: DrafterConfig, num_layers: int) -> list[Finding]:
     found = [Finding(OK, "layer ids", f"taps the outputs of target layers {ids} of {num_layers} "
                                       f"(HF hidden_states {[i + 1 for i in ids]})")]
     if config.num_target_layers != num_layers:
-        found.append(Finding(WARNING, "layer ids", f"the drafter's config says its target has {config.num_target_layers} "
-                                                   f"layers, this one has {num_layers}: is it the target it was trained on?"))
+        found.append(Finding(WARNING, "layer ids", "the drafter's config says its target has "
+                                                   f"{config.num_target_layers} layers, this one has {num_layers}: "
+                                                   "is it the target it was trained on?"))
     if len(set(ids)) != len(ids) or list(ids) != sorted(ids):
         found.append(Finding(WARNING, "layer ids", f"target_layer_ids {ids} repeat or are out of order: the fused "
                                                    "features keep that order, so it must be the training order"))
@@ -104,12 +105,14 @@ def layer_id_checks(config: DrafterConfig, num_layers: int) -> list[Finding]:
 def mask_token_check(config: DrafterConfig, tokenizer) -> Finding:
     mask = config.mask_token_id
     if not 0 <= mask < config.vocab_size:
-        return Finding(FAULT, "mask token", f"mask_token_id {mask} is outside the vocabulary (0–{config.vocab_size - 1}); "
-                                            "set dflash_config.mask_token_id to the token the drafter was trained with")
+        return Finding(FAULT, "mask token", f"mask_token_id {mask} is outside the vocabulary "
+                                            f"(0–{config.vocab_size - 1}); set dflash_config.mask_token_id to the "
+                                            "token the drafter was trained with")
     if tokenizer is None:
         return Finding(NOTE, "mask token", f"{mask} (no tokenizer to name it)")
     name = tokenizer.decode([mask], skip_special_tokens=False)
-    special = mask in getattr(tokenizer, "all_special_ids", []) or mask in getattr(tokenizer, "added_tokens_decoder", {})
+    special = (mask in getattr(tokenizer, "all_special_ids", [])
+               or mask in getattr(tokenizer, "added_tokens_decoder", {}))
     if special:
         return Finding(OK, "mask token", f"{mask} = {name!r}, a special token no text produces")
     return Finding(WARNING, "mask token", f"{mask} = {name!r} is an ordinary text token: a block's mask slots then "
@@ -132,7 +135,8 @@ def layer_type_checks(config: DrafterConfig) -> list[Finding]:
     causal = "causal" if config.is_causal is None else ("causal" if config.is_causal else "not causal")
     if not sliding:
         return [Finding(OK, "layer types", f"{len(types)} full-attention layers (non-causal over the block)"
-                                           + (f"; sliding_window {window} is set but no layer uses it" if window else ""))]
+                                           + (f"; sliding_window {window} is set but no layer uses it"
+                                              if window else ""))]
     return [Finding(OK, "layer types", f"{len(sliding)} sliding-window layers {sliding} (window {window}, {causal}) "
                                        f"and {len(types) - len(sliding)} full-attention")]
 
@@ -142,8 +146,8 @@ def rope_check(config: DrafterConfig, text) -> Finding:
     theta = rope.get("rope_theta", getattr(text, "rope_theta", None))
     if theta is None or float(theta) == float(config.rope_theta):
         return Finding(OK, "rope", f"theta {config.rope_theta:g}" + ("" if theta is None else ", as the target's"))
-    return Finding(WARNING, "rope", f"the drafter's rope theta {config.rope_theta:g} is not the target's {float(theta):g}: "
-                                    "drafters are trained with the target's; if this one was, set "
+    return Finding(WARNING, "rope", f"the drafter's rope theta {config.rope_theta:g} is not the target's "
+                                    f"{float(theta):g}: drafters are trained with the target's; if this one was, set "
                                     f"rope_parameters.rope_theta to {float(theta):g}")
 
 
@@ -163,20 +167,20 @@ def vllm_checks(config: DrafterConfig, num_layers: int, raw_config: dict | None)
     found = []
     if aux == studio:
         found.append(Finding(OK, "vLLM taps", f"{VLLM}'s DFlash taps aux hidden states {aux} ({source}): the residual "
-                                              f"stream entering those layers, the outputs of layers {config.target_layer_ids}; "
-                                              "the Studio's engines read the same layers"))
+                                              "stream entering those layers, the outputs of layers "
+                                              f"{config.target_layer_ids}; the Studio's engines read the same layers"))
     else:
-        found.append(Finding(FAULT, "vLLM taps", f"{VLLM}'s DFlash taps aux hidden states {aux} ({source}): the outputs "
-                                                 f"of layers {[k - 1 for k in aux]}, where the Studio reads "
-                                                 f"{config.target_layer_ids}; set eagle_aux_hidden_state_layer_ids to "
-                                                 f"{studio} or remove it"))
+        found.append(Finding(FAULT, "vLLM taps", f"{VLLM}'s DFlash taps aux hidden states {aux} ({source}): "
+                                                 f"the outputs of layers {[k - 1 for k in aux]}, where the Studio "
+                                                 f"reads {config.target_layer_ids}; set "
+                                                 f"eagle_aux_hidden_state_layer_ids to {studio} or remove it"))
     if max(aux) > num_layers:
         found.append(Finding(FAULT, "vLLM taps", f"aux layer {max(aux)} is past the target's {num_layers} layers: "
                                                  "vLLM never records it"))
     if num_layers - 1 in config.target_layer_ids:
-        found.append(Finding(WARNING, "final norm", f"the drafter taps the last layer ({num_layers - 1}): vLLM reads it "
-                                                    "before the final norm, the torch engine after it (the probe "
-                                                    "measures both)"))
+        found.append(Finding(WARNING, "final norm", f"the drafter taps the last layer ({num_layers - 1}): "
+                                                    "vLLM reads it before the final norm, the torch engine after it "
+                                                    "(the probe measures both)"))
     sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
     if sliding:
         dflash_causal = bool(((raw_config or {}).get("dflash_config") or {}).get("causal", False))
@@ -247,8 +251,8 @@ def deployment_wirings(drafter: DFlashDrafter, num_layers: int, engine: str, raw
                             fix="tap an earlier layer, or train the drafter on the state before the norm"))
     aux, source = vllm_aux_layers(config, raw_config)
     dflash_causal = bool(((raw_config or {}).get("dflash_config") or {}).get("causal", False))
-    native = Wiring(f"as {VLLM}'s own DFlash runs it", tuple(aux), tuple((dflash_causal, None) for _ in configured.layer_kinds),
-                    last_before_norm=True)
+    native = Wiring(f"as {VLLM}'s own DFlash runs it", tuple(aux),
+                    tuple((dflash_causal, None) for _ in configured.layer_kinds), last_before_norm=True)
     if max(aux) <= num_layers and (native.hidden_indices, native.layer_kinds) != (configured.hidden_indices,
                                                                                   configured.layer_kinds):
         wrong = []
@@ -258,6 +262,7 @@ def deployment_wirings(drafter: DFlashDrafter, num_layers: int, engine: str, raw
             wrong.append("it runs every drafter layer as full attention, the sliding-window ones too")
         found.append(Wiring(native.label, native.hidden_indices, native.layer_kinds, True,
                             meaning="; ".join(wrong),
-                            fix="run the drafter on the Studio's vLLM engine, which keeps its wiring, or make vLLM's "
-                                "(eagle_aux_hidden_state_layer_ids; per_layer_sliding_window in qwen3_dflash.py) match"))
+                            fix="run the drafter on the Studio's vLLM engine, which keeps its wiring, or make "
+                                "vLLM's (eagle_aux_hidden_state_layer_ids; per_layer_sliding_window in "
+                                "qwen3_dflash.py) match"))
     return found

@@ -93,4 +93,5 @@ def explain(label: str, entry: Economics) -> str:
     verdict = "faster" if entry.predicted_speedup >= 1 else "slower"
     measured = f", measured {entry.speedup_vs_ar:.2f}×" if entry.speedup_vs_ar is not None else ""
     return (f"{label} commits {entry.tau:.2f} tokens per step and a step costs {entry.step_cost_vs_ar:.2f} AR steps: "
-            f"{entry.tau:.2f} ÷ {entry.step_cost_vs_ar:.2f} = {entry.predicted_speedup:.2f}× ({verdict} than AR{measured}).")
+            f"{entry.tau:.2f} ÷ {entry.step_cost_vs_ar:.2f} = {entry.predicted_speedup:.2f}× "
+            f"({verdict} than AR{measured}).")

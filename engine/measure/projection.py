@@ -91,7 +91,8 @@ def project(results: dict, curve: dict) -> tuple[str, float, list[Projection]]:
         else:
             tau_ours, tau_paper = ours.get(budget), PAPER_QWEN3_8B["tau"].get(budget)
             reported = PAPER_QWEN3_8B["speedup"].get(budget)
-        rows.append(Projection(label, budget, entry["step_ms"], entry["step_ms"] / ar_ms, tau_ours, tau_paper, reported))
+        rows.append(Projection(label, budget, entry["step_ms"], entry["step_ms"] / ar_ms, tau_ours, tau_paper,
+                               reported))
     rows.sort(key=lambda row: row.budget or 0)
     return name, ar_ms, rows
 
@@ -286,8 +287,8 @@ def read_curve(folder: str | None) -> tuple[dict, str]:
     if path is None or not (path / "config.json").is_file():
         return {}, "none given"
     acceptance = json.loads((path / "config.json").read_text()).get("acceptance") or {}
-    source = (f"{path.name}'s measured curve ({acceptance.get('prompts', '?')}, {acceptance.get('max_new_tokens', '?')} "
-              f"tokens, {acceptance.get('dtype', '?')})")
+    source = (f"{path.name}'s measured curve ({acceptance.get('prompts', '?')}, "
+              f"{acceptance.get('max_new_tokens', '?')} tokens, {acceptance.get('dtype', '?')})")
     return acceptance, source
 
 

@@ -609,7 +609,8 @@ def read_drafter_config(folder: str | Path) -> DrafterConfig:
     folder = Path(folder)
     config_path = folder / "config.json"
     if not folder.is_dir():
-        raise DrafterError(f"drafter folder {str(folder)!r} does not exist; pass a DFlash checkpoint folder or 'random'")
+        raise DrafterError(f"drafter folder {str(folder)!r} does not exist; "
+                           "pass a DFlash checkpoint folder or 'random'")
     if not config_path.is_file():
         raise DrafterError(f"drafter folder {str(folder)!r} has no config.json")
     try:

@@ -440,7 +440,8 @@ def format_cost(rows: list[CostRow], setup: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.models.hybrid", description="Hybrid-target tree verification.")
+    parser = argparse.ArgumentParser(prog="python -m engine.models.hybrid",
+                                     description="Hybrid-target tree verification.")
     parser.add_argument("--cost", action="store_true", help="verify time vs tree budget, hybrid vs pure attention")
     parser.add_argument("--budgets", default="1,4,16,64,256")
     parser.add_argument("--hidden-size", type=int, default=512)

@@ -185,7 +185,8 @@ class StaticKV:
         in_block = (self.rows >= past) & (self.rows < past + n)
         shown |= in_block[None, :] & visible.gather(1, block.expand(n, -1))
         dtype = self.target.dtype
-        bias = torch.zeros(n, self.capacity, dtype=dtype, device=ids.device).masked_fill_(~shown, torch.finfo(dtype).min)
+        bias = torch.zeros(n, self.capacity, dtype=dtype,
+                           device=ids.device).masked_fill_(~shown, torch.finfo(dtype).min)
         return self.target.forward(ids[None], positions[None], self.cache, bias[None, None], hidden_states=True)
 
     def compact(self, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:

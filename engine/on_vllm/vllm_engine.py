@@ -110,7 +110,8 @@ def split_heads_folder(folder: str | Path, tensor_parallel_size: int) -> str:
     Used for the bundled target and for the drafter vLLM's own DFlash loads (ours is replicated)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    if not (config["num_attention_heads"] % tensor_parallel_size or config["num_key_value_heads"] % tensor_parallel_size):
+    if not (config["num_attention_heads"] % tensor_parallel_size
+            or config["num_key_value_heads"] % tensor_parallel_size):
         return str(folder)
     weights = sorted(folder.glob("*.safetensors"))
     source = f"{folder.resolve()}|" + "|".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
@@ -143,7 +144,7 @@ class ClientTarget(Target):
         tokenizer = shape_tokenizer(folder)
         config = AutoConfig.from_pretrained(folder)
         self._config = getattr(config, "text_config", config)  # a multimodal checkpoint's language model
-        stop_ids = [] if timing_only else stop_token_ids(tokenizer, self._config)  # timing runs decode their full length
+        stop_ids = [] if timing_only else stop_token_ids(tokenizer, self._config)  # timing runs decode full length
         super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=stop_ids)
         self._dtype, self._context_length = dtype, context_length
 
@@ -173,8 +174,8 @@ def preflight(folder: str, drafter: DFlashDrafter | None) -> None:
     if is_hybrid(text):
         architectures = getattr(config, "architectures", None) or [config.model_type]
         if not set(architectures) & set(HYBRID_ARCHITECTURES):
-            raise EngineError(f"{', '.join(architectures)} is a hybrid (linear-attention) target the vLLM engine cannot "
-                              f"run: it forks Gated DeltaNet states for {', '.join(HYBRID_ARCHITECTURES)}; "
+            raise EngineError(f"{', '.join(architectures)} is a hybrid (linear-attention) target the vLLM engine "
+                              f"cannot run: it forks Gated DeltaNet states for {', '.join(HYBRID_ARCHITECTURES)}; "
                               "use --engine torch, which runs Qwen3.5 / Qwen3-Next hybrids exactly")
         if drafter is not None and drafter.block_size > MAX_PATH:
             raise EngineError(f"the vLLM engine verifies a hybrid target's trees at most {MAX_PATH} tokens deep; this "
@@ -222,7 +223,8 @@ MTP_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")  # Qwen3.5 / 3.
 def check_mtp_layers(model: str | None) -> int:
     """How many multi-token-prediction layers the target ships (what ``--native mtp`` drafts with)."""
     if model is None or model.endswith(".gguf"):
-        raise EngineError("--native mtp times the target's own multi-token-prediction layers: the bundled GGUF has none")
+        raise EngineError("--native mtp times the target's own multi-token-prediction layers: "
+                          "the bundled GGUF has none")
     config = shape_config(model)
     config = getattr(config, "text_config", None) or config
     layers = max((getattr(config, key, None) or 0 for key in MTP_KEYS), default=0)

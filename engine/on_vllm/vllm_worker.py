@@ -207,7 +207,8 @@ class PagedTarget(Target):
         forward_layers = self.vllm_config.compilation_config.static_forward_context
         self.kv_caches = [forward_layers[name].kv_cache for name in self.attention_names]
         if self.kv_caches[0].shape[1] != 2:
-            raise EngineError(f"unexpected KV cache layout {tuple(self.kv_caches[0].shape)} for vLLM {vllm.__version__}")
+            raise EngineError(f"unexpected KV cache layout {tuple(self.kv_caches[0].shape)} "
+                              f"for vLLM {vllm.__version__}")
         self.block_size = self.kv_caches[0].shape[2]
         blocks = self.kv_caches[0].shape[0]
         self.gdn = None

@@ -68,7 +68,8 @@ def check(url: str, prompts: list[dict], max_new_tokens: int, sweep_budgets: str
         summary, download = outputs[RUN_OUTPUTS_SUMMARY], outputs[RUN_OUTPUTS_SUMMARY + 1]
         engines = {trace["config"]["engine"] for trace in json.loads(Path(download).read_text())["traces"]}
         runs.append({"prompt_id": prompt["id"], "engines": sorted(engines),
-                     "methods": {method: {key: entry[key] for key in KEYS + ("identical_to_ar", "tokens", "wall_s", "prefill_s")}
+                     "methods": {method: {key: entry[key]
+                                          for key in KEYS + ("identical_to_ar", "tokens", "wall_s", "prefill_s")}
                                  for method, entry in summary.items()}})
         for method, entry in runs[-1]["methods"].items():
             ratio = (entry["predicted_speedup"] / entry["speedup_vs_ar"]
@@ -76,7 +77,8 @@ def check(url: str, prompts: list[dict], max_new_tokens: int, sweep_budgets: str
             print(f"{prompt['id']:>16} {method:>6}: τ {entry['tau']:.2f}, step cost {entry['step_cost_vs_ar']:.2f} AR "
                   f"steps, predicted {entry['predicted_speedup']:.2f}×, measured {entry['speedup_vs_ar']:.2f}×"
                   + (f" (predicted / measured {ratio:.3f})" if ratio else "")
-                  + f", prefill {entry['prefill_s'] / entry['wall_s']:.0%} of its wall time, engine {'/'.join(engines)}")
+                  + f", prefill {entry['prefill_s'] / entry['wall_s']:.0%} of its wall time, "
+                    f"engine {'/'.join(engines)}")
     sweeps = [sweep(client, prompt, max_new_tokens, sweep_budgets) for prompt in sweep_prompts]
     if sweeps:
         faster = sum(1 for entry in sweeps if entry["best_speedup"] and entry["best_speedup"] > 1)

@@ -159,7 +159,8 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
             "speedup_vs_ar": speed / ar_speed if speed is not None and ar_speed else None,
         }
         if job.label in steps:
-            entry |= {key: getattr(steps[job.label], key) for key in ("step_ms", "step_cost_vs_ar", "predicted_speedup")}
+            entry |= {key: getattr(steps[job.label], key)
+                      for key in ("step_ms", "step_cost_vs_ar", "predicted_speedup")}
         categories = sorted({r["category"] for r in mine if r.get("category")})
         if categories:
             entry["tau_by_category"] = {category: _tau([r for r in mine if r.get("category") == category])
@@ -221,7 +222,8 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
         first_steps += list({(job.method, job.tree_budget): job for job in jobs if job.method != "ar"}.values())
     for prompt in prompts[1:]:
         for job in first_steps:
-            decoder.run(prompt["prompt"], _settings(base, job, max_new_tokens=1), prompt_ids=prompt_tokens(decoder, prompt))
+            decoder.run(prompt["prompt"], _settings(base, job, max_new_tokens=1),
+                        prompt_ids=prompt_tokens(decoder, prompt))
     runs: list[dict] = []
     bar = tqdm(total=len(prompts) * len(jobs), desc="bench", disable=not progress)
     for prompt in prompts:
@@ -324,7 +326,8 @@ def compare_outputs(runs: list[dict], reference: dict[str, dict], key: str, name
             margins = theirs.get("margins") or []
             gap = margins[index] if index < len(margins) else None
             run[f"{key}_divergence"] = {"index": index, "margin": gap, "near_tie": gap is not None and gap < NEAR_TIE}
-            verdict = "n/a" if gap is None else f"{gap:.4f} ({'a numerical near-tie' if gap < NEAR_TIE else 'NOT a near-tie: investigate'})"
+            verdict = ("n/a" if gap is None else
+                       f"{gap:.4f} ({'a numerical near-tie' if gap < NEAR_TIE else 'NOT a near-tie: investigate'})")
             notes.append(f"{run['prompt_id']} {run['label']}: differs from {name} at new token {index}; "
                          f"{name}'s top-2 logit gap there {verdict}")
     return notes
@@ -380,7 +383,8 @@ def tokenize_prompts(target, prompts: list[dict], reference: str | None) -> list
 
 def _settings(base: DecodeSettings, job: Job, **overrides) -> DecodeSettings:
     budget = job.tree_budget if job.tree_budget is not None else base.tree_budget
-    fields = {**base.__dict__, "method": job.method, "tree_budget": budget, "trace_detail": job.trace_detail, **overrides}
+    fields = {**base.__dict__, "method": job.method, "tree_budget": budget, "trace_detail": job.trace_detail,
+              **overrides}
     return DecodeSettings(**fields)
 
 
@@ -400,7 +404,8 @@ def format_summary(summary: dict, best: dict | None = None) -> str:
     native = any("speedup_vs_vllm_ar" in s for s in summary.values())
     compared = any("identical_to_reference" in s for s in summary.values())
     head = ("| method | τ | step cost (AR steps) | predicted τ ÷ cost | tokens/s | speedup vs AR |"
-            + (" vs vLLM AR | identical to vLLM AR |" if native else "") + (" identical to --compare-to |" if compared else ""))
+            + (" vs vLLM AR | identical to vLLM AR |" if native else "")
+            + (" identical to --compare-to |" if compared else ""))
     rows = [head + " identical to AR |",
             "|---|---|---|---|---|---|" + ("---|---|" if native else "") + ("---|" if compared else "") + "---|"]
     shown = list(summary.items()) + ([(f"best: {best['label']}", best)] if best else [])
@@ -474,8 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "ar-graphless: its AR compiled without its CUDA graphs, as --vllm-compile runs the "
                              "Studio's (whether vLLM's graphs change its own numbers)")
     parser.add_argument("--native-mtp-tokens", type=int, default=3, metavar="N",
-                        help="--native mtp: tokens its MTP layers draft per step (default 3, the vLLM and SGLang recipes' "
-                             "setting for Qwen3-Next / Qwen3.5)")
+                        help="--native mtp: tokens its MTP layers draft per step (default 3, the vLLM and SGLang "
+                             "recipes' setting for Qwen3-Next / Qwen3.5)")
     parser.add_argument("--native-max-seqs", type=int, default=None, metavar="N",
                         help="--native: vLLM's max_num_seqs for its own runs (default: "
                              f"{NATIVE_MAX_SEQS}, its fastest measured for one request; 0: vLLM's shipped default)")
@@ -571,7 +576,8 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
     step = steps.most_common(1)[0][0]
     return {
         "command": _command(),
-        "model": decoder.target.name, "drafter": decoder.drafter_info.name, "drafter_trained": decoder.drafter_info.trained,
+        "model": decoder.target.name, "drafter": decoder.drafter_info.name,
+        "drafter_trained": decoder.drafter_info.trained,
         "drafter_revision": None if args.random_weights else _drafter_revision(args),
         "timing_only": args.random_weights,
         "engine": args.engine, "device": str(decoder.target.device), "dtype": dtype, "draft_dtype": decoder.draft_dtype,
@@ -582,7 +588,8 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "vllm_ar_settings": native_ar_settings(args.native_max_seqs) if args.native else None,
         "vllm_mtp_tokens": args.native_mtp_tokens if "mtp" in args.native else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "seed": args.seed, "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
+        "temperature": args.temperature, "seed": args.seed,
+        "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
         "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(),
         "prompt_ids": {prompt["id"]: prompt_tokens(decoder, prompt) for prompt in prompts},  # for --compare-to
     }
@@ -643,7 +650,8 @@ def _load(args: argparse.Namespace, dtype: str):
     return load_decoder(args.model, args.drafter, device=args.device, dtype=dtype, seed=args.seed,
                         fixed_step=args.step == "fixed",
                         cuda_graphs=args.step == "fixed" and not args.no_cuda_graphs and on_gpu(args),
-                        compile_step=args.compile_step, random_weights=args.random_weights, draft_dtype=args.draft_dtype)
+                        compile_step=args.compile_step, random_weights=args.random_weights,
+                        draft_dtype=args.draft_dtype)
 
 
 def _drafter_folder(args: argparse.Namespace):

@@ -67,7 +67,8 @@ def _main(args: argparse.Namespace) -> int:
     findings = static_checks(target.config, target.tokenizer, config, args.engine, raw)  # another target: exit 2
     if not probe_can_run(findings):
         return finish(static_report(target.name, name, args.engine, findings), args.out)
-    drafter = load_drafter(args.drafter).to(device=target.device, dtype=draft_dtype_for(target, args.draft_dtype)).eval()
+    drafter = load_drafter(args.drafter).to(device=target.device,
+                                            dtype=draft_dtype_for(target, args.draft_dtype)).eval()
     decoder = Decoder(target, drafter, drafter_info(args.drafter))
     print(f"loaded in {time.perf_counter() - started:.1f} s; probing {len(prompts)} prompts", file=sys.stderr)
     report = diagnose(decoder, prompts, settings, raw, on_progress=lambda line: print(line, file=sys.stderr))

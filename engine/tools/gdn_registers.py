@@ -108,7 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _main(args: argparse.Namespace) -> int:
     if triton is None or os.environ.get("TRITON_INTERPRET") == "1":
-        raise EngineError("gdn_registers compiles with Triton: install it (pip install triton), without TRITON_INTERPRET")
+        raise EngineError("gdn_registers compiles with Triton: install it (pip install triton), "
+                          "without TRITON_INTERPRET")
     _, shape = linear_layers(args.model)
     names = ["engine.on_vllm.gdn_fused", *filter(None, args.also.split(","))]
     for name in names:

@@ -170,7 +170,8 @@ def compare(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.tools.module_check", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    on_gpu = commands.add_parser("capture", help="vLLM's float32 prompt passes, every decoder module's inputs and outputs")
+    on_gpu = commands.add_parser("capture",
+                                 help="vLLM's float32 prompt passes, every decoder module's inputs and outputs")
     on_gpu.add_argument("--model", required=True)
     on_gpu.add_argument("--prompts", default="assets/prompts/fresh.jsonl")
     on_gpu.add_argument("--limit", type=int, default=12)

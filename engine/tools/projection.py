@@ -17,7 +17,8 @@ from engine.measure.projection import memory_table, projection_report
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.tools.projection", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="?", help="results JSON of engine.tools.bench --random-weights at a model shape")
+    parser.add_argument("results", nargs="?",
+                        help="results JSON of engine.tools.bench --random-weights at a model shape")
     parser.add_argument("--curve", default=None, help="drafter folder whose config.json holds an acceptance curve "
                                                       "(default: the shipped drafter)")
     parser.add_argument("--memory", nargs=2, action="append", metavar=("TARGET", "DRAFTER"), default=[],

@@ -117,7 +117,8 @@ def recorded_outputs(prompts: list[dict], results: str) -> dict[str, list[int]]:
 
 def decoded_outputs(decoder: Decoder, prompts: list[dict], max_new_tokens: int) -> dict[str, list[int]]:
     settings = DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens")
-    return {p["id"]: decoder.run(p["prompt"], settings, prompt_ids=prompt_tokens(decoder, p)).output_ids for p in prompts}
+    return {p["id"]: decoder.run(p["prompt"], settings, prompt_ids=prompt_tokens(decoder, p)).output_ids
+            for p in prompts}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as out:
             trees = "vLLM's kernel, query bias" if os.environ.get("DDTREE_ATTENTION") == "bias" else "path attention"
-            where = ({"engine": "vllm", "tree_attention": trees, "vllm_compile": args.vllm_compile} if args.engine == "vllm"
-                     else {"engine": "torch", "device": args.device})
+            where = ({"engine": "vllm", "tree_attention": trees, "vllm_compile": args.vllm_compile}
+                     if args.engine == "vllm" else {"engine": "torch", "device": args.device})
             json.dump({"model": args.model, **where, "dtype": args.dtype, "checks": [asdict(c) for c in checks]}, out,
                       indent=1)
     return 0

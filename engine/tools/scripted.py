@@ -6,7 +6,8 @@ The sequences are RESULTS' prompts (the tokens the run recorded, else chat-encod
 encodes them) followed by the outputs of its runs labelled LABEL (vLLM's own AR where the run has
 it, else the Studio's AR); the config is DRAFTER_FOLDER's, so the drafter fits the same target.
 Bench again with ``--drafter OUT`` and every method is accepted levels deep
-(``engine.models.drafter.ScriptedDrafter``), on random weights too: vLLM's dummy weights and the torch engine's random ones are seeded.
+(``engine.models.drafter.ScriptedDrafter``), on random weights too: vLLM's dummy weights and the
+torch engine's random ones are seeded.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def sequences_from(results: dict, label: str | None = None) -> tuple[str, list[l
     config = results["config"]
     encoder = Target(model=None, tokenizer=shape_tokenizer(str(config["model"])), name="", stop_ids=[])
     prompts = {prompt["id"]: prompt["prompt"] for prompt in read_prompts(config["prompts"])}
-    decoded = config.get("prompt_ids", {})  # the run's own tokens, where it recorded them (tokenizers differ by version)
+    decoded = config.get("prompt_ids", {})  # the run's own tokens where recorded (tokenizers differ by version)
     return label, [(decoded.get(run["prompt_id"]) or encoder.chat_ids(prompts[run["prompt_id"]])) + run["output_ids"]
                    for run in results["runs"] if run["label"] == label]
 

@@ -56,7 +56,8 @@ def sources_record(folders: list[Path]) -> list[dict]:
     record = []
     for folder in folders:
         raw = json.loads((folder / "config.json").read_text())
-        record.append({"weights": weights_digest(folder), **({"training": raw["training"]} if "training" in raw else {})})
+        record.append({"weights": weights_digest(folder),
+                       **({"training": raw["training"]} if "training" in raw else {})})
     return record
 
 

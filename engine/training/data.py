@@ -206,7 +206,8 @@ def build_prompts(generator: Generator, chat: Target, settings: DataSettings) ->
     # a quarter more of the target's own user turns than needed: some are too short or repeat
     written = self_written_prompts(generator, chat, math.ceil(counts["self"] * 1.25), settings, rng)
     asked = asked_prompts(generator, chat, math.ceil(counts["asked"] * 1.25), settings, rng)
-    composed = composed_prompts(read_composed(settings.composed_file), counts["composed"], rng) if counts["composed"] else []
+    composed = (composed_prompts(read_composed(settings.composed_file), counts["composed"], rng)
+                if counts["composed"] else [])
     prompts = deduplicated(deduplicated(written)[: counts["self"]] + deduplicated(asked)[: counts["asked"]] + composed
                            + general_prompts(counts["general"], rng)
                            + code_prompts(counts["code"], rng) + polyglot_prompts(counts["polyglot"], rng)
@@ -362,7 +363,8 @@ def second_round(chat: Target, answered: list[tuple[Request, Completion]], setti
 
 
 def generate_responses(generator: Generator, chat: Target, prompts: list[Prompt], settings: DataSettings,
-                       folder: Path, deadline: float = math.inf, log=print, keep_out: OverlapIndex | None = None) -> None:
+                       folder: Path, deadline: float = math.inf, log=print,
+                       keep_out: OverlapIndex | None = None) -> None:
     """Replies, one shard per chunk of prompts (its second round included), continuing after the
     shards already on disk. The first chunk (a quarter size) measures the speed; later chunks are
     sized so they end before ``deadline`` (``time.monotonic()`` seconds): a chunk cannot be cut short."""
@@ -533,7 +535,8 @@ def run_workers(argv: list[str], out: Path, workers: int, log=print) -> dict:
     several engines side by side generate several times faster than one. Then merged stats."""
     children = []
     for part in range(workers):
-        env = os.environ | {"VLLM_CACHE_ROOT": os.path.join(os.environ.get("VLLM_CACHE_ROOT", "/tmp/vcache"), f"part-{part}")}
+        env = os.environ | {"VLLM_CACHE_ROOT": os.path.join(os.environ.get("VLLM_CACHE_ROOT", "/tmp/vcache"),
+                                                            f"part-{part}")}
         command = [sys.executable, "-m", "engine.training.data", *argv, "--part", str(part)]
         children.append(subprocess.Popen(command, env=env))
     failed = [part for part, child in enumerate(children) if child.wait() != 0]
@@ -584,7 +587,8 @@ def open_generator(args) -> tuple[Generator, Target]:
         chat = tokenizer_only_target(args.model)
         shared = args.workers > 1  # engines side by side: a fixed share each
         vllm = VllmSettings(max_num_seqs=args.vllm_max_num_seqs, enforce_eager=args.vllm_eager,
-                            gpu_memory_utilization=0.8 / args.workers if shared else VllmSettings.gpu_memory_utilization,
+                            gpu_memory_utilization=(0.8 / args.workers if shared
+                                                    else VllmSettings.gpu_memory_utilization),
                             kv_cache_gib=SHARED_KV_CACHE_GIB if shared else None)
         return VllmGenerator(args.model, chat.stop_ids, args.seed, vllm), chat
     target = load_target(args.model, *device_and_dtype(args.device, args.dtype))

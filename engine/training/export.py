@@ -75,8 +75,8 @@ def main(argv=None) -> None:
     parser.add_argument("destination", type=Path)
     parser.add_argument("--shard-mb", type=float, default=0.0, help="max MiB per weight file; 0: one file")
     parser.add_argument("--acceptance", type=Path, default=None,
-                        help="an engine.tools.bench results file on prompts the drafter never saw: its τ per method goes "
-                             "into config.json (the app's start-up budget calibration reads it)")
+                        help="an engine.tools.bench results file on prompts the drafter never saw: its τ per method "
+                             "goes into config.json (the app's start-up budget calibration reads it)")
     args = parser.parse_args(argv)
     raw = json.loads((args.source / "config.json").read_text())
     drafter = load_drafter(args.source)

@@ -148,7 +148,8 @@ class ClosedFormLoss(torch.autograd.Function):
         rows = min(CHUNK_ROWS, total)
         padding = -total % rows  # the last chunk is padded (weight 0): every chunk has one shape, one compilation
         if padding:
-            hidden, labels, coef = F.pad(hidden, (0, 0, 0, padding)), F.pad(labels, (0, padding)), F.pad(coef, (0, padding))
+            hidden, labels, coef = (F.pad(hidden, (0, 0, 0, padding)), F.pad(labels, (0, padding)),
+                                    F.pad(coef, (0, padding)))
             teacher = None if teacher is None else F.pad(teacher, (0, 0, 0, padding))
         grads, hits = [], []
         ce = kl = hidden.new_zeros((), dtype=torch.float32)

@@ -78,8 +78,9 @@ class OverlapReport:
         for name, total in sorted(self.eval_prompts.items()):
             policy = POLICIES.get(name, SIBLINGS)
             rule = f"{policy.threshold:.0%} shared {'both ways' if policy.both_ways else 'either way'}"
-            out.append(f"overlap:   {name} ({rule}): {len(self.eval_prompts_hit.get(name, []))}/{total} evaluation prompts "
-                       f"had a near-duplicate; {self.train_removed_by_set.get(name, 0)} training prompts removed")
+            out.append(f"overlap:   {name} ({rule}): {len(self.eval_prompts_hit.get(name, []))}/{total} "
+                       "evaluation prompts had a near-duplicate; "
+                       f"{self.train_removed_by_set.get(name, 0)} training prompts removed")
         for example in self.examples[:5]:
             out.append(f"overlap:   e.g. {example['train'][:90]!r} ~ {example['eval'][:90]!r} ({example['set']})")
         return out

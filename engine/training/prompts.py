@@ -567,6 +567,7 @@ FOLLOW_UPS = [
     "That's too complicated. Can you simplify it?", "Can you write a test for it?", "Are you sure? Please check.",
     "Rewrite it for a professional audience.", "What are common mistakes people make with this?",
     "Make it funnier.", "Can you continue?", "How would this work in practice?", "What should I do first?",
-    "Can you explain the last part again?", "Please give me a step-by-step version.", "What is a good source to learn more?",
+    "Can you explain the last part again?", "Please give me a step-by-step version.",
+    "What is a good source to learn more?",
     "Can you turn that into an email?", "OK. And what if I don't have much time?", "Can you give a real-world example?",
 ]

@@ -165,7 +165,8 @@ def parse_args(argv=None):
                         help="the data's seed (prompts, sampling); a top-up K uses this + 1000 K")
     parser.add_argument("--more-data-minutes", type=float, default=0.0,
                         help="in a call that finds the data made: generate this much more (new prompts) first")
-    parser.add_argument("--data-flags", default="", help='extra engine.training.data flags, e.g. "--chunk-prompts 4096"')
+    parser.add_argument("--data-flags", default="",
+                        help='extra engine.training.data flags, e.g. "--chunk-prompts 4096"')
     parser.add_argument("--no-fallback", dest="fallback", action="store_false",
                         help="if vLLM fails, stop instead of generating with transformers")
     return parser.parse_known_args(argv)

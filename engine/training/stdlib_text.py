@@ -43,7 +43,8 @@ def prose_paragraphs(docstring: str) -> list[str]:
     paragraphs = []
     for block in textwrap.dedent(docstring).split("\n\n"):
         lines = [line.strip() for line in block.strip().splitlines()]
-        if not lines or any(line.startswith((">>>", "...", "$", "|", "+-", "-- ", ":param", ":return")) for line in lines):
+        if not lines or any(line.startswith((">>>", "...", "$", "|", "+-", "-- ", ":param", ":return"))
+                            for line in lines):
             continue
         text = " ".join(lines)
         letters = sum(c.isalpha() or c == " " for c in text)

@@ -502,7 +502,8 @@ def main(argv=None) -> None:
     if optimizer_state is not None:
         trainer.optimizer.load_state_dict(optimizer_state)
     config = drafter.config
-    origin = f"resuming at step {progress.step}" if args.resume else f"from {args.init_from}" if args.init_from else "fresh"
+    origin = (f"resuming at step {progress.step}" if args.resume
+              else f"from {args.init_from}" if args.init_from else "fresh")
     print(f"train: {len(data)} sequences, {int(data.lengths.sum())} tokens; "
           f"drafter {parameter_count(drafter) / 1e6:.2f}M params, {config.num_hidden_layers} layers, "
           f"taps {config.target_layer_ids}; {origin}; "
