@@ -112,7 +112,8 @@ def save_tiny_hybrid(folder: str | Path, family: str = "qwen3_5", seed: int = 0,
         | ({"layer_types": [FULL] * len(LAYER_TYPES)} if attention_only else {})
     if vllm_shape:
         text = hybrid_config("qwen3_5", **shape)
-        config = Qwen3_5Config(text_config=text.to_dict(), vision_config=TINY_VISION | {"out_hidden_size": text.hidden_size},
+        config = Qwen3_5Config(text_config=text.to_dict(),
+                               vision_config=TINY_VISION | {"out_hidden_size": text.hidden_size},
                                tie_word_embeddings=False)
         torch.manual_seed(seed)
         model = Qwen3_5ForConditionalGeneration(config).float().eval()
@@ -122,7 +123,8 @@ def save_tiny_hybrid(folder: str | Path, family: str = "qwen3_5", seed: int = 0,
     if vllm_shape:  # a whole Qwen3.5 checkpoint: vLLM loads its image processor unless told text-only
         from transformers import Qwen2VLImageProcessor
 
-        Qwen2VLImageProcessor(patch_size=TINY_VISION["patch_size"], temporal_patch_size=TINY_VISION["temporal_patch_size"],
+        Qwen2VLImageProcessor(patch_size=TINY_VISION["patch_size"],
+                              temporal_patch_size=TINY_VISION["temporal_patch_size"],
                               merge_size=TINY_VISION["spatial_merge_size"]).save_pretrained(folder)
     gguf = bundled_gguf()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
@@ -136,7 +138,8 @@ def scripted_drafter_for(folder: str | Path, target: Target, prompts: list[list[
     from engine.models.drafter import fresh_config, write_scripted_drafter
 
     decoder = Decoder(target, None, DrafterInfo("none", trained=False))
-    sequences = [ids + decoder.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=max_new_tokens)).output_ids
+    sequences = [ids + decoder.run(prompt_ids=ids,
+                                   settings=DecodeSettings("ar", max_new_tokens=max_new_tokens)).output_ids
                  for ids in prompts]
     config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1, num_taps=2)
     return write_scripted_drafter(folder, config, sequences, demote_every)

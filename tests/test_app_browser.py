@@ -106,7 +106,8 @@ def test_the_doctor_while_a_run_runs_both_finish_and_the_doctor_renders_its_verd
     page.get_by_role("tab", name="Doctor").click()
     page.locator("#doctor-tokens input").fill("24")  # the six default prompts: enough draft positions to judge
     page.locator("#doctor-button").click()
-    page.wait_for_function("/Healthy|Fault|Not judged/.test(document.querySelector('#doctor-verdict')?.innerText ?? '')",
+    page.wait_for_function("/Healthy|Fault|Not judged/"
+                           ".test(document.querySelector('#doctor-verdict')?.innerText ?? '')",
                            timeout=RUN_TIMEOUT_MS)
     verdict = page.locator("#doctor-verdict").inner_text()
     assert verdict.startswith("✅ Healthy: first-slot hits"), verdict  # the shipped pair

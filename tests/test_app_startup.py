@@ -80,7 +80,8 @@ def test_compiled_steps_are_cached_where_a_restart_finds_them(monkeypatch, tmp_p
     monkeypatch.setenv("DDTREE_STUDIO_CACHE", str(tmp_path))
     assert startup.compile_caches({}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor"),
                                       "VLLM_CACHE_ROOT": str(tmp_path / "vllm")}
-    assert startup.compile_caches({"VLLM_CACHE_ROOT": "/data/vllm"}) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor")}
+    assert (startup.compile_caches({"VLLM_CACHE_ROOT": "/data/vllm"})
+            == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor")})
 
 
 def test_the_vllm_app_loads_the_compiled_fixed_step_with_its_caches_set(monkeypatch, tmp_path):

@@ -81,7 +81,8 @@ def test_a_recorded_bench_decides_without_timing_anything_and_says_where_it_was_
     results = bench_results(tmp_path / "cpu-fresh.json", {4: 1.50, 8: 1.49, 16: 1.44, 32: 1.2})
     table = tmp_path / "budgets.json"
     key, _ = calibration.record_best(results, table)
-    assert key == calibration.machine_key(decoder) == f"CPU, {torch.get_num_threads()} threads | torch | float64 | readable step"
+    assert key == calibration.machine_key(decoder) == (f"CPU, {torch.get_num_threads()} threads | torch | float64 | "
+                                                       "readable step")
     monkeypatch.setattr(calibration, "measured_budgets", lambda: json.loads(table.read_text()))
     monkeypatch.setattr(decoder, "drafter_info", DrafterInfo("shipped", trained=True, revision="abc123"))
 
@@ -142,4 +143,5 @@ def test_recording_a_result_without_a_best_budget_is_one_clear_line(tmp_path, ca
     results = tmp_path / "r.json"
     results.write_text(json.dumps({"config": {}, "summary": {"ar": {}}}))
     assert main(["record", str(results)]) == 2
-    assert capsys.readouterr().err.strip() == f"error: {results} has no best DDTree budget: bench DDTree at one budget or more"
+    assert capsys.readouterr().err.strip() == (f"error: {results} has no best DDTree budget: "
+                                               "bench DDTree at one budget or more")

@@ -249,8 +249,8 @@ def tiny_config(target, **changes) -> DrafterConfig:
     """A drafter of the Qwen3.6-27B drafter's layout (four causal sliding-window layers, then one full),
     at the tiny target's width and with a window of 8 instead of 2048, so short prompts cross it."""
     layout = read_drafter_config(QWEN36_DRAFTER)
-    config = fresh_config(target.config, num_layers=layout.num_hidden_layers, mask_token_id=target.config.vocab_size - 1,
-                          target_layer_ids=[0, 2])
+    config = fresh_config(target.config, num_layers=layout.num_hidden_layers,
+                          mask_token_id=target.config.vocab_size - 1, target_layer_ids=[0, 2])
     return replace(config, layer_types=list(layout.layer_types), sliding_window=8, **changes)
 
 

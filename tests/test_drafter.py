@@ -36,7 +36,8 @@ def zlab_checkpoint(folder, target, sliding_window=4):
                    p + "mlp.gate_proj.weight": (96, 64), p + "mlp.up_proj.weight": (96, 64),
                    p + "mlp.down_proj.weight": (64, 96), p + "input_layernorm.weight": (64,),
                    p + "post_attention_layernorm.weight": (64,)}
-    state = {k: (torch.randn(s, generator=g) * (0.1 if len(s) == 2 else 1)).to(torch.bfloat16) for k, s in shapes.items()}
+    state = {k: (torch.randn(s, generator=g) * (0.1 if len(s) == 2 else 1)).to(torch.bfloat16)
+             for k, s in shapes.items()}
     save_file(state, str(folder / "model.safetensors"))
 
 
@@ -60,7 +61,8 @@ def test_zlab_drafter_decodes_exactly(tmp_path, step):
     decoder = Decoder(target, drafter, DrafterInfo("zlab", trained=True), fixed_step=step == "fixed")
     ids = [5, 9, 3, 22, 17, 8]
     ar = decoder.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=30))
-    for settings in (DecodeSettings("dflash", max_new_tokens=30), DecodeSettings("ddtree", max_new_tokens=30, tree_budget=24)):
+    for settings in (DecodeSettings("dflash", max_new_tokens=30),
+                     DecodeSettings("ddtree", max_new_tokens=30, tree_budget=24)):
         assert decoder.uses_fixed_step(settings) == (step == "fixed")
         assert decoder.run(prompt_ids=ids, settings=settings).output_ids == ar.output_ids
 
@@ -110,7 +112,8 @@ def test_static_context_with_padding_rows_equals_the_growing_context(tmp_path, l
         expected = drafter(embeddings, features, block_positions, positions, cache=growing)
         padded, padded_positions = features, positions
         if added <= block:  # as GraphedDraft loads them: garbage after the real rows
-            padded = torch.cat([features, torch.randn(1, block - added, width, generator=generator, dtype=torch.float64)], 1)
+            padded = torch.cat([features,
+                                torch.randn(1, block - added, width, generator=generator, dtype=torch.float64)], 1)
             padded_positions = torch.cat([positions, torch.full((1, block - added), 99)], 1)
         got = drafter(embeddings, padded, block_positions, padded_positions, cache=static,
                       context_count=torch.tensor(added))

@@ -61,7 +61,8 @@ def test_the_bench_summary_carries_the_economics_categories_and_the_best_budget(
 
     runs = [record("ar", "ar", None, "math", 1.1, [1] * 10), record("ar", "ar", None, "code", 1.1, [1] * 10)]
     runs += [record("ddtree@8", "ddtree", 8, "math", 0.5, [4, 6]), record("ddtree@8", "ddtree", 8, "code", 0.5, [2, 3])]
-    runs += [record("ddtree@32", "ddtree", 32, "math", 0.7, [5, 6]), record("ddtree@32", "ddtree", 32, "code", 0.7, [3, 3])]
+    runs += [record("ddtree@32", "ddtree", 32, "math", 0.7, [5, 6]),
+             record("ddtree@32", "ddtree", 32, "code", 0.7, [3, 3])]
     jobs = [Job("ar", "ar", None), Job("ddtree@8", "ddtree", 8), Job("ddtree@32", "ddtree", 32)]
     summary = summarize_runs(runs, jobs)
     assert summary["ddtree@8"]["tau_by_category"] == {"code": 2.5, "math": 5.0}

@@ -49,7 +49,8 @@ def test_a_temperature_far_above_two_runs_with_a_warning(decoder):
     trace = decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ar", max_new_tokens=2, temperature=1000.0))
     assert trace.config.notes == ["temperature 1000 is far above 2: it flattens the target's distribution towards "
                                   "uniform, so expect near-random tokens and τ near 1"]
-    assert decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ar", max_new_tokens=2, temperature=2.0)).config.notes == []
+    assert decoder.run(prompt_ids=[3, 4],
+                       settings=DecodeSettings("ar", max_new_tokens=2, temperature=2.0)).config.notes == []
 
 
 @pytest.mark.parametrize("block_size", [1, 17])
@@ -142,8 +143,8 @@ def test_a_tree_budget_below_one_or_not_a_number_is_one_clear_line(budgets):
                                  "vLLM's default), got 8 without --native"),
 ])
 def test_vllm_engine_without_a_gpu_is_a_clear_error(extra, message):
-    result = subprocess.run([sys.executable, "-m", "engine.tools.bench", "--prompts", "assets/prompts/smoke.jsonl", *extra],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "engine.tools.bench", "--prompts", "assets/prompts/smoke.jsonl",
+                             *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip() == message
 
 

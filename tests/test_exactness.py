@@ -84,7 +84,8 @@ def test_stop_token_ends_generation_inside_an_accepted_path():
 def test_trace_records_every_step_consistently():
     decoder = tiny_decoder(5, vocab=12)
     decoder.drafter.config.output_multiplier = 1e-3
-    trace = decoder.run(prompt_ids=prompt(5, 6, 12), settings=DecodeSettings("ddtree", max_new_tokens=30, tree_budget=20))
+    trace = decoder.run(prompt_ids=prompt(5, 6, 12),
+                        settings=DecodeSettings("ddtree", max_new_tokens=30, tree_budget=20))
     assert trace.summary.new_tokens == len(trace.output_ids) == 1 + sum(trace.summary.acceptance_lengths)
     for step in trace.steps:
         assert len(step.target_tokens) == step.tree_size + 1

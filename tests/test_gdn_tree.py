@@ -81,8 +81,8 @@ def decode_path(params, kernels, conv_state, ssm_state, mixed_qkv, a, b, path: l
     slot = torch.tensor([SLOT], dtype=torch.int32, device=device)
     outputs = []
     for node in path:
-        convolved = kernels.conv_update(mixed_qkv[node:node + 1].clone(), conv_state, params.conv_weight, params.conv_bias,
-                                        params.activation, conv_state_indices=slot)
+        convolved = kernels.conv_update(mixed_qkv[node:node + 1].clone(), conv_state, params.conv_weight,
+                                        params.conv_bias, params.activation, conv_state_indices=slot)
         query, key, value = params.split(convolved)
         out, _ = kernels.gated_delta_update(
             A_log=params.A_log, a=a[node:node + 1], b=b[node:node + 1], dt_bias=params.dt_bias, q=query, k=key,
@@ -242,9 +242,9 @@ def test_the_float32_prefill_leaves_each_prompt_as_decoding_it_token_by_token(ke
         state = torch.cat([torch.zeros_like(initial[:1]), initial[n:n + 1]])  # slot 1, as vLLM's decode reads it
         for token in range(begin, begin + length):
             step = slice(token, token + 1)
-            decoded, _ = kernels.recurrent(q=q[:, step], k=k[:, step], v=v[:, step], g=decay[:, step], beta=beta[:, step],
-                                           initial_state=state, inplace_final_state=True, cu_seqlens=one,
-                                           ssm_state_indices=one[1:], use_qk_l2norm_in_kernel=True)
+            decoded, _ = kernels.recurrent(q=q[:, step], k=k[:, step], v=v[:, step], g=decay[:, step],
+                                           beta=beta[:, step], initial_state=state, inplace_final_state=True,
+                                           cu_seqlens=one, ssm_state_indices=one[1:], use_qk_l2norm_in_kernel=True)
             assert same(out[0, token], decoded[0, 0], device), (n, token)
         assert same(final[n], state[1], device), n
 

@@ -23,7 +23,8 @@ BLOCK_SIZE = 8
 @pytest.fixture(scope="module")
 def results_path(tmp_path_factory):
     target = tiny_target(0)
-    ar = Decoder(target, tiny_drafter(target)).run(PROMPT["prompt"], DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS))
+    ar = Decoder(target, tiny_drafter(target)).run(PROMPT["prompt"],
+                                                   DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS))
     config = fresh_config(target.config, num_layers=1, mask_token_id=target.config.vocab_size - 1,
                           block_size=BLOCK_SIZE, num_taps=2)
     reference = target.chat_ids(PROMPT["prompt"]) + ar.output_ids
@@ -152,7 +153,8 @@ def test_a_run_at_a_model_shape_gets_its_projection_and_a_single_budget_run_no_c
     assert "| ddtree@16 |" in projection and "Projection, not measurement" in projection
     for exactness_run in ({"dtype": "float32"}, {"drafter": f"scripted ({SCRIPTED})"}):
         path.write_text(json.dumps(data | {"config": data["config"] | exactness_run}))
-        assert "### Projection" not in build_report([load_setting(path)], tmp_path / "B.md", tmp_path / "assets", "test")
+        assert "### Projection" not in build_report([load_setting(path)], tmp_path / "B.md", tmp_path / "assets",
+                                                    "test")
     data["runs"] = [run for run in data["runs"] if run["label"] != "ddtree@4"]
     data["summary"].pop("ddtree@4")
     path.write_text(json.dumps(data))
@@ -185,7 +187,8 @@ def test_a_tensor_parallel_setting_says_how_many_gpus(results_path, tmp_path):
     results["config"] |= {"engine": "vllm", "tensor_parallel_size": 2, "host": {"gpu": "NVIDIA H200"}}
     path = tmp_path / "tp2.json"
     path.write_text(json.dumps(results))
-    assert load_setting(path).title == "tiny-llama · 2× NVIDIA H200, tensor parallel · vllm engine · float64 · inline (1) prompts"
+    assert load_setting(path).title == ("tiny-llama · 2× NVIDIA H200, tensor parallel · vllm engine · float64 · "
+                                        "inline (1) prompts")
     results["config"]["tensor_parallel_size"] = 1
     path.write_text(json.dumps(results))
     assert load_setting(path).title == "tiny-llama · NVIDIA H200 · vllm engine · float64 · inline (1) prompts"
@@ -229,7 +232,8 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     assert setting.title == "tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step · float64 · inline (1) prompts"
     data["config"]["compile_step"] = True  # a compiled step is another setting: its title says so
     path.write_text(json.dumps(data))
-    assert load_setting(path).title == "tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · float64 · inline (1) prompts"
+    assert load_setting(path).title == ("tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · "
+                                        "float64 · inline (1) prompts")
     data["config"]["compile_step"], data["config"]["vllm_compile"] = False, True  # --vllm-compile: so is vLLM's
     path.write_text(json.dumps(data))
     assert load_setting(path).title == ("tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (target compiled by "
@@ -242,8 +246,8 @@ def test_a_gpu_setting_names_its_step_and_shows_kernels_and_lean_rows(results_pa
     data["config"]["vllm_ar_settings"] = None
     data["config"]["native_pending"] = True  # the bench's file written before vLLM's own AR ran, and nothing after
     path.write_text(json.dumps(data))
-    assert load_setting(path).title == ("tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · cut off "
-                                        "before vLLM's own AR · float64 · inline (1) prompts")
+    assert load_setting(path).title == ("tiny-llama · NVIDIA H200 · vllm engine · fixed-shape step (compiled) · "
+                                        "cut off before vLLM's own AR · float64 · inline (1) prompts")
     data["config"]["kernels_pending"] = True  # written before the kernel counts too
     path.write_text(json.dumps(data))
     assert "cut off before its kernel counts and vLLM's own AR · float64" in load_setting(path).title

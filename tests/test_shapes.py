@@ -116,7 +116,8 @@ def test_the_bench_counts_its_outputs_identical_to_another_runs_ar(shape, tmp_pa
     differing = [run for run in compared["runs"] if not run["identical_to_reference"]]
     assert {run["prompt_id"] for run in differing} == {changed["prompt_id"]}
     assert all(run["reference_divergence"]["index"] == 3 for run in differing)
-    assert f"{changed['prompt_id']} ddtree@8: differs from other.json's AR at new token 3" in "\n".join(compared["notes"])
+    assert (f"{changed['prompt_id']} ddtree@8: differs from other.json's AR at new token 3"
+            in "\n".join(compared["notes"]))
     assert "identical to --compare-to" in capsys.readouterr().out
     assert "Outputs identical to the AR of" in "\n".join(measurement_lines(load_setting(second)))
 
@@ -278,7 +279,8 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched
     folder = save_tiny_hybrid(tmp_path / "qwen3.5", vllm_shape=True)
     config = shape_config(str(folder)).text_config
-    fits = write_scripted_drafter(tmp_path / "fits", fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2), [])
+    fits = write_scripted_drafter(tmp_path / "fits", fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2),
+                                  [])
     preflight(str(folder), drafter_shape(fits))  # no error
     # the Studio sends text: the multimodal checkpoint runs its language model alone
     # and a hybrid's workers import engine.on_vllm.vllm_gdn before the model is built (its float32 prefill)

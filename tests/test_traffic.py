@@ -39,7 +39,8 @@ def page(served) -> app.StudioApp:
 def test_the_listing_names_each_request_newest_first(served):
     url, chat, completion = served
     listed = recent_requests(url)
-    assert [r.id for r in listed] == [completion.model_extra["ddtree"]["trace_id"], chat.model_extra["ddtree"]["trace_id"]]
+    assert [r.id for r in listed] == [completion.model_extra["ddtree"]["trace_id"],
+                                      chat.model_extra["ddtree"]["trace_id"]]
     assert [(r.endpoint, r.method, r.tree_budget) for r in listed] == [("completions", "ar", None),
                                                                         ("chat.completions", "ddtree", BUDGET)]
     assert listed[0].tokens == completion.usage.completion_tokens and listed[0].tau == 1.0

@@ -398,7 +398,8 @@ def test_visible_whitespace():
 
 # ---------------------------------------------------------------- traces from the vLLM engine
 
-VLLM_SAMPLE = "benchmarks/traces/h200-vllm-heldout-f664308deb20.json"  # recorded on an H200 (engine.tools.bench --traces)
+# recorded on an H200 (engine.tools.bench --traces)
+VLLM_SAMPLE = "benchmarks/traces/h200-vllm-heldout-f664308deb20.json"
 
 
 def test_vllm_engine_traces_open_in_the_inspector_unchanged():

@@ -77,8 +77,8 @@ def verify_in_worker(worker, prompt_ids, tree_fields, accepted, next_token):
     target = worker.studio.target
     tree = ddtree.DraftTree(**{name: torch.tensor(values) for name, values in tree_fields.items()})
     cache, past = target.new_cache(), len(prompt_ids) - 1
-    target.forward(torch.tensor([prompt_ids[:-1]], device=target.device), torch.arange(past, device=target.device)[None],
-                   cache)
+    target.forward(torch.tensor([prompt_ids[:-1]], device=target.device),
+                   torch.arange(past, device=target.device)[None], cache)
     inputs = ddtree.compile_tree(tree, prompt_ids[-1], past)
     tree_logits, _ = target.forward(inputs.input_ids.to(target.device), inputs.position_ids.to(target.device), cache,
                                     target.tree_bias(inputs.visible, cache.length))
@@ -177,7 +177,8 @@ def test_kernels_are_counted_per_stage_in_the_workers(studio, readable):
     prompt_ids = studio.target.chat_ids(prompts(1)[0])
     settings = DecodeSettings("ddtree", 32, tree_budget=16)
     fixed, before = (decoder.kernel_profile(prompt_ids, settings).counts for decoder in (studio, readable))
-    assert set(fixed) == {"draft", "verify"} | ONCE_PER_RUN and set(before) >= {"draft", "tree_build", "verify", "commit"}
+    assert (set(fixed) == {"draft", "verify"} | ONCE_PER_RUN
+            and set(before) >= {"draft", "tree_build", "verify", "commit"})
     assert fixed["draft"] > 20 and fixed["verify"] > 100, fixed
 
 
@@ -246,7 +247,8 @@ def test_a_target_vllm_compiled_verifies_as_its_one_token_steps(studio):
     try:
         for prompt in prompts(3):
             reference = compiled.run(prompt, DecodeSettings("ar", NEW_TOKENS)).output_ids
-            for settings in (DecodeSettings("dflash", NEW_TOKENS), DecodeSettings("ddtree", NEW_TOKENS, tree_budget=16)):
+            for settings in (DecodeSettings("dflash", NEW_TOKENS),
+                             DecodeSettings("ddtree", NEW_TOKENS, tree_budget=16)):
                 assert compiled.run(prompt, settings).output_ids == reference, settings.method
     finally:
         compiled.close()

@@ -41,7 +41,8 @@ def test_the_gated_rms_norm_matches_float64_at_every_prompt_length(length):
 
     generator = torch.Generator().manual_seed(length)
     rows = length * VALUE_HEADS
-    x, z = draw(generator, length, VALUE_HEADS, HEAD_V).view(rows, HEAD_V), draw(generator, length, VALUE_HEADS, HEAD_V + 1)
+    x, z = (draw(generator, length, VALUE_HEADS, HEAD_V).view(rows, HEAD_V),
+            draw(generator, length, VALUE_HEADS, HEAD_V + 1))
     z = z[..., :HEAD_V].reshape(rows, HEAD_V)  # vLLM's gate is a slice of the projection: rows are strided
     weight = draw(generator, HEAD_V).abs() + 0.5
     out, _, _ = layer_norm_fwd(x, weight, None, 1e-6, z=z, norm_before_gate=True, is_rms_norm=True)
@@ -80,7 +81,8 @@ def test_the_post_conv_prep_matches_float64_at_every_prompt_length(length):
     a_log, dt_bias = draw(generator, VALUE_HEADS, scale=0.5), draw(generator, VALUE_HEADS, scale=0.5)
     q, k, v, g, beta = fused_post_conv_prep(mixed, a, b, a_log, dt_bias, KEY_HEADS, HEAD_K, HEAD_V)
     m = mixed.double()
-    heads_q, heads_k = m[:, :key_dim].view(length, KEY_HEADS, HEAD_K), m[:, key_dim:2 * key_dim].view(length, KEY_HEADS, HEAD_K)
+    heads_q, heads_k = (m[:, :key_dim].view(length, KEY_HEADS, HEAD_K),
+                        m[:, key_dim:2 * key_dim].view(length, KEY_HEADS, HEAD_K))
     assert gap(q, heads_q / (heads_q.square().sum(-1, keepdim=True) + 1e-6).sqrt()) < TOLERANCE
     assert gap(k, heads_k / (heads_k.square().sum(-1, keepdim=True) + 1e-6).sqrt()) < TOLERANCE
     assert torch.equal(v, mixed[:, 2 * key_dim:].reshape(length, VALUE_HEADS, HEAD_V))
@@ -90,14 +92,16 @@ def test_the_post_conv_prep_matches_float64_at_every_prompt_length(length):
 
 @pytest.mark.parametrize("length", LENGTHS)
 def test_the_prefill_attention_matches_float64_at_every_prompt_length(length):
-    if os.environ.get("TRITON_F32_DEFAULT") != "ieee":  # read when the kernel compiles: set it before the process starts
+    if os.environ.get("TRITON_F32_DEFAULT") != "ieee":  # read at kernel compile time: set it before the process starts
         pytest.skip("Triton's float32 dots default to TF32 on NVIDIA (~1e-3 here): run with TRITON_F32_DEFAULT=ieee")
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     generator = torch.Generator().manual_seed(length)
-    q, k, v = draw(generator, length, QUERY_HEADS, HEAD), draw(generator, length, KV_HEADS, HEAD), draw(generator, length, KV_HEADS, HEAD)
+    q, k, v = (draw(generator, length, QUERY_HEADS, HEAD), draw(generator, length, KV_HEADS, HEAD),
+               draw(generator, length, KV_HEADS, HEAD))
     blocks = -(-length // BLOCK)
-    table = torch.arange(1, blocks + 1, dtype=torch.int32, device="cuda")[None].flip(-1)  # out of order, as a pool hands them
+    # out of order, as a pool hands them
+    table = torch.arange(1, blocks + 1, dtype=torch.int32, device="cuda")[None].flip(-1)
     key_cache = torch.zeros(blocks + 2, BLOCK, KV_HEADS, HEAD, device="cuda")
     value_cache = torch.zeros_like(key_cache)
     for position in range(length):

@@ -4,8 +4,8 @@
     TRITON_INTERPRET=1 python -m tests.vllm_kernels_on_cpu SITE   # SITE: a folder holding vllm/ (0.23.0)
 
 Triton's interpreter runs vLLM 0.23's ``causal_conv1d_update``,
-``fused_sigmoid_gating_delta_rule_update`` and ``fused_recurrent_gated_delta_rule`` on CPU tensors, loaded straight from vLLM's source
-files (``vllm.triton_utils`` stubbed; one interpreter-only edit: the recurrent kernel's
+``fused_sigmoid_gating_delta_rule_update`` and ``fused_recurrent_gated_delta_rule`` on CPU tensors, loaded straight
+from vLLM's source files (``vllm.triton_utils`` stubbed; one interpreter-only edit: the recurrent kernel's
 ``range(T)`` over a loaded scalar). With them it runs ``tests/test_gdn_tree.py``'s checks
 (every tree node, and every commit, against vLLM-style one-token decoding) and drives
 ``engine.on_vllm.vllm_gdn``'s glue through three tree steps with the stub modules it imports, the
@@ -75,7 +75,8 @@ def check_glue(kernels, check) -> None:
             fused_recurrent_gated_delta_rule=kernels.recurrent)
     _module("vllm.model_executor.layers.mamba.gdn")
     _module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
-            QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention, ChunkGatedDeltaRule=type("ChunkGatedDeltaRule", (), {"forward": None}))
+            QwenGatedDeltaNetAttention=QwenGatedDeltaNetAttention,
+            ChunkGatedDeltaRule=type("ChunkGatedDeltaRule", (), {"forward": None}))
     _module("vllm.model_executor.layers.mamba.mamba_utils", is_conv_state_dim_first=lambda: False)
     _module("vllm.model_executor.layers.mamba.ops.causal_conv1d", causal_conv1d_update=kernels.conv_update)
     _module("vllm.v1.attention.backend", CommonAttentionMetadata=object)

@@ -26,7 +26,8 @@ def positions_figure(report: DoctorReport) -> go.Figure:
     """Acceptance per draft position given an accepted prefix, beside the plain hit rate."""
     positions = [p.position for p in report.positions]
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=positions, y=[p.acceptance for p in report.positions], name="accepted, given the slots before",
+    fig.add_trace(go.Bar(x=positions, y=[p.acceptance for p in report.positions],
+                         name="accepted, given the slots before",
                          marker_color=ACCEPTED_COLOUR,
                          hovertemplate="slot %{x}: %{y:.1%} of blocks that got this far<extra></extra>"))
     fig.add_trace(go.Scatter(x=positions, y=[p.hit_rate for p in report.positions], name="right at all",
@@ -66,7 +67,8 @@ def confidence_figure(report: DoctorReport) -> go.Figure:
     labels = [f"{b.low:g}–{min(b.high, 1):g}" for b in bands]
     fig = go.Figure(go.Bar(x=labels, y=[b.hit_rate for b in bands], marker_color=METHOD_COLOURS["dflash"],
                            customdata=[b.roots for b in bands],
-                           hovertemplate="target p %{x}: first slot right %{y:.1%} (%{customdata} roots)<extra></extra>"))
+                           hovertemplate="target p %{x}: first slot right %{y:.1%} (%{customdata} roots)"
+                                         "<extra></extra>"))
     return _layout(fig, "First-slot hits by the target's own confidence",
                    xaxis=dict(title="the target's probability of its next token"),
                    yaxis=dict(title="first slot right", range=[0, 1], tickformat=".0%"))

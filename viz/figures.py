@@ -236,7 +236,8 @@ def economics_figure(traces: list[Trace]) -> go.Figure:
             # above the bars and their value labels
             fig.add_annotation(x=name, y=max(entry.tau or 0, entry.step_cost_vs_ar or 0), yshift=22, yanchor="bottom",
                                showarrow=False,
-                               text=f"τ ÷ cost = <b>{entry.predicted_speedup:.2f}×</b><br>measured {entry.speedup_vs_ar:.2f}×")
+                               text=f"τ ÷ cost = <b>{entry.predicted_speedup:.2f}×</b><br>"
+                                    f"measured {entry.speedup_vs_ar:.2f}×")
     top = max(taus + costs + [1.0])
     fig.update_layout(template="plotly_white", barmode="group", height=360, yaxis=dict(range=[0, top * 1.6]),
                       title=dict(text=timing_title("Why it is fast or slow: speed-up = τ ÷ step cost", traces),

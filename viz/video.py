@@ -516,8 +516,8 @@ class Scene:
         draw.text((header.x0, header.y0), fit_text(methods, fonts.title, header.width * 2 // 3), font=fonts.title,
                   fill=theme.text)
         prompt = f"Prompt: {_prompt_text(self.columns[0].trace)}".replace("\n", " ")
-        draw.text((header.x0, header.y0 + line_height(fonts.title)), fit_text(prompt, fonts.small, header.width * 2 // 3),
-                  font=fonts.small, fill=theme.muted)
+        draw.text((header.x0, header.y0 + line_height(fonts.title)),
+                  fit_text(prompt, fonts.small, header.width * 2 // 3), font=fonts.small, fill=theme.muted)
         for column, box in zip(self.columns, self.layout.columns):
             self._draw_column_frame(draw, column, box)
         if self.layout.tree is not None:
@@ -614,7 +614,8 @@ class Scene:
         shown = visible_lines(lines, state.chars, max(1, box.height // step))
         y = box.y0
         for line in shown:
-            draw.text((box.x0, y), text[line.start:min(line.end, state.chars)].rstrip(), font=font, fill=self.theme.text)
+            draw.text((box.x0, y), text[line.start:min(line.end, state.chars)].rstrip(), font=font,
+                      fill=self.theme.text)
             y += step
         if not state.finished:  # a cursor where the next tokens will land
             last = shown[-1] if shown else None
@@ -657,7 +658,8 @@ class Scene:
         drawing_box = Box(inner.x0, inner.y0 + line_height(fonts.small) + line_height(fonts.label), inner.x1, inner.y1)
         if step is None or not step.tree_tokens:
             draw.text(((drawing_box.x0 + drawing_box.x1) // 2, (drawing_box.y0 + drawing_box.y1) // 2),
-                      "the draft tree appears after the first verify step", font=fonts.body, fill=theme.muted, anchor="mm")
+                      "the draft tree appears after the first verify step", font=fonts.body, fill=theme.muted,
+                      anchor="mm")
             return panel
         self._draw_step_tree(draw, step, drawing_box)
         return panel
@@ -673,8 +675,8 @@ class Scene:
         theme, font, r = self.theme, self.fonts.label, self.preset.px(7)
         x, y = inner.x1, inner.y0 + line_height(self.fonts.small) // 2
         # laid out from the right edge leftwards, so the entries are listed last to first
-        for text, fill, outline in (("bonus (target's token)", None, theme.accepted), ("rejected", theme.rejected, None),
-                                    ("accepted path", theme.accepted, None)):
+        for text, fill, outline in (("bonus (target's token)", None, theme.accepted),
+                                    ("rejected", theme.rejected, None), ("accepted path", theme.accepted, None)):
             x -= font.getlength(text)
             draw.text((x, y), text, font=font, fill=theme.muted, anchor="lm")
             x -= r * 2 + self.preset.px(6)
