@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -257,3 +259,10 @@ def test_paths_from_a_room_reach_the_repository():
     assert REPO == ROOT
     assert MEASURED_BUDGETS.is_file()
     assert shipped_drafter() == SHIPPED_DRAFTER and SHIPPED_DRAFTER.is_relative_to(ROOT / "assets")
+
+
+def test_the_tree_passes_its_linter():
+    """``ruff check .`` with the house's rules (pyproject.toml): line length, imports, pyflakes, bugbear."""
+    checked = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
+                             text=True)
+    assert checked.returncode == 0, checked.stdout[-3000:]
