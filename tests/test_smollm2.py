@@ -11,6 +11,8 @@ from engine.loop.decode import DecodeSettings
 from engine.loop.loading import load_decoder
 from engine.loop.run import TextStream
 
+pytestmark = pytest.mark.slow  # the bundled model: each test loads it or decodes with it
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,7 +33,8 @@ def test_chat_prompt_uses_template_and_stops_at_end_of_turn(decoder):
 @pytest.mark.parametrize("prompt", ["Write a Python function that adds two numbers.", "Name three colours."])
 def test_random_drafter_outputs_equal_ar_in_float32(decoder, prompt):
     ar = decoder.run(prompt, DecodeSettings("ar", max_new_tokens=24))
-    for settings in (DecodeSettings("dflash", max_new_tokens=24), DecodeSettings("ddtree", max_new_tokens=24, tree_budget=16)):
+    for settings in (DecodeSettings("dflash", max_new_tokens=24),
+                     DecodeSettings("ddtree", max_new_tokens=24, tree_budget=16)):
         assert decoder.run(prompt, settings).output_ids == ar.output_ids
 
 
