@@ -38,6 +38,8 @@ from engine.tools.replay import proposals_along
 from tests.tiny import tiny_target
 from viz.doctor_figures import calibration_figure, doctor_figures, report_markdown
 
+pytestmark = pytest.mark.slow  # most tests probe the bundled model and its shipped drafter
+
 SHIPPED_IDS = [1, 8, 14, 20, 27]
 QWEN36_DRAFTER = "assets/shapes/qwen3.6-27b-dflash-b16"
 

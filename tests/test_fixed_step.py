@@ -27,8 +27,8 @@ def test_the_fixed_step_decodes_what_ar_decodes_and_what_the_readable_step_draft
     for prompt in PROMPTS:
         settings = DecodeSettings(method, max_new_tokens=40, tree_budget=budget)
         ar = readable.run(prompt_ids=prompt, settings=DecodeSettings("ar", max_new_tokens=40))
-        ours, theirs = (fixed.run(prompt_ids=prompt, settings=settings),
-                        readable.run(prompt_ids=prompt, settings=settings))
+        ours = fixed.run(prompt_ids=prompt, settings=settings)
+        theirs = readable.run(prompt_ids=prompt, settings=settings)
         assert ours.output_ids == ar.output_ids
         assert [s.accepted for s in ours.steps] == [s.accepted for s in theirs.steps]
         for mine, reference in zip(ours.steps, theirs.steps):
@@ -168,6 +168,7 @@ def test_under_the_profiler_each_stage_is_marked(decoders):
     assert launched == marked.count(STAGE_MARK + "draft") and len(trace.steps) <= launched <= len(trace.steps) + 1
 
 
+@pytest.mark.slow
 def test_the_compiled_step_decodes_what_the_readable_step_decodes(decoders):
     """``compile_step``: the draft pass, the tree and the walk through torch.compile (inductor on the CPU
     here, Triton kernels on a GPU) change no token and no tree."""

@@ -6,6 +6,7 @@ distribution is compared with the exact marginal computed from the target.
 """
 
 
+import pytest
 import torch
 
 from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
@@ -57,6 +58,7 @@ def sample_first_tokens(decoder, method):
     return counts, tree_tokens
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_ddtree_and_ar_sampling_match_target_marginals():
     target = tiny_target(7, vocab=VOCAB, layers=2)

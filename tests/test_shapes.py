@@ -69,13 +69,15 @@ def test_a_random_weights_run_is_labelled_decodes_its_full_length_and_stays_exac
     assert Trace.from_json(tree.to_json()).config.timing_only
 
 
-def test_random_weights_need_config_folders():
+def test_random_weights_need_config_folders(shape):
+    target, drafter = shape  # small: the drafter's random weights are made before the missing target is found
     with pytest.raises(EngineError, match="--random-weights needs a model folder with a config.json, got None"):
-        load_decoder(None, str(SHAPES / "qwen3-8b-dflash-b16"), random_weights=True)
+        load_decoder(None, str(drafter), random_weights=True)
     with pytest.raises(EngineError, match="--random-weights takes a drafter config folder too"):
-        load_decoder(str(SHAPES / "qwen3-8b"), None, random_weights=True)
+        load_decoder(str(target), None, random_weights=True)
 
 
+@pytest.mark.slow
 def test_the_bench_times_a_shape_and_the_projection_reads_it(shape, tmp_path, capsys):
     target, drafter = shape
     out = tmp_path / "shape.json"
@@ -95,6 +97,7 @@ def test_the_bench_times_a_shape_and_the_projection_reads_it(shape, tmp_path, ca
     assert "Memory, estimated from the shapes" in printed, "the drafter's name carries its tags, its folder does not"
 
 
+@pytest.mark.slow
 def test_the_bench_counts_its_outputs_identical_to_another_runs_ar(shape, tmp_path, capsys):
     """--compare-to: another run's AR outputs (another engine or machine), prompt by prompt, with the
     first differing token named; random weights are seeded, so a second run decodes what the first did."""
@@ -116,12 +119,13 @@ def test_the_bench_counts_its_outputs_identical_to_another_runs_ar(shape, tmp_pa
     differing = [run for run in compared["runs"] if not run["identical_to_reference"]]
     assert {run["prompt_id"] for run in differing} == {changed["prompt_id"]}
     assert all(run["reference_divergence"]["index"] == 3 for run in differing)
-    assert (f"{changed['prompt_id']} ddtree@8: differs from other.json's AR at new token 3"
-            in "\n".join(compared["notes"]))
+    notes = "\n".join(compared["notes"])
+    assert f"{changed['prompt_id']} ddtree@8: differs from other.json's AR at new token 3" in notes
     assert "identical to --compare-to" in capsys.readouterr().out
     assert "Outputs identical to the AR of" in "\n".join(measurement_lines(load_setting(second)))
 
 
+@pytest.mark.slow
 def test_a_comparison_decodes_the_prompt_tokens_the_other_run_recorded(shape, tmp_path):
     """Two machines can tokenize one text apart (transformers 5.17 and 5.24 split a blank line differently
     for a Qwen3.5 folder): --compare-to decodes the other run's recorded tokens, and says where they differ."""
@@ -279,8 +283,8 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before vLLM or the GPU is touched
     folder = save_tiny_hybrid(tmp_path / "qwen3.5", vllm_shape=True)
     config = shape_config(str(folder)).text_config
-    fits = write_scripted_drafter(tmp_path / "fits", fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2),
-                                  [])
+    fits_config = fresh_config(config, num_layers=1, mask_token_id=0, num_taps=2)
+    fits = write_scripted_drafter(tmp_path / "fits", fits_config, [])
     preflight(str(folder), drafter_shape(fits))  # no error
     # the Studio sends text: the multimodal checkpoint runs its language model alone
     # and a hybrid's workers import engine.on_vllm.vllm_gdn before the model is built (its float32 prefill)
@@ -318,6 +322,7 @@ def test_a_qwen3_5_hybrid_passes_the_vllm_preflight_only_with_a_drafter_that_fit
         load_vllm_decoder(str(folder), str(write_scripted_drafter(tmp_path / "long", long_blocks, [])))
 
 
+@pytest.mark.slow
 def test_a_scripted_drafter_from_a_runs_own_outputs_goes_deep_on_random_weights(shape, tmp_path):
     """Random weights are seeded, so a second run decodes what the first did: a drafter scripted
     with the first run's outputs (``engine.tools.scripted``) is accepted levels deep, and exactness then

@@ -11,6 +11,8 @@ from engine.loop.decode import DecodeSettings
 from engine.loop.loading import load_decoder
 from engine.loop.run import TextStream
 
+pytestmark = pytest.mark.slow  # the bundled model: each test loads it or decodes with it
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
