@@ -72,6 +72,15 @@ def app_url(tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def bundled_decoder():
+    """The bundled SmolLM2 and the shipped drafter as ``python app.py`` loads them (about 20 s), loaded once for
+    every test that needs the real pair: decoders share models, never a run's state."""
+    from engine.loop.loading import load_decoder
+
+    return load_decoder()
+
+
+@pytest.fixture(scope="session")
 def launched_threads() -> int:
     """Intra-op threads of what the tests launch (the app, the bench): torch's default, which ``one_thread``
     leaves to them."""

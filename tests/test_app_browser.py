@@ -104,14 +104,14 @@ def test_the_doctor_while_a_run_runs_both_finish_and_the_doctor_renders_its_verd
     page = open_page(browser, app_url)
     start_run(page, "Name three colors.", max_new_tokens=24)
     page.get_by_role("tab", name="Doctor").click()
-    page.locator("#doctor-tokens input").fill("24")  # the six default prompts: enough draft positions to judge
+    page.locator("#doctor-prompts textarea").fill("Write a Python function that adds two numbers.")
+    page.locator("#doctor-tokens input").fill("24")
     page.locator("#doctor-button").click()
-    page.wait_for_function("/Healthy|Fault|Not judged/"
-                           ".test(document.querySelector('#doctor-verdict')?.innerText ?? '')",
-                           timeout=RUN_TIMEOUT_MS)
+    page.wait_for_function("/Healthy|Fault|Not judged/.test(document.querySelector('#doctor-verdict')?.innerText"
+                           " ?? '')", timeout=RUN_TIMEOUT_MS)
     verdict = page.locator("#doctor-verdict").inner_text()
-    assert verdict.startswith("✅ Healthy: first-slot hits"), verdict  # the shipped pair
-    assert "Healthy: healthy" not in verdict  # said once
+    # one prompt scores too few draft positions to call a wiring faulty (test_doctor holds the shipped pair healthy)
+    assert verdict.startswith("⏳ Not judged yet: too few draft positions to judge"), verdict
     assert "layer ids" in verdict and "mask token: " in verdict
     page.locator("#doctor-positions .js-plotly-plot").wait_for()
     assert "Acceptance per draft position" in page.locator("#doctor-positions .gtitle").text_content()

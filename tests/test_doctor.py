@@ -32,7 +32,6 @@ from engine.measure.doctor import (
 )
 from engine.measure.doctor_checks import FAULT, OK, WARNING, Finding, configured_wiring, static_checks
 from engine.models.drafter import DFlashDrafter, DrafterConfig, fresh_config, load_drafter, read_drafter_config
-from engine.models.target import load_target
 from engine.tools import doctor as doctor_cli
 from engine.tools.replay import proposals_along
 from tests.tiny import tiny_target
@@ -47,9 +46,9 @@ QWEN36_DRAFTER = "assets/shapes/qwen3.6-27b-dflash-b16"
 # ---------------------------------------------------------------- the bundled pair, loaded once
 
 @pytest.fixture(scope="module")
-def bundled():
-    """The bundled target, the shipped drafter, and the target's passes over three prompts, shared."""
-    target = load_target()
+def bundled(bundled_decoder):
+    """The bundled target, the shipped drafter (float32), and the target's passes over three prompts, shared."""
+    target = bundled_decoder.target
     drafter = load_drafter(SHIPPED_DRAFTER).eval()
     decoder = Decoder(target, drafter, DrafterInfo("shipped", trained=True))
     return target, drafter, target_passes(decoder, DEFAULT_PROMPTS[:3], max_new_tokens=32)

@@ -20,7 +20,6 @@ import uvicorn
 from engine.loop.decode import DecodeSettings, Decoder
 from engine.serving.model_queue import ModelQueue
 from engine.serving.openai_api import ServeOptions, create_app
-from engine.serving.startup import load_studio_decoder
 from engine.tools import serve
 from engine.trace import Trace
 from tests.conftest import free_port
@@ -336,11 +335,11 @@ def test_the_command_checks_its_flags(capsys):
 # ---------------------------------------------------------------- the bundled model
 
 @pytest.fixture(scope="module")
-def smollm2() -> Iterator[tuple[str, Decoder]]:
-    """The server ``python -m engine.tools.serve`` starts: SmolLM2 and the shipped drafter on the CPU."""
-    queue = ModelQueue()
-    decoder = queue.run(load_studio_decoder, serve.parse_args([]))
-    with serving(decoder, queue, tree_budget=16) as url:
+def smollm2(bundled_decoder) -> Iterator[tuple[str, Decoder]]:
+    """The server ``python -m engine.tools.serve`` starts: SmolLM2 and the shipped drafter on the CPU (what
+    ``load_studio_decoder`` loads for its default flags: the session's bundled pair)."""
+    decoder = bundled_decoder
+    with serving(decoder, tree_budget=16) as url:
         yield url, decoder
 
 

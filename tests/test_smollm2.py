@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from engine.loop.decode import DecodeSettings
-from engine.loop.loading import load_decoder
+from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.loading import random_drafter
 from engine.loop.run import TextStream
 
 pytestmark = pytest.mark.slow  # the bundled model: each test loads it or decodes with it
@@ -17,8 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def decoder():
-    return load_decoder(drafter="random")
+def decoder(bundled_decoder):
+    """The bundled target beside a seeded random drafter (what ``load_decoder(drafter="random")`` loads)."""
+    target = bundled_decoder.target
+    return Decoder(target, random_drafter(target, 0).to(bundled_decoder.drafter.dtype).eval(),
+                   DrafterInfo("random (untrained, seed 0)", trained=False))
 
 
 def test_chat_prompt_uses_template_and_stops_at_end_of_turn(decoder):
@@ -38,10 +41,8 @@ def test_random_drafter_outputs_equal_ar_in_float32(decoder, prompt):
         assert decoder.run(prompt, settings).output_ids == ar.output_ids
 
 
-def test_the_fixed_step_with_the_shipped_drafter_equals_ar_in_float32():
-    from engine.loop.decode import Decoder
-
-    shipped = load_decoder()
+def test_the_fixed_step_with_the_shipped_drafter_equals_ar_in_float32(bundled_decoder):
+    shipped = bundled_decoder
     assert shipped.drafter_info.trained, "the shipped drafter"
     fixed = Decoder(shipped.target, shipped.drafter, shipped.drafter_info, fixed_step=True)
     for prompt in ("Write a Python function that adds two numbers.", "Why do cats purr?"):
