@@ -114,8 +114,8 @@ def interpreter_in_kernel_tests(request, monkeypatch):
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        # the launched app: ~25 s to start, seconds a request on 2 cores; a browser's page of it
-        if {"app_url", "browser"} & set(item.fixturenames):
+        # the launched app: ~25 s to start, seconds a request on 2 cores; a browser's page of it; the bundled pair
+        if {"app_url", "browser", "bundled_decoder"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
 
 

@@ -20,8 +20,10 @@ FIELDS = ("tokens", "parents", "depths", "ranks", "valid", "log_probs", "path_lo
 
 
 @pytest.mark.parametrize("depth, vocab, budget, seed", [
-    (15, 500, 16, 2), (15, 49, 32, 6), (3, 8, 30, 5), (1, 100, 10, 7), (15, 64, 1, 0), (4, 5, 24, 8), (6, 3, 100, 9),
-    pytest.param(15, 500, 64, 3, marks=pytest.mark.slow), pytest.param(15, 500, 128, 4, marks=pytest.mark.slow),
+    (15, 500, 16, 2), (15, 49, 32, 6), (3, 8, 30, 5), (1, 100, 10, 7), (15, 64, 1, 0), (4, 5, 24, 8),
+    # the interpreter's time grows with depth x budget: the larger trees are the edit loop's to skip
+    pytest.param(6, 3, 100, 9, marks=pytest.mark.slow), pytest.param(8, 500, 64, 3, marks=pytest.mark.slow),
+    pytest.param(15, 500, 128, 4, marks=pytest.mark.slow),
 ])
 def test_the_fused_build_is_the_beam_and_finds_the_heaps_tree(depth, vocab, budget, seed):
     log_probs = random_log_probs(depth, vocab, seed).to(DEVICE)

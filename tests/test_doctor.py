@@ -180,7 +180,9 @@ def test_cli_another_hidden_size_is_one_line_and_exit_2(tmp_path, capsys):
     assert err.startswith("error: the drafter is for another target: its hidden size is 768, the target's 576")
 
 
-def test_cli_taps_outside_the_target_exit_1_without_a_probe(tmp_path, capsys):
+def test_cli_taps_outside_the_target_exit_1_without_a_probe(tmp_path, capsys, monkeypatch, bundled_decoder):
+    # the bundled target the CLI would load (float32), already loaded for the session
+    monkeypatch.setattr(doctor_cli, "load_target", lambda model, dtype: bundled_decoder.target)
     raw = json.loads((SHIPPED_DRAFTER / "config.json").read_text())
     raw["dflash_config"]["target_layer_ids"] = [i + 3 for i in SHIPPED_IDS]
     (tmp_path / "config.json").write_text(json.dumps(raw))
