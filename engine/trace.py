@@ -299,10 +299,15 @@ def _parse_json(text: str):
 
 # ---------------------------------------------------------------- trace files
 
+def trace_file_data(traces: list[Trace]) -> dict:
+    """A trace file's JSON: ``{"schema_version": 1, "traces": [<Trace>, ...]}``, one trace per run."""
+    return {"schema_version": SCHEMA_VERSION, "traces": [t.to_dict() for t in traces]}
+
+
 def write_trace_file(path: str | Path, traces: list[Trace]) -> Path:
-    """The app's download: ``{"schema_version": 1, "traces": [<Trace>, ...]}``, one trace per run."""
+    """The app's download (``trace_file_data``)."""
     path = Path(path)
-    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "traces": [t.to_dict() for t in traces]}))
+    path.write_text(json.dumps(trace_file_data(traces)))
     return path
 
 
@@ -314,7 +319,11 @@ def read_trace_file(path: str | Path) -> list[Trace]:
         text = Path(path).read_text()
     except UnicodeDecodeError as exc:
         raise TraceError(f"not a JSON trace file: {exc}") from exc
-    data = _parse_json(text)
+    return traces_from_data(_parse_json(text))
+
+
+def traces_from_data(data) -> list[Trace]:
+    """``read_trace_file`` on JSON already parsed (a server's answer, say)."""
     if isinstance(data, dict) and not {"traces", "config"} & data.keys():
         raise TraceError(f"not a trace file: it holds {', '.join(map(repr, data)) or 'an empty object'}, where a trace "
                          f"file holds {{\"schema_version\": {SCHEMA_VERSION}, \"traces\": [...]}} (the app's "

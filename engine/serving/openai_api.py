@@ -37,7 +37,7 @@ from engine.errors import EngineError
 from engine.loop.decode import MAX_NEW_TOKENS, MAX_TREE_BUDGET, DecodeSettings, Decoder
 from engine.measure.calibration import PROVISIONAL_BUDGET
 from engine.serving.model_queue import ModelQueue
-from engine.trace import METHODS, SCHEMA_VERSION, Trace
+from engine.trace import METHODS, Trace, trace_file_data, write_trace_file
 
 log = logging.getLogger("ddtree-serve")
 
@@ -265,7 +265,7 @@ class TraceBook:
         if self.folder is None:
             return
         try:
-            (self.folder / f"{job.trace_id}.json").write_text(json.dumps(trace_file(trace)))
+            write_trace_file(self.folder / f"{job.trace_id}.json", [trace])
         except OSError as exc:  # the answer and the kept trace stand; only the file is missing
             log.warning("could not write %s's trace file in %s: %s", job.trace_id, self.folder, exc)
 
@@ -277,11 +277,6 @@ class TraceBook:
         with self._lock:
             kept = self._kept.get(trace_id)
         return kept[1] if kept is not None else None
-
-
-def trace_file(trace: Trace) -> dict:
-    """The Studio's trace file (what its upload reads) holding one trace."""
-    return {"schema_version": SCHEMA_VERSION, "traces": [trace.to_dict()]}
 
 
 # ---------------------------------------------------------------- the app
@@ -487,7 +482,7 @@ def create_app(decoder: Decoder, options: ServeOptions = ServeOptions(), queue: 
         if found is None:
             raise ApiError(404, f"no trace {trace_id!r}: the server keeps the last {options.kept_traces} requests' "
                                 "traces (GET /v1/traces lists them)", "trace_id", code="trace_not_found")
-        return trace_file(found)
+        return trace_file_data([found])
 
     app.state.server = server
     return app

@@ -10,7 +10,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from engine.errors import EngineError
-from engine.trace import SCHEMA_VERSION, Trace, TraceError
+from engine.trace import Trace, TraceError, traces_from_data
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 TIMEOUT_S = 10.0
@@ -48,12 +48,9 @@ def request_traces(server: str, trace_id: str) -> list[Trace]:
     if not trace_id or not isinstance(trace_id, str):
         raise EngineError("choose a request to open: refresh the list, then pick one")
     data = _get_json(server, f"/v1/traces/{urllib.parse.quote(trace_id, safe='')}")
-    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION or not data.get("traces"):
-        raise EngineError(f"{server} sent request {trace_id} in a form this Studio cannot read "
-                          f"(expected {{\"schema_version\": {SCHEMA_VERSION}, \"traces\": [...]}})")
     try:
-        return [Trace.from_dict(item) for item in data["traces"]]
-    except (TraceError, KeyError, TypeError, ValueError) as exc:
+        return traces_from_data(data)  # the checks an uploaded file gets
+    except TraceError as exc:
         raise EngineError(f"request {trace_id}'s trace cannot be read: {exc}") from None
 
 
