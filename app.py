@@ -38,12 +38,14 @@ from pathlib import Path
 import gradio as gr
 
 from engine.errors import EngineError
-from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.decode import Decoder
+from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import FALLBACK_BUDGET, BudgetChoice, StartupTiming, cache_dir
+from engine.methods import NAMES
 from engine.serving.model_queue import ModelQueue
 from engine.serving.startup import add_model_arguments, check_model_arguments, load_studio_decoder, opening_budget
 from engine.serving.traffic import DEFAULT_SERVER, ServedRequest, recent_requests, request_traces, server_url
-from engine.trace import METHODS, Trace, TraceError, divergence, read_trace_file, write_trace_file
+from engine.trace import Trace, TraceError, divergence, read_trace_file, write_trace_file
 from viz.figures import (
     acceptance_histogram,
     economics_figure,
@@ -173,7 +175,7 @@ class RunControl:
 
 
 def ordered(traces: dict[str, Trace]) -> list[Trace]:
-    return [traces[method] for method in METHODS if method in traces]
+    return [traces[method] for method in NAMES if method in traces]
 
 
 class ScratchFiles:
@@ -376,7 +378,7 @@ class RunView:
                 self.prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLE_PROMPTS[0], elem_id="prompt")
                 gr.Examples(EXAMPLE_PROMPTS, inputs=self.prompt, label="Example prompts")
             with gr.Column(scale=2):
-                self.methods = gr.CheckboxGroup([(METHOD_NAMES[m], m) for m in METHODS], value=list(METHODS),
+                self.methods = gr.CheckboxGroup([(METHOD_NAMES[m], m) for m in NAMES], value=list(NAMES),
                                                 label="Methods (each runs alone, one after another)", elem_id="methods")
                 with gr.Row():
                     # no precision: a rounding box would quietly run 2.5 tokens as 2; ``whole`` refuses it
@@ -397,7 +399,7 @@ class RunView:
         with gr.Row(equal_height=False):
             self.columns = {method: gr.HTML(column_html(method, None), label=f"{METHOD_NAMES[method]} output",
                                             show_label=False, elem_id=f"column-{method}", elem_classes="ddt-output")
-                            for method in METHODS}
+                            for method in NAMES}
         with gr.Row(equal_height=False):
             self.economics_plot = gr.Plot(economics_figure([]), label="Step economics", show_label=False,
                                           elem_id="economics-plot", scale=3)
@@ -421,7 +423,7 @@ class RunView:
             common = common_settings(max_new_tokens, temperature, seed)
             budget = whole(budget, "tree budget")
             settings, _ = checked(self.studio, prompt_ids, [DecodeSettings(method, tree_budget=budget, **common)
-                                                         for method in METHODS if method in methods])
+                                                         for method in NAMES if method in methods])
         except EngineError as exc:
             raise refusal(exc) from None
         finished: dict[str, Trace] = {}
@@ -664,7 +666,7 @@ class InspectorView:
         gr.Markdown("## Step inspector")
         with gr.Row():
             # every method from the start, so an API call before any run reaches the handler, which says why not
-            self.method = gr.Radio([(METHOD_NAMES[m], m) for m in METHODS], label="Method", scale=2)
+            self.method = gr.Radio([(METHOD_NAMES[m], m) for m in NAMES], label="Method", scale=2)
             self.prev_button = gr.Button("◀ Prev", scale=0, min_width=80)
             self.step = gr.Slider(1, 2, value=1, step=1, label="Step (focus it and use ← →)", scale=4,
                                   elem_id="step-slider", interactive=False)

@@ -15,8 +15,9 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from engine.methods import AUTO, METHODS, NAMES, Method, method
+
 SCHEMA_VERSION = 1
-METHODS = ("ar", "dflash", "ddtree")
 # bench labels of vLLM's own decoding (--native)
 NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP = "vllm-ar", "vllm-dflash", "vllm-mtp"
 NATIVE_AR_GRAPHLESS = "vllm-ar-graphless"  # vLLM's AR compiled, without its CUDA graphs (--native ar-graphless)
@@ -41,7 +42,7 @@ class RunConfig:
     device: str
     dtype: str
     block_size: int
-    tree_budget: int | None
+    tree_budget: int | str | None  # the budget of a method that takes one, "auto" where chosen every step, or None
     temperature: float
     seed: int
     max_new_tokens: int
@@ -52,9 +53,14 @@ class RunConfig:
     step: str = "readable"  # which step ran: "readable", "fixed" or "compiled fixed" (``engine.loop.decode.step_kind``)
 
     @property
+    def method_row(self) -> Method:
+        """The method's row of ``engine.methods``: its names, colours, whether it drafts."""
+        return method(self.method)
+
+    @property
     def label(self) -> str:
-        """Short display name; DDTree runs carry their budget (``ddtree@32``)."""
-        return f"ddtree@{self.tree_budget}" if self.method == "ddtree" else self.method
+        """Short display name; runs with a budget carry it (``ddtree@32``, ``ddtree@auto``)."""
+        return self.method_row.label(self.tree_budget)
 
     @property
     def model_label(self) -> str:
@@ -345,7 +351,11 @@ def traces_from_data(data) -> list[Trace]:
 def check_consistent(trace: Trace) -> None:
     """Catch a hand-edited or truncated trace when it is read rather than deep inside a figure."""
     if trace.config.method not in METHODS:
-        raise TraceError(f"unknown method {trace.config.method!r} in trace file; expected one of {', '.join(METHODS)}")
+        raise TraceError(f"unknown method {trace.config.method!r} in trace file; expected one of {', '.join(NAMES)}")
+    budget = trace.config.tree_budget
+    if isinstance(budget, str) and budget != AUTO:
+        raise TraceError("trace is missing or has malformed field: config.tree_budget must be an integer, \"auto\" or "
+                         f"null, got {_shown(budget)}")
     if trace.summary is None:
         raise TraceError(f"the {trace.config.method} trace has no summary: it was saved before its run finished")
     for step in trace.steps:

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.models.target import Target, bundled_gguf
 from tests.tiny import STOP, CharTokenizer, tiny_drafter
 

@@ -9,7 +9,7 @@ import gradio as gr
 import pytest
 
 import app
-from engine.loop.decode import DecodeSettings
+from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice
 from tests.tiny import tiny_decoder
 

@@ -12,7 +12,8 @@ import pytest
 import app
 import engine.measure.calibration as calibration
 import engine.serving.startup as startup
-from engine.loop.decode import DecodeSettings, DrafterInfo
+from engine.loop.decode import DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
 

@@ -12,8 +12,9 @@ import torch
 from transformers import LlamaConfig
 
 from engine.errors import EngineError
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.loading import SHIPPED_DRAFTER
+from engine.loop.settings import DecodeSettings
 from engine.measure.doctor import (
     CANNOT_JUDGE,
     DEFAULT_PROMPTS,

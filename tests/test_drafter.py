@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.models.drafter import DraftContext, StaticDraftContext, load_drafter
 from tests.tiny import tiny_drafter, tiny_target
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.loop.decode import DecodeSettings
+from engine.loop.settings import DecodeSettings
 from engine.measure.economics import Timing, economics, explain
 from engine.tools.bench import Job, best_budget, per_category, read_prompts, summarize_runs
 from engine.trace import Summary, Trace

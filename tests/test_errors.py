@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from engine.errors import EngineError
-from engine.loop.decode import MAX_TREE_BUDGET, DecodeSettings, Decoder
+from engine.loop.decode import Decoder
+from engine.loop.settings import DecodeSettings
+from engine.methods import MAX_TREE_BUDGET
 from engine.models.drafter import load_drafter, save_drafter
 from engine.models.target import load_target
 from engine.tools.bench import plan_jobs, read_prompts
@@ -33,22 +35,41 @@ def test_prompt_beyond_context(decoder):
         decoder.run(prompt_ids=[3] * 500, settings=DecodeSettings("ddtree", max_new_tokens=20))
 
 
-@pytest.mark.parametrize("budget", [0, -3])
-def test_budget_below_one(decoder, budget):
-    with pytest.raises(EngineError, match="tree budget must be at least 1"):
-        decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ddtree", tree_budget=budget))
+BUDGET_SENTENCE = 'tree budget must be "auto" or a whole number from 1 to {high}, got {got}'
 
 
-def test_absurd_budget_is_capped_and_said(decoder):
-    trace = decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ddtree", max_new_tokens=4, tree_budget=10**9))
-    assert trace.config.tree_budget == MAX_TREE_BUDGET
-    assert trace.config.notes == [f"tree budget 1000000000 capped to {MAX_TREE_BUDGET}"]
+@pytest.mark.parametrize("budget", [0, -3, MAX_TREE_BUDGET + 1, 10**9, 2.5, True, "many", None])
+def test_a_budget_outside_auto_and_1_to_1024_is_refused_where_the_settings_are_made(budget):
+    with pytest.raises(EngineError) as refused:
+        DecodeSettings("ddtree", tree_budget=budget)
+    assert str(refused.value) == BUDGET_SENTENCE.format(high=MAX_TREE_BUDGET, got=repr(budget))
+    assert refused.value.field == "tree_budget"
 
 
-def test_a_temperature_far_above_two_runs_with_a_warning(decoder):
-    trace = decoder.run(prompt_ids=[3, 4], settings=DecodeSettings("ar", max_new_tokens=2, temperature=1000.0))
-    assert trace.config.notes == ["temperature 1000 is far above 2: it flattens the target's distribution towards "
-                                  "uniform, so expect near-random tokens and τ near 1"]
+@pytest.mark.parametrize("typed, budget", [("auto", "auto"), (" AUTO ", "auto"), ("16", 16), (1, 1), (1024, 1024)])
+def test_a_budget_is_auto_or_a_whole_number(typed, budget):
+    assert DecodeSettings("ddtree", tree_budget=typed).tree_budget == budget
+
+
+@pytest.mark.parametrize("field, value, sentence", [
+    ("method", "medusa", "unknown method 'medusa'; choose from ar, dflash, ddtree"),
+    ("max_new_tokens", 0, "max new tokens must be a whole number from 1 to 4096, got 0"),
+    ("max_new_tokens", 64.0, "max new tokens must be a whole number from 1 to 4096, got 64.0"),
+    ("temperature", 2.5, "temperature must be a number from 0 to 2, got 2.5"),
+    ("temperature", float("nan"), "temperature must be a number from 0 to 2, got nan"),
+    ("seed", 2**64, f"seed must be a whole number from 0 to {2**63 - 1}, got {2**64}"),
+    ("seed", -1, f"seed must be a whole number from 0 to {2**63 - 1}, got -1"),
+    ("trace_detail", "some", "trace detail must be one of full, tokens, got 'some'"),
+])
+def test_each_bad_setting_is_one_sentence_naming_its_field(field, value, sentence):
+    values = {"method": "ddtree", field: value}
+    with pytest.raises(EngineError) as refused:
+        DecodeSettings(**values)
+    assert str(refused.value) == sentence
+    assert refused.value.field == field
+
+
+def test_temperature_two_is_the_highest_allowed(decoder):
     assert decoder.run(prompt_ids=[3, 4],
                        settings=DecodeSettings("ar", max_new_tokens=2, temperature=2.0)).config.notes == []
 

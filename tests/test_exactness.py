@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from tests.tiny import tiny_decoder, tiny_drafter, tiny_target
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.decode import Decoder
 from engine.loop.fixed_step import padded_prompt, prefill_bucket
+from engine.loop.settings import DecodeSettings
 from tests.test_fixed import token_paths
 from tests.tiny import tiny_decoder
 
@@ -127,7 +128,7 @@ class _HostWork(TorchDispatchMode):
 def test_the_step_programs_do_nothing_a_cuda_graph_cannot_replay(decoders, method, budget):
     readable, fixed = decoders
     run = fixed.run(prompt_ids=PROMPTS[0], settings=DecodeSettings(method, max_new_tokens=12, tree_budget=budget or 32))
-    program = next(p for key, p in fixed._programs.items() if key[0] == method and key[1] == budget)
+    program = next(p for key, p in fixed._programs.items() if key[0] == method)
     assert run.steps, "the run made the program"
     with torch.inference_mode(), _HostWork() as host:
         if program.drafter is not None:

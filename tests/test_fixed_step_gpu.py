@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from engine.loop.decode import DecodeSettings
 from engine.loop.loading import load_decoder as load_any_decoder
+from engine.loop.settings import DecodeSettings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 MODEL, DRAFTER = os.environ.get("DDTREE_VLLM_MODEL"), os.environ.get("DDTREE_VLLM_DRAFTER")

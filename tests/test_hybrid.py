@@ -15,7 +15,8 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import ddtree
 from engine.errors import EngineError
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.models import hybrid
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.models.target import load_target

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.decode import Decoder
+from engine.loop.settings import DecodeSettings
 from engine.tools.margin_check import check_run, exact_margins, main
 from tests.tiny import tiny_drafter, tiny_target
 

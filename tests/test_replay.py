@@ -1,6 +1,7 @@
 """The replayed acceptance (engine.tools.replay) is the decoder's own, step for step."""
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.models.drafter import ScriptedDrafter
 from engine.tools import replay as replay_cli
 from engine.tools.replay import first_slot_table, proposals_along, replay

@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.tools.bench import Job, benchmark, plan_jobs, summarize_runs
 from engine.trace import SCRIPTED

@@ -9,7 +9,8 @@ distribution is compared with the exact marginal computed from the target.
 import pytest
 import torch
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from tests.tiny import tiny_drafter, tiny_target
 
 VOCAB = 6

@@ -17,7 +17,8 @@ import openai
 import pytest
 import uvicorn
 
-from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.decode import Decoder
+from engine.loop.settings import DecodeSettings
 from engine.serving.model_queue import ModelQueue
 from engine.serving.openai_api import ServeOptions, create_app
 from engine.tools import serve

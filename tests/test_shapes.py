@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoConfig
 
 from engine.errors import EngineError
-from engine.loop.decode import DecodeSettings
 from engine.loop.loading import load_decoder
+from engine.loop.settings import DecodeSettings
 from engine.measure.projection import PAPER_QWEN3_8B, project
 from engine.models.drafter import drafter_shape
 from engine.tools.bench import main as bench_main, native_ar_settings

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.loading import random_drafter
 from engine.loop.run import TextStream
+from engine.loop.settings import DecodeSettings
 
 pytestmark = pytest.mark.slow  # the bundled model: each test loads it or decodes with it
 

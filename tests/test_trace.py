@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.loop.decode import DecodeSettings
 from engine.loop.loading import SHIPPED_DRAFTER, display_name
+from engine.loop.settings import DecodeSettings
 from engine.models.target import BUNDLED_MODEL
 from engine.trace import Trace, TraceError, read_trace_file, write_trace_file
 from tests.tiny import tiny_decoder
@@ -45,7 +45,8 @@ def test_deeply_nested_json_is_a_trace_error(tmp_path, nesting):
     (("summary", "wall_s"), "fast", 'summary.wall_s must be a number, got "fast"'),
     (("steps", 0, "tree_tokens"), 5, "steps[0].tree_tokens must be a list of integers, got 5"),
     (("steps", 1, "draft_top_probs"), [["x"]], "steps[1].draft_top_probs must be a list of lists of numbers, got list"),
-    (("config", "tree_budget"), "8", 'config.tree_budget must be an integer or null, got "8"'),
+    (("config", "tree_budget"), "8", 'config.tree_budget must be an integer, "auto" or null, got "8"'),
+    (("config", "tree_budget"), 2.5, 'config.tree_budget must be an integer or a string or null, got 2.5'),
     (("prefill", "first_token"), True, "prefill.first_token must be an integer, got true"),
     (("steps",), {}, "steps must be a list, got dict"),
 ])

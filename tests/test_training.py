@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.models.drafter import load_drafter, weights_digest
 from engine.models.target import Target
 from engine.training import data as data_module, objective, prompts as prompt_module

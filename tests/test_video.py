@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.trace import read_trace_file, write_trace_file
 from tests.tiny import tiny_drafter, tiny_target

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ddtree
-from engine.loop.decode import DecodeSettings
+from engine.loop.settings import DecodeSettings
 from engine.trace import Step, Trace, read_trace_file
 from tests.tiny import tiny_decoder
 from viz.figures import (

@@ -18,7 +18,7 @@ import torch
 
 import ddtree
 from engine.errors import EngineError
-from engine.loop.decode import DecodeSettings
+from engine.loop.settings import DecodeSettings
 from tests.test_fixed_step_gpu import ONCE_PER_RUN
 
 pytestmark = [

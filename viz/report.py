@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.measure.projection import projection_report
+from engine.methods import NAMES
 from engine.models.target import BUNDLED_MODEL
 from engine.trace import (
-    METHODS,
     NATIVE_AR,
     NATIVE_AR_GRAPHLESS,
     NATIVE_DFLASH,
@@ -148,7 +148,7 @@ def label_budget(label: str) -> int | None:
 
 def label_order(label: str) -> tuple[int, int, bool, str]:
     method = label_method(label)
-    rank = METHODS.index(method) if method in METHODS else len(METHODS)
+    rank = NAMES.index(method) if method in NAMES else len(NAMES)
     return (rank, label_budget(label) or 0, label.endswith(TOKENS_ONLY), label)
 
 
@@ -305,7 +305,7 @@ def verify_cost_table(settings: list[Setting]) -> str | None:
     rows = []
     for setting in settings:
         verify = {label: timed[0]["verify"] for label in setting.labels
-                  if not label.endswith(TOKENS_ONLY) and label_method(label) in METHODS
+                  if not label.endswith(TOKENS_ONLY) and label_method(label) in NAMES
                   and (timed := stage_ms(setting, label)) is not None}
         if "ar" not in verify or sum(label_method(label) == "ddtree" for label in verify) < 2:
             continue

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from engine.trace import METHODS, Step, Trace, TraceError, read_trace_file
+from engine.methods import NAMES
+from engine.trace import Step, Trace, TraceError, read_trace_file
 from viz.tree_figure import tidy_layout
 
 MAX_COLUMNS = 4
@@ -397,7 +398,7 @@ def token_label(piece: str) -> str:
 
 def column_order(trace: Trace) -> tuple[int, int]:
     method = trace.config.method
-    return (METHODS.index(method) if method in METHODS else len(METHODS), trace.config.tree_budget or 0)
+    return (NAMES.index(method) if method in NAMES else len(NAMES), trace.config.tree_budget or 0)
 
 
 # ---------------------------------------------------------------- the DDTree strip

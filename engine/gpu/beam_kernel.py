@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.fixed import FixedTree
+from ddtree.fixed import FixedTree, beam_tree
 from engine.gpu.triton_support import tl, triton, triton_runs_on
 
 MAX_PAIRS = 1024  # keys one program sorts per depth (budget 128)
@@ -191,3 +191,11 @@ def fused_beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:  # log_p
     return FixedTree(tokens=shaped(tokens), parents=shaped(parents), depths=shaped(depths),
                      log_probs=shaped(node_log_probs), path_log_probs=shaped(path_log_probs), ranks=shaped(ranks),
                      valid=shaped(valid).bool())
+
+
+def fused_tree_program(builder, device: torch.device, nodes: int):
+    """The fast program that replaces a fixed-shape tree builder here (``fused_beam_tree`` for
+    ``ddtree.fixed.beam_tree`` where it ``fused_fits``), or None where the builder runs as written."""
+    if builder is beam_tree and fused_fits(device, nodes):
+        return fused_beam_tree
+    return None

@@ -24,34 +24,13 @@ from engine.gpu.profiling import profile_kernels
 from engine.loop.draft_pass import EagerDraft, GraphedDraft
 from engine.loop.fixed_step import FixedProgram, FixedRun
 from engine.loop.run import Outcome, Run, logit_margins
+from engine.loop.settings import DecodeSettings
+from engine.methods import method
 from engine.models.drafter import DFlashDrafter
 from engine.models.protocols import TargetModel
-from engine.trace import METHODS, RunConfig, Step, Trace
+from engine.trace import RunConfig, Step, Trace
 
-MAX_TREE_BUDGET = 1024
-HIGH_TEMPERATURE = 2.0  # above it sampling is close to uniform: allowed, with a warning
-MAX_NEW_TOKENS = 4096
 FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
-TRACE_DETAILS = ("full", "tokens")
-
-WARM_UP_TOKENS = 40
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    method: str
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    seed: int = 0
-    block_size: int | None = None  # None: the drafter's own
-    tree_budget: int = 32
-    record_top_k: int = 8
-    trace_detail: str = "full"  # "tokens": steps keep what they commit, not the tree (timing a lean loop)
-
-    def warm_up(self) -> DecodeSettings:
-        """The same run cut short, past two steps that each accept a whole block of 16: it builds (compiles,
-        captures) every program this run will use, so that a timed run after it pays for none of them."""
-        return replace(self, max_new_tokens=min(WARM_UP_TOKENS, self.max_new_tokens))
 
 
 @dataclass
@@ -124,43 +103,29 @@ class Decoder:
         return graphed
 
     def prepare(self, settings: DecodeSettings, prompt_length: int) -> tuple[DecodeSettings, list[str]]:
-        """Check settings against the models; return them adjusted, with notes saying how."""
+        """Check settings against the models (``DecodeSettings`` checked the values themselves); return them
+        adjusted, with notes saying how."""
         notes: list[str] = []
-        if settings.method not in METHODS:
-            raise EngineError(f"unknown method {settings.method!r}; choose from {', '.join(METHODS)}")
-        if not 1 <= settings.max_new_tokens <= MAX_NEW_TOKENS:
-            raise EngineError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, got {settings.max_new_tokens}")
-        if settings.temperature < 0:
-            raise EngineError(f"temperature must be >= 0, got {settings.temperature}")
-        if settings.trace_detail not in TRACE_DETAILS:
-            raise EngineError(f"trace detail must be one of {', '.join(TRACE_DETAILS)}, got {settings.trace_detail!r}")
         if prompt_length == 0:
-            raise EngineError("the prompt is empty: type a message for the model to answer")
+            raise EngineError("the prompt is empty: type a message for the model to answer", field="prompt")
         block_size = 1
-        if settings.method != "ar":
+        row = method(settings.method)
+        if row.drafts:
             if self.drafter is None:
-                raise EngineError(f"{settings.method} needs a DFlash drafter; pass one (or 'random')")
+                raise EngineError(f"{settings.method} needs a DFlash drafter; pass one (or 'random')", field="method")
             native = self.drafter.block_size
             block_size = settings.block_size or native
             if not 2 <= block_size <= native:
                 raise EngineError(f"block size {block_size} is not supported by this drafter: "
-                                  f"choose 2..{native} (it was trained with blocks of {native})")
-        if settings.method == "ddtree":
-            if settings.tree_budget < 1:
-                raise EngineError(f"tree budget must be at least 1, got {settings.tree_budget}")
-            if settings.tree_budget > MAX_TREE_BUDGET:
-                notes.append(f"tree budget {settings.tree_budget} capped to {MAX_TREE_BUDGET}")
-                settings = replace(settings, tree_budget=MAX_TREE_BUDGET)
-        if settings.temperature > HIGH_TEMPERATURE:
-            notes.append(f"temperature {settings.temperature:g} is far above {HIGH_TEMPERATURE:g}: it flattens the "
-                         "target's distribution towards uniform, so expect near-random tokens and τ near 1")
+                                  f"choose 2..{native} (it was trained with blocks of {native})", field="block_size")
         if self.fixed_step and settings.temperature > 0:
             notes.append("sampling runs the readable step: the fixed-shape step walks greedily")
         limit = self.target.context_length
         needed = prompt_length + settings.max_new_tokens + block_size
         if needed > limit:
             raise EngineError(f"prompt of {prompt_length} tokens + {settings.max_new_tokens} new tokens exceeds the "
-                              f"model's context of {limit} tokens: shorten the prompt or lower max new tokens")
+                              f"model's context of {limit} tokens: shorten the prompt or lower max new tokens",
+                              field="max_new_tokens")
         return replace(settings, block_size=block_size), notes
 
     @torch.inference_mode()
@@ -177,10 +142,10 @@ class Decoder:
         fixed = self.uses_fixed_step(settings)
         config = RunConfig(
             method=settings.method, engine=self.engine, model=target.name,
-            drafter=self.drafter_info.name if settings.method != "ar" else None,
-            drafter_trained=self.drafter_info.trained if settings.method != "ar" else False,
+            drafter=self.drafter_info.name if method(settings.method).drafts else None,
+            drafter_trained=self.drafter_info.trained and method(settings.method).drafts,
             device=str(device), dtype=str(target.dtype).removeprefix("torch."),
-            block_size=settings.block_size, tree_budget=settings.tree_budget if settings.method == "ddtree" else None,
+            block_size=settings.block_size, tree_budget=recorded_budget(settings),
             temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
             prompt=prompt, prompt_ids=list(prompt_ids), notes=notes, timing_only=self.timing_only,
             step=step_kind(fixed, self.compile_step),
@@ -200,18 +165,17 @@ class Decoder:
         drafter a CUDA graph can hold where graphs are on (not a scripted one) if it drafts."""
         if not self.fixed_step or settings.temperature != 0:
             return False
-        return settings.method == "ar" or self.drafter.graphable or not self.cuda_graphs
+        return not method(settings.method).drafts or self.drafter.graphable or not self.cuda_graphs
 
     def fixed_program(self, settings: DecodeSettings, prompt_length: int):
         """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
-        budget = settings.tree_budget if settings.method == "ddtree" else None
+        nodes = method(settings.method).nodes(settings.tree_budget, settings.block_size - 1)
         # the last step may pass max_new_tokens by a block, and its tree's rows sit after that; one scratch row
-        nodes = budget if budget is not None else settings.block_size - 1
         needed = prompt_length + settings.max_new_tokens + settings.block_size + nodes + 2
         capacity = -(-needed // FIXED_CAPACITY_STEP) * FIXED_CAPACITY_STEP
-        key = (settings.method, budget, settings.block_size, capacity, settings.record_top_k)
+        key = (settings.method, nodes, settings.block_size, capacity, settings.record_top_k)
         if key not in self._programs:
-            self._programs[key] = FixedProgram(self, settings.method, budget, settings.block_size, capacity,
+            self._programs[key] = FixedProgram(self, method(settings.method), nodes, settings.block_size, capacity,
                                                settings.record_top_k,
                                                graphs=self.cuda_graphs and self.target.device.type == "cuda",
                                                compile_step=self.compile_step)
@@ -222,6 +186,14 @@ class Decoder:
         (vLLM's own, in the bench) starts; they are rebuilt if this decoder runs again."""
         self._graphed_drafts.clear()
         self._programs.clear()
+
+
+def recorded_budget(settings: DecodeSettings):
+    """The budget a trace records: the node count of a method whose budget the user chooses, "auto" where it is
+    chosen every step, else None."""
+    if settings.auto_budget or method(settings.method).budgeted:
+        return settings.tree_budget
+    return None
 
 
 def check_drafter_fits(drafter_config, target_config) -> None:
@@ -251,11 +223,10 @@ class ReadableRun(Run):
         return self.draft_pass(self.root, self.start, self.new_context, self.new_context_positions)
 
     def build(self, log_probs: torch.Tensor | None) -> ddtree.DraftTree:
+        row = method(self.settings.method)
         if log_probs is None:
-            return ddtree.DraftTree.empty()
-        if self.settings.method == "dflash":
-            return ddtree.chain_tree(log_probs)
-        return ddtree.build_tree(log_probs, self.settings.tree_budget)
+            return row.readable(None, 0)
+        return row.readable(log_probs, row.nodes(self.settings.tree_budget, log_probs.shape[0]))
 
     def step(self, index: int) -> Step:
         t_start = self.elapsed()

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 import torch
 
 import ddtree
-from ddtree.fixed import FixedTree, accepted_path, ancestor_closure, beam_tree, chain
-from engine.gpu.beam_kernel import fused_beam_tree, fused_fits
+from ddtree.fixed import FixedTree, accepted_path, ancestor_closure
+from engine.gpu.beam_kernel import fused_tree_program
 from engine.gpu.graphs import GraphedCall
 from engine.gpu.profiling import STAGE_MARK
 from engine.loop.draft_pass import DraftBuffers, draft_log_probs
 from engine.loop.run import Outcome, Run
+from engine.methods import Method
 from engine.models.protocols import FixedKV
 from engine.trace import Step
 
@@ -92,14 +93,13 @@ class StepLayout:
 class FixedProgram:
     """The buffers and the two programs of one (method, budget, block size, capacity) for one decoder."""
 
-    def __init__(self, decoder, method: str, budget: int | None, block_size: int, capacity: int, top_k: int,
+    def __init__(self, decoder, method: Method, nodes: int, block_size: int, capacity: int, top_k: int,
                  graphs: bool = False, compile_step: bool = False):
         target = decoder.target
         device = target.device
-        self.target, self.method, self.budget, self.graphs = target, method, budget, graphs
-        self.drafter = decoder.drafter if method != "ar" else None
+        self.target, self.method, self.nodes, self.graphs = target, method, nodes, graphs
+        self.drafter = decoder.drafter if method.drafts else None
         self.depth = block_size - 1
-        nodes = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
         top_k = min(top_k, target.config.vocab_size) if self.drafter is not None else 0
         self.layout = StepLayout(self.depth, nodes, top_k)
         self.kv: FixedKV = target.fixed_kv(capacity, compiled=compile_step)
@@ -113,12 +113,13 @@ class FixedProgram:
             self.log_probs = torch.zeros(self.depth, self.drafter.config.vocab_size, device=device)  # for advance
             self.prompt_rows = capacity  # the context holds a padded prompt and a block after it
             self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by bucket
+        else:
+            self.log_probs = torch.zeros(0, 1, device=device)  # AR drafts nothing: its tree is the root alone
         # the step's own stages have fixed shapes: inductor can fuse their hundreds of small kernels
         compiled = (lambda stage: torch.compile(stage, dynamic=False)) if compile_step else (lambda stage: stage)
         self._draft_pass, self._plan, self._decide = compiled(draft_log_probs), compiled(self._plan_step), \
             compiled(self._decide_step)
-        self._beam = fused_beam_tree if method == "ddtree" and fused_fits(device, budget) else compiled(beam_tree)
-        self._chain = compiled(chain)
+        self._tree = fused_tree_program(method.fixed, device, nodes) or compiled(method.fixed)
         self._graphs: dict[str, GraphedCall] = {}
 
     def prefill_cache(self):
@@ -173,13 +174,9 @@ class FixedProgram:
         """The step after its draft (in ``self.log_probs``); returns its packed record."""
         return self._run("advance", self._advance)
 
-    def _tree(self) -> FixedTree:
-        if self.method == "ar":
-            return FixedTree.empty(self.root.device)
-        return self._chain(self.log_probs) if self.method == "dflash" else self._beam(self.log_probs, self.budget)
-
     def _advance(self) -> torch.Tensor:
-        tree = self._tree()  # outside the compiled plan: the fused tree build is a Triton program of its own
+        tree = self._tree(self.log_probs, self.nodes)  # outside the compiled plan: a fused tree build is a Triton
+        # program of its own
         ids, positions, visible = self._plan(tree)
         logits, hidden = self.kv.verify(ids, positions, self.past, visible)
         path, length, bonus, record = self._decide(tree, ids, visible, logits)

@@ -18,6 +18,7 @@ import torch
 
 import ddtree
 from engine.gpu.profiling import STAGE_MARK
+from engine.methods import method
 from engine.trace import Prefill, RunConfig, Step, Trace, summarize
 
 
@@ -78,7 +79,7 @@ class Run:
         self.device = self.target.device
         self.clock = StageClock(self.device)
         self.generator = torch.Generator(self.device).manual_seed(settings.seed)
-        self.drafts = settings.method != "ar"
+        self.drafts = method(settings.method).drafts
         self.cache = self.target.new_cache()
         self.output_ids: list[int] = []
         self.text = TextStream(self.target.decode)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from engine.loop.decode import DecodeSettings, Decoder, step_kind
+from engine.loop.decode import Decoder, step_kind
+from engine.loop.settings import DecodeSettings
 from engine.measure.economics import Economics, Timing, economics
 
 CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from engine.errors import EngineError
-from engine.loop.decode import MAX_NEW_TOKENS, DecodeSettings, Decoder
+from engine.loop.decode import Decoder
+from engine.loop.settings import MAX_NEW_TOKENS, DecodeSettings
 from engine.measure.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.measure.doctor_checks import (
     FAULT,

@@ -24,8 +24,9 @@ import torch
 
 from engine.errors import EngineError
 from engine.gpu.profiling import KernelProfile
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo, check_drafter_fits
+from engine.loop.decode import Decoder, DrafterInfo, check_drafter_fits
 from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
+from engine.loop.settings import DecodeSettings
 from engine.models.convert import convert, tensor_parallel_copy
 from engine.models.drafter import DFlashDrafter, drafter_shape
 from engine.models.hybrid import is_hybrid

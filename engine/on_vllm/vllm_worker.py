@@ -46,8 +46,9 @@ from ddtree.forks import depths, path_table
 from engine.errors import EngineError
 from engine.gpu.graphs import GraphedCall, record
 from engine.gpu.kv_moves import RowMover
-from engine.loop.decode import DecodeSettings, Decoder, DrafterInfo
+from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.fixed_step import padded_prompt, prefill_bucket
+from engine.loop.settings import DecodeSettings
 from engine.measure.row_check import check as row_check
 from engine.models.drafter import load_drafter
 from engine.models.target import Target, stop_token_ids

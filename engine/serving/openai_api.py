@@ -34,10 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from engine.errors import EngineError
-from engine.loop.decode import MAX_NEW_TOKENS, MAX_TREE_BUDGET, DecodeSettings, Decoder
+from engine.loop.decode import Decoder
+from engine.loop.settings import MAX_NEW_TOKENS, DecodeSettings
 from engine.measure.calibration import PROVISIONAL_BUDGET
+from engine.methods import MAX_TREE_BUDGET, NAMES
 from engine.serving.model_queue import ModelQueue
-from engine.trace import METHODS, Trace, trace_file_data, write_trace_file
+from engine.trace import Trace, trace_file_data, write_trace_file
 
 log = logging.getLogger("ddtree-serve")
 
@@ -296,8 +298,8 @@ class Server:
             raise ApiError(404, f"The model `{body.model}` does not exist: this server runs `{target.name}`", "model",
                            code="model_not_found")
         method = body.method or self.options.method
-        if method not in METHODS:
-            raise ApiError(400, f"unknown method {method!r}; choose from {', '.join(METHODS)}", "method")
+        if method not in NAMES:
+            raise ApiError(400, f"unknown method {method!r}; choose from {', '.join(NAMES)}", "method")
         budget = self.options.tree_budget if body.tree_budget is None else body.tree_budget
         if not 1 <= budget <= MAX_TREE_BUDGET:
             raise ApiError(400, f"tree_budget must be between 1 and {MAX_TREE_BUDGET}, got {budget}", "tree_budget")

@@ -26,8 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from engine.methods import NAMES
 from engine.tools.bench import read_prompts
-from engine.trace import METHODS
 
 RUN_OUTPUTS_SUMMARY = 4  # the /run outputs: status, three columns, then the summary
 KEYS = ("tau", "step_cost_vs_ar", "predicted_speedup", "speedup_vs_ar")
@@ -63,7 +63,7 @@ def check(url: str, prompts: list[dict], max_new_tokens: int, sweep_budgets: str
     print(f"default budget: {info['tree_budget']}: {info['why']}")
     runs = []
     for prompt in prompts:
-        outputs = client.predict(prompt["prompt"], max_new_tokens, 0.0, 0, info["tree_budget"], list(METHODS),
+        outputs = client.predict(prompt["prompt"], max_new_tokens, 0.0, 0, info["tree_budget"], list(NAMES),
                                  api_name="/run")
         summary, download = outputs[RUN_OUTPUTS_SUMMARY], outputs[RUN_OUTPUTS_SUMMARY + 1]
         engines = {trace["config"]["engine"] for trace in json.loads(Path(download).read_text())["traces"]}

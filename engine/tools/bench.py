@@ -26,14 +26,15 @@ from tqdm import tqdm
 
 from engine.errors import EngineError, run_command
 from engine.gpu.profiling import KernelProfile
-from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.decode import Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, RANDOM, load_decoder, shipped_drafter
+from engine.loop.settings import DecodeSettings
 from engine.measure.economics import Timing, economics
+from engine.methods import NAMES
 from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
 from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS, VllmOptions, check_mtp_layers, load_vllm_decoder
 from engine.trace import (
-    METHODS,
     NATIVE_AR,
     NATIVE_AR_GRAPHLESS,
     NATIVE_DFLASH,
@@ -89,9 +90,9 @@ def read_prompts(path: str) -> list[dict]:
 
 def plan_jobs(methods: str, budgets: str) -> list[Job]:
     names = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
+    unknown = [m for m in names if m not in NAMES]
     if unknown or not names:
-        raise EngineError(f"unknown method(s) {unknown or methods!r}; choose from {', '.join(METHODS)}")
+        raise EngineError(f"unknown method(s) {unknown or methods!r}; choose from {', '.join(NAMES)}")
     try:
         budget_values = [int(b) for b in budgets.split(",")]
     except ValueError as exc:

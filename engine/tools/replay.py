@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from engine.errors import EngineError, run_command
-from engine.loop.decode import DecodeSettings, Decoder
+from engine.loop.decode import Decoder
 from engine.loop.loading import AUTO, load_decoder
+from engine.loop.settings import DecodeSettings
 from engine.measure.acceptance import CONFIDENCE_EDGES, Proposals, replay
 from engine.tools.bench import (
     Job,

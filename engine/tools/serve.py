@@ -19,11 +19,10 @@ from pathlib import Path
 import uvicorn
 
 from engine.errors import EngineError
-from engine.loop.decode import MAX_TREE_BUDGET
+from engine.methods import MAX_TREE_BUDGET, NAMES
 from engine.serving.model_queue import ModelQueue
 from engine.serving.openai_api import ServeOptions, create_app
 from engine.serving.startup import add_model_arguments, check_model_arguments, load_studio_decoder, opening_budget
-from engine.trace import METHODS
 
 log = logging.getLogger("ddtree-serve")
 
@@ -33,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
     parser.add_argument("--port", type=int, default=8000)
     add_model_arguments(parser)
-    parser.add_argument("--method", choices=METHODS, default="ddtree", help="what a request that names none runs")
+    parser.add_argument("--method", choices=NAMES, default="ddtree", help="what a request that names none runs")
     parser.add_argument("--tree-budget", type=int, default=None,
                         help="the DDTree budget of a request that sets none (default: the budget the app opens at "
                              "on this machine)")
