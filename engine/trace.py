@@ -12,7 +12,7 @@ import functools
 import json
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from engine.methods import AUTO, METHODS, NAMES, Method, method
@@ -74,6 +74,17 @@ class RunConfig:
 
 
 @dataclass
+class StepBatch:
+    """The batched step a request's step ran in (``engine.loop.batch``)."""
+
+    size: int  # requests in the step
+    nodes: int  # draft nodes the step verified, all requests together
+    budget: int  # this request's nodes
+    reason: str  # why its tree has that size
+    neighbours: list[str]  # the other requests in the step, by name
+
+
+@dataclass
 class Step:
     index: int
     t_start: float  # seconds since the run started (before prefill)
@@ -96,6 +107,7 @@ class Step:
     committed_ids: list[int]  # accepted draft tokens then the bonus, cut at a stop/limit
     committed_text: list[str]  # decoded piece per committed id
     committed_margins: list[float]  # target's top-1 minus top-2 logit behind each committed id
+    batch: StepBatch | None = None  # the batch it ran in, when it ran in one
 
     @property
     def acceptance_length(self) -> int:
@@ -246,9 +258,18 @@ def _build(cls, data: dict, where: str):
         raise KeyError(f"{where}.{sorted(missing)[0]}")
     values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
     for name, value in values.items():
-        if not _fits(value, hints[name]):
+        nested = _dataclass_in(hints[name])
+        if nested is not None and isinstance(value, dict):
+            values[name] = _build(nested, value, f"{where}.{name}")
+        elif not _fits(value, hints[name]):
             raise TypeError(f"{where}.{name} must be {_described(hints[name])}, got {_shown(value)}")
     return cls(**values)
+
+
+def _dataclass_in(hint):
+    """The dataclass a field holds (``StepBatch | None`` holds ``StepBatch``), or None."""
+    arms = typing.get_args(hint) if typing.get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
+    return next((arm for arm in arms if is_dataclass(arm)), None)
 
 
 @functools.cache

@@ -21,9 +21,10 @@ import torch
 import ddtree
 from engine.errors import EngineError
 from engine.gpu.profiling import profile_kernels
+from engine.loop.budgeting import Budgeting
 from engine.loop.draft_pass import EagerDraft, GraphedDraft
 from engine.loop.fixed_step import FixedProgram, FixedRun
-from engine.loop.run import Outcome, Run, logit_margins
+from engine.loop.run import Outcome, Run, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import method
 from engine.models.drafter import DFlashDrafter
@@ -61,6 +62,8 @@ class Decoder:
         self.fixed_step = fixed_step and target.runs_fixed_step
         self.compile_step = compile_step  # the fixed step's own stages (draft, tree, walk) through torch.compile
         self.timing_only = timing_only  # random weights at a real shape: traces say so
+        self.budgeting = Budgeting()  # how "auto" trees are sized here (``engine.loop.budgeting``); start-up may
+        # put this machine's recorded step costs in its place
         self._graphed_drafts: dict[int, GraphedDraft] = {}
         self._programs: dict[tuple, object] = {}
         if drafter is not None:
@@ -138,22 +141,25 @@ class Decoder:
                 raise EngineError("the prompt is empty: type a message for the model to answer")
             prompt_ids = self.target.chat_ids(prompt)
         settings, notes = self.prepare(settings, len(prompt_ids))
-        target, device = self.target, self.target.device
         fixed = self.uses_fixed_step(settings)
-        config = RunConfig(
-            method=settings.method, engine=self.engine, model=target.name,
-            drafter=self.drafter_info.name if method(settings.method).drafts else None,
-            drafter_trained=self.drafter_info.trained and method(settings.method).drafts,
-            device=str(device), dtype=str(target.dtype).removeprefix("torch."),
-            block_size=settings.block_size, tree_budget=recorded_budget(settings),
-            temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
-            prompt=prompt, prompt_ids=list(prompt_ids), notes=notes, timing_only=self.timing_only,
-            step=step_kind(fixed, self.compile_step),
-        )
+        config = self.run_config(prompt, prompt_ids, settings, notes, step_kind(fixed, self.compile_step))
         if fixed:
             program = self.fixed_program(settings, len(prompt_ids))
             return FixedRun(self, settings, config, on_step, should_stop, program).execute()
         return ReadableRun(self, settings, config, on_step, should_stop).execute()
+
+    def run_config(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str],
+                   step: str) -> RunConfig:
+        """What a run's trace says it ran: the prepared settings, the models, the step kind."""
+        drafts = method(settings.method).drafts
+        return RunConfig(
+            method=settings.method, engine=self.engine, model=self.target.name,
+            drafter=self.drafter_info.name if drafts else None, drafter_trained=self.drafter_info.trained and drafts,
+            device=str(self.target.device), dtype=str(self.target.dtype).removeprefix("torch."),
+            block_size=settings.block_size, tree_budget=recorded_budget(settings),
+            temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
+            prompt=prompt, prompt_ids=list(prompt_ids), notes=notes, timing_only=self.timing_only, step=step,
+        )
 
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):
         """Kernels per verify step by stage for one generation, and the slowest (``engine.gpu.profiling``;
@@ -213,6 +219,7 @@ class ReadableRun(Run):
     def __init__(self, decoder: Decoder, settings: DecodeSettings, config: RunConfig, on_step, should_stop):
         super().__init__(decoder, settings, config, on_step, should_stop)
         self.draft_pass = decoder.draft_pass(settings.block_size) if self.drafts else None
+        self.budgeting = decoder.budgeting
 
     def steps(self) -> Iterator[Step]:
         for index in itertools.count():
@@ -226,6 +233,8 @@ class ReadableRun(Run):
         row = method(self.settings.method)
         if log_probs is None:
             return row.readable(None, 0)
+        if self.settings.auto_budget:
+            return self.budgeting.alone(row, log_probs)
         return row.readable(log_probs, row.nodes(self.settings.tree_budget, log_probs.shape[0]))
 
     def step(self, index: int) -> Step:
@@ -247,6 +256,7 @@ class ReadableRun(Run):
             target_tokens = ddtree.sample_tokens(logits, self.settings.temperature, self.generator).tolist()
             accepted, bonus = ddtree.follow_tree(tree, target_tokens)
             self.target.commit(self.cache, self.start, accepted)
+            self.budgeting.observe(tree, accepted)
             if self.drafts:
                 kept = torch.tensor(accepted, device=self.device)
                 self.new_context = self.drafter.context_features(hidden).index_select(1, kept)
@@ -261,14 +271,4 @@ class ReadableRun(Run):
             self.root = bonus
         full = self.settings.trace_detail == "full"
         return self.record(index, t_start, root,
-                           _draft_top(log_probs, self.settings.record_top_k) if full else ([], []), outcome)
-
-
-def _draft_top(log_probs: torch.Tensor | None, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    """The drafter's ``k`` most probable tokens per depth, and their probabilities."""
-    if log_probs is None:
-        return [], []
-    values, tokens = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
-    return tokens.tolist(), values.exp().tolist()
-
-
+                           draft_top(log_probs, self.settings.record_top_k) if full else ([], []), outcome)

@@ -31,7 +31,7 @@ class EagerDraft:
         block[0, 0] = root
         positions = torch.arange(start, start + self.block_size, device=device)[None]
         return draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions, features,
-                               feature_positions, self.context)
+                               feature_positions, self.context)[0]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class DraftBuffers:
                   feature_positions: torch.Tensor, count, draft=None) -> torch.Tensor:
         """The pass over the block with these context rows (``draft``: ``draft_log_probs`` or a compiled copy)."""
         return (draft or draft_log_probs)(drafter, embedding, lm_head, self.block, self.positions, features,
-                                          feature_positions, self.context, count)
+                                          feature_positions, self.context, count)[0]
 
 
 class GraphedDraft:
@@ -104,8 +104,9 @@ class GraphedDraft:
 
 
 def draft_log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None):
-    """The drafter's log-probabilities ``[block-1, vocab]`` for the slots after the root: the pass both
-    steps run (the fixed step through its own buffers)."""
+    """The drafter's log-probabilities ``[b, block-1, vocab]`` for the slots after each block's root (``block``,
+    ``positions [b, block]``): the pass every step runs (the fixed step through its own buffers, the batched
+    step for many requests at once)."""
     hidden = drafter(drafter.embed(block, embedding), features.to(embedding.dtype), block_positions=positions,
                      context_positions=feature_positions, cache=context, context_count=added)
-    return torch.log_softmax(drafter.logits(hidden[0, 1:], lm_head).float(), dim=-1)
+    return torch.log_softmax(drafter.logits(hidden[:, 1:], lm_head).float(), dim=-1)

@@ -170,6 +170,14 @@ class Run:
 
 
 
+def draft_top(log_probs: torch.Tensor | None, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The drafter's ``k`` most probable tokens per depth, and their probabilities (what a step records)."""
+    if log_probs is None:
+        return [], []
+    values, tokens = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+    return tokens.tolist(), values.exp().tolist()
+
+
 def logit_margins(logits: torch.Tensor) -> list[float]:
     """Top-1 minus top-2 logit per row: how close the target's choice was to a tie."""
     if logits.shape[-1] < 2:

@@ -504,28 +504,29 @@ class ScriptedDrafter(DFlashDrafter):
     def __init__(self, config: DrafterConfig, sequences: list[list[int]], demote_every: int = 3):
         super().__init__(config)
         self.sequences, self.demote_every = [list(s) for s in sequences], demote_every
-        self.root: int | None = None
-        self.block_start = 0
+        self.roots: list[int] = []  # per block of the pass: its root and where the block starts
+        self.block_starts: list[int] = []
 
     def embed(self, ids: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        self.root = int(ids[0, 0])
+        self.roots = ids[:, 0].tolist()
         return super().embed(ids, embedding)
 
     def forward(self, block_embeddings, context_features, block_positions, *args, **kwargs):
-        self.block_start = int(block_positions[0, 0])
+        self.block_starts = block_positions[:, 0].tolist()
         return super().forward(block_embeddings, context_features, block_positions, *args, **kwargs)
 
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """``[..., slots, vocab]`` for ``hidden [..., slots, hidden]``: one block per root of the pass."""
         vocab, slots = lm_head.shape[0], hidden.shape[-2]
-        logits = torch.zeros(slots, vocab, dtype=hidden.dtype)
-        start = self.block_start
-        known = next((s for s in self.sequences if len(s) > start and s[start] == self.root), [])
-        for slot, position in enumerate(range(start + 1, min(start + 1 + slots, len(known)))):
-            true = known[position]
-            demoted = position % self.demote_every == 0
-            logits[slot, true] = self.TRUE
-            for offset, value in enumerate(self.DEMOTED if demoted else self.SIBLINGS, start=1):
-                logits[slot, (true + offset) % vocab] = value
+        logits = torch.zeros(len(self.roots), slots, vocab, dtype=hidden.dtype)
+        for block, (root, start) in enumerate(zip(self.roots, self.block_starts)):
+            known = next((s for s in self.sequences if len(s) > start and s[start] == root), [])
+            for slot, position in enumerate(range(start + 1, min(start + 1 + slots, len(known)))):
+                true = known[position]
+                demoted = position % self.demote_every == 0
+                logits[block, slot, true] = self.TRUE
+                for offset, value in enumerate(self.DEMOTED if demoted else self.SIBLINGS, start=1):
+                    logits[block, slot, (true + offset) % vocab] = value
         return logits.to(hidden.device).reshape(*hidden.shape[:-1], vocab)
 
 

@@ -47,6 +47,9 @@ class TargetModel(Protocol):
     @property
     def runs_fixed_step(self) -> bool: ...  # whether ``fixed_kv`` can serve the fixed-shape step
 
+    @property
+    def runs_batched(self) -> bool: ...  # whether ``verify_batch`` can verify many requests' trees in one pass
+
     def chat_ids(self, prompt: str) -> list[int]: ...
 
     def conversation_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
@@ -65,6 +68,8 @@ class TargetModel(Protocol):
     def commit(self, cache, past_length: int, accepted: list[int]) -> None: ...
 
     def fixed_kv(self, capacity: int, compiled: bool = False) -> FixedKV: ...
+
+    def verify_batch(self, verify_pass, kv, layout, hidden_states: bool) -> tuple[torch.Tensor, tuple | None]: ...
 
 
 @runtime_checkable

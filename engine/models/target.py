@@ -120,6 +120,18 @@ class Target:
         hybrids fork their linear layers' states per tree node in the readable step only."""
         return not hybrid.is_hybrid(self.config)
 
+    @property
+    def runs_batched(self) -> bool:
+        """Whether many requests' trees can be verified in one pass (``engine.loop.batch``): attention layers
+        only (a hybrid's linear layers fork their state per node, in the single request's step)."""
+        return not hybrid.is_hybrid(self.config)
+
+    def verify_batch(self, verify_pass, kv, layout, hidden_states: bool):
+        """A batch's trees (``ddtree.batch.BatchLayout``) through one pass over the batch's cache ``kv``
+        (``engine.models.batched.BatchKV``): ``verify_pass`` is ``packed_pass`` or ``padded_pass`` there.
+        Logits ``[T, vocab]`` and, if asked, the hidden states (each ``[1, T, hidden]``)."""
+        return verify_pass(self.model, hybrid.cache_argument(type(self.model)), kv, layout, self.dtype, hidden_states)
+
     def fixed_kv(self, capacity: int, compiled: bool = False):
         """The KV cache of the fixed-shape step (``engine.loop.fixed_step``): ``capacity`` rows in fixed buffers.
         (``compiled`` asks for a compiled verify pass: the vLLM engine's; a transformers model stays eager.)"""

@@ -151,6 +151,7 @@ class ClientTarget(Target):
 
     device = property(lambda self: torch.device("cuda"))
     runs_fixed_step = True  # the workers' ``PagedTarget`` forks a hybrid's states in the fixed step too
+    runs_batched = False  # its runs are one request at a time: the batched step runs on the torch engine
     dtype = property(lambda self: self._dtype)
     config = property(lambda self: self._config)
     context_length = property(lambda self: self._context_length)

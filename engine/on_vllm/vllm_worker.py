@@ -242,6 +242,7 @@ class PagedTarget(Target):
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
     runs_fixed_step = True  # a hybrid's linear layers fork and commit their states inside the step's programs too
+    runs_batched = False  # its runs are one request at a time: the batched step runs on the torch engine
 
     @property
     def config(self):

@@ -2,14 +2,16 @@
 
 ``POST /v1/chat/completions`` (messages through the target's chat template) and ``POST /v1/completions`` (a raw
 prompt), streamed as server-sent events or not; ``GET /v1/models``. Extensions in the request body: ``method``
-(ar, dflash, ddtree) and ``tree_budget``; every answer carries a ``ddtree`` object (method, budget, τ, steps,
-tokens/s and the ``trace_id``). ``GET /v1/traces`` lists the last requests, newest first, and
-``GET /v1/traces/{trace_id}`` returns one as the Studio's trace file.
+(ar, dflash, ddtree) and ``tree_budget`` ("auto" or 1..1024); every answer carries a ``ddtree`` object (method,
+budget, seed, τ, steps, tokens/s and the ``trace_id``). ``GET /v1/traces`` lists the last requests, newest first,
+and ``GET /v1/traces/{trace_id}`` returns one as the Studio's trace file.
 
-Every run is a job on the model's ``ModelQueue``, one at a time, first come first served; a streamed run hands
-each step's text to the event loop. Bad input gets OpenAI's error shape with a 4xx status and the field at fault
-(``param``); what the server does not do (``n`` > 1, log-probabilities, tools, response formats, ...) is refused,
-not ignored.
+Requests share decoding steps (``engine.serving.batcher``: continuous batching on the model's ``ModelQueue``),
+each streaming its own steps; a target that cannot verify a batch in one pass (a hybrid, the vLLM engine) runs
+them one at a time, first come first served. A sampled request without a seed is a fresh sample. Bad input gets
+OpenAI's error shape with a 4xx status and the field at fault (``param``), in the one sentence the settings
+(``engine.loop.settings``) say it; what the server does not do (``n`` > 1, log-probabilities, tools, response
+formats, ...) is refused, not ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -35,9 +38,9 @@ from starlette.exceptions import HTTPException
 
 from engine.errors import EngineError
 from engine.loop.decode import Decoder
-from engine.loop.settings import MAX_NEW_TOKENS, DecodeSettings
-from engine.measure.calibration import PROVISIONAL_BUDGET
-from engine.methods import MAX_TREE_BUDGET, NAMES
+from engine.loop.settings import MAX_NEW_TOKENS, MAX_SEED, DecodeSettings
+from engine.methods import AUTO, TREE, Budget, method
+from engine.serving.batcher import Batcher
 from engine.serving.model_queue import ModelQueue
 from engine.trace import Trace, trace_file_data, write_trace_file
 
@@ -53,10 +56,11 @@ FINISH_REASONS = {"eos": "stop", "max_new_tokens": "length", "cancelled": "cance
 
 @dataclass(frozen=True)
 class ServeOptions:
-    method: str = "ddtree"  # what a request that names no method runs
-    tree_budget: int = PROVISIONAL_BUDGET  # likewise for the DDTree budget
+    method: str = TREE.name  # what a request that names no method runs
+    tree_budget: Budget = AUTO  # likewise for the tree budget: "auto" sizes every request's tree for the batch
     traces_dir: Path | None = None  # also write every request's trace file here
     kept_traces: int = KEPT_TRACES
+    batching: bool = True  # requests share steps (``engine.serving.batcher``); False: one at a time, in turn
 
 
 # ---------------------------------------------------------------- requests
@@ -76,12 +80,12 @@ class Body(BaseModel):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None  # None: greedy
-    seed: int | None = None  # None: 0
+    seed: int | None = None  # None: a fresh seed, returned in the answer's ``ddtree`` object
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     method: str | None = None
-    tree_budget: int | None = None
+    tree_budget: int | str | None = None
     n: int | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
@@ -183,8 +187,9 @@ class Completion:
 
     def ddtree(self, trace_id: str) -> dict:
         summary, config = self.trace.summary, self.trace.config
-        return {"method": config.method, "tree_budget": config.tree_budget, "tau": round(summary.tau, 4),
-                "steps": summary.steps, "tokens_per_s": round(summary.tokens_per_s, 3), "trace_id": trace_id}
+        return {"method": config.method, "tree_budget": config.tree_budget, "seed": config.seed,
+                "tau": round(summary.tau, 4), "steps": summary.steps, "tokens_per_s": round(summary.tokens_per_s, 3),
+                "trace_id": trace_id}
 
     def usage(self) -> dict:
         prompt = len(self.trace.config.prompt_ids)
@@ -218,8 +223,8 @@ def finish(trace: Trace, stops: tuple[str, ...]) -> Completion:
 
 
 class Generation:
-    """One request's run, a job on the model's thread: it ends at a stop string or when the client leaves
-    (``cancelled``), and hands each step's text so far (cut at a stop string) to ``on_text``."""
+    """One request's run: it ends at a stop string or when the client leaves (``cancelled``), and hands each
+    step's text so far (cut at a stop string) to ``on_text``."""
 
     def __init__(self, job: Job, on_text: Callable[[str], None] | None = None):
         self.job = job
@@ -227,15 +232,16 @@ class Generation:
         self.cancelled = False
         self.stopped = False  # a stop string is in the text
 
-    def run(self, decoder: Decoder, book: TraceBook) -> Completion:
-        job = self.job
-        trace = decoder.run(job.prompt, job.settings, prompt_ids=job.prompt_ids, on_step=self._on_step,
-                            should_stop=lambda: self.cancelled or self.stopped)
-        completion = finish(trace, job.stops)
-        book.add(job, completion)
-        return completion
+    def should_stop(self) -> bool:
+        return self.cancelled or self.stopped
 
-    def _on_step(self, trace: Trace, step) -> None:
+    def run(self, decoder: Decoder) -> Trace:
+        """The request alone, as a job on the model's thread (a server that does not batch)."""
+        job = self.job
+        return decoder.run(job.prompt, job.settings, prompt_ids=job.prompt_ids, on_step=self.on_step,
+                           should_stop=self.should_stop)
+
+    def on_step(self, trace: Trace, step) -> None:
         text, end = cut_at_stop(trace.text, self.job.stops)
         self.stopped = end is not None
         if self.on_text is not None:
@@ -284,11 +290,13 @@ class TraceBook:
 # ---------------------------------------------------------------- the app
 
 class Server:
-    """The handlers' shared state: the decoder, its queue, the options and the kept traces."""
+    """The handlers' shared state: the decoder, its queue (and the batch on it), the options and the kept traces."""
 
     def __init__(self, decoder: Decoder, options: ServeOptions, queue: ModelQueue):
         self.decoder, self.options, self.queue = decoder, options, queue
         self.book = TraceBook(options.kept_traces, options.traces_dir)
+        batches = options.batching and decoder.target.runs_batched
+        self.batcher = Batcher(decoder, queue) if batches else None
 
     def job(self, body: ChatBody | CompletionBody) -> Job:
         """Check a request against the models and say what to run; every refusal names its field."""
@@ -297,42 +305,39 @@ class Server:
         if body.model != target.name:
             raise ApiError(404, f"The model `{body.model}` does not exist: this server runs `{target.name}`", "model",
                            code="model_not_found")
-        method = body.method or self.options.method
-        if method not in NAMES:
-            raise ApiError(400, f"unknown method {method!r}; choose from {', '.join(NAMES)}", "method")
-        budget = self.options.tree_budget if body.tree_budget is None else body.tree_budget
-        if not 1 <= budget <= MAX_TREE_BUDGET:
-            raise ApiError(400, f"tree_budget must be between 1 and {MAX_TREE_BUDGET}, got {budget}", "tree_budget")
-        if (body.temperature or 0) < 0:
-            raise ApiError(400, f"temperature must be >= 0, got {body.temperature}", "temperature")
         if any(not stop for stop in body.stops) or len(body.stops) > MAX_STOP_STRINGS:
             raise ApiError(400, f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings", "stop")
         if isinstance(body, ChatBody):
             endpoint, prompt_param = "chat.completions", "messages"
+            texts = [message.text for message in body.messages] + list(body.stops)
             prompt = "\n".join(f"{message.role}: {message.text}" for message in body.messages)
-            try:
-                prompt_ids = target.conversation_ids([message.for_template() for message in body.messages])
-            except EngineError as exc:
-                raise ApiError(400, str(exc), "messages") from None
         else:
             endpoint, prompt_param, prompt = "completions", "prompt", body.prompt
-            prompt_ids = target.text_ids(body.prompt)
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty: give the model some text to continue", prompt_param)
-        settings = DecodeSettings(method, max_new_tokens=self.max_tokens(body, method, len(prompt_ids), prompt_param),
-                                  temperature=body.temperature or 0.0, seed=body.seed or 0, tree_budget=budget)
+            texts = [body.prompt] + list(body.stops)
+        refuse_unencodable(texts, prompt_param)
         try:
+            prompt_ids = (target.conversation_ids([message.for_template() for message in body.messages])
+                          if isinstance(body, ChatBody) else target.text_ids(body.prompt))
+            if not prompt_ids:
+                raise EngineError("the prompt is empty: give the model some text to continue", field="prompt")
+            settings = DecodeSettings(body.method or self.options.method,
+                                      max_new_tokens=self.max_tokens(body, len(prompt_ids), prompt_param),
+                                      temperature=body.temperature or 0.0,
+                                      seed=fresh_seed() if body.seed is None else body.seed,
+                                      tree_budget=self.options.tree_budget if body.tree_budget is None else
+                                      body.tree_budget)
             self.decoder.prepare(settings, len(prompt_ids))
         except EngineError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), request_param(exc.field, body, prompt_param)) from None
         return Job(f"trace-{uuid.uuid4().hex}", endpoint, prompt, prompt_ids, settings, body.stops, int(time.time()))
 
-    def max_tokens(self, body: Body, method: str, prompt_length: int, prompt_param: str) -> int:
+    def max_tokens(self, body: Body, prompt_length: int, prompt_param: str) -> int:
         """The request's token limit, within what the context leaves; unset, all of that (a chat, as OpenAI)
-        or 16 (a completion, as OpenAI)."""
+        or 16 (a completion, as OpenAI). Past the context: refused, with the most that fits."""
         context = self.decoder.target.context_length
-        drafted = 1 if method == "ar" or self.decoder.drafter is None else self.decoder.drafter.block_size
-        room = context - prompt_length - drafted  # a step may draft and verify a block past the last token
+        drafts = method(body.method or self.options.method).drafts and self.decoder.drafter is not None
+        room = context - prompt_length - (self.decoder.drafter.block_size if drafts else 1)  # a step may verify a
+        # block past the last token
         if room < 1:
             raise ApiError(400, f"the prompt's {prompt_length} tokens fill the model's context of {context} tokens: "
                                 "shorten it", prompt_param)
@@ -341,29 +346,41 @@ class Server:
         if not asked:
             return min(room, COMPLETION_DEFAULT_TOKENS if isinstance(body, CompletionBody) else MAX_NEW_TOKENS)
         name, value = asked[0]
-        if not 1 <= value <= MAX_NEW_TOKENS:
-            raise ApiError(400, f"{name} must be between 1 and {MAX_NEW_TOKENS}, got {value}", name)
-        if value > room:
+        if 1 <= value <= MAX_NEW_TOKENS and value > room:
             raise ApiError(400, f"{name} {value} and the prompt's {prompt_length} tokens exceed the model's context "
                                 f"of {context} tokens: at most {room} new tokens fit after this prompt", name)
         return value
 
+    def start(self, generation: Generation) -> Future:
+        """The request's run, batched with the others or queued alone: a future of its trace."""
+        job = generation.job
+        if self.batcher is None:
+            return self.queue.submit(generation.run, self.decoder)
+        return self.batcher.submit(job.trace_id, job.prompt, job.prompt_ids, job.settings,
+                                   on_step=generation.on_step, should_stop=generation.should_stop)
+
+    def finished(self, job: Job, trace: Trace) -> Completion:
+        completion = finish(trace, job.stops)
+        self.book.add(job, completion)
+        return completion
+
     async def complete(self, job: Job, request: Request) -> Completion:
         """The run's answer, once it is done; a client that leaves first stops it at its next step."""
         generation = Generation(job)
-        future = self.queue.submit(generation.run, self.decoder, self.book)
+        future = self.start(generation)
         answer = asyncio.wrap_future(future)
         while not future.done():
             await asyncio.wait([answer], timeout=DISCONNECT_POLL_S)
             if not future.done() and await request.is_disconnected():
                 self.leave(generation, future)
                 raise ApiError(400, "the client left before its answer")  # said to no one: the connection is gone
-        return await answer
+        return self.finished(job, await answer)
 
     def leave(self, generation: Generation, future: Future) -> None:
         """The client left: stop its run at the next step, or drop it from the queue if it has not started."""
         generation.cancelled = True
-        self.queue.cancel(future)
+        if self.batcher is None:
+            self.queue.cancel(future)
 
     async def stream(self, job: Job, chunk: Callable[..., dict], include_usage: bool) -> AsyncIterator[str]:
         """The run's text as server-sent events, step by step, holding back a tail as long as the longest stop
@@ -371,7 +388,7 @@ class Server:
         loop = asyncio.get_running_loop()
         texts: asyncio.Queue[str | None] = asyncio.Queue()
         generation = Generation(job, on_text=lambda text: loop.call_soon_threadsafe(texts.put_nowait, text))
-        future = self.queue.submit(generation.run, self.decoder, self.book)
+        future = self.start(generation)
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(texts.put_nowait, None))
         held = max(map(len, job.stops), default=1) - 1
         sent = 0
@@ -382,7 +399,7 @@ class Server:
                 if len(shown) > sent:
                     yield event(chunk(shown[sent:]))
                     sent = len(shown)
-            completion = future.result()
+            completion = self.finished(job, future.result())
             if len(completion.text) > sent:
                 yield event(chunk(completion.text[sent:]))
             ddtree = completion.ddtree(job.trace_id)
@@ -398,6 +415,37 @@ class Server:
         finally:
             if not future.done():
                 self.leave(generation, future)
+
+
+def fresh_seed() -> int:
+    """A seed of its own for a sampled request that names none: each such request is a fresh sample (OpenAI's
+    meaning), and the answer says the seed, so the run can be repeated."""
+    return secrets.randbelow(MAX_SEED + 1)
+
+
+SETTING_PARAMS = {"prompt": None, "block_size": None}  # settings the request does not name itself: its prompt's
+
+
+def request_param(field: str | None, body: Body, prompt_param: str) -> str | None:
+    """The request's name for a setting at fault: ``max_new_tokens`` is the ``max_tokens`` (or
+    ``max_completion_tokens``) the request sent, the prompt its ``messages`` or ``prompt``."""
+    if field == "max_new_tokens":
+        return next((name for name in ("max_tokens", "max_completion_tokens") if getattr(body, name, None) is not None),
+                    "max_tokens")
+    if field in SETTING_PARAMS:
+        return SETTING_PARAMS[field] or prompt_param
+    return field
+
+
+def refuse_unencodable(texts: list[str], param: str) -> None:
+    """JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which is no text: refused before the tokenizer
+    meets it."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, f"{param} holds a lone surrogate ({text[exc.start:exc.end]!a} at character "
+                                f"{exc.start}), which is not text: send valid Unicode", param) from None
 
 
 def event(data: dict) -> str:

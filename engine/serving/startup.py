@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from engine.loop.budgeting import Budgeting, recorded_budgeting
 from engine.loop.decode import Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, load_decoder
 from engine.measure.calibration import (
+    CALIBRATION_PROMPT,
     FALLBACK_BUDGET,
     PROVISIONAL_BUDGET,
     BudgetChoice,
@@ -16,6 +18,7 @@ from engine.measure.calibration import (
     cache_dir,
     recorded_choice,
 )
+from engine.measure.step_cost import QUICK_NODES, QUICK_REQUESTS, batch_key, time_step_costs
 from engine.models.target import resolve_device
 
 
@@ -97,3 +100,17 @@ def opening_budget(decoder: Decoder, tree_budget: int | None = None) -> tuple[Bu
     if not timing.missing():
         return timing.choice(), None
     return BudgetChoice(PROVISIONAL_BUDGET, {}, "for now, while the timing runs"), timing
+
+
+def batch_budgeting(decoder: Decoder, time_here: bool) -> Budgeting:
+    """How "auto" trees are sized on this machine: the step costs recorded for its kind
+    (``assets/batching.json``), else (``time_here``) a short timing of a few batches now, else provisional ones.
+    The decoder keeps it (``Decoder.budgeting``)."""
+    budgeting = recorded_budgeting(batch_key(decoder), decoder.drafter_info.revision)
+    if budgeting is None and time_here and decoder.target.runs_batched:
+        prompts = [decoder.target.chat_ids(CALIBRATION_PROMPT)]
+        timing = time_step_costs(decoder, prompts, QUICK_REQUESTS, QUICK_NODES)
+        budgeting = Budgeting(timing.cost, timing.calibration,
+                              f"step costs timed here at start-up ({len(timing.shapes)} steps)")
+    decoder.budgeting = budgeting or decoder.budgeting
+    return decoder.budgeting

@@ -1,12 +1,13 @@
 """An OpenAI-compatible endpoint on the Studio's engine (``engine.serving.openai_api``), every request's trace kept
 for the Studio (``python app.py --server http://127.0.0.1:8000``).
 
-    python -m engine.tools.serve [--host 127.0.0.1] [--port 8000] [--method ddtree] [--tree-budget N]
-                                 [--traces DIR] [the app's model flags: --model, --drafter, --engine vllm, ...]
+    python -m engine.tools.serve [--host 127.0.0.1] [--port 8000] [--method ddtree] [--tree-budget auto|N]
+                                 [--one-at-a-time] [--traces DIR] [the app's model flags: --model, --drafter, ...]
 
 It loads what ``python app.py`` loads with the same flags (the bundled SmolLM2 and the shipped drafter on the CPU
-by default). The DDTree budget a request does not set is the one the app opens at on this machine (the bench's
-record, or what the app timed here before), else the app's provisional budget: the server times nothing itself.
+by default). Requests share decoding steps; a request's tree budget is "auto" unless it (or ``--tree-budget``)
+sets one: every step sizes each request's tree for the batch, with the step costs recorded for this kind of
+machine (``assets/batching.json``), or timed here in a few seconds at start-up where none are recorded.
 """
 
 from __future__ import annotations
@@ -19,29 +20,48 @@ from pathlib import Path
 import uvicorn
 
 from engine.errors import EngineError
-from engine.methods import MAX_TREE_BUDGET, NAMES
+from engine.methods import AUTO, NAMES, TREE, check_budget, method
 from engine.serving.model_queue import ModelQueue
 from engine.serving.openai_api import ServeOptions, create_app
-from engine.serving.startup import add_model_arguments, check_model_arguments, load_studio_decoder, opening_budget
+from engine.serving.startup import add_model_arguments, batch_budgeting, check_model_arguments, load_studio_decoder
 
 log = logging.getLogger("ddtree-serve")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsShown)
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to serve on")
     add_model_arguments(parser)
-    parser.add_argument("--method", choices=NAMES, default="ddtree", help="what a request that names none runs")
-    parser.add_argument("--tree-budget", type=int, default=None,
-                        help="the DDTree budget of a request that sets none (default: the budget the app opens at "
-                             "on this machine)")
+    parser.add_argument("--method", choices=NAMES, default=TREE.name, help="what a request that names none runs")
+    parser.add_argument("--tree-budget", type=budget_argument, default=AUTO,
+                        help='the tree budget of a request that sets none: "auto" (each step sizes every request\'s '
+                             "tree for the batch) or 1..1024 nodes")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="serve requests one at a time, in turn, instead of batching them into shared steps")
     parser.add_argument("--traces", type=Path, default=None, help="also write every request's trace file here")
     args = parser.parse_args(argv)
-    if args.tree_budget is not None and not 1 <= args.tree_budget <= MAX_TREE_BUDGET:
-        parser.error(f"--tree-budget must be between 1 and {MAX_TREE_BUDGET}, got {args.tree_budget}")
     check_model_arguments(parser, args)
     return args
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's default in its help, where the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def budget_argument(text: str):
+    """``--tree-budget``'s value, refused with the sentence every entry point says."""
+    try:
+        return check_budget(text)
+    except EngineError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,17 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     queue = ModelQueue()
     try:
         decoder = queue.run(load_studio_decoder, args)  # on the model's thread, which runs every call after it
+        budgeting = queue.run(batch_budgeting, decoder, True)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    budget, untimed = opening_budget(decoder, args.tree_budget)
-    why = budget.sentence() if untimed is None else (
-        f"DDTree budget {budget.budget}: the app's provisional budget, as no bench record or earlier timing fits "
-        "this machine (python app.py times the budgets here once, and the server then opens at its choice).")
-    log.info("serving %s with drafter %s, %s by default. %s", decoder.target.name, decoder.drafter_info.name,
-             args.method, why)
-    options = ServeOptions(method=args.method, tree_budget=budget.budget, traces_dir=args.traces)
-    uvicorn.run(create_app(decoder, options, queue), host=args.host, port=args.port)
+    batching = not args.one_at_a_time and decoder.target.runs_batched
+    log.info("serving %s with drafter %s at http://%s:%d/v1; a request that names none runs %s.", decoder.target.name,
+             decoder.drafter_info.name, args.host, args.port, method(args.method).label(args.tree_budget))
+    log.info("%s", "requests share decoding steps (continuous batching); \"auto\" trees are sized with "
+             f"{budgeting.source}." if batching else "requests run one at a time, in turn.")
+    options = ServeOptions(method=args.method, tree_budget=args.tree_budget, traces_dir=args.traces,
+                           batching=batching)
+    uvicorn.run(create_app(decoder, options, queue), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

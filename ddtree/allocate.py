@@ -1,0 +1,160 @@
+"""Tree nodes given to the requests of a batch where they are worth most per marginal second.
+
+Every request of a batched step verifies a tree: AR's is its root alone, DFlash's a chain, DDTree's the
+best-first tree. A node's worth is the tokens it is expected to add: the probability that the target
+accepts it, which is the drafter's path probability to it as calibrated against what the target really
+accepted (``Calibration``). A step's time follows ``StepCost``: a fixed part, each request's root row,
+each node, each request the drafter drafts for. The batch's tokens per second is therefore
+
+    (requests + the worth of every node verified) / StepCost.seconds(requests, nodes, drafts)
+
+and nodes are added best first, across requests, while the next one earns more per marginal second
+than the batch already does (``allocate``): past that point each node lowers the batch's rate. A
+request's nodes come in its own best-first order (its tree's heap order, or its chain's depths), so any
+count is a tree of that size. As the batch grows its rate rises and fewer nodes clear it: the trees
+shrink to chains and then to roots (AR), and the step never runs slower than AR's, by the cost model.
+
+Drafting itself costs, so which requests draft is decided before the drafter runs (``plan_drafts``),
+from each request's worth at its last draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds a batched step takes, as a line through timings measured on the machine."""
+
+    fixed_s: float  # a step whatever it holds
+    per_request_s: float  # each request's root row through the target, its walk and commit
+    per_node_s: float  # each draft node verified
+    per_draft_s: float  # each request the drafter drafts a block for
+
+    def seconds(self, requests: int, nodes: int, drafts: int) -> float:
+        return self.fixed_s + self.per_request_s * requests + self.per_node_s * nodes + self.per_draft_s * drafts
+
+
+CALIBRATION_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+PRIOR_WEIGHT = 20.0  # a bin's first observations are weighed against this many at its own path probability
+
+
+@dataclass
+class Calibration:
+    """The target's acceptance rate of a node by the drafter's path probability to it, in bins: the counts
+    of nodes verified and accepted per bin, each bin's rate pulled towards its own mid probability while
+    it has few observations (``PRIOR_WEIGHT``), and made non-decreasing in the probability."""
+
+    edges: tuple[float, ...] = CALIBRATION_EDGES
+    verified: list[float] = field(default_factory=lambda: [0.0] * (len(CALIBRATION_EDGES) - 1))
+    accepted: list[float] = field(default_factory=lambda: [0.0] * (len(CALIBRATION_EDGES) - 1))
+
+    def rates(self) -> torch.Tensor:
+        """``[bins]`` acceptance rate per bin, non-decreasing."""
+        edges = torch.tensor(self.edges, dtype=torch.float64)
+        middle = (edges[:-1] + edges[1:]) / 2
+        verified, accepted = torch.tensor(self.verified), torch.tensor(self.accepted)
+        raw = (accepted + PRIOR_WEIGHT * middle) / (verified + PRIOR_WEIGHT)
+        return torch.cummax(raw, dim=0).values
+
+    def worth(self, path_probs: torch.Tensor) -> torch.Tensor:
+        """Expected acceptance of nodes with these path probabilities."""
+        edges = torch.tensor(self.edges[1:-1], dtype=torch.float64)
+        return self.rates()[torch.bucketize(path_probs.double(), edges, right=True)]
+
+    def observe(self, path_probs: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Count verified nodes (``path_probs [n]``) and which the target accepted (``accepted [n]`` bool)."""
+        edges = torch.tensor(self.edges[1:-1], dtype=torch.float64)
+        bins = torch.bucketize(path_probs.double(), edges, right=True)
+        size = len(self.verified)
+        verified = torch.bincount(bins, minlength=size)
+        taken = torch.bincount(bins, weights=accepted.double(), minlength=size)
+        self.verified = [a + float(b) for a, b in zip(self.verified, verified)]
+        self.accepted = [a + float(b) for a, b in zip(self.accepted, taken)]
+
+    def to_dict(self) -> dict:
+        return {"edges": list(self.edges), "verified": self.verified, "accepted": self.accepted}
+
+    @staticmethod
+    def from_dict(data: dict) -> Calibration:
+        return Calibration(tuple(data["edges"]), list(data["verified"]), list(data["accepted"]))
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one request of the batch could verify: the worth of its nodes in the order they would be
+    added (non-increasing: its tree's heap order), at most ``cap`` of them; a ``fixed`` request verifies
+    exactly ``cap`` (its own budget) whatever the batch."""
+
+    worth: tuple[float, ...]
+    cap: int
+    fixed: bool = False
+
+    @property
+    def available(self) -> int:
+        return min(self.cap, len(self.worth))
+
+
+@dataclass(frozen=True)
+class Allocation:
+    nodes: tuple[int, ...]  # per request
+    tokens: float  # expected tokens the step commits
+    seconds: float  # its predicted time
+    cutoff: float | None  # the worth below which no node was taken: what a node had to earn
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def allocate(offers: list[Offer], cost: StepCost, requests: int, drafts: int) -> Allocation:
+    """How many nodes each offer gets: every fixed offer its cap, then the best remaining nodes of all the
+    others while the next node earns more than the batch's current tokens per second would lose by its
+    time (``worth / cost.per_node_s > tokens / seconds``). ``requests``: every request in the step (those
+    without an offer verify their root alone)."""
+    fixed = [offer.available if offer.fixed else 0 for offer in offers]
+    tokens = requests + sum(sum(offer.worth[:count]) for offer, count in zip(offers, fixed))
+    # [M] every free node's worth and its request, best first (ties: the earlier request, then its order)
+    worth, owner = [], []
+    for index, offer in enumerate(offers):
+        if not offer.fixed:
+            worth.extend(offer.worth[:offer.available])
+            owner.extend([index] * offer.available)
+    worth_t = torch.tensor(worth, dtype=torch.float64)
+    order = torch.sort(worth_t, descending=True, stable=True).indices
+    gains = torch.cat([torch.zeros(1, dtype=torch.float64), worth_t[order].cumsum(0)])  # [M+1]: taking k nodes
+    taken = torch.arange(len(worth) + 1, dtype=torch.float64)
+    seconds = cost.seconds(requests, sum(fixed), drafts) + cost.per_node_s * taken
+    rate = (tokens + gains) / seconds
+    best = int(torch.argmax(rate))  # the first maximum: a tie is won by the smaller tree
+    counts = list(fixed)
+    for node in order[:best].tolist():
+        counts[owner[node]] += 1
+    cutoff = float(worth_t[order[best]]) if best < len(worth) else None
+    return Allocation(tuple(counts), float(tokens + gains[best]), float(seconds[best]), cutoff)
+
+
+def plan_drafts(offers: list[Offer | None], cost: StepCost, requests: int) -> list[bool]:
+    """Which requests to draft for this step: ``offers[r]`` is request r's worth at its last draft (None:
+    it cannot draft; a request never drafted offers what its prior says). Requests are taken in order of
+    their best bundle's rate (their top k nodes' worth over the draft and k nodes' time), and the longest
+    prefix of that order whose allocation runs fastest drafts."""
+    def density(offer: Offer) -> float:
+        worth = torch.tensor(offer.worth[:offer.available], dtype=torch.float64)
+        if offer.fixed:
+            return float("inf")
+        spend = cost.per_draft_s + cost.per_node_s * torch.arange(1, len(worth) + 1)
+        return float((worth.cumsum(0) / spend).max()) if len(worth) else 0.0
+
+    able = [r for r, offer in enumerate(offers) if offer is not None]
+    ranked = sorted(able, key=lambda r: -density(offers[r]))
+    best, chosen = allocate([], cost, requests, 0).tokens_per_s, 0
+    for count in range(1, len(ranked) + 1):
+        rate = allocate([offers[r] for r in ranked[:count]], cost, requests, count).tokens_per_s
+        if rate > best or offers[ranked[count - 1]].fixed:
+            best, chosen = max(best, rate), count
+    drafted = set(ranked[:chosen])
+    return [r in drafted for r in range(len(offers))]

@@ -1,0 +1,111 @@
+"""Many requests' trees as one verification pass: the batch's layout.
+
+Each request brings its tree (its root, the last committed token, and the draft nodes below it) and its
+past (the KV rows it has committed). The pass packs every request's tokens one after another, as vLLM
+lays out a batch (``query_start_loc``), so the target's linear layers see exactly the batch's real tokens;
+attention alone is per request, each request's queries padded to the widest tree and reading its own row
+of the batched KV cache: its past, then its own tree, ancestors only.
+
+A worked example: request 0 has committed 5 tokens and verifies a root with two children (3 tokens),
+request 1 has committed 2 tokens and verifies its root alone (AR, 1 token)::
+
+    query_start_loc = [0, 3, 4]                     T = 4 tokens, B = 2 requests
+    input_ids       = [r0, a, b, r1]
+    position_ids    = [5, 6, 6, 2]                  past + depth: siblings share a position
+    kv_rows         = [0, 0, 0, 1]                  the request's row of the cache
+    kv_columns      = [5, 6, 7, 2]                  past + the node's index: the tree lands after the past
+    padded          = [[0, 1, 2], [3, 3, 3]]        each request's tokens, its last repeated to the widest
+    unpadded        = [0, 1, 2, 3]                  where token t sits in ``padded`` flattened
+    visible[0]      = columns 0..4 (the past), then the tree's ancestor mask over columns 5..7
+    visible[1]      = columns 0..1, then column 2 (itself), on each of its three (padding) query rows
+
+A padding query row repeats its request's last token and sees what that token sees, so no row of the
+attention is empty; its output is dropped (``unpadded`` never points at it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.tree import DraftTree
+from ddtree.verify import compile_tree
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """B trees as one verify pass: T tokens packed, attention per request over its own cache row."""
+
+    query_start_loc: torch.Tensor  # [B+1] long: request r's tokens are T-indices qsl[r]..qsl[r+1]-1
+    input_ids: torch.Tensor  # [T] long: each request's root, then its draft nodes
+    position_ids: torch.Tensor  # [T] long: past + depth
+    kv_rows: torch.Tensor  # [T] long: the cache row (the request) each token's keys and values are written to
+    kv_columns: torch.Tensor  # [T] long: ... and the column: past + the node's index in its tree
+    padded: torch.Tensor  # [B, T_max] long: index into T, each request's tokens then its last one repeated
+    unpadded: torch.Tensor  # [T] long: index into B * T_max, where token t sits in ``padded``
+    visible: torch.Tensor  # [B, T_max, W] bool: which cache columns each padded query row attends to
+
+    @property
+    def requests(self) -> int:
+        return self.padded.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def width(self) -> int:
+        """Cache columns the pass reads: up to the end of the longest request's tree."""
+        return self.visible.shape[-1]
+
+    def sizes(self) -> list[int]:
+        """Tokens per request (its root and nodes)."""
+        return (self.query_start_loc[1:] - self.query_start_loc[:-1]).tolist()
+
+    def segments(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """``values [T, ...]`` cut into each request's rows."""
+        return list(values.split(self.sizes()))
+
+    def to(self, device: torch.device) -> BatchLayout:
+        return BatchLayout(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
+
+
+def pack_trees(trees: list[DraftTree], roots: list[int], pasts: list[int]) -> BatchLayout:
+    """The layout of one verify pass over ``trees``, request r's tree below ``roots[r]`` after its
+    ``pasts[r]`` committed rows (so its root sits at position ``pasts[r]``)."""
+    compiled = [compile_tree(tree, root, past) for tree, root, past in zip(trees, roots, pasts)]
+    sizes = torch.tensor([inputs.input_ids.shape[1] for inputs in compiled])
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    requests, widest = len(trees), int(sizes.max())
+    past = torch.tensor(pasts, dtype=torch.long)
+    width = int((past + sizes).max())
+
+    slot = torch.arange(widest)
+    last = torch.minimum(slot[None, :], sizes[:, None] - 1)  # [B, T_max]: a padding row repeats the last token
+    padded = query_start_loc[:-1, None] + last
+    unpadded = torch.cat([r * widest + torch.arange(int(size)) for r, size in enumerate(sizes)])
+
+    columns = torch.arange(width)
+    visible = (columns[None, None, :] < past[:, None, None]).expand(requests, widest, width).clone()
+    for r, inputs in enumerate(compiled):
+        size, start = int(sizes[r]), pasts[r]
+        visible[r, :, start:start + size] = inputs.visible[last[r]]
+
+    return BatchLayout(
+        query_start_loc=query_start_loc,
+        input_ids=torch.cat([inputs.input_ids[0] for inputs in compiled]),
+        position_ids=torch.cat([inputs.position_ids[0] for inputs in compiled]),
+        kv_rows=torch.repeat_interleave(torch.arange(requests), sizes),
+        kv_columns=torch.cat([start + torch.arange(int(size)) for start, size in zip(pasts, sizes)]),
+        padded=padded,
+        unpadded=unpadded,
+        visible=visible,
+    )
+
+
+def layout_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[B, 1, T_max, W]`` for ``visible [B, T_max, W]``: 0 where seen, the dtype's lowest
+    elsewhere (as ``attention_bias``)."""
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,406 @@
+"""Many generations advanced together: one drafter pass drafts every request's block, one target pass
+verifies every request's tree, and each request walks and commits its own.
+
+Every method is a tree with a budget, so requests of any method share a step: AR verifies its root alone,
+DFlash a chain, DDTree the best-first tree. A request with a fixed budget verifies that many nodes; one
+with ``tree_budget`` "auto" gets the nodes the batch can afford (``ddtree.allocate``): its tree's nodes
+in heap order, worth their calibrated path probabilities, against the step's cost model on this machine.
+
+``Batch.advance`` is one round of continuous batching: it prefills the prompts of requests that joined
+(a bounded number of prompt tokens a round, so a long prompt cannot stall the running requests), then
+takes one step for every request that is decoding, and lets go of those that finished. ``Batch.step``
+is the batched step as a stage per line, in the house style of ``ReadableRun.step``; its target pass is
+``packed`` (the batch's tokens packed, attention per request: ``engine.models.batched.packed_pass``) or
+``padded`` (plain batch rows, the readable reference the packed pass is tested against).
+
+Each request is a ``Run`` (``engine.loop.run``): its own settings, generator, output, text stream and
+trace, recorded step by step as a single run records them, plus what the batch did with it
+(``engine.trace.StepBatch``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import ddtree
+from ddtree.allocate import Allocation, Offer, allocate, plan_drafts
+from ddtree.batch import BatchLayout, pack_trees
+from engine.errors import EngineError
+from engine.loop.budgeting import Budgeting, first_nodes
+from engine.loop.draft_pass import draft_log_probs
+from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
+from engine.loop.settings import DecodeSettings
+from engine.methods import method
+from engine.models.batched import BatchDraftContext, BatchKV, packed_pass, padded_pass
+from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace, summarize
+
+PREFILL_TOKENS = 128  # prompt tokens a round prefills at most, so the running requests wait at most that long
+INITIAL_ROWS = 4
+KEPT_SHAPES = 256
+INITIAL_COLUMNS = 512
+
+
+class BatchRequest(Run):
+    """One generation in a batch: ``Run``'s state and record without a loop of its own. The batch prefills
+    it chunk by chunk, then takes its steps with the others'."""
+
+    def __init__(self, decoder, settings: DecodeSettings, config: RunConfig, on_step, should_stop, name: str):
+        super().__init__(decoder, settings, config, on_step, should_stop)
+        self.name = name
+        self.row = -1
+        self.prefilled = 0  # prompt tokens in the cache so far
+        self.start = 0  # the root's position, once the prompt is in
+        self.trace: Trace | None = None
+        self.finished: str | None = None  # the stop reason, once it has one
+        self.pending_context: list[torch.Tensor] = []  # committed rows' features the drafter has not read yet
+        self.pending_positions: list[torch.Tensor] = []
+        self.offer: Offer | None = None  # its worth at its last draft, for the next plan
+        self.row_method = method(settings.method)
+        self.t0 = self.clock.now()
+
+    @property
+    def decoding(self) -> bool:
+        return self.trace is not None and self.finished is None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.config.prompt_ids
+
+    def context_rows(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The features ``[c, width]`` (``width``: taps * hidden) and positions ``[c]`` of every committed row the
+        drafter has not read (none just after the prompt, which it read at once)."""
+        if not self.pending_context:
+            return torch.zeros(0, width, device=self.device), torch.zeros(0, dtype=torch.long, device=self.device)
+        return torch.cat(self.pending_context), torch.cat(self.pending_positions)
+
+    def read_context(self) -> None:
+        self.pending_context, self.pending_positions = [], []
+
+    def finish(self) -> Trace | None:
+        """Its trace, summarized (None: it left before its first token)."""
+        if self.trace is None:
+            return None
+        self.trace.summary = summarize(self.config, self.trace.prefill, self.trace.steps, self.elapsed(),
+                                       self.finished)
+        return self.trace
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step's size and its time: what ``StepCost`` is fitted to (``engine.measure.step_cost``)."""
+
+    requests: int
+    nodes: int
+    drafts: int
+    seconds: float
+
+
+@dataclass
+class Planned:
+    """One request's part of a step before the verify: its tree and why it is that size."""
+
+    request: BatchRequest
+    root: int  # the token its tree hangs below
+    tree: ddtree.DraftTree
+    log_probs: torch.Tensor | None  # [D, V] its draft, or None (not drafted)
+    reason: str
+
+
+class Batch:
+    """The requests advancing together on one decoder (its target and drafter), and their caches."""
+
+    @torch.inference_mode()
+    def __init__(self, decoder, budgeting: Budgeting, verify: str = "packed"):
+        if not decoder.target.runs_batched:
+            raise EngineError(f"{decoder.target.name} cannot verify a batch of trees in one pass (its linear "
+                              "attention layers fork their state per node): serve it one request at a time")
+        if verify not in ("packed", "padded"):
+            raise EngineError(f"verify must be packed or padded, got {verify!r}")
+        self.decoder, self.budgeting, self.verify_kind = decoder, budgeting, verify
+        target = decoder.target
+        self.target, self.drafter = target, decoder.drafter
+        self.clock = StageClock(target.device)
+        self.kv = BatchKV(target.config, INITIAL_ROWS, INITIAL_COLUMNS, target.dtype, target.device)
+        self.context = (BatchDraftContext(self.drafter.config, INITIAL_ROWS, INITIAL_COLUMNS, target.device,
+                                          self.drafter.dtype) if self.drafter is not None else None)
+        self.waiting: list[BatchRequest] = []  # joined, prompt not yet all in the cache
+        self.requests: list[BatchRequest] = []  # in rows 0..n-1, in row order
+        self.steps_taken = 0
+        self.shapes: deque[StepShape] = deque(maxlen=KEPT_SHAPES)  # the last steps' sizes and times
+        self._names = 0
+
+    # -- joining and leaving
+
+    def admit(self, prompt_ids: list[int], settings: DecodeSettings, prompt: str = "", *,
+              on_step: Callable[[Trace, Step], None] | None = None,
+              should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
+        """A request joins: checked against the models now (an ``EngineError`` refuses it alone), prefilled
+        over the next rounds, then stepped with the others."""
+        decoder = self.decoder
+        settings, notes = decoder.prepare(settings, len(prompt_ids))
+        if settings.temperature == 0 and decoder.fixed_step:
+            notes = [note for note in notes if "readable step" not in note]
+        config = decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + self.verify_kind)
+        self._names += 1
+        request = BatchRequest(decoder, settings, config, on_step, should_stop, name or f"request-{self._names}")
+        request.row = len(self.requests) + len(self.waiting)
+        self.kv.reserve(request.row + 1, 0)
+        if self.context is not None:
+            self.context.reserve(request.row + 1, 0)
+        self.waiting.append(request)
+        return request
+
+    def release(self, request: BatchRequest) -> None:
+        """A finished (or abandoned) request leaves: the request in the last row moves into its row, so the
+        batch stays the rows' prefix."""
+        everyone = self.requests + self.waiting
+        last = max(everyone, key=lambda r: r.row)
+        if last is not request:
+            self.kv.move_row(last.row, request.row, max(last.start, last.prefilled))
+            if self.context is not None:
+                self.context.move_row(last.row, request.row)
+            last.row = request.row
+        for rows in (self.requests, self.waiting):
+            if request in rows:
+                rows.remove(request)
+            rows.sort(key=lambda r: r.row)
+
+    @property
+    def idle(self) -> bool:
+        return not self.requests and not self.waiting
+
+    # -- a round
+
+    @torch.inference_mode()
+    def advance(self) -> list[BatchRequest]:
+        """One round: prefill what fits of the joining prompts, one step for the decoding requests; returns the
+        requests that finished in it (each with its summarized trace), already released."""
+        finished: list[BatchRequest] = []
+        for request in list(self.waiting):
+            if request.should_stop is not None and request.should_stop():  # its client left before its first token
+                request.finished = "cancelled"
+                finished.append(request)
+                self.release(request)
+        budget = PREFILL_TOKENS
+        for request in list(self.waiting):
+            if budget <= 0:
+                break
+            budget -= self.prefill(request, budget)
+            if request.trace is not None:
+                self.waiting.remove(request)
+                self.requests.append(request)
+                self.requests.sort(key=lambda r: r.row)
+        for request in self.requests:
+            request.finished = request.finished or request.stop_reason()
+        if any(r.finished is None for r in self.requests):
+            self.step()
+        for request in list(self.requests):
+            request.finished = request.finished or request.stop_reason()
+            if request.finished is not None:
+                request.finish()
+                finished.append(request)
+                self.release(request)
+        return finished
+
+    def run(self, jobs: list[tuple[list[int], DecodeSettings]]) -> list[Trace]:
+        """Every job to its end, all joined at once: their traces, in order (tests and the bench)."""
+        requests = [self.admit(ids, settings) for ids, settings in jobs]
+        while not self.idle:
+            self.advance()
+        return [request.trace for request in requests]
+
+    # -- the prompt
+
+    def prefill(self, request: BatchRequest, budget: int) -> int:
+        """The next chunk of ``request``'s prompt (at most ``budget`` tokens) into its cache row; the first token
+        once the last chunk is in. Returns the tokens prefilled."""
+        ids = request.prompt_ids
+        begin, end = request.prefilled, min(len(ids), request.prefilled + budget)
+        device = self.target.device
+        if begin == 0:
+            request.t0 = request.clock.now()
+        with request.clock.stage("target"):
+            chunk = torch.tensor([ids[begin:end]], device=device)
+            positions = torch.arange(begin, end, device=device)[None]
+            visible = torch.arange(end, device=device)[None, :] <= positions[0, :, None]  # causal over the past
+            bias = ddtree.batch.layout_bias(visible[None], self.target.dtype)
+            cache = self.kv.prompt(request.row, begin, end - begin)
+            logits, hidden = self.target.forward(chunk, positions, cache, bias, hidden_states=request.drafts,
+                                                 last_logits=True)
+        request.prefilled = end
+        if request.drafts:
+            with request.clock.stage("context"):
+                self.read_prompt_context(request, self.drafter.context_features(hidden)[0], positions[0])
+        if end == len(ids):
+            self.first_token(request, logits)
+        return end - begin
+
+    def read_prompt_context(self, request: BatchRequest, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """The prompt's rows into the drafter's context cache now, with a pass over a block of one slot whose
+        output is dropped: the steps' drafter passes then bring at most a block of new rows each."""
+        rows = self.context.rows_view([request.row], features.shape[0])
+        embedding, _ = self.decoder.draft_weights
+        block = torch.tensor([[self.drafter.mask_token_id]], device=features.device)
+        self.drafter(self.drafter.embed(block, embedding), features[None].to(embedding.dtype),
+                     block_positions=positions[-1:][None] + 1, context_positions=positions[None], cache=rows,
+                     context_count=torch.tensor([features.shape[0]], device=features.device))
+
+    def first_token(self, request: BatchRequest, logits: torch.Tensor) -> None:
+        first = int(ddtree.sample_tokens(logits[-1:], request.settings.temperature, request.generator)[0])
+        request.start, request.root = len(request.prompt_ids), first
+        request.output_ids.append(first)
+        prefill = Prefill(t_end=request.elapsed(), first_token=first, first_text=request.text.push(first),
+                          first_margin=logit_margins(logits[-1:])[0], stage_s=request.clock.take())
+        request.trace = Trace(config=request.config, prefill=prefill)
+
+    # -- the step
+
+    def step(self) -> None:
+        """One batched step for every decoding request: plan who drafts, draft, size and build the trees,
+        pack them, verify them in one pass, walk and commit each, record each request's step."""
+        active = [r for r in self.requests if r.finished is None]
+        t_start = self.clock.now()
+        with self.clock.stage("draft"):
+            drafts = self.draft(active, self.plan(active))
+        with self.clock.stage("tree_build"):
+            planned, allocation = self.build(active, drafts)
+        with self.clock.stage("tree_compile"):
+            layout = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active])
+            layout = layout.to(self.target.device)
+        with self.clock.stage("verify"):
+            logits, hidden = self.verify(layout, any(r.drafts for r in active))
+        with self.clock.stage("commit"):
+            outcomes = [self.commit(p, layout, index, logits, hidden) for index, p in enumerate(planned)]
+        stage_s = self.clock.take()
+        self.shapes.append(StepShape(len(active), layout.tokens - len(active), len(drafts), self.clock.now() - t_start))
+        self.steps_taken += 1
+        for p, outcome in zip(planned, outcomes):
+            self.record(p, outcome, layout, allocation, active, t_start, stage_s)
+
+    def plan(self, active: list[BatchRequest]) -> list[bool]:
+        """Which requests draft this step: those with a fixed budget always, "auto" ones by their last
+        draft's worth (one that never drafted does), AR never."""
+        offers = []
+        for request in active:
+            if not request.row_method.drafts:
+                offers.append(None)
+            elif not request.settings.auto_budget:
+                offers.append(Offer((1.0,), 1, fixed=True))
+            else:
+                offers.append(request.offer or Offer((1.0,), 1, fixed=True))
+        return plan_drafts(offers, self.budgeting.cost, len(active))
+
+    def draft(self, active: list[BatchRequest], drafting: list[bool]) -> dict[BatchRequest, torch.Tensor]:
+        """One drafter pass over the drafting requests' blocks: log-probabilities ``[D, vocab]`` each."""
+        chosen = [r for r, draft in zip(active, drafting) if draft]
+        if not chosen:
+            return {}
+        block_size = chosen[0].settings.block_size
+        if any(r.settings.block_size != block_size for r in chosen):
+            raise EngineError("requests of one batch draft blocks of one size")
+        device = self.target.device
+        config = self.drafter.config
+        width = len(config.target_layer_ids) * config.hidden_size
+        features = [r.context_rows(width) for r in chosen]
+        new = max(rows.shape[0] for rows, _ in features)
+        padded = torch.zeros(len(chosen), new, width, dtype=self.target.dtype, device=device)
+        positions = torch.zeros(len(chosen), new, dtype=torch.long, device=device)
+        for i, (rows, at) in enumerate(features):
+            padded[i, : rows.shape[0]], positions[i, : rows.shape[0]] = rows, at
+        added = torch.tensor([rows.shape[0] for rows, _ in features], device=device)
+        block = torch.full((len(chosen), block_size), self.drafter.mask_token_id, device=device)
+        block[:, 0] = torch.tensor([r.root for r in chosen], device=device)
+        block_positions = torch.tensor([r.start for r in chosen], device=device)[:, None] + torch.arange(
+            block_size, device=device)
+        embedding, lm_head = self.decoder.draft_weights
+        context = self.context.rows_view([r.row for r in chosen], new)
+        log_probs = draft_log_probs(self.drafter, embedding, lm_head, block, block_positions, padded, positions,
+                                    context, added)
+        for request in chosen:
+            request.read_context()
+        return dict(zip(chosen, log_probs))
+
+    def build(self, active: list[BatchRequest], drafts: dict[BatchRequest, torch.Tensor]
+              ) -> tuple[list[Planned], Allocation]:
+        """Each request's tree: its candidates (the whole tree an "auto" budget could grow, or its fixed
+        budget's), then as many nodes as the allocation gives it."""
+        candidates, offers = [], []
+        for request in active:
+            log_probs = drafts.get(request)
+            if log_probs is None:
+                tree, offer = ddtree.DraftTree.empty(), Offer((), 0, fixed=True)
+            else:
+                settings = request.settings
+                tree, offer = self.budgeting.candidates(request.row_method, log_probs, settings.tree_budget,
+                                                        settings.auto_budget)
+                request.offer = offer if settings.auto_budget else None
+            candidates.append(tree)
+            offers.append(offer)
+        allocation = allocate(offers, self.budgeting.cost, len(active), len(drafts))
+        planned = []
+        for request, tree, offer, nodes in zip(active, candidates, offers, allocation.nodes):
+            planned.append(Planned(request, request.root, first_nodes(tree, nodes), drafts.get(request),
+                                   self.reason(request, drafts, offer, nodes, allocation)))
+        return planned, allocation
+
+    def reason(self, request: BatchRequest, drafts: dict, offer: Offer, nodes: int, allocation: Allocation) -> str:
+        """Why the request's tree has the size it has, in a few words (the trace keeps it)."""
+        if not request.row_method.drafts:
+            return f"{request.row_method.title}: the root alone"
+        if not request.settings.auto_budget:
+            return f"its own budget: {offer.cap} nodes"
+        if request not in drafts:
+            return "auto: not drafted, its last draft's nodes were worth less than drafting costs at this batch size"
+        if nodes == offer.available:
+            return f"auto: every node of its draft paid ({nodes})"
+        return (f"auto: nodes worth at least {allocation.cutoff:.2f} tokens each, what the batch earns in a node's "
+                "time")
+
+    def verify(self, layout: BatchLayout, hidden_states: bool):
+        target = self.target
+        verify = packed_pass if self.verify_kind == "packed" else padded_pass
+        return target.verify_batch(verify, self.kv, layout, hidden_states)
+
+    def commit(self, planned: Planned, layout: BatchLayout, index: int, logits: torch.Tensor, hidden) -> Outcome:
+        """The request's walk along the target's choices, its cache and drafter context kept for the accepted
+        path, its committed tokens."""
+        request, tree = planned.request, planned.tree
+        rows = slice(int(layout.query_start_loc[index]), int(layout.query_start_loc[index + 1]))
+        own_logits = logits[rows]
+        target_tokens = ddtree.sample_tokens(own_logits, request.settings.temperature, request.generator).tolist()
+        accepted, bonus = ddtree.follow_tree(tree, target_tokens)
+        self.kv.compact(request.row, request.start, accepted)
+        self.budgeting.observe(tree, accepted)
+        if request.drafts:
+            kept = torch.tensor(accepted, device=logits.device) + rows.start
+            features = self.drafter.context_features(hidden)[0].index_select(0, kept)
+            request.pending_context.append(features)
+            request.pending_positions.append(request.start + torch.arange(len(accepted), device=logits.device))
+        path_tokens = [int(t) for t in layout.input_ids[rows][accepted[1:]].tolist()]
+        committed = request.clip(path_tokens + [bonus])
+        margins = logit_margins(own_logits.index_select(0, torch.tensor(accepted, device=logits.device)))
+        request.output_ids.extend(committed)
+        outcome = Outcome(tree, target_tokens, accepted, bonus, committed,
+                          pieces=[request.text.push(token) for token in committed], margins=margins[: len(committed)])
+        request.start += len(accepted)
+        request.root = bonus
+        return outcome
+
+    def record(self, planned: Planned, outcome: Outcome, layout: BatchLayout, allocation: Allocation,
+               active: list[BatchRequest], t_start: float, stage_s: dict[str, float]) -> None:
+        """The request's step as its trace keeps it, with the batch it ran in; its stop reason, if it has one."""
+        request = planned.request
+        full = request.settings.trace_detail == "full"
+        step = request.record(len(request.trace.steps), t_start - request.t0, planned.root,
+                              draft_top(planned.log_probs, request.settings.record_top_k) if full else ([], []),
+                              outcome, dict(stage_s))
+        step.batch = StepBatch(size=len(active), nodes=layout.tokens - len(active), budget=planned.tree.size,
+                               reason=planned.reason, neighbours=[r.name for r in active if r is not request])
+        request.trace.steps.append(step)
+        if request.on_step is not None:
+            request.on_step(request.trace, step)
+        request.finished = request.stop_reason()

@@ -1,0 +1,77 @@
+"""How big a tree is worth drafting: the machine's step cost, the drafter's calibration, and a request's
+candidate tree cut to the nodes the allocation gives it (``ddtree.allocate``).
+
+A request with ``tree_budget`` "auto" drafts the candidates an ``AUTO_NODES`` budget would (its method's
+tree: a DDTree's best-first tree, a DFlash chain); each node is worth its calibrated path probability;
+the allocation, for the whole batch, says how many of its first nodes it verifies. A single run is a
+batch of one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import ddtree
+from ddtree.allocate import Calibration, Offer, StepCost, allocate
+from engine.methods import Method
+
+AUTO_NODES = 64  # the most nodes an "auto" tree drafts: the candidates the allocation chooses among
+RECORDED = Path(__file__).resolve().parent.parent.parent / "assets" / "batching.json"
+# Until this machine's step costs are timed or recorded: a step's fixed part and a request's row dominate,
+# a node costs a tenth of a row, a draft half of one (orders of magnitude, not a measurement).
+PROVISIONAL_COST = StepCost(fixed_s=0.02, per_request_s=0.02, per_node_s=0.002, per_draft_s=0.01)
+
+
+@dataclass
+class Budgeting:
+    """How trees are sized: the step's cost model on this machine and the drafter's calibration (every
+    verified node updates it)."""
+
+    cost: StepCost = PROVISIONAL_COST
+    calibration: Calibration = field(default_factory=Calibration)
+    source: str = "provisional: no step costs recorded or timed for this machine"
+
+    def candidates(self, row: Method, log_probs: torch.Tensor, budget, auto: bool) -> tuple[ddtree.DraftTree, Offer]:
+        """The tree a request drafts from ``log_probs [D, V]`` (an "auto" one's ``AUTO_NODES`` candidates, else
+        its fixed budget's) and its offer to the allocation: every node's worth, best first."""
+        tree = row.readable(log_probs, row.nodes(AUTO_NODES if auto else budget, log_probs.shape[0]))
+        worth = self.calibration.worth(tree.path_log_probs.exp())
+        return tree, Offer(tuple(worth.tolist()), tree.size, fixed=not auto)
+
+    def alone(self, row: Method, log_probs: torch.Tensor) -> ddtree.DraftTree:
+        """An "auto" tree for a request that runs alone: a batch of one, drafting."""
+        tree, offer = self.candidates(row, log_probs, None, auto=True)
+        return first_nodes(tree, allocate([offer], self.cost, 1, 1).nodes[0])
+
+    def observe(self, tree: ddtree.DraftTree, accepted: list[int]) -> None:
+        """The verified tree's nodes and which the target accepted (node indices, root first)."""
+        if tree.size:
+            taken = torch.zeros(tree.size, dtype=torch.bool)
+            taken[torch.tensor(accepted[1:], dtype=torch.long) - 1] = True
+            self.calibration.observe(tree.path_log_probs.exp(), taken)
+
+
+def first_nodes(tree: ddtree.DraftTree, count: int) -> ddtree.DraftTree:
+    """The tree's first ``count`` nodes: a tree of that size, as its nodes come parents first (heap order)."""
+    return ddtree.DraftTree(tree.tokens[:count], tree.parents[:count], tree.depths[:count], tree.log_probs[:count],
+                            tree.path_log_probs[:count], tree.ranks[:count])
+
+
+def recorded_budgeting(machine: str, drafter_revision: str | None, path: Path = RECORDED) -> Budgeting | None:
+    """The step costs recorded for this kind of machine (``engine.tools.step_cost``), with the calibration
+    recorded for these drafter weights where there is one; None where no costs fit."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    costs = data.get("costs", {}).get(machine)
+    if costs is None:
+        return None
+    calibration = data.get("calibration", {}).get(drafter_revision or "")
+    return Budgeting(StepCost(**costs["step_cost"]),
+                     Calibration.from_dict(calibration) if calibration else Calibration(),
+                     f"step costs recorded for this kind of machine ({machine}) by {costs['command']}")

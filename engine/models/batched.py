@@ -1,0 +1,286 @@
+"""Many requests in one pass: the batch's caches, and the attention that reads each request's own row.
+
+- ``BatchKV``: a Hugging Face target's keys and values for every request of a batch, one row of per-layer
+  buffers ``[rows, kv_heads, capacity, head_dim]`` per request. The batch is always the rows' prefix
+  (a request that leaves hands its row to the last one), so a pass reads a view, never a gathered copy.
+  A verify pass writes each token's keys and values at its request's row and its column
+  (``ddtree.batch.BatchLayout``); the accepted path is then compacted down to the committed rows.
+- ``packed_pass``: the target's pass over a ``BatchLayout``: its linear layers see the batch's T tokens
+  packed, one sequence; only attention is per request (``packed_attention``): the queries padded to
+  the widest tree, each row attending to its own request's cache row through the model's own attention
+  function with the layout's mask, then unpadded.
+- ``BatchDraftContext``: the drafter's committed context for every request, likewise one row each, so one
+  drafter pass drafts every request's block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ddtree.batch import BatchLayout, layout_bias
+from engine.models.drafter import DrafterConfig, narrowed
+
+GROWTH = 512  # cache columns come in multiples of this many
+PACKED = "ddtree_packed"  # the attention implementation a packed pass runs under
+
+
+def grown(size: int, needed: int, step: int) -> int:
+    """``size`` if it holds ``needed``, else the next multiple of ``step`` that does."""
+    return size if needed <= size else -(-needed // step) * step
+
+
+class _Rows:
+    """Per-layer key and value buffers ``[rows, heads, capacity, head_dim]`` that grow, and the row moves
+    both caches make."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, rows: int, capacity: int, dtype, device):
+        self.shape = (heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.keys = [torch.zeros(rows, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, rows: int, columns: int) -> None:
+        """Room for ``rows`` requests of ``columns`` cache columns each (what is kept stays where it is)."""
+        new_rows, new_columns = grown(self.rows, rows, 1), grown(self.capacity, columns, GROWTH)
+        if (new_rows, new_columns) == (self.rows, self.capacity):
+            return
+        for buffers in (self.keys, self.values):
+            for layer, old in enumerate(buffers):
+                new = old.new_zeros(new_rows, *self.shape[:1], new_columns, self.shape[1])
+                new[: old.shape[0], :, : old.shape[2]] = old
+                buffers[layer] = new
+
+    def move_row(self, source: int, target: int, columns: int) -> None:
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[target, :, :columns] = buffer[source, :, :columns]
+
+    def compact(self, row: int, past: int, accepted: list[int]) -> None:
+        """Request ``row``'s accepted tree rows (node indices, root first) moved down to follow its past."""
+        sources = past + torch.tensor(accepted, device=self.device)
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                kept = buffer[row].index_select(1, sources)  # copy before writing: the rows may overlap
+                buffer[row, :, past:past + len(accepted)] = kept
+
+
+class BatchKV(_Rows):
+    """A Hugging Face target's KV cache for a batch: one row per request (module docstring)."""
+
+    def __init__(self, config, rows: int, capacity: int, dtype: torch.dtype, device: torch.device):
+        text = config.get_text_config()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        super().__init__(text.num_hidden_layers, heads, head_dim, rows, capacity, dtype, device)
+
+    def packed(self, layout: BatchLayout) -> _PackedWrite:
+        """The cache a packed pass over ``layout`` writes into and reads (rows 0..B-1)."""
+        self.reserve(layout.requests, layout.width)
+        return _PackedWrite(self, layout.kv_rows, layout.kv_columns, 0, layout.requests, layout.width)
+
+    def padded(self, layout: BatchLayout) -> _PaddedWrite:
+        """The cache a padded pass (``[B, T_max]`` tokens, padding rows and all) writes into and reads."""
+        past = layout.kv_columns[layout.query_start_loc[:-1]]  # [B]: each request's root column
+        columns = past[:, None] + torch.arange(layout.padded.shape[1], device=past.device)  # [B, T_max]
+        width = int(columns.max()) + 1
+        self.reserve(layout.requests, width)
+        return _PaddedWrite(self, columns, width)
+
+    def prompt(self, row: int, start: int, length: int) -> _PackedWrite:
+        """The cache a prompt's chunk writes into: ``length`` tokens of request ``row`` from column ``start``."""
+        self.reserve(row + 1, start + length)
+        columns = torch.arange(start, start + length, device=self.device)
+        return _PackedWrite(self, torch.full_like(columns, row), columns, row, 1, start + length)
+
+
+@dataclass
+class _PackedWrite:
+    """``update`` as transformers' attention layers call it: the pass's keys and values ``[1, heads, T, dim]``
+    written token by token at (``kv_rows``, ``kv_columns``); returns rows ``first..first+count-1``,
+    ``[count, heads, width, dim]``: the batch's rows for a packed pass, one request's for a prompt chunk."""
+
+    kv: BatchKV
+    kv_rows: torch.Tensor  # [T]
+    kv_columns: torch.Tensor  # [T]
+    first: int
+    count: int
+    width: int
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.kv.keys[layer_idx], self.kv.values[layer_idx]
+        keys[self.kv_rows, :, self.kv_columns] = key_states[0].transpose(0, 1)  # [T, heads, dim]
+        values[self.kv_rows, :, self.kv_columns] = value_states[0].transpose(0, 1)
+        rows = slice(self.first, self.first + self.count)
+        return keys[rows, :, : self.width], values[rows, :, : self.width]
+
+
+@dataclass
+class _PaddedWrite:
+    """``update`` for a padded pass: keys ``[B, heads, T_max, dim]``, row b's token i at column ``columns[b, i]``."""
+
+    kv: BatchKV
+    columns: torch.Tensor  # [B, T_max]
+    width: int
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.kv.keys[layer_idx], self.kv.values[layer_idx]
+        requests = self.columns.shape[0]
+        rows = torch.arange(requests, device=self.columns.device)[:, None].expand_as(self.columns)
+        keys[rows, :, self.columns] = key_states.transpose(1, 2)  # [B, T_max, heads, dim]
+        values[rows, :, self.columns] = value_states.transpose(1, 2)
+        return keys[:requests, :, : self.width], values[:requests, :, : self.width]
+
+
+# ---------------------------------------------------------------- the packed pass's attention
+
+@dataclass(frozen=True)
+class PackedAttention:
+    """What each attention layer of a packed pass needs, made once per pass."""
+
+    padded: torch.Tensor  # [B, T_max] index into T
+    unpadded: torch.Tensor  # [T] index into B * T_max
+    bias: torch.Tensor  # [B, 1, T_max, W]
+    attention: object  # the model's own attention function (sdpa, eager, ...)
+
+
+def packed_attention(module, query, key, value, attention_mask, *, packed: PackedAttention | None = None, **kwargs):
+    """Attention for a packed pass: ``query [1, heads, T, dim]`` padded to ``[B, heads, T_max, dim]``, each
+    request's rows against its own cache row (``key``/``value [B, kv_heads, W, dim]``, from ``_PackedWrite``)
+    with the layout's mask, through the model's own attention function; returns ``[1, T, heads, dim]``."""
+    heads, dim = query.shape[1], query.shape[3]
+    padded_query = query[0].transpose(0, 1)[packed.padded].transpose(1, 2)  # [B, heads, T_max, dim]
+    out, _ = packed.attention(module, padded_query, key, value, packed.bias, is_causal=False, **kwargs)
+    return out.reshape(-1, heads, dim)[packed.unpadded][None], None  # out: [B, T_max, heads, dim]
+
+
+AttentionInterface.register(PACKED, packed_attention)
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """The model's attention layers dispatch to ``name`` inside; yields the function they dispatched to before."""
+    config = model.config
+    original = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield ALL_ATTENTION_FUNCTIONS[original]
+    finally:
+        config._attn_implementation = original
+
+
+def packed_pass(model, cache_argument: str, kv: BatchKV, layout: BatchLayout, dtype: torch.dtype,
+                hidden_states: bool):
+    """One pass of ``model`` over ``layout`` (on the model's device): logits ``[T, vocab]`` and, if asked,
+    the hidden states (HF's tuple, each ``[1, T, hidden]``)."""
+    with attention_implementation(model, PACKED) as own:
+        packed = PackedAttention(layout.padded, layout.unpadded, layout_bias(layout.visible, dtype), own)
+        out = model(input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], use_cache=True,
+                    output_hidden_states=hidden_states, packed=packed, **{cache_argument: kv.packed(layout)})
+    return out.logits[0], (out.hidden_states if hidden_states else None)
+
+
+def padded_pass(model, cache_argument: str, kv: BatchKV, layout: BatchLayout, dtype: torch.dtype,
+                hidden_states: bool):
+    """The same pass as plain ``[B, T_max]`` batch rows, padding and all, through the model's own attention
+    with a 4D mask: the readable reference ``packed_pass`` is tested against. Returns what it returns."""
+    cache = kv.padded(layout)
+    visible = torch.zeros(*layout.visible.shape[:2], cache.width, dtype=torch.bool, device=layout.visible.device)
+    visible[..., : layout.width] = layout.visible
+    out = model(input_ids=layout.input_ids[layout.padded], position_ids=layout.position_ids[layout.padded],
+                attention_mask=layout_bias(visible, dtype), use_cache=True, output_hidden_states=hidden_states,
+                **{cache_argument: cache})
+    unpad = lambda rows: rows.reshape(-1, *rows.shape[2:])[layout.unpadded]  # noqa: E731
+    hidden = tuple(unpad(h)[None] for h in out.hidden_states) if hidden_states else None
+    return unpad(out.logits), hidden
+
+
+# ---------------------------------------------------------------- the drafter's context
+
+class BatchDraftContext(_Rows):
+    """The drafter's committed context for every request of the batch, one row each, and how many rows of
+    it each request has (``lengths``); the drafter's pass reads it through ``rows``' view, as it reads a
+    ``StaticDraftContext``."""
+
+    def __init__(self, config: DrafterConfig, rows: int, capacity: int, device, dtype: torch.dtype):
+        super().__init__(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, rows, capacity,
+                         dtype, device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def reserve(self, rows: int, columns: int) -> None:
+        super().reserve(rows, columns)
+        if self.rows > self.lengths.numel():
+            self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(self.rows - self.lengths.numel())])
+
+    def move_row(self, source: int, target: int, columns: int | None = None) -> None:
+        super().move_row(source, target, int(self.lengths[source]))
+        self.lengths[target] = self.lengths[source]
+
+    def rows_view(self, rows: list[int], new: int) -> _DraftRows:
+        """The context of requests ``rows`` for a pass that brings ``new`` context rows each (real or padding)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.reserve(max(rows) + 1, 0)
+        width = int(self.lengths[index].max()) + new
+        self.reserve(0, width)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        return _DraftRows(self, index, slice(rows[0], rows[0] + len(rows)) if contiguous else index, width)
+
+
+@dataclass
+class _DraftRows:
+    """A ``BatchDraftContext``'s rows as the drafter's pass uses a context cache (``extend``, ``visible``,
+    ``advance``: ``engine.models.drafter.DFlashDrafter.forward``). The pass brings the same number of new
+    context rows for every request; ``added [count]`` says how many of each request's are real, the rest
+    are padding, written past its length and masked, and overwritten by its next pass."""
+
+    context: BatchDraftContext
+    rows: torch.Tensor  # [count] long: the requests' rows
+    read: slice | torch.Tensor  # how the rows are read: a view where they are consecutive, else gathered
+    width: int  # context columns the pass reads: the longest row's length plus the new rows
+
+    @property
+    def count(self) -> int:
+        return self.rows.numel()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.context.lengths[self.rows]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = self.lengths[:, None] + torch.arange(k.shape[2], device=k.device)  # [count, new]
+        rows = self.rows[:, None].expand_as(columns)
+        keys, values = self.context.keys[layer], self.context.values[layer]
+        keys[rows, :, columns] = k.transpose(1, 2)  # k: [count, heads, new, dim]
+        values[rows, :, columns] = v.transpose(1, 2)
+        return keys[self.read][:, :, :self.width], values[self.read][:, :, :self.width]
+
+    def visible(self, block: int, added: torch.Tensor, causal: bool = False, window: int | None = None
+                ) -> torch.Tensor:
+        """``[count, 1, block, width + block]`` bool: each row's real context columns, then the block (narrowed
+        for a causal or sliding layer, as ``StaticDraftContext.visible``)."""
+        device = self.rows.device
+        count = self.lengths + added  # [count]: real context rows after this pass
+        columns = torch.arange(self.width, device=device)
+        shown = torch.cat([columns[None, :] < count[:, None],
+                           torch.ones(self.count, block, dtype=torch.bool, device=device)], dim=1)
+        if not causal and window is None:
+            return shown[:, None, None]
+        slots = torch.arange(block, device=device)
+        queries = count[:, None, None] + slots[None, :, None]  # [count, block, 1]
+        keys = torch.cat([columns.expand(self.count, -1), count[:, None] + slots[None, :]], dim=1)[:, None, :]
+        return narrowed(shown[:, None, :], queries, keys, causal, window)[:, None]
+
+    def advance(self, added: torch.Tensor) -> None:
+        self.context.lengths[self.rows] += added

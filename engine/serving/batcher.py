@@ -1,0 +1,132 @@
+"""Continuous batching on the model's queue: requests join one ``engine.loop.batch.Batch`` between its
+steps and leave it when done, stopped or abandoned, each streaming its own steps.
+
+The batch advances in rounds, each round a job on the model's ``ModelQueue`` (prefill what fits of the
+joining prompts, then one step for everyone decoding); a round that leaves work queues the next one and
+returns, so the app's runs, sweeps and the doctor, which are jobs on the same queue, take their turn
+between rounds, and no job ever waits for another (the queue's rules). Requests arrive from any thread
+(``submit``) into an inbox the next round admits; each gets a future of its trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from engine.errors import EngineError
+from engine.loop.batch import Batch
+from engine.loop.budgeting import Budgeting
+from engine.loop.decode import Decoder
+from engine.loop.settings import DecodeSettings
+from engine.serving.model_queue import ModelQueue
+from engine.trace import Step, Trace
+
+log = logging.getLogger("ddtree-serve")
+
+
+class RequestCancelled(Exception):
+    """A request whose client left before its prompt was in: it has no trace."""
+
+
+@dataclass
+class Arrival:
+    """A request waiting in the inbox for the next round."""
+
+    name: str
+    prompt: str
+    prompt_ids: list[int]
+    settings: DecodeSettings
+    on_step: Callable[[Trace, Step], None] | None
+    should_stop: Callable[[], bool] | None
+    future: Future
+
+
+class Batcher:
+    """The batch of requests in flight on one decoder, advanced round by round on ``queue``."""
+
+    def __init__(self, decoder: Decoder, queue: ModelQueue, budgeting: Budgeting | None = None):
+        self.decoder, self.queue = decoder, queue
+        self.budgeting = budgeting or decoder.budgeting
+        self.batch: Batch | None = None  # made on the model's thread, at the first round
+        self._inbox: list[Arrival] = []
+        self._futures: dict[str, Future] = {}  # by request name, for those admitted
+        self._lock = threading.Lock()  # guards the inbox and ``_scheduled``; never held while waiting
+        self._scheduled = False
+
+    def submit(self, name: str, prompt: str, prompt_ids: list[int], settings: DecodeSettings, *,
+               on_step: Callable[[Trace, Step], None] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Future:
+        """A request joins at the next round; its future holds its finished trace (or the ``EngineError`` that
+        refused it alone, or ``RequestCancelled`` if its client left before its first token)."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        with self._lock:
+            self._inbox.append(Arrival(name, prompt, prompt_ids, settings, on_step, should_stop, future))
+        self._schedule()
+        return future
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished, and those still in the inbox."""
+        with self._lock:
+            waiting = len(self._inbox)
+        return waiting + len(self._futures)
+
+    def _schedule(self) -> None:
+        with self._lock:
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.queue.submit(self._round)
+
+    def _round(self) -> None:
+        """One round on the model's thread: admit the inbox, advance the batch, settle the finished; queue the
+        next round while any work is left."""
+        try:
+            self._admit()
+            if self.batch is not None and not self.batch.idle:
+                self._advance()
+        finally:
+            with self._lock:
+                more = bool(self._inbox) or (self.batch is not None and not self.batch.idle)
+                self._scheduled = more
+            if more:
+                self.queue.submit(self._round)
+
+    def _admit(self) -> None:
+        with self._lock:
+            arrivals, self._inbox = self._inbox, []
+        for arrival in arrivals:
+            if arrival.should_stop is not None and arrival.should_stop():
+                arrival.future.set_exception(RequestCancelled(arrival.name))
+                continue
+            try:
+                if self.batch is None:
+                    self.batch = Batch(self.decoder, self.budgeting)
+                self.batch.admit(arrival.prompt_ids, arrival.settings, arrival.prompt, on_step=arrival.on_step,
+                                 should_stop=arrival.should_stop, name=arrival.name)
+            except EngineError as exc:  # this request alone is refused; the batch goes on
+                arrival.future.set_exception(exc)
+                continue
+            self._futures[arrival.name] = arrival.future
+
+    def _advance(self) -> None:
+        batch = self.batch
+        try:
+            finished = batch.advance()
+        except Exception as exc:  # a failure inside a shared step: every request in it gets the error
+            log.exception("a batched step failed; its %d requests are answered with the error", len(self._futures))
+            for future in self._futures.values():
+                future.set_exception(exc)
+            self._futures.clear()
+            self.batch = None
+            return
+        for request in finished:
+            future = self._futures.pop(request.name)
+            if request.trace is None:
+                future.set_exception(RequestCancelled(request.name))
+            else:
+                future.set_result(request.trace)
