@@ -264,7 +264,7 @@ def test_a_high_temperature_runs_with_a_warning(client):
 
 
 def test_the_page_opens_at_a_budget_whose_tree_branches(client, launched_threads):
-    from app import EXAMPLE_PROMPTS
+    from viz.page.run import EXAMPLE_PROMPTS
 
     info = client.predict(api_name="/info")
     budget, drafts = info["tree_budget"], f" ({info['draft_dtype']} drafts)" if info["draft_dtype"] else ""

@@ -4,21 +4,24 @@ refusal leaves alone, what the replay animates, and what the page keeps on disk 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import gradio as gr
 import pytest
 
 import app
+import viz.page.traces
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice
 from tests.tiny import tiny_decoder
+from viz.page.state import TRACE_FILE_NAME, RunControl, ScratchFiles, Studio, save_traces
 
 PROMPT = "howdoesitwork"  # the tiny tokenizer reads printable characters without spaces
 
 
 @pytest.fixture(scope="module")
 def page() -> app.StudioApp:
-    return app.StudioApp(app.Studio(tiny_decoder(0), BudgetChoice(8, {}, "set by the test")))
+    return app.StudioApp(Studio(tiny_decoder(0), BudgetChoice(8, {}, "set by the test")))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def traces(page) -> dict:
 
 def run_once(page, max_new_tokens=4, temperature=0.0, seed=0, budget=8, methods=("ar",)) -> list[dict]:
     """Every update the Run handler streams, to the end."""
-    return list(page.run_view.run(PROMPT, max_new_tokens, temperature, seed, budget, list(methods), app.RunControl(),
+    return list(page.run_view.run(PROMPT, max_new_tokens, temperature, seed, budget, list(methods), RunControl(),
                                   present=page.present))
 
 
@@ -60,7 +63,7 @@ def test_every_number_of_a_run_and_a_sweep_is_refused_with_a_sentence_before_any
     if field != "budget":  # the sweep takes its budgets as text
         settings = dict(max_new_tokens=4, temperature=0.0, seed=0) | {field: value}
         sweep = page.sweep_view.sweep(PROMPT, settings["max_new_tokens"], settings["temperature"], settings["seed"],
-                                      "2, 4", app.RunControl())
+                                      "2, 4", RunControl())
         assert refused(lambda: next(sweep)) == message
 
 
@@ -114,9 +117,9 @@ def test_next_past_the_last_step_stays_on_it(page, traces):
 
 def test_an_upload_whose_values_cannot_be_drawn_is_refused_with_a_sentence(page, traces, tmp_path, monkeypatch):
     path = tmp_path / "traces.json"
-    app.save_traces(list(traces.values()), path)
+    save_traces(list(traces.values()), path)
     # a field of the wrong type that the reader lets through, as the text view first meets it
-    monkeypatch.setattr(app, "read_trace_file", lambda _: [*traces.values()][:1])
+    monkeypatch.setattr(viz.page.traces, "read_trace_file", lambda _: [*traces.values()][:1])
     monkeypatch.setattr(traces["ar"].summary, "wall_s", "fast")
     message = refused(lambda: page.traces_view.load_upload(str(path), present=page.present))
     assert message.startswith("The file's traces hold a value that cannot be shown (TypeError: ")
@@ -155,7 +158,7 @@ def test_run_sweep_and_replay_disable_each_other_until_they_end_however_they_end
 
 
 def test_the_replay_animates_the_race_chart_with_its_clock(page, traces):
-    frames = list(page.replay_view.replay(traces, "1", app.RunControl()))
+    frames = list(page.replay_view.replay(traces, "1", RunControl()))
     race = page.replay_view.race
     assert all(race in frame for frame in frames)
     clocks = [frame[race].layout.shapes[0].x0 for frame in frames[:-1]]
@@ -180,14 +183,14 @@ def test_the_budget_box_is_never_set_at_page_load_and_the_timing_leaves_a_typed_
 
 
 def test_the_page_keeps_a_bounded_number_of_files_in_one_folder(tmp_path):
-    files = app.ScratchFiles(keep=2)
+    files = ScratchFiles(keep=2)
     paths = []
     for _ in range(3):
-        paths.append(files.path(app.TRACE_FILE_NAME))
+        paths.append(files.path(TRACE_FILE_NAME))
         paths[-1].write_text("{}")
     assert [path.exists() for path in paths] == [False, True, True]
-    assert {path.parent.parent for path in paths} == {app.Path(files.folder.name)}
-    assert {path.name for path in paths} == {app.TRACE_FILE_NAME}, "the visitor's download keeps its name"
+    assert {path.parent.parent for path in paths} == {Path(files.folder.name)}
+    assert {path.name for path in paths} == {TRACE_FILE_NAME}, "the visitor's download keeps its name"
 
 
 def test_the_public_api_names_every_endpoint_and_output(page):
