@@ -16,7 +16,7 @@ from engine.loop.decode import DrafterInfo
 from engine.loop.settings import DecodeSettings
 from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
-from viz.page.state import RunControl, Studio, run_key, run_live
+from viz.page.state import RunControl, Studio, run_live
 
 
 @pytest.fixture()
@@ -51,7 +51,7 @@ def test_without_a_record_the_page_starts_at_a_branching_tree_and_times_the_rest
     studio.time_budgets()
     assert not studio.timing_pending and studio.budget.budget in (2, 8)
     # what the timing ran is warm (compiled, on a compiled step): the page will not say it is compiling it
-    assert studio.started == {("ar", None), ("dflash", None), ("ddtree", 2), ("ddtree", 8)}
+    assert studio.started == {"ar", "dflash", "ddtree@2", "ddtree@8"}
     assert "timed on this machine" in studio.budget_sentence()
     # every timing was kept: the next start times nothing and opens at the same budget
     kept = json.loads((calibration.cache_dir() / "timings.json").read_text())
@@ -115,7 +115,7 @@ def test_a_compiled_steps_first_run_says_it_is_compiling():
     studio = Studio(SimpleNamespace(compile_step=True), budget=None)
     first = DecodeSettings("ddtree", tree_budget=32)
     assert studio.first_use(first).startswith("compiling the ddtree step for this budget")
-    studio.started.add(run_key(first))
+    studio.started.add(first.label)
     assert studio.first_use(first) is None and studio.first_use(DecodeSettings("ddtree", tree_budget=64))
     assert Studio(SimpleNamespace(compile_step=False), budget=None).first_use(first) is None
 

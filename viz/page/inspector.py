@@ -16,8 +16,7 @@ from viz.figures import (
     stage_figure,
     timing_title,
 )
-from viz.page.state import Session, ordered, refusal, whole
-from viz.text_view import METHOD_NAMES
+from viz.page.state import Session, method_choices, ordered, refusal, whole
 from viz.tree_figure import tree_figure
 
 
@@ -32,7 +31,7 @@ class InspectorView:
         gr.Markdown("## Step inspector")
         with gr.Row():
             # every method from the start, so an API call before any run reaches the handler, which says why not
-            self.method = gr.Radio([(METHOD_NAMES[m], m) for m in NAMES], label="Method", scale=2)
+            self.method = gr.Radio(method_choices(NAMES), label="Method", scale=2)
             self.prev_button = gr.Button("◀ Prev", scale=0, min_width=80)
             self.step = gr.Slider(1, 2, value=1, step=1, label="Step (focus it and use ← →)", scale=4,
                                   elem_id="step-slider", interactive=False)
@@ -57,9 +56,8 @@ class InspectorView:
 
     def shown(self, traces: dict[str, Trace]) -> dict:
         runs = ordered(traces)
-        first = next((m for m in ("ddtree", "dflash", "ar") if m in traces), None)
-        return {self.method: gr.Radio(choices=[(METHOD_NAMES[t.config.method], t.config.method) for t in runs],
-                                      value=first),
+        first = runs[-1].config.method if runs else None  # the table's last: the tree, when there is one
+        return {self.method: gr.Radio(choices=method_choices(t.config.method for t in runs), value=first),
                 self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
                                               timing_title("Time per stage, whole run", runs)),
                 self.histogram: acceptance_histogram(runs),

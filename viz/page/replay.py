@@ -8,6 +8,7 @@ import time
 import gradio as gr
 
 from engine.errors import EngineError
+from engine.methods import BASELINE
 from engine.trace import Trace
 from viz.figures import race_chart
 from viz.page.state import RunControl, Session, ordered, refusal
@@ -81,7 +82,7 @@ class ReplayView:
                 self.video: str(out)}
 
     def _race_frame(self, traces: dict[str, Trace], clock: float | None, status: str) -> dict:
-        ar = traces.get("ar")
+        ar = traces.get(BASELINE.name)
         return {self.status: status, self.race: race_chart(ordered(traces), until=clock), **{
             column: column_html(method, traces.get(method), ar, until=clock, all_done=clock is None)
             for method, column in self.columns.items()}}

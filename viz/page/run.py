@@ -9,7 +9,7 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.settings import DecodeSettings
-from engine.methods import NAMES
+from engine.methods import BASELINE, METHODS, NAMES
 from engine.trace import Trace
 from viz.figures import economics_figure, economics_text
 from viz.page.state import (
@@ -19,13 +19,14 @@ from viz.page.state import (
     checked,
     common_settings,
     encode_prompt,
+    method_choices,
     ordered,
     problem,
     refusal,
     run_live,
     whole,
 )
-from viz.text_view import METHOD_NAMES, column_html, legend_html, run_stats
+from viz.text_view import column_html, legend_html, run_stats
 
 EXAMPLE_PROMPTS = [
     "Write a haiku about the sea.",
@@ -48,7 +49,7 @@ class RunView:
                 self.prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLE_PROMPTS[0], elem_id="prompt")
                 gr.Examples(EXAMPLE_PROMPTS, inputs=self.prompt, label="Example prompts")
             with gr.Column(scale=2):
-                self.methods = gr.CheckboxGroup([(METHOD_NAMES[m], m) for m in NAMES], value=list(NAMES),
+                self.methods = gr.CheckboxGroup(method_choices(NAMES), value=list(NAMES),
                                                 label="Methods (each runs alone, one after another)", elem_id="methods")
                 with gr.Row():
                     # no precision: a rounding box would quietly run 2.5 tokens as 2; ``whole`` refuses it
@@ -67,9 +68,9 @@ class RunView:
         self.session.status.render()
         gr.HTML(legend_html())
         with gr.Row(equal_height=False):
-            self.columns = {method: gr.HTML(column_html(method, None), label=f"{METHOD_NAMES[method]} output",
-                                            show_label=False, elem_id=f"column-{method}", elem_classes="ddt-output")
-                            for method in NAMES}
+            self.columns = {row.name: gr.HTML(column_html(row.name, None), label=f"{row.caption} output",
+                                              show_label=False, elem_id=f"column-{row.name}", elem_classes="ddt-output")
+                            for row in METHODS.values()}
         with gr.Row(equal_height=False):
             self.economics_plot = gr.Plot(economics_figure([]), label="Step economics", show_label=False,
                                           elem_id="economics-plot", scale=3)
@@ -101,7 +102,7 @@ class RunView:
                for method, column in self.columns.items()}
         for number, setting in enumerate(settings, start=1):
             method = setting.method
-            heading = f"**Running {METHOD_NAMES[method]}** ({number} of {len(settings)})"
+            heading = f"**Running {METHODS[method].caption}** ({number} of {len(settings)})"
             live = None
             try:
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control):
@@ -126,7 +127,7 @@ class RunView:
             return {self.status: f"{heading}: {self.studio.first_use(setting) or 'prefill'}…"}
         stats = run_stats(live.trace)
         return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
-                self.columns[method]: column_html(method, live.trace, finished.get("ar"))}
+                self.columns[method]: column_html(method, live.trace, finished.get(BASELINE.name))}
 
     @staticmethod
     def _run_status(traces: dict[str, Trace], stopped: bool) -> str:
@@ -135,10 +136,10 @@ class RunView:
         for note in notes:
             gr.Info(note)
         done = "Stopped" if stopped else "Done"
-        return " · ".join([f"**{done}**: {', '.join(METHOD_NAMES[m] for m in traces) or 'nothing ran'}.", *notes])
+        return " · ".join([f"**{done}**: {', '.join(METHODS[m].caption for m in traces) or 'nothing ran'}.", *notes])
 
     def shown(self, traces: dict[str, Trace]) -> dict:
-        ar = traces.get("ar")
+        ar = traces.get(BASELINE.name)
         runs = ordered(traces)
         return {**{column: column_html(method, traces.get(method), ar, all_done=True)
                    for method, column in self.columns.items()},

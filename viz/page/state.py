@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from engine.errors import EngineError
 from engine.loop.decode import Decoder
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice, StartupTiming, cache_dir
-from engine.methods import NAMES
+from engine.methods import BASELINE, DFLASH, METHODS, NAMES, TREE
 from engine.serving.model_queue import ModelQueue
 from engine.trace import Trace, TraceError, write_trace_file
 from viz.tokens import TokenText, pieces_token_text
@@ -54,7 +54,8 @@ class Studio:
     server: str | None = None  # the Studio server whose traffic the page opens first
     timing: StartupTiming | None = None  # budgets still being timed in the background, if any
     timing_error: str | None = None
-    started: set[tuple[str, int | None]] = field(default_factory=set)  # (method, budget) run once already
+    # the labels (``ddtree@32``: what a compiled step is compiled for) run once already
+    started: set[str] = field(default_factory=set)
 
     @property
     def has_model(self) -> bool:
@@ -84,7 +85,7 @@ class Studio:
 
     def first_use(self, settings: DecodeSettings) -> str | None:
         """Said while a compiled step's first run of a method and budget compiles it (a minute or more)."""
-        if not self.has_model or not self.decoder.compile_step or run_key(settings) in self.started:
+        if not self.has_model or not self.decoder.compile_step or settings.label in self.started:
             return None
         return (f"compiling the {settings.method} step for this budget (once per method and budget; the compile "
                 f"cache in {cache_dir()} keeps it for the next start)")
@@ -96,7 +97,8 @@ class Studio:
             for label in self.timing.missing():
                 self.queue.run(self.timing.time, label)  # one label a job: visitors' runs queue between them
                 # what the timing ran (DFlash warms up with the first label) is compiled: the page need not say so
-                self.started |= {("dflash", None), ("ar", None) if label == "ar" else ("ddtree", int(label))}
+                timed = BASELINE.label() if label == BASELINE.name else TREE.label(int(label))
+                self.started |= {DFLASH.label(), timed}
                 log.info("timed %s: %s", label, self.timing.progress())
             self.budget = self.timing.choice()
             log.info("%s", self.budget.sentence())
@@ -134,6 +136,11 @@ def request_stop(control: RunControl) -> str:
 
 def ordered(traces: dict[str, Trace]) -> list[Trace]:
     return [traces[method] for method in NAMES if method in traces]
+
+
+def method_choices(names: Iterable[str]) -> list[tuple[str, str]]:
+    """A box that picks methods: each shown by its caption, its name the value."""
+    return [(METHODS[name].caption, name) for name in names]
 
 
 class ScratchFiles:
@@ -222,18 +229,13 @@ def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: Decod
             yield live
         if live.error is not None:
             raise live.error
-        studio.started.add(run_key(settings))
+        studio.started.add(settings.label)
         yield live
     finally:
         if not live.done.is_set():
             control.stop = True  # the page went away mid-run: let the run stop at its next step
             if not studio.queue.cancel(live.job):
                 live.done.wait()
-
-
-def run_key(settings: DecodeSettings) -> tuple[str, int | None]:
-    """What a compiled step is compiled for."""
-    return settings.method, settings.tree_budget if settings.method == "ddtree" else None
 
 
 def encode_prompt(studio: Studio, prompt: str) -> list[int]:

@@ -3,6 +3,7 @@ numbers, step economics and where it left AR's text."""
 
 from __future__ import annotations
 
+from engine.methods import BASELINE
 from engine.trace import Trace, divergence
 from viz.figures import trace_economics
 from viz.page.state import ordered
@@ -13,7 +14,7 @@ def run_summary(traces: dict[str, Trace]) -> dict:
     """The API-friendly digest of a run: text, headline numbers and step economics per method
     (``step_cost_vs_ar`` and ``predicted_speedup`` need AR in the run; the prediction leaves the
     prefill out, the measured ``speedup_vs_ar`` is tokens per second over AR's, whole wall times)."""
-    ar = traces.get("ar")
+    ar = traces.get(BASELINE.name)
     entries = trace_economics(ordered(traces))
     summary = {}
     for method, trace in traces.items():

@@ -7,6 +7,7 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.settings import DecodeSettings
+from engine.methods import BASELINE, TREE
 from engine.trace import Trace
 from viz.figures import sweep_figure, trace_economics
 from viz.page.state import RunControl, Session, checked, common_settings, encode_prompt, problem, refusal, run_live
@@ -42,8 +43,8 @@ class SweepView:
             budgets = parse_budgets(budgets_text)
             prompt_ids = encode_prompt(self.studio, prompt)
             common = common_settings(max_new_tokens, temperature, seed)
-            settings, notes = checked(self.studio, prompt_ids, [DecodeSettings("ar", **common)] + [
-                DecodeSettings("ddtree", tree_budget=budget, **common) for budget in budgets])
+            settings, notes = checked(self.studio, prompt_ids, [DecodeSettings(BASELINE.name, **common)] + [
+                DecodeSettings(TREE.name, tree_budget=budget, **common) for budget in budgets])
         except EngineError as exc:
             raise refusal(exc) from None
         said = "".join(f" · {note}" for note in notes)
@@ -51,7 +52,8 @@ class SweepView:
             gr.Info(note)
         baseline, runs = None, []
         for number, setting in enumerate(settings):
-            name = "AR baseline" if setting.method == "ar" else f"DDTree budget {setting.tree_budget}"
+            baseline_run = setting.method == BASELINE.name
+            name = f"{BASELINE.title} baseline" if baseline_run else f"{TREE.title} budget {setting.tree_budget}"
             bar = progress_bar(number, len(settings))
             live = None
             try:
@@ -66,7 +68,7 @@ class SweepView:
                 return
             if control.stop or live is None or live.trace is None:
                 break
-            if setting.method == "ar":
+            if baseline_run:
                 baseline = live.trace
             else:
                 runs.append(live.trace)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from engine.errors import EngineError
+from engine.methods import METHODS
 from engine.serving.traffic import DEFAULT_SERVER, ServedRequest, recent_requests, request_traces, server_url
 from engine.trace import Trace
 from viz.page.state import Session, refusal
@@ -71,5 +72,7 @@ class TrafficView:
 
 
 def _served_label(request: ServedRequest) -> str:
-    return f"ddtree@{request.tree_budget}" if request.method == "ddtree" else request.method
+    """A request's run label (``ddtree@16``); a method this page does not know, by its name."""
+    row = METHODS.get(request.method)
+    return row.label(request.tree_budget) if row is not None else request.method
 
