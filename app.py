@@ -34,6 +34,7 @@ import gradio as gr
 from engine.errors import EngineError
 from engine.loop.decode import Decoder
 from engine.measure.calibration import FALLBACK_BUDGET, BudgetChoice, cache_dir
+from engine.methods import check_budget
 from engine.serving.model_queue import ModelQueue
 from engine.serving.startup import add_model_arguments, check_model_arguments, load_studio_decoder, opening_budget
 from engine.serving.traffic import DEFAULT_SERVER, server_url
@@ -41,7 +42,7 @@ from engine.trace import Trace
 from viz.page.doctor import DoctorView
 from viz.page.inspector import InspectorView
 from viz.page.replay import ReplayView
-from viz.page.run import RunView, typed
+from viz.page.run import RUN_OUTPUTS, RunView, typed
 from viz.page.state import RunControl, ScratchFiles, Session, Studio, request_stop
 from viz.page.sweep import SweepView
 from viz.page.traces import TracesView
@@ -185,23 +186,29 @@ class StudioApp:
         return {self.banner: self._model_banner(), **moved, self.timing_clock: gr.Timer(active=False)}
 
     def info(self) -> dict:
-        """What the page runs on and the DDTree budget it starts with, and why."""
+        """What the page runs on and the DDTree budget it starts with, and why; and the names of ``/run``'s
+        outputs, in their order, so that a client reads them by name."""
         decoder, choice = self.studio.decoder, self.studio.budget
+        outputs = {"run_outputs": list(RUN_OUTPUTS)}
         if decoder is None:
-            return {"engine": None, "model": None, "server": self.studio.server, "why": self._model_banner()}
+            return {"engine": None, "model": None, "server": self.studio.server, "why": self._model_banner(), **outputs}
         return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
                 "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget,
                 "why": self.studio.budget_sentence(),
-                "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}}
+                "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}, **outputs}
 
     @property
     def run_outputs(self) -> list:
-        """Everything a set of traces is shown in; the API returns them in this order
-        (the traces state is not part of the API)."""
-        run, inspector = self.run_view, self.inspector
-        return [self.session.status, *run.columns.values(), self.traces_view.summary, self.traces_view.download,
-                self.replay_view.race, inspector.method, inspector.step, *inspector.step_views, inspector.run_stages,
-                inspector.histogram, run.economics_plot, run.economics_text, self.session.traces]
+        """Everything a set of traces is shown in, in the order of ``RUN_OUTPUTS``, the API's (the traces state,
+        last, is not part of the API)."""
+        run, traces, inspector = self.run_view, self.traces_view, self.inspector
+        shown = {"status": self.session.status, **run.columns, "summary": traces.summary, "download": traces.download,
+                 "race": self.replay_view.race, "inspect_method": inspector.method, "step": inspector.step,
+                 "tree": inspector.tree, "probs": inspector.probs, "why": inspector.why,
+                 "step_stages": inspector.step_stages, "run_stages": inspector.run_stages,
+                 "histogram": inspector.histogram, "economics_plot": run.economics_plot,
+                 "economics_text": run.economics_text}
+        return [shown[name] for name in RUN_OUTPUTS] + [self.session.traces]
 
     def present(self, traces: dict[str, Trace], status: str) -> dict:
         """Every view of a set of finished traces (after a run or an upload)."""
@@ -238,13 +245,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "fastest budget: the bench's record for this kind of machine in assets/budgets.json, "
                              "else timed here in the background)")
     args = parser.parse_args(argv)
-    if args.tree_budget is not None and args.tree_budget < 1:
-        parser.error(f"--tree-budget must be at least 1, got {args.tree_budget}")
-    if args.server is not None:
-        try:
+    try:
+        if args.tree_budget is not None:
+            check_budget(args.tree_budget)
+        if args.server is not None:
             server_url(args.server)
-        except EngineError as exc:
-            parser.error(str(exc))
+    except EngineError as exc:
+        parser.error(str(exc))
     check_model_arguments(parser, args)
     return args
 

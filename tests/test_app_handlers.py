@@ -11,10 +11,13 @@ import pytest
 
 import app
 import viz.page.traces
+from engine.errors import EngineError
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice
+from engine.methods import NAMES, check_budget
 from tests.tiny import tiny_decoder
-from viz.page.state import TRACE_FILE_NAME, RunControl, ScratchFiles, Studio, save_traces
+from viz.page.run import RUN_OUTPUTS
+from viz.page.state import TRACE_FILE_NAME, RunControl, ScratchFiles, Studio, capitalized, save_traces
 
 PROMPT = "howdoesitwork"  # the tiny tokenizer reads printable characters without spaces
 
@@ -44,18 +47,19 @@ def refused(call) -> str:
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("seed", 2**70, "Seed must be a whole number between 0 and 2**63-1, got 1180591620717411303424"),
-    ("seed", -1, "Seed must be a whole number between 0 and 2**63-1, got -1"),
+    ("seed", 2**70, f"Seed must be a whole number from 0 to {2**63 - 1}, got 1180591620717411303424"),
+    ("seed", -1, f"Seed must be a whole number from 0 to {2**63 - 1}, got -1"),
     ("seed", True, "Seed must be a whole number, got True"),
     ("seed", None, "Seed is empty: enter a number"),
     ("max_new_tokens", "ten", "Max new tokens must be a whole number, got 'ten'"),
-    ("max_new_tokens", 2**70, "Max new tokens must be between 1 and 4096, got 1180591620717411303424"),
+    ("max_new_tokens", 2**70, "Max new tokens must be a whole number from 1 to 4096, got 1180591620717411303424"),
     ("max_new_tokens", float("inf"), "Max new tokens must be a whole number, got inf"),
     ("temperature", "hot", "Temperature must be a number, got 'hot'"),
     ("temperature", float("nan"), "Temperature must be a number, got nan"),
-    ("temperature", -0.5, "Temperature must be >= 0, got -0.5"),
+    ("temperature", -0.5, "Temperature must be a number from 0 to 2, got -0.5"),
+    ("temperature", 1000.0, "Temperature must be a number from 0 to 2, got 1000.0"),
     ("budget", [8], "Tree budget must be a whole number, got [8]"),
-    ("budget", -3, "Tree budget must be at least 1, got -3"),
+    ("budget", -3, 'Tree budget must be "auto" or a whole number from 1 to 1024, got -3'),
 ])
 def test_every_number_of_a_run_and_a_sweep_is_refused_with_a_sentence_before_anything_runs(page, field, value,
                                                                                            message):
@@ -71,7 +75,7 @@ def test_a_refusal_logs_one_line_not_a_traceback(page, caplog):
     caplog.set_level(logging.INFO, logger="ddtree-studio")
     refused(lambda: run_once(page, seed=-1))
     assert [record.getMessage() for record in caplog.records] == [
-        "refused: Seed must be a whole number between 0 and 2**63-1, got -1"]
+        f"refused: Seed must be a whole number from 0 to {2**63 - 1}, got -1"]
     assert caplog.records[0].exc_info is None
 
 
@@ -167,10 +171,18 @@ def test_the_replay_animates_the_race_chart_with_its_clock(page, traces):
     assert frames[-1][page.session.status] == "Replay finished."
 
 
-def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page):
-    status = run_once(page, temperature=1000.0, max_new_tokens=2, methods=("ar", "dflash", "ddtree"))[-1][
-        page.session.status]
-    assert status.startswith("**Done**") and status.count("temperature 1000 is far above 2") == 1
+@pytest.mark.parametrize("methods", [("ddtree",), ("ar",)])  # the box's budget is every run's: AR's too
+def test_a_budget_over_1024_is_refused_with_the_sentence_every_entry_point_says(page, methods):
+    with pytest.raises(EngineError) as engine_says:
+        check_budget(2000)
+    assert str(engine_says.value) == 'tree budget must be "auto" or a whole number from 1 to 1024, got 2000'
+    assert refused(lambda: run_once(page, budget=2000, methods=methods)) == capitalized(str(engine_says.value))
+
+
+def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page, monkeypatch):
+    monkeypatch.setattr(page.studio.decoder, "fixed_step", True)  # where sampling takes the readable step instead
+    status = run_once(page, temperature=0.5, max_new_tokens=2, methods=NAMES)[-1][page.session.status]
+    assert status.startswith("**Done**") and status.count("sampling runs the readable step") == 1
 
 
 def test_the_budget_box_is_never_set_at_page_load_and_the_timing_leaves_a_typed_one_alone(page):
@@ -204,6 +216,9 @@ def test_the_public_api_names_every_endpoint_and_output(page):
     unnamed = {name: [r["label"] for r in endpoint["returns"] if r["label"].startswith("value_")]
                for name, endpoint in endpoints.items()}
     assert {name: labels for name, labels in unnamed.items() if labels} == {}
+    for name in ("/run", "/upload", "/open_request"):  # what RUN_OUTPUTS names, one for one
+        assert len(endpoints[name]["returns"]) == len(RUN_OUTPUTS)
+    assert page.info()["run_outputs"] == list(RUN_OUTPUTS)
 
 
 

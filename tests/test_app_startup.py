@@ -111,6 +111,14 @@ def test_vllm_compile_is_refused_without_the_vllm_engine(capsys):
     assert "--vllm-compile has vLLM compile its target: it needs --engine vllm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("budget", ["0", "2000"])
+def test_a_tree_budget_flag_out_of_range_is_refused_with_the_budgets_sentence(capsys, budget):
+    with pytest.raises(SystemExit):
+        app.parse_args(["--tree-budget", budget])
+    said = capsys.readouterr().err
+    assert f'error: tree budget must be "auto" or a whole number from 1 to 1024, got {budget}' in said
+
+
 def test_a_compiled_steps_first_run_says_it_is_compiling():
     studio = Studio(SimpleNamespace(compile_step=True), budget=None)
     first = DecodeSettings("ddtree", tree_budget=32)

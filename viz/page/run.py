@@ -4,12 +4,13 @@ with the step economics under them."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.settings import DecodeSettings
-from engine.methods import BASELINE, METHODS, NAMES
+from engine.methods import BASELINE, MAX_TREE_BUDGET, METHODS, NAMES, TREE
 from engine.trace import Trace
 from viz.figures import economics_figure, economics_text
 from viz.page.state import (
@@ -34,6 +35,15 @@ EXAMPLE_PROMPTS = [
     "Explain what a hash table is in two sentences.",
     "Write a Python function that reverses a string.",
 ]
+# /run's outputs by name (/upload's and /open_request's too), in the order the API returns them: the status line, a
+# column a method, then what the other views show of the traces
+RUN_OUTPUTS = ("status", *NAMES, "summary", "download", "race", "inspect_method", "step", "tree", "probs", "why",
+               "step_stages", "run_stages", "histogram", "economics_plot", "economics_text")
+
+
+def named_outputs(result) -> dict:
+    """A ``gradio_client`` result of ``/run`` (or ``/upload``, ``/open_request``) by the names of ``RUN_OUTPUTS``."""
+    return dict(zip(RUN_OUTPUTS, result, strict=True))
 
 
 class RunView:
@@ -59,8 +69,8 @@ class RunView:
                     self.seed = gr.Number(0, label="Seed", step=1)
                     # a plain value, not one computed at page load: a load event, queued behind runs, would
                     # overwrite what the visitor typed meanwhile; the timing clock moves an untouched box
-                    self.budget = gr.Number(self.studio.budget.budget, label="DDTree budget (nodes, 1–1024)",
-                                            step=1, elem_id="budget")
+                    self.budget = gr.Number(self.studio.budget.budget, step=1, elem_id="budget",
+                                            label=f"{TREE.title} budget (nodes, 1–{MAX_TREE_BUDGET})")
                     self.budget_typed = gr.State(False)
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
@@ -92,9 +102,9 @@ class RunView:
                 raise EngineError("choose at least one method to run")
             prompt_ids = encode_prompt(self.studio, prompt)
             common = common_settings(max_new_tokens, temperature, seed)
-            budget = whole(budget, "tree budget")
-            settings, _ = checked(self.studio, prompt_ids, [DecodeSettings(method, tree_budget=budget, **common)
-                                                         for method in NAMES if method in methods])
+            budget = whole(budget, "tree budget")  # its range DecodeSettings checks (``engine.methods.check_budget``)
+            settings, _ = checked(self.studio, prompt_ids, [replace(common, method=name, tree_budget=budget)
+                                                         for name in NAMES if name in methods])
         except EngineError as exc:
             raise refusal(exc) from None
         finished: dict[str, Trace] = {}

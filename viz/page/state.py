@@ -35,7 +35,6 @@ from viz.video import VideoError
 log = logging.getLogger("ddtree-studio")
 
 POLL_S = 0.2  # how often a streaming handler refreshes the page while the model works
-MAX_SEED = 2**63 - 1
 KEPT_FILES = 64  # trace downloads and videos kept on disk; Gradio serves its own copy of each
 TRACE_FILE_NAME = "ddtree-traces.json"
 
@@ -275,18 +274,18 @@ def whole(value, name: str) -> int:
     return int(value)
 
 
-def common_settings(max_new_tokens, temperature, seed) -> dict:
-    seed = whole(seed, "seed")
-    if not 0 <= seed <= MAX_SEED:  # torch.manual_seed overflows past 64 bits
-        raise EngineError(f"seed must be a whole number between 0 and 2**63-1, got {seed}")
-    return dict(max_new_tokens=whole(max_new_tokens, "max new tokens"),
-                temperature=number(temperature, "temperature"), seed=seed)
+def common_settings(max_new_tokens, temperature, seed) -> DecodeSettings:
+    """What every run of one click shares, as AR's settings (each run replaces the method and the budget). The
+    page reads what a box holds (an emptied box is None; an API client can send text, true or NaN);
+    ``DecodeSettings`` checks the values, with the sentence every entry point says."""
+    return DecodeSettings(BASELINE.name, max_new_tokens=whole(max_new_tokens, "max new tokens"),
+                          temperature=number(temperature, "temperature"), seed=whole(seed, "seed"))
 
 
 def checked(studio: Studio, prompt_ids: list[int],
             settings: list[DecodeSettings]) -> tuple[list[DecodeSettings], list[str]]:
-    """Check every run's settings before any starts, so a bad value fails at once; with the notes on
-    what the runs will change (a budget over the cap), each said once."""
+    """Check every run's settings against the models before any starts, so a bad value fails at once; with the
+    notes on how the runs will run (sampling on the readable step), each said once."""
     notes = [note for setting in settings for note in studio.decoder.prepare(setting, len(prompt_ids))[1]]
     return settings, list(dict.fromkeys(notes))
 

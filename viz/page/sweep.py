@@ -3,10 +3,11 @@ plot and the table growing as the runs finish."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gradio as gr
 
 from engine.errors import EngineError
-from engine.loop.settings import DecodeSettings
 from engine.methods import BASELINE, TREE
 from engine.trace import Trace
 from viz.figures import sweep_figure, trace_economics
@@ -43,8 +44,8 @@ class SweepView:
             budgets = parse_budgets(budgets_text)
             prompt_ids = encode_prompt(self.studio, prompt)
             common = common_settings(max_new_tokens, temperature, seed)
-            settings, notes = checked(self.studio, prompt_ids, [DecodeSettings(BASELINE.name, **common)] + [
-                DecodeSettings(TREE.name, tree_budget=budget, **common) for budget in budgets])
+            settings, notes = checked(self.studio, prompt_ids, [common] + [
+                replace(common, method=TREE.name, tree_budget=budget) for budget in budgets])
         except EngineError as exc:
             raise refusal(exc) from None
         said = "".join(f" · {note}" for note in notes)
