@@ -1,4 +1,5 @@
-"""The Doctor tab: why the loaded pair's acceptance is what it is, and what to fix."""
+"""The Doctor tab: the drafter doctor's report on the loaded pair (``engine.measure.doctor``) as the page shows it,
+one job on the model's queue."""
 
 from __future__ import annotations
 

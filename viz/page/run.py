@@ -1,4 +1,4 @@
-"""The Run view: the prompt, the settings and the three live columns, each method run alone one after another,
+"""The Run view: the prompt, the settings and a live column a method, each method run alone one after another,
 with the step economics under them."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def named_outputs(result) -> dict:
 
 
 class RunView:
-    """The Run controls and the three live columns, with the step economics under them."""
+    """The Run controls and a live column a method, with the step economics under them."""
 
     def __init__(self, session: Session):
         self.session = session

@@ -16,6 +16,8 @@ from viz.text_view import run_stats
 
 DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
 MAX_SWEEP_POINTS = 8
+SWEEP_HEADERS = ["budget", "τ", "step cost (AR steps)", "predicted τ ÷ cost", "measured speed-up", "tokens/s",
+                 "tokens", "steps"]
 
 
 class SweepView:
@@ -94,10 +96,6 @@ def parse_budgets(text: str) -> list[int]:
     if len(budgets) > MAX_SWEEP_POINTS:
         raise EngineError(f"at most {MAX_SWEEP_POINTS} budgets per sweep, got {len(budgets)}")
     return budgets
-
-
-SWEEP_HEADERS = ["budget", "τ", "step cost (AR steps)", "predicted τ ÷ cost", "measured speed-up", "tokens/s",
-                 "tokens", "steps"]
 
 
 def sweep_rows(runs: list[Trace], baseline: Trace | None) -> list[list]:
