@@ -12,20 +12,19 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
+from engine.errors import EngineError
+from engine.methods import NAMES, check_budget
 from engine.trace import Trace
+from viz.page.run import EXAMPLE_PROMPTS, RUN_OUTPUTS, named_outputs
 
-# the /run (and /upload) outputs, in the order app.StudioApp.run_outputs lists them
-OUTPUTS = ["status", "ar", "dflash", "ddtree", "summary", "download", "race", "inspect_method", "step", "tree",
-           "probs", "why", "step_stages", "run_stages", "histogram", "economics_plot", "economics_text"]
-ALL_METHODS = ["ar", "dflash", "ddtree"]
+ALL_METHODS = list(NAMES)
 PROMPT = "Name three colors."
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(client: Client, prompt: str = PROMPT, max_new_tokens=12, temperature=0.0, seed=0, budget=8,
         methods=ALL_METHODS) -> dict:
-    result = client.predict(prompt, max_new_tokens, temperature, seed, budget, methods, api_name="/run")
-    return dict(zip(OUTPUTS, result))
+    return named_outputs(client.predict(prompt, max_new_tokens, temperature, seed, budget, methods, api_name="/run"))
 
 
 def plot_data(value) -> list[dict]:
@@ -109,14 +108,15 @@ def read_download(path: str) -> list[Trace]:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt="   "), "prompt is empty"),
     (dict(prompt="word " * 9000), "exceeds the model's context"),
-    (dict(budget=0), "tree budget must be at least 1"),
-    (dict(max_new_tokens=0), "max new tokens must be between"),
+    (dict(budget=0), 'tree budget must be "auto" or a whole number from 1 to 1024, got 0'),
+    (dict(max_new_tokens=0), "max new tokens must be a whole number from 1 to 4096, got 0"),
     (dict(max_new_tokens=2.5), "max new tokens must be a whole number, got 2.5"),
     (dict(budget=16.5), "tree budget must be a whole number, got 16.5"),
     (dict(methods=[]), "choose at least one method"),
-    (dict(seed=2**70), "seed must be a whole number between 0 and 2**63-1, got 1180591620717411303424"),
+    (dict(seed=2**70), f"seed must be a whole number from 0 to {2**63 - 1}, got 1180591620717411303424"),
     (dict(max_new_tokens="ten"), "max new tokens must be a whole number, got 'ten'"),
     (dict(temperature=None), "temperature is empty: enter a number"),
+    (dict(temperature=1000.0), "temperature must be a number from 0 to 2, got 1000.0"),
 ])
 def test_bad_input_is_refused_with_its_reason_and_the_app_keeps_serving(client, kwargs, message):
     # the API's error is the reason itself, not a status line beside {'__type__': 'update'} outputs
@@ -127,10 +127,17 @@ def test_bad_input_is_refused_with_its_reason_and_the_app_keeps_serving(client, 
     assert good["status"].startswith("**Done**") and good["summary"]["ar"]["tokens"] == 3
 
 
-def test_budget_over_the_cap_is_capped_with_a_note(client):
-    result = run(client, budget=5000, max_new_tokens=2, methods=["ddtree"])
-    assert "capped to 1024" in result["status"]
-    assert result["summary"]["ddtree"]["tree_budget"] == 1024
+def test_a_budget_over_1024_is_refused_with_the_sentence_every_entry_point_says(client):
+    with pytest.raises(EngineError) as engine_says:
+        check_budget(2000)
+    assert str(engine_says.value) == 'tree budget must be "auto" or a whole number from 1 to 1024, got 2000'
+    with pytest.raises(AppError) as refused:
+        run(client, budget=2000, max_new_tokens=2, methods=["ddtree"])
+    assert str(engine_says.value) in str(refused.value).lower()
+
+
+def test_info_names_the_run_outputs_in_their_order(client):
+    assert client.predict(api_name="/info")["run_outputs"] == list(RUN_OUTPUTS)
 
 
 def test_corrupt_upload_is_reported(client, full_run, tmp_path):
@@ -152,7 +159,7 @@ def test_corrupt_upload_is_reported(client, full_run, tmp_path):
 
 def test_uploaded_traces_replay_and_inspect_without_running(app_url, full_run):
     fresh = Client(app_url, verbose=False)
-    loaded = dict(zip(OUTPUTS, fresh.predict(handle_file(full_run["download"]), api_name="/upload")))
+    loaded = named_outputs(fresh.predict(handle_file(full_run["download"]), api_name="/upload"))
     assert loaded["status"].startswith("Loaded 3 trace(s)")
     assert loaded["summary"] == full_run["summary"]
     status, *columns, race = fresh.predict("1", api_name="/replay")
@@ -196,7 +203,7 @@ def test_stop_ends_a_run_early_and_keeps_what_it_made(app_url):
         assert time.monotonic() < deadline and not job.done(), "the run never started streaming"
         time.sleep(0.2)
     assert client.predict(api_name="/stop").startswith("Stopping")
-    result = dict(zip(OUTPUTS, job.result(timeout=120)))
+    result = named_outputs(job.result(timeout=120))
     assert result["status"].startswith("**Stopped**")
     assert 0 < result["summary"]["ar"]["tokens"] < 300
     assert result["summary"]["ar"]["stop_reason"] == "cancelled"
@@ -216,10 +223,9 @@ def test_budget_sweep(client):
         client.predict(PROMPT, 6, 0.0, 0, "4, many", api_name="/sweep")
 
 
-def test_a_sweep_budget_over_the_cap_is_said_not_silently_changed(client):
-    status, _, table = client.predict(PROMPT, 2, 0.0, 0, "100000", api_name="/sweep")
-    assert "tree budget 100000 capped to 1024" in status
-    assert [row[0] for row in table["data"]] == [1024]
+def test_a_sweep_budget_over_1024_is_refused(client):
+    with pytest.raises(AppError, match='Tree budget must be "auto" or a whole number from 1 to 1024, got 100000'):
+        client.predict(PROMPT, 2, 0.0, 0, "100000", api_name="/sweep")
 
 
 def test_video_button_renders_the_sessions_race(app_url):
@@ -258,14 +264,7 @@ def test_inspecting_before_any_run_says_why_not(app_url):
         fresh.predict("ar", api_name="/select_method")
 
 
-def test_a_high_temperature_runs_with_a_warning(client):
-    result = run(client, temperature=1000.0, max_new_tokens=2, methods=["ar"])
-    assert result["status"].startswith("**Done**") and "temperature 1000 is far above 2" in result["status"]
-
-
 def test_the_page_opens_at_a_budget_whose_tree_branches(client, launched_threads):
-    from app import EXAMPLE_PROMPTS
-
     info = client.predict(api_name="/info")
     budget, drafts = info["tree_budget"], f" ({info['draft_dtype']} drafts)" if info["draft_dtype"] else ""
     machine = f"CPU, {launched_threads} threads | torch | float32{drafts} | readable step"  # the app's defaults

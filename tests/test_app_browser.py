@@ -157,7 +157,8 @@ def test_a_refusal_says_its_sentence_once_and_leaves_the_outputs_unmarked(browse
     before = [column.inner_html() for column in columns]
     page.locator("#max-new-tokens input").fill("0")
     page.locator("#run-button").click()
-    toast = page.locator('[data-testid="toast-body"]', has_text="Max new tokens must be between 1 and 4096, got 0")
+    toast = page.locator('[data-testid="toast-body"]',
+                         has_text="Max new tokens must be a whole number from 1 to 4096, got 0")
     toast.wait_for()
     assert toast.count() == 1
     page.wait_for_function("!document.querySelector('#run-button').disabled")  # the refused run has ended

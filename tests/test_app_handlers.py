@@ -4,21 +4,27 @@ refusal leaves alone, what the replay animates, and what the page keeps on disk 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import gradio as gr
 import pytest
 
 import app
+import viz.page.traces
+from engine.errors import EngineError
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice
+from engine.methods import NAMES, check_budget
 from tests.tiny import tiny_decoder
+from viz.page.run import RUN_OUTPUTS
+from viz.page.state import TRACE_FILE_NAME, RunControl, ScratchFiles, Studio, capitalized, save_traces
 
 PROMPT = "howdoesitwork"  # the tiny tokenizer reads printable characters without spaces
 
 
 @pytest.fixture(scope="module")
 def page() -> app.StudioApp:
-    return app.StudioApp(app.Studio(tiny_decoder(0), BudgetChoice(8, {}, "set by the test")))
+    return app.StudioApp(Studio(tiny_decoder(0), BudgetChoice(8, {}, "set by the test")))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +36,7 @@ def traces(page) -> dict:
 
 def run_once(page, max_new_tokens=4, temperature=0.0, seed=0, budget=8, methods=("ar",)) -> list[dict]:
     """Every update the Run handler streams, to the end."""
-    return list(page.run_view.run(PROMPT, max_new_tokens, temperature, seed, budget, list(methods), app.RunControl(),
+    return list(page.run_view.run(PROMPT, max_new_tokens, temperature, seed, budget, list(methods), RunControl(),
                                   present=page.present))
 
 
@@ -41,18 +47,19 @@ def refused(call) -> str:
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("seed", 2**70, "Seed must be a whole number between 0 and 2**63-1, got 1180591620717411303424"),
-    ("seed", -1, "Seed must be a whole number between 0 and 2**63-1, got -1"),
+    ("seed", 2**70, f"Seed must be a whole number from 0 to {2**63 - 1}, got 1180591620717411303424"),
+    ("seed", -1, f"Seed must be a whole number from 0 to {2**63 - 1}, got -1"),
     ("seed", True, "Seed must be a whole number, got True"),
     ("seed", None, "Seed is empty: enter a number"),
     ("max_new_tokens", "ten", "Max new tokens must be a whole number, got 'ten'"),
-    ("max_new_tokens", 2**70, "Max new tokens must be between 1 and 4096, got 1180591620717411303424"),
+    ("max_new_tokens", 2**70, "Max new tokens must be a whole number from 1 to 4096, got 1180591620717411303424"),
     ("max_new_tokens", float("inf"), "Max new tokens must be a whole number, got inf"),
     ("temperature", "hot", "Temperature must be a number, got 'hot'"),
     ("temperature", float("nan"), "Temperature must be a number, got nan"),
-    ("temperature", -0.5, "Temperature must be >= 0, got -0.5"),
+    ("temperature", -0.5, "Temperature must be a number from 0 to 2, got -0.5"),
+    ("temperature", 1000.0, "Temperature must be a number from 0 to 2, got 1000.0"),
     ("budget", [8], "Tree budget must be a whole number, got [8]"),
-    ("budget", -3, "Tree budget must be at least 1, got -3"),
+    ("budget", -3, 'Tree budget must be "auto" or a whole number from 1 to 1024, got -3'),
 ])
 def test_every_number_of_a_run_and_a_sweep_is_refused_with_a_sentence_before_anything_runs(page, field, value,
                                                                                            message):
@@ -60,7 +67,7 @@ def test_every_number_of_a_run_and_a_sweep_is_refused_with_a_sentence_before_any
     if field != "budget":  # the sweep takes its budgets as text
         settings = dict(max_new_tokens=4, temperature=0.0, seed=0) | {field: value}
         sweep = page.sweep_view.sweep(PROMPT, settings["max_new_tokens"], settings["temperature"], settings["seed"],
-                                      "2, 4", app.RunControl())
+                                      "2, 4", RunControl())
         assert refused(lambda: next(sweep)) == message
 
 
@@ -68,7 +75,7 @@ def test_a_refusal_logs_one_line_not_a_traceback(page, caplog):
     caplog.set_level(logging.INFO, logger="ddtree-studio")
     refused(lambda: run_once(page, seed=-1))
     assert [record.getMessage() for record in caplog.records] == [
-        "refused: Seed must be a whole number between 0 and 2**63-1, got -1"]
+        f"refused: Seed must be a whole number from 0 to {2**63 - 1}, got -1"]
     assert caplog.records[0].exc_info is None
 
 
@@ -114,9 +121,9 @@ def test_next_past_the_last_step_stays_on_it(page, traces):
 
 def test_an_upload_whose_values_cannot_be_drawn_is_refused_with_a_sentence(page, traces, tmp_path, monkeypatch):
     path = tmp_path / "traces.json"
-    app.save_traces(list(traces.values()), path)
+    save_traces(list(traces.values()), path)
     # a field of the wrong type that the reader lets through, as the text view first meets it
-    monkeypatch.setattr(app, "read_trace_file", lambda _: [*traces.values()][:1])
+    monkeypatch.setattr(viz.page.traces, "read_trace_file", lambda _: [*traces.values()][:1])
     monkeypatch.setattr(traces["ar"].summary, "wall_s", "fast")
     message = refused(lambda: page.traces_view.load_upload(str(path), present=page.present))
     assert message.startswith("The file's traces hold a value that cannot be shown (TypeError: ")
@@ -155,7 +162,7 @@ def test_run_sweep_and_replay_disable_each_other_until_they_end_however_they_end
 
 
 def test_the_replay_animates_the_race_chart_with_its_clock(page, traces):
-    frames = list(page.replay_view.replay(traces, "1", app.RunControl()))
+    frames = list(page.replay_view.replay(traces, "1", RunControl()))
     race = page.replay_view.race
     assert all(race in frame for frame in frames)
     clocks = [frame[race].layout.shapes[0].x0 for frame in frames[:-1]]
@@ -164,10 +171,18 @@ def test_the_replay_animates_the_race_chart_with_its_clock(page, traces):
     assert frames[-1][page.session.status] == "Replay finished."
 
 
-def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page):
-    status = run_once(page, temperature=1000.0, max_new_tokens=2, methods=("ar", "dflash", "ddtree"))[-1][
-        page.session.status]
-    assert status.startswith("**Done**") and status.count("temperature 1000 is far above 2") == 1
+@pytest.mark.parametrize("methods", [("ddtree",), ("ar",)])  # the box's budget is every run's: AR's too
+def test_a_budget_over_1024_is_refused_with_the_sentence_every_entry_point_says(page, methods):
+    with pytest.raises(EngineError) as engine_says:
+        check_budget(2000)
+    assert str(engine_says.value) == 'tree budget must be "auto" or a whole number from 1 to 1024, got 2000'
+    assert refused(lambda: run_once(page, budget=2000, methods=methods)) == capitalized(str(engine_says.value))
+
+
+def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page, monkeypatch):
+    monkeypatch.setattr(page.studio.decoder, "fixed_step", True)  # where sampling takes the readable step instead
+    status = run_once(page, temperature=0.5, max_new_tokens=2, methods=NAMES)[-1][page.session.status]
+    assert status.startswith("**Done**") and status.count("sampling runs the readable step") == 1
 
 
 def test_the_budget_box_is_never_set_at_page_load_and_the_timing_leaves_a_typed_one_alone(page):
@@ -180,14 +195,14 @@ def test_the_budget_box_is_never_set_at_page_load_and_the_timing_leaves_a_typed_
 
 
 def test_the_page_keeps_a_bounded_number_of_files_in_one_folder(tmp_path):
-    files = app.ScratchFiles(keep=2)
+    files = ScratchFiles(keep=2)
     paths = []
     for _ in range(3):
-        paths.append(files.path(app.TRACE_FILE_NAME))
+        paths.append(files.path(TRACE_FILE_NAME))
         paths[-1].write_text("{}")
     assert [path.exists() for path in paths] == [False, True, True]
-    assert {path.parent.parent for path in paths} == {app.Path(files.folder.name)}
-    assert {path.name for path in paths} == {app.TRACE_FILE_NAME}, "the visitor's download keeps its name"
+    assert {path.parent.parent for path in paths} == {Path(files.folder.name)}
+    assert {path.name for path in paths} == {TRACE_FILE_NAME}, "the visitor's download keeps its name"
 
 
 def test_the_public_api_names_every_endpoint_and_output(page):
@@ -201,6 +216,9 @@ def test_the_public_api_names_every_endpoint_and_output(page):
     unnamed = {name: [r["label"] for r in endpoint["returns"] if r["label"].startswith("value_")]
                for name, endpoint in endpoints.items()}
     assert {name: labels for name, labels in unnamed.items() if labels} == {}
+    for name in ("/run", "/upload", "/open_request"):  # what RUN_OUTPUTS names, one for one
+        assert len(endpoints[name]["returns"]) == len(RUN_OUTPUTS)
+    assert page.info()["run_outputs"] == list(RUN_OUTPUTS)
 
 
 

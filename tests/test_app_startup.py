@@ -16,6 +16,7 @@ from engine.loop.decode import DrafterInfo
 from engine.loop.settings import DecodeSettings
 from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
+from viz.page.state import RunControl, Studio, run_live
 
 
 @pytest.fixture()
@@ -50,7 +51,7 @@ def test_without_a_record_the_page_starts_at_a_branching_tree_and_times_the_rest
     studio.time_budgets()
     assert not studio.timing_pending and studio.budget.budget in (2, 8)
     # what the timing ran is warm (compiled, on a compiled step): the page will not say it is compiling it
-    assert studio.started == {("ar", None), ("dflash", None), ("ddtree", 2), ("ddtree", 8)}
+    assert studio.started == {"ar", "dflash", "ddtree@2", "ddtree@8"}
     assert "timed on this machine" in studio.budget_sentence()
     # every timing was kept: the next start times nothing and opens at the same budget
     kept = json.loads((calibration.cache_dir() / "timings.json").read_text())
@@ -110,13 +111,21 @@ def test_vllm_compile_is_refused_without_the_vllm_engine(capsys):
     assert "--vllm-compile has vLLM compile its target: it needs --engine vllm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("budget", ["0", "2000"])
+def test_a_tree_budget_flag_out_of_range_is_refused_with_the_budgets_sentence(capsys, budget):
+    with pytest.raises(SystemExit):
+        app.parse_args(["--tree-budget", budget])
+    said = capsys.readouterr().err
+    assert f'error: tree budget must be "auto" or a whole number from 1 to 1024, got {budget}' in said
+
+
 def test_a_compiled_steps_first_run_says_it_is_compiling():
-    studio = app.Studio(SimpleNamespace(compile_step=True), budget=None)
+    studio = Studio(SimpleNamespace(compile_step=True), budget=None)
     first = DecodeSettings("ddtree", tree_budget=32)
     assert studio.first_use(first).startswith("compiling the ddtree step for this budget")
-    studio.started.add(app.run_key(first))
+    studio.started.add(first.label)
     assert studio.first_use(first) is None and studio.first_use(DecodeSettings("ddtree", tree_budget=64))
-    assert app.Studio(SimpleNamespace(compile_step=False), budget=None).first_use(first) is None
+    assert Studio(SimpleNamespace(compile_step=False), budget=None).first_use(first) is None
 
 
 def test_a_compiled_steps_first_run_warms_up_untimed_and_shows_only_the_run_after_it(decoder, monkeypatch):
@@ -124,12 +133,12 @@ def test_a_compiled_steps_first_run_warms_up_untimed_and_shows_only_the_run_afte
     runs, run = [], decoder.run
     monkeypatch.setattr(decoder, "run", lambda prompt, settings, **kwargs: runs.append(settings) or run(
         prompt, settings, **kwargs))
-    studio = app.Studio(decoder, budget=None)
+    studio = Studio(decoder, budget=None)
     setting = DecodeSettings("ddtree", max_new_tokens=60, tree_budget=8)
     prompt_ids = decoder.target.chat_ids("hello")
 
     def last_live():
-        return [live for live in app.run_live(studio, "hello", prompt_ids, setting, app.RunControl())][-1]
+        return [live for live in run_live(studio, "hello", prompt_ids, setting, RunControl())][-1]
 
     shown = last_live()
     assert [r.max_new_tokens for r in runs] == [40, 60], "a short warm-up, then the run itself"

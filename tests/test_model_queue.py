@@ -15,6 +15,7 @@ import engine.measure.calibration as calibration
 from engine.measure.calibration import BudgetChoice, StartupTiming
 from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
+from viz.page.state import RunControl, Studio
 
 RACE_TIMEOUT_S = 120
 PROMPT = "howdoesitwork"
@@ -59,7 +60,7 @@ def test_a_job_that_waits_for_another_job_is_refused_not_frozen():
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory) -> app.StudioApp:
-    studio = app.Studio(tiny_decoder(0), BudgetChoice(4, {}, "set for the test"))
+    studio = Studio(tiny_decoder(0), BudgetChoice(4, {}, "set for the test"))
     return app.StudioApp(studio)
 
 
@@ -72,12 +73,12 @@ def handler_calls(page: app.StudioApp, tmp_path) -> dict:
     studio = page.studio
 
     def run():
-        updates = drained(page.run_view.run(PROMPT, 6, 0.0, 0, 4, ["ar", "dflash", "ddtree"], app.RunControl(),
+        updates = drained(page.run_view.run(PROMPT, 6, 0.0, 0, 4, ["ar", "dflash", "ddtree"], RunControl(),
                                             present=page.present))
         return updates[-1][page.session.status]
 
     def sweep():
-        updates = drained(page.sweep_view.sweep(PROMPT, 6, 0.0, 0, "2, 4", app.RunControl()))
+        updates = drained(page.sweep_view.sweep(PROMPT, 6, 0.0, 0, "2, 4", RunControl()))
         return updates[-1][page.sweep_view.status]
 
     def doctor():

@@ -14,6 +14,7 @@ from engine.measure.calibration import BudgetChoice
 from engine.serving.traffic import recent_requests, request_traces, server_url
 from tests.test_serve import BUDGET, client, serving
 from tests.tiny import tiny_decoder
+from viz.page.state import RunControl, Studio
 
 PROMPTS = ["Hello!", "Why?"]
 
@@ -33,7 +34,7 @@ def served():
 @pytest.fixture()
 def page(served) -> app.StudioApp:
     url = served[0]
-    return app.StudioApp(app.Studio(None, BudgetChoice(16, {}, "no model loaded"), server=url))
+    return app.StudioApp(Studio(None, BudgetChoice(16, {}, "no model loaded"), server=url))
 
 
 def test_the_listing_names_each_request_newest_first(served):
@@ -76,7 +77,7 @@ def test_what_the_traffic_cannot_open_is_refused_with_its_reason(served, page):
     with pytest.raises(EngineError, match="is not a server address"):
         server_url("localhost:8000")
     with pytest.raises(gr.Error, match="This page loads no model: it opens the traffic of"):
-        list(page.run_view.run("Hi", 4, 0.0, 0, 4, ["ar"], app.RunControl(), present=page.present))
+        list(page.run_view.run("Hi", 4, 0.0, 0, 4, ["ar"], RunControl(), present=page.present))
     with pytest.raises(gr.Error, match="This page loads no model"):
         page.doctor_view.examine("Hi", 4, False)
     assert request_traces(url, recent_requests(url)[0].id)  # the server still answers

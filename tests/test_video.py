@@ -209,7 +209,7 @@ def assert_renders_every_run(source: Path, traces, out: Path, fps: int, slowdown
 
 
 def test_cli_renders_the_apps_download(traces, slowdown, tmp_path):
-    download = write_trace_file(tmp_path / "ddtree-traces.json", traces)  # what app.save_traces writes
+    download = write_trace_file(tmp_path / "ddtree-traces.json", traces)  # what viz.page.state.save_traces writes
     assert_renders_every_run(download, traces, tmp_path / "download.mp4", FPS, slowdown)
     with pytest.raises(VideoError, match="--prompt picks among a folder's trace sets"):
         pick_traces(download, "p1", None)

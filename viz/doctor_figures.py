@@ -9,11 +9,12 @@ import plotly.graph_objects as go
 
 from engine.measure.doctor import CANNOT_JUDGE, FAULTY, HEALTHY, DoctorReport
 from engine.measure.doctor_checks import FAULT, WARNING
-from viz.figures import ACCEPTED_COLOUR, METHOD_COLOURS, TARGET_COLOUR, empty_figure
+from engine.methods import DDTREE, DFLASH
+from viz.figures import ACCEPTED_COLOUR, TARGET_COLOUR, empty_figure
 
 SEVERITY_MARKS = {"ok": "✅", "note": "ℹ️", WARNING: "⚠️", FAULT: "❌"}
 STATUS_HEADINGS = {HEALTHY: "✅ **Healthy**", FAULTY: "❌ **Fault**", CANNOT_JUDGE: "⏳ **Not judged yet**"}
-ROLE_COLOURS = {"configured": METHOD_COLOURS["dflash"], "variant": "#9467bd", "deployment": METHOD_COLOURS["ddtree"]}
+ROLE_COLOURS = {"configured": DFLASH.colour, "variant": "#9467bd", "deployment": DDTREE.colour}
 
 
 def _layout(fig: go.Figure, title: str, **axes) -> go.Figure:
@@ -45,7 +46,7 @@ def calibration_figure(report: DoctorReport) -> go.Figure:
     bins = [b for b in report.calibration if b.count]
     fig.add_trace(go.Scatter(x=[b.mean_probability for b in bins], y=[b.hit_rate for b in bins], mode="lines+markers",
                              name="all drafts, binned", marker=dict(size=[6 + min(b.count, 400) ** 0.5 for b in bins]),
-                             line=dict(color=METHOD_COLOURS["ddtree"]), customdata=[b.count for b in bins],
+                             line=dict(color=DDTREE.colour), customdata=[b.count for b in bins],
                              hovertemplate="drafter p %{x:.2f}: right %{y:.1%} (%{customdata} drafts)<extra></extra>"))
     # fifteen slots crowd into a corner of the square, so a slot is told by its colour (and hover), not a label
     shown = [p for p in report.positions if p.mean_probability is not None and p.hit_rate is not None]
@@ -65,7 +66,7 @@ def confidence_figure(report: DoctorReport) -> go.Figure:
     """First-slot hits by the target's own confidence in its next token."""
     bands = report.confidence_bands
     labels = [f"{b.low:g}–{min(b.high, 1):g}" for b in bands]
-    fig = go.Figure(go.Bar(x=labels, y=[b.hit_rate for b in bands], marker_color=METHOD_COLOURS["dflash"],
+    fig = go.Figure(go.Bar(x=labels, y=[b.hit_rate for b in bands], marker_color=DFLASH.colour,
                            customdata=[b.roots for b in bands],
                            hovertemplate="target p %{x}: first slot right %{y:.1%} (%{customdata} roots)"
                                          "<extra></extra>"))

@@ -12,12 +12,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.measure.economics import Economics, Timing, economics, explain
+from engine.methods import BASELINE, TREE, Label
 from engine.trace import STAGES, TIMING_ONLY, Step, Trace
 from viz.tokens import TokenText, shown
 
 ACCEPTED_COLOUR = "#2ca02c"
 TARGET_COLOUR = "#d9534f"
-METHOD_COLOURS = {"ar": "#7f7f7f", "dflash": "#ff7f0e", "ddtree": "#1f6fd1"}
 DARK_CELL = 0.5  # a heatmap cell at least this probable is dark blue: its token is written in white
 CORNER = (0.3, -0.3)  # where in a heatmap cell (depth, rank offsets; rank grows downwards) a corner mark sits
 STAGE_COLOURS = {"draft": "#ff7f0e", "tree_build": "#9467bd", "tree_compile": "#8c564b", "verify": "#1f77b4",
@@ -182,7 +182,7 @@ def acceptance_histogram(traces: list[Trace]) -> go.Figure:
     shares, not counts, so a run of few long steps reads beside one of many short ones."""
     if not traces:
         return empty_figure("Run or upload traces to see acceptance lengths.")
-    drafting = [trace for trace in traces if trace.config.method != "ar" and trace.steps]
+    drafting = [trace for trace in traces if trace.config.method_row.drafts and trace.steps]
     if not drafting:
         return empty_figure("AR commits one token every step: run DFlash or DDTree to see acceptance lengths.")
     fig = go.Figure()
@@ -191,7 +191,7 @@ def acceptance_histogram(traces: list[Trace]) -> go.Figure:
         counts = Counter(step.acceptance_length for step in trace.steps)
         lengths = sorted(counts)
         fig.add_trace(go.Bar(x=lengths, y=[counts[n] / len(trace.steps) for n in lengths], name=trace.config.label,
-                             marker_color=METHOD_COLOURS.get(trace.config.method),
+                             marker_color=trace.config.method_row.colour,
                              customdata=[[counts[n], len(trace.steps)] for n in lengths],
                              hovertemplate="length %{x}: %{customdata[0]} of %{customdata[1]} steps"
                                            "<extra>%{fullData.name}</extra>"))
@@ -208,21 +208,21 @@ def acceptance_histogram(traces: list[Trace]) -> go.Figure:
 def trace_economics(traces: list[Trace], baseline: Trace | None = None) -> dict[str, Economics]:
     """Each finished trace's economics (keyed by label), in AR steps of ``baseline`` (or the AR trace)."""
     runs = [t for t in traces if t.summary is not None]
-    reference = baseline or next((t for t in runs if t.config.method == "ar"), None)
+    reference = baseline or next((t for t in runs if t.config.method_row is BASELINE), None)
     timings = {t.config.label: Timing.of([t.summary]) for t in runs}
     if reference is not None and reference.summary is not None:
-        timings["ar"] = Timing.of([reference.summary])
+        timings[BASELINE.label()] = Timing.of([reference.summary])
     return economics(timings)
 
 
 def economics_figure(traces: list[Trace]) -> go.Figure:
     """Per method, τ beside the step cost in AR steps: speed-up is one over the other."""
     runs = [t for t in traces if t.summary is not None]
-    if not any(t.config.method == "ar" for t in runs):
+    if not any(t.config.method_row is BASELINE for t in runs):
         return empty_figure("Run AR with the others: a step's cost is measured in AR steps.")
     entries = trace_economics(runs)
     labels = [t.config.label for t in runs]
-    names = [_display(label) for label in labels]
+    names = [heading(label) for label in labels]
     taus = [entries[label].tau or 0.0 for label in labels]
     costs = [entries[label].step_cost_vs_ar or 0.0 for label in labels]
     fig = go.Figure()
@@ -249,14 +249,14 @@ def economics_figure(traces: list[Trace]) -> go.Figure:
 def economics_text(traces: list[Trace]) -> str:
     """One plain sentence per drafting method (Markdown)."""
     entries = trace_economics(traces)
-    lines = [explain(_display(label), entry) for label, entry in entries.items() if label != "ar"]
+    lines = [explain(heading(label), entry) for label, entry in entries.items() if not Label.parse(label).is_baseline]
     return "\n".join(f"- {line}" for line in lines)
 
 
-def _display(label: str) -> str:
-    method, _, budget = label.partition("@")
-    name = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}.get(method, method)
-    return f"{name}@{budget}" if budget else name
+def heading(label: str) -> str:
+    """A run's label as the page's figures name it: ``DDTree@32``."""
+    parsed = Label.parse(label)
+    return parsed.method.heading(parsed.budget) if parsed.method is not None else label
 
 
 def sweep_figure(traces: list[Trace], baseline: Trace | None = None) -> go.Figure:
@@ -275,10 +275,11 @@ def sweep_figure(traces: list[Trace], baseline: Trace | None = None) -> go.Figur
         fig.add_trace(go.Scatter(x=budgets, y=[e.step_cost_vs_ar for e in rows], mode="lines+markers",
                                  name="step cost (AR steps)", marker_color=TARGET_COLOUR), row=1, col=1)
         fig.add_trace(go.Scatter(x=budgets, y=[e.predicted_speedup for e in rows], mode="lines+markers",
-                                 name="predicted τ ÷ cost", marker_color=METHOD_COLOURS["ddtree"]), row=1, col=2)
+                                 name="predicted τ ÷ cost", marker_color=TREE.colour), row=1, col=2)
         fig.add_trace(go.Scatter(x=budgets, y=[e.speedup_vs_ar for e in rows], mode="markers", name="measured",
-                                 marker=dict(color=METHOD_COLOURS["ddtree"], symbol="x", size=10)), row=1, col=2)
-        fig.add_hline(y=1.0, line=dict(dash="dash", color=METHOD_COLOURS["ar"]), annotation_text="AR", row=1, col=2)
+                                 marker=dict(color=TREE.colour, symbol="x", size=10)), row=1, col=2)
+        fig.add_hline(y=1.0, line=dict(dash="dash", color=BASELINE.colour), annotation_text=BASELINE.title,
+                      row=1, col=2)
         best = max(range(len(rows)), key=lambda i: rows[i].predicted_speedup or 0.0)
         # on a log axis an annotation's x is the exponent: 16 sits at log10(16), not at 10^16
         fig.add_annotation(x=math.log10(budgets[best]), y=rows[best].predicted_speedup or 0,
@@ -298,7 +299,7 @@ def race_chart(traces: list[Trace], until: float | None = None) -> go.Figure:
     for trace in traces:
         times, counts = race_line(trace, until)
         fig.add_trace(go.Scatter(x=times, y=counts, mode="lines", line_shape="hv", name=trace.config.label,
-                                 line=dict(color=METHOD_COLOURS.get(trace.config.method), width=2)))
+                                 line=dict(color=trace.config.method_row.colour, width=2)))
     fig.update_layout(title=dict(text=timing_title("Tokens over time (each method ran alone)", traces), x=0,
                                  font=dict(size=14)),
                       template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),

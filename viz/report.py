@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.measure.projection import projection_report
-from engine.methods import NAMES
+from engine.methods import BASELINE, DFLASH, METHODS, TREE, Label
 from engine.models.target import BUNDLED_MODEL
 from engine.trace import (
     NATIVE_AR,
@@ -37,11 +37,9 @@ from engine.trace import (
 )
 
 MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 16 drafts 15)
-METHOD_NAMES = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}
 NATIVE_NAMES = {NATIVE_AR: "vLLM's own AR", NATIVE_AR_GRAPHLESS: "vLLM's own AR, no CUDA graphs",
                 NATIVE_DFLASH: "vLLM's own DFlash", NATIVE_MTP: "vLLM's own MTP"}
-# the video's palette, so plots and video read alike
-COLOURS = {"ar": "#94a3b8", "dflash": "#38bdf8", "ddtree": "#f59e0b"}
+OTHER_COLOUR = "#64748b"  # a label of no method in the table (vLLM's own); the methods' are their print colours
 DDTREE_SHADES = ["#fbbf24", "#f59e0b", "#d97706", "#b45309", "#92400e", "#78350f"]
 
 
@@ -104,7 +102,7 @@ class Setting:
 
     @property
     def labels(self) -> list[str]:
-        return sorted(self.summary, key=label_order)
+        return sorted(self.summary, key=lambda label: Label.parse(label).order)
 
     @property
     def positions(self) -> int:
@@ -119,12 +117,13 @@ class Setting:
         return [n for run in self.runs if run_label(run) == label for n in run["acceptance_lengths"]]
 
     def drafting_labels(self) -> list[str]:
-        return [label for label in self.labels if label_method(label) != "ar" and self.acceptance_lengths(label)]
+        return [label for label in self.labels
+                if Label.parse(label).method is not BASELINE and self.acceptance_lengths(label)]
 
 
 def _method_row(label: str, entry: dict) -> MethodRow:
     identical = entry.get("identical_to_ar")
-    if label_method(label) == "ar":
+    if Label.parse(label).method is BASELINE:
         shown = "baseline"
     elif isinstance(identical, bool):
         shown = "yes" if identical else "no"
@@ -137,30 +136,22 @@ def _method_row(label: str, entry: dict) -> MethodRow:
                      entry.get("speedup_vs_vllm_ar"), vllm_identical)
 
 
-def label_method(label: str) -> str:
-    return label.removesuffix(TOKENS_ONLY).split("@", 1)[0]
-
-
 def label_budget(label: str) -> int | None:
-    _, _, budget = label.removesuffix(TOKENS_ONLY).partition("@")
-    return int(budget) if budget.isdigit() else None
-
-
-def label_order(label: str) -> tuple[int, int, bool, str]:
-    method = label_method(label)
-    rank = NAMES.index(method) if method in NAMES else len(NAMES)
-    return (rank, label_budget(label) or 0, label.endswith(TOKENS_ONLY), label)
+    """The node count a label carries (``ddtree@32``), if any."""
+    budget = Label.parse(label).budget
+    return budget if isinstance(budget, int) else None
 
 
 def run_label(run: dict) -> str:
     if run.get("label"):
         return run["label"]
-    return f"ddtree@{run['tree_budget']}" if run["method"] == "ddtree" else run["method"]
+    row = METHODS.get(run["method"])
+    return row.label(run.get("tree_budget")) if row is not None else run["method"]
 
 
 def display_label(label: str) -> str:
-    budget = label_budget(label)
-    name = METHOD_NAMES.get(label_method(label), NATIVE_NAMES.get(label, label))
+    parsed, budget = Label.parse(label), label_budget(label)
+    name = parsed.method.title if parsed.method is not None else NATIVE_NAMES.get(label, label)
     name = f"{name} (budget {budget})" if budget is not None else name
     return f"{name}, tokens-only trace" if label.endswith(TOKENS_ONLY) else name
 
@@ -303,23 +294,24 @@ def verify_cost_table(settings: list[Setting]) -> str | None:
     setting that timed at least two tree sizes."""
     columns: list[str] = []
     rows = []
+    ar = BASELINE.label()
     for setting in settings:
         verify = {label: timed[0]["verify"] for label in setting.labels
-                  if not label.endswith(TOKENS_ONLY) and label_method(label) in NAMES
+                  if not label.endswith(TOKENS_ONLY) and Label.parse(label).method is not None
                   and (timed := stage_ms(setting, label)) is not None}
-        if "ar" not in verify or sum(label_method(label) == "ddtree" for label in verify) < 2:
+        if ar not in verify or sum(Label.parse(label).method is TREE for label in verify) < 2:
             continue
         rows.append((setting, verify))
-        columns += [label for label in verify if label not in columns and label != "ar"]
+        columns += [label for label in verify if label not in columns and label != ar]
     if not rows:
         return None
-    columns.sort(key=label_order)
+    columns.sort(key=lambda label: Label.parse(label).order)
     blocks = {setting.config.get("block_size") for setting, _ in rows}
     block = f"{next(iter(blocks))} tokens" if len(blocks) == 1 else "a block"
-    names = [f"DFlash ({block})" if label == "dflash" else f"@{label_budget(label)} ({label_budget(label) + 1})"
-             for label in columns]
-    cells = [[setting.title, f"{verify['ar']:.2f}",
-              *(f"{verify[label]:.2f} ({verify[label] / verify['ar']:.2f}×)" if label in verify else "–"
+    names = [f"@{budget} ({budget + 1})" if (budget := label_budget(label)) is not None
+             else f"{Label.parse(label).method.title} ({block})" for label in columns]
+    cells = [[setting.title, f"{verify[ar]:.2f}",
+              *(f"{verify[label]:.2f} ({verify[label] / verify[ar]:.2f}×)" if label in verify else "–"
                 for label in columns)] for setting, verify in rows]
     return _table(["Setting", "AR verify (1 token), ms", *names], cells)
 
@@ -484,17 +476,17 @@ def plot_budget_tradeoff(plt, setting: Setting, path: Path) -> Path | None:
     if not rows:
         return None
     budgets = [label_budget(row.label) for row in rows]
-    dflash = next((row for row in setting.rows() if row.label == "dflash"), None)
+    dflash = next((row for row in setting.rows() if row.label == DFLASH.label()), None)
     figure, tau_axis = plt.subplots(figsize=(7, 4))
     speed_axis = tau_axis.twinx()
-    tau_axis.plot(budgets, [row.tau for row in rows], "o-", color=COLOURS["ddtree"], label="DDTree τ")
+    tau_axis.plot(budgets, [row.tau for row in rows], "o-", color=TREE.print_colour, label="DDTree τ")
     if all(row.speedup is not None for row in rows):
         speed_axis.plot(budgets, [row.speedup for row in rows], "s--", color="#16a34a", label="DDTree speedup")
-        speed_axis.axhline(1.0, color=COLOURS["ar"], linestyle=":", linewidth=1, label="AR (1×)")
+        speed_axis.axhline(1.0, color=BASELINE.print_colour, linestyle=":", linewidth=1, label="AR (1×)")
     if dflash is not None:
-        tau_axis.axhline(dflash.tau, color=COLOURS["dflash"], linewidth=1.2, label="DFlash τ")
+        tau_axis.axhline(dflash.tau, color=DFLASH.print_colour, linewidth=1.2, label="DFlash τ")
         if dflash.speedup is not None:
-            speed_axis.axhline(dflash.speedup, color=COLOURS["dflash"], linestyle="--", linewidth=1.2,
+            speed_axis.axhline(dflash.speedup, color=DFLASH.print_colour, linestyle="--", linewidth=1.2,
                                label="DFlash speedup")
     tau_axis.set_xscale("log", base=2)
     tau_axis.set_xticks(budgets, [str(b) for b in budgets])
@@ -534,7 +526,8 @@ def plot_acceptance_histogram(plt, setting: Setting, path: Path) -> Path | None:
 
 def _label_colour(label: str, setting: Setting) -> str:
     if label_budget(label) is None:
-        return COLOURS.get(label_method(label), "#64748b")
+        method = Label.parse(label).method
+        return method.print_colour if method is not None else OTHER_COLOUR
     budgets = sorted(b for b in map(label_budget, setting.labels) if b is not None)
     # spread the budgets over the shades, light (small) to dark (large)
     step = (len(DDTREE_SHADES) - 1) / max(1, len(budgets) - 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
+from engine.methods import METHODS
 from engine.trace import Trace, divergence
 from viz.tokens import committed_origins
 
@@ -17,7 +18,6 @@ ORIGIN_STYLES = {
     "draft": "background:#c9f0c4;",  # accepted draft token
     "target": "background:#d6e4fb;",  # the target's own token: bonus, prefill, every AR token
 }
-METHOD_NAMES = {"ar": "AR (target only)", "dflash": "DFlash (chain)", "ddtree": "DDTree (tree)"}
 
 
 def legend_html() -> str:
@@ -85,7 +85,7 @@ def column_html(method: str, trace: Trace | None, ar: Trace | None = None, until
     with AR means something.
     """
     budget = f" · budget {trace.config.tree_budget}" if trace and trace.config.tree_budget is not None else ""
-    title = f"<div style='font-weight:600;font-size:1.1em'>{METHOD_NAMES.get(method, method)}{budget}</div>"
+    title = f"<div style='font-weight:600;font-size:1.1em'>{METHODS[method].caption}{budget}</div>"
     if trace is None:
         return f"<div class='ddt-column'>{title}<div style='color:#888'>{html.escape(absent)}</div></div>"
     stats = run_stats(trace, until)
@@ -102,7 +102,7 @@ def column_html(method: str, trace: Trace | None, ar: Trace | None = None, until
 
 def _drafter_badge(trace: Trace) -> str:
     config = trace.config
-    if config.method == "ar":
+    if not config.method_row.drafts:
         return "<div style='color:#666;font-size:0.85em'>no drafter</div>"
     warning = ("" if config.drafter_trained else
                " <span style='background:#fde2b8;color:#8a4b00;padding:1px 6px;border-radius:8px;"

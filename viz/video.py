@@ -28,7 +28,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from engine.methods import NAMES
+from engine.methods import BASELINE, TREE, Label, print_rgb
 from engine.trace import Step, Trace, TraceError, read_trace_file
 from viz.tree_figure import tidy_layout
 
@@ -85,7 +85,6 @@ class Theme:
 
 
 THEME = Theme()
-METHOD_COLOURS: dict[str, Colour] = {"ar": (148, 163, 184), "dflash": (56, 189, 248), "ddtree": (245, 158, 11)}
 
 
 @dataclass(frozen=True)
@@ -353,17 +352,16 @@ def fit_text(text: str, font: Font, width: float) -> str:
 
 
 def method_title(trace: Trace) -> str:
-    config = trace.config
-    return {"ar": "AR", "dflash": "DFlash"}.get(config.method, f"DDTree · budget {config.tree_budget}")
+    return trace.config.method_row.heading(trace.config.tree_budget, long=True)
 
 
 def short_title(trace: Trace) -> str:
-    return {"ar": "AR", "dflash": "DFlash"}.get(trace.config.method, f"DDTree@{trace.config.tree_budget}")
+    return trace.config.method_row.heading(trace.config.tree_budget)
 
 
 def drafter_name(trace: Trace) -> str | None:
     config = trace.config
-    if config.method == "ar" or not config.drafter:
+    if not config.method_row.drafts or not config.drafter:
         return None
     if config.drafter_trained or "untrained" in config.drafter.lower():  # engine.loop.loading already says so
         return config.drafter
@@ -396,9 +394,8 @@ def token_label(piece: str) -> str:
     return piece.replace("\n", "↵").replace("\t", "→") or "∅"
 
 
-def column_order(trace: Trace) -> tuple[int, int]:
-    method = trace.config.method
-    return (NAMES.index(method) if method in NAMES else len(NAMES), trace.config.tree_budget or 0)
+def column_order(trace: Trace) -> tuple[int, int, str]:
+    return Label.parse(trace.config.label).order
 
 
 # ---------------------------------------------------------------- the DDTree strip
@@ -476,10 +473,10 @@ class Scene:
     def __init__(self, traces: list[Trace], preset: Preset, slowdown: float = 1.0, theme: Theme = THEME):
         traces = sorted(traces, key=column_order)
         _check_traces(traces)
-        ar = next((t for t in traces if t.config.method == "ar"), None)
+        ar = next((t for t in traces if t.config.method_row is BASELINE), None)
         ar_speed = Column.from_trace(ar).tokens_per_s if ar else None
         self.columns = [Column.from_trace(t, ar_speed) for t in traces]
-        self.tree_column = next((c for c in reversed(self.columns) if c.trace.config.method == "ddtree"), None)
+        self.tree_column = next((c for c in reversed(self.columns) if c.trace.config.method_row is TREE), None)
         self.preset, self.slowdown, self.theme = preset, slowdown, theme
         self.fonts = load_fonts(preset)
         self.layout = compute_layout(preset, self.fonts, len(self.columns), self.tree_column is not None)
@@ -528,7 +525,7 @@ class Scene:
 
     def _draw_column_frame(self, draw: ImageDraw.ImageDraw, column: Column, box: ColumnLayout) -> None:
         theme, fonts, trace = self.theme, self.fonts, column.trace
-        colour = METHOD_COLOURS.get(trace.config.method, theme.text)
+        colour = print_rgb(trace.config.method_row)
         draw.rounded_rectangle(box.panel.xy, radius=self.preset.px(14), fill=theme.panel, outline=theme.panel_edge,
                                width=self.preset.px(2))
         draw.rectangle((box.panel.x0 + self.preset.px(14), box.panel.y0, box.panel.x1 - self.preset.px(14),
@@ -545,7 +542,7 @@ class Scene:
         theme, fonts, px = self.theme, self.fonts, self.preset.px
         area = Box(0, 0, *self.size).inset(px(160), px(80))
         rows = [CardRow("DDTree Studio · speed comparison", fonts.small, theme.muted),
-                CardRow("Prompt", fonts.heading, METHOD_COLOURS["ddtree"], space_before=px(24)),
+                CardRow("Prompt", fonts.heading, print_rgb(TREE), space_before=px(24)),
                 *(CardRow(line, fonts.prompt, theme.text, space_before=px(10) if i == 0 else 0)
                   for i, line in enumerate(self._prompt_lines(area.width))),
                 *(CardRow(fit_text(fact, fonts.body, area.width), fonts.body, theme.muted,
@@ -571,7 +568,7 @@ class Scene:
         traces = [c.trace for c in self.columns]
         first = traces[0].config
         sampling = "greedy" if first.temperature == 0 else f"temperature {first.temperature:g}"
-        block_sizes = _unique(str(t.config.block_size) for t in traces if t.config.method != "ar")
+        block_sizes = _unique(str(t.config.block_size) for t in traces if t.config.method_row.drafts)
         blocks = f" · draft block {', '.join(block_sizes)}" if block_sizes else ""
         return [
             "Methods: " + " · ".join(method_title(t) for t in traces),
@@ -593,7 +590,7 @@ class Scene:
     def _draw_column(self, draw: ImageDraw.ImageDraw, column: Column, box: ColumnLayout, lines: list[WrappedLine],
                      state: ColumnState) -> None:
         theme, fonts = self.theme, self.fonts
-        colour = METHOD_COLOURS.get(column.trace.config.method, theme.text)
+        colour = print_rgb(column.trace.config.method_row)
         draw.text((box.name.x1, box.name.y0 + line_height(fonts.heading) // 2), f"{state.elapsed_s:.2f} s",
                   font=fonts.clock, fill=theme.text if not state.finished else colour, anchor="rm")
         draw.text((box.stats.x0, box.stats.y0), fit_text(_stats_line(column, state), fonts.small, box.stats.width),
@@ -713,7 +710,7 @@ class Scene:
             self._dot(draw, bonus_at, radius * 1.2, theme.panel, outline=theme.accepted)
             self._label_tokens(draw, [bonus_at], [step.committed_text[len(step.accepted) - 1]], radius,
                                tree.depth_width, above=False)
-        self._dot(draw, tree.points[0], radius * 1.4, METHOD_COLOURS["ddtree"])
+        self._dot(draw, tree.points[0], radius * 1.4, print_rgb(TREE))
 
     def _label_tokens(self, draw: ImageDraw.ImageDraw, points: list[tuple[float, float]], pieces: list[str],
                       radius: float, spacing: float, above: bool) -> None:
@@ -750,7 +747,7 @@ def _has_bonus(step: Step) -> bool:
 def _stats_line(column: Column, state: ColumnState) -> str:
     total = column.tokens_after[-1]
     parts = [f"{state.tokens}/{total} tokens"]
-    if column.trace.config.method != "ar":
+    if column.trace.config.method_row.drafts:
         parts.append(f"τ {state.tau:.2f}" if state.tau is not None else "τ –")
     if state.elapsed_s > 0 and state.tokens:
         parts.append(f"{state.tokens / state.elapsed_s:.1f} tok/s")
@@ -761,7 +758,7 @@ def _badge_text(column: Column) -> str:
     done = f"done in {column.wall_s:.2f} s"
     if column.speedup is None:
         return done
-    if column.trace.config.method == "ar":
+    if column.trace.config.method_row is BASELINE:
         return f"{done} · baseline"
     return f"{done} · {column.speedup:.2f}× vs AR"
 

@@ -29,7 +29,6 @@ from pathlib import Path
 from engine.methods import NAMES
 from engine.tools.bench import read_prompts
 
-RUN_OUTPUTS_SUMMARY = 4  # the /run outputs: status, three columns, then the summary
 KEYS = ("tau", "step_cost_vs_ar", "predicted_speedup", "speedup_vs_ar")
 
 
@@ -63,9 +62,9 @@ def check(url: str, prompts: list[dict], max_new_tokens: int, sweep_budgets: str
     print(f"default budget: {info['tree_budget']}: {info['why']}")
     runs = []
     for prompt in prompts:
-        outputs = client.predict(prompt["prompt"], max_new_tokens, 0.0, 0, info["tree_budget"], list(NAMES),
-                                 api_name="/run")
-        summary, download = outputs[RUN_OUTPUTS_SUMMARY], outputs[RUN_OUTPUTS_SUMMARY + 1]
+        outputs = dict(zip(info["run_outputs"], client.predict(prompt["prompt"], max_new_tokens, 0.0, 0,
+                                                               info["tree_budget"], list(NAMES), api_name="/run")))
+        summary, download = outputs["summary"], outputs["download"]  # /info names /run's outputs, in their order
         engines = {trace["config"]["engine"] for trace in json.loads(Path(download).read_text())["traces"]}
         runs.append({"prompt_id": prompt["id"], "engines": sorted(engines),
                      "methods": {method: {key: entry[key]

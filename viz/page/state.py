@@ -1,0 +1,316 @@
+"""What every view of the page shares: the loaded models (``Studio``), a session's traces and Stop switch
+(``Session``), a run on the model's queue as the page follows it (``run_live``), the files handed to Gradio, and
+how a box's value becomes a setting or a refusal.
+
+The models load once and are shared read-only by every browser session; each session keeps its own traces in
+``gr.State``. Every model call is a job on the model's one queue (``engine.serving.model_queue``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+import shutil
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gradio as gr
+
+from engine.errors import EngineError
+from engine.loop.decode import Decoder
+from engine.loop.settings import DecodeSettings
+from engine.measure.calibration import BudgetChoice, StartupTiming, cache_dir
+from engine.methods import BASELINE, DFLASH, METHODS, NAMES, TREE
+from engine.serving.model_queue import ModelQueue
+from engine.trace import Trace, TraceError, write_trace_file
+from viz.tokens import TokenText, pieces_token_text
+from viz.video import VideoError
+
+log = logging.getLogger("ddtree-studio")
+
+POLL_S = 0.2  # how often a streaming handler refreshes the page while the model works
+KEPT_FILES = 64  # trace downloads and videos kept on disk; Gradio serves its own copy of each
+TRACE_FILE_NAME = "ddtree-traces.json"
+
+
+# ---------------------------------------------------------------- models (shared)
+
+@dataclass
+class Studio:
+    """The loaded models, shared by every session. Every call that touches them is a job on ``queue``,
+    their one owner (``engine.serving.model_queue``): a torch model with caches is not safe to drive
+    from two threads, and no handler takes a lock around the model, so no two can wait on each other."""
+
+    decoder: Decoder | None  # None: the page loads no model and opens a server's traffic (``--server``)
+    budget: BudgetChoice  # the DDTree budget the page starts with, and why
+    queue: ModelQueue = field(default_factory=ModelQueue)
+    server: str | None = None  # the Studio server whose traffic the page opens first
+    timing: StartupTiming | None = None  # budgets still being timed in the background, if any
+    timing_error: str | None = None
+    # the labels (``ddtree@32``: what a compiled step is compiled for) run once already
+    started: set[str] = field(default_factory=set)
+
+    @property
+    def has_model(self) -> bool:
+        return self.decoder is not None
+
+    def require_model(self) -> Decoder:
+        if self.decoder is None:
+            raise EngineError(f"this page loads no model: it opens the traffic of {self.server}; start it without "
+                              "--server to run prompts here")
+        return self.decoder
+
+    @property
+    def timing_pending(self) -> bool:
+        return self.timing is not None and bool(self.timing.missing()) and self.timing_error is None
+
+    def budget_sentence(self) -> str:
+        """Why the page starts at its budget; while the timing runs, how far it got."""
+        if self.timing_error is not None:
+            return (f"DDTree budget {self.budget.budget}: timing the budgets on this machine failed "
+                    f"({self.timing_error}); the page keeps this budget.")
+        if self.timing_pending:
+            return (f"DDTree budget {self.budget.budget} for now (a tree that branches). No bench record fits this "
+                    f"machine, so the budgets are being timed on it in the background, between runs: "
+                    f"{self.timing.progress()}. Each timing is kept in {self.timing.path}, so a restart goes on "
+                    "where this one stopped.")
+        return self.budget.sentence()
+
+    def first_use(self, settings: DecodeSettings) -> str | None:
+        """Said while a compiled step's first run of a method and budget compiles it (a minute or more)."""
+        if not self.has_model or not self.decoder.compile_step or settings.label in self.started:
+            return None
+        return (f"compiling the {settings.method} step for this budget (once per method and budget; the compile "
+                f"cache in {cache_dir()} keeps it for the next start)")
+
+    def time_budgets(self) -> None:
+        """Time what the cache lacks, one label at a time, each between visitors' runs (a timing beside a
+        run would slow both and measure neither), then open new pages at the budget it chose."""
+        try:
+            for label in self.timing.missing():
+                self.queue.run(self.timing.time, label)  # one label a job: visitors' runs queue between them
+                # what the timing ran (DFlash warms up with the first label) is compiled: the page need not say so
+                timed = BASELINE.label() if label == BASELINE.name else TREE.label(int(label))
+                self.started |= {DFLASH.label(), timed}
+                log.info("timed %s: %s", label, self.timing.progress())
+            self.budget = self.timing.choice()
+            log.info("%s", self.budget.sentence())
+        except Exception as exc:  # the page keeps serving at the budget it started with
+            log.exception("timing the DDTree budgets failed")
+            self.timing_error = f"{type(exc).__name__}: {exc}"
+
+    @functools.cached_property
+    def decode_token(self) -> TokenText:
+        tokenizer = self.decoder.target.tokenizer
+        return functools.lru_cache(maxsize=None)(lambda token: tokenizer.decode([token], skip_special_tokens=False))
+
+    def token_text_for(self, traces: list[Trace]) -> TokenText:
+        """The tokenizer for traces of the loaded model; otherwise (an upload from
+        another model) the text pieces the traces themselves carry."""
+        if self.has_model and traces and all(trace.config.model == self.decoder.target.name for trace in traces):
+            return self.decode_token
+        return pieces_token_text(traces)
+
+
+# ---------------------------------------------------------------- per-session state
+
+@dataclass
+class RunControl:
+    """The session's Stop switch; decoding polls it between steps. A plain flag, so
+    ``gr.State`` can deep-copy it into every new session."""
+
+    stop: bool = False
+
+
+def request_stop(control: RunControl) -> str:
+    control.stop = True
+    return "Stopping after the current step…"
+
+
+def ordered(traces: dict[str, Trace]) -> list[Trace]:
+    return [traces[method] for method in NAMES if method in traces]
+
+
+def method_choices(names: Iterable[str]) -> list[tuple[str, str]]:
+    """A box that picks methods: each shown by its caption, its name the value."""
+    return [(METHODS[name].caption, name) for name in names]
+
+
+class ScratchFiles:
+    """Files the page hands to Gradio, which copies each into its own cache at once: one folder for the app's
+    life that keeps the newest ``keep`` of them (a folder per file would fill /tmp over a day of visitors)."""
+
+    def __init__(self, keep: int = KEPT_FILES):
+        self.folder = tempfile.TemporaryDirectory(prefix="ddtree-studio-")  # removed when the app exits
+        self.keep = keep
+        self.made: deque[Path] = deque()
+        self.count = itertools.count()
+        self.lock = threading.Lock()
+
+    def path(self, name: str) -> Path:
+        """A fresh path ending in ``name``, the name a visitor's download gets."""
+        with self.lock:
+            folder = Path(self.folder.name) / str(next(self.count))
+            folder.mkdir()
+            self.made.append(folder)
+            while len(self.made) > self.keep:
+                shutil.rmtree(self.made.popleft(), ignore_errors=True)
+        return folder / name
+
+
+def save_traces(traces: list[Trace], path: Path) -> str:
+    return str(write_trace_file(path, traces))
+
+
+@dataclass
+class Session:
+    """What every view shares: the models, this session's traces and Stop switch, the status line."""
+
+    studio: Studio
+    traces: gr.State
+    control: gr.State
+    status: gr.Markdown
+    files: ScratchFiles  # shared by every session: the app's files on disk, bounded
+
+
+# ---------------------------------------------------------------- running the model
+
+class LiveRun:
+    """One decoder run on the model thread; the handler polls ``trace`` as it grows. ``warm_up``: a compiled
+    step's first run of its method and budget; a short untimed run builds its programs first, so the run shown
+    (and its speed) pays for no compilation."""
+
+    def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
+                 control: RunControl, warm_up: bool = False):
+        self.trace: Trace | None = None
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        self.queue = studio.queue
+        self.job = studio.queue.submit(self._work, studio.decoder, prompt, prompt_ids, settings, control, warm_up)
+
+    @property
+    def waiting_behind(self) -> int:
+        """How many jobs (the running one included) this run waits behind in the model's queue; 0 once it runs."""
+        return 0 if self.job.running() or self.job.done() else self.queue.ahead_of(self.job) + 1
+
+    def _work(self, decoder: Decoder, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
+              control: RunControl, warm_up: bool) -> None:
+        try:
+            if control.stop:  # stopped (or the page left) while it queued
+                return
+            if warm_up:
+                decoder.run(prompt, settings.warm_up(), prompt_ids=prompt_ids, should_stop=lambda: control.stop)
+            self.trace = decoder.run(prompt, settings, prompt_ids=prompt_ids, on_step=self._on_step,
+                                     should_stop=lambda: control.stop)
+        except Exception as exc:  # handed to the UI thread, which reports it
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def _on_step(self, trace: Trace, step) -> None:
+        self.trace = trace
+
+
+def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
+             control: RunControl) -> Iterator[LiveRun]:
+    """Yield the live run every ``POLL_S`` until it ends (yielding once more at the end); while it waits in
+    the model's queue its ``waiting_behind`` says so. Nothing here holds the model: the queue runs one job
+    at a time."""
+    live = LiveRun(studio, prompt, prompt_ids, settings, control, warm_up=studio.first_use(settings) is not None)
+    try:
+        while not live.done.wait(POLL_S):
+            yield live
+        if live.error is not None:
+            raise live.error
+        studio.started.add(settings.label)
+        yield live
+    finally:
+        if not live.done.is_set():
+            control.stop = True  # the page went away mid-run: let the run stop at its next step
+            if not studio.queue.cancel(live.job):
+                live.done.wait()
+
+
+def encode_prompt(studio: Studio, prompt: str) -> list[int]:
+    studio.require_model()
+    if not prompt or not prompt.strip():
+        raise EngineError("the prompt is empty: type a message for the model to answer")
+    return studio.decoder.target.chat_ids(prompt)
+
+
+def filled(value, name: str):
+    """A number box's value; an emptied box arrives as None."""
+    if value is None:
+        raise EngineError(f"{name} is empty: enter a number")
+    return value
+
+
+def is_number(value) -> bool:
+    """A finite int or float; not a bool, whose True a box would take as 1."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
+                                                                          and math.isfinite(value))
+
+
+def number(value, name: str) -> float:
+    """A box's number. An API client can send anything: "hot", true or NaN must be refused here, not fail
+    inside the model."""
+    value = filled(value, name)
+    if not is_number(value):
+        raise EngineError(f"{name} must be a number, got {value!r}")
+    return value
+
+
+def whole(value, name: str) -> int:
+    """A count's box: an API client can send 2.5, which must not quietly run as 2, or "ten"."""
+    value = filled(value, name)
+    if not is_number(value) or value != int(value):
+        raise EngineError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def common_settings(max_new_tokens, temperature, seed) -> DecodeSettings:
+    """What every run of one click shares, as AR's settings (each run replaces the method and the budget). The
+    page reads what a box holds (an emptied box is None; an API client can send text, true or NaN);
+    ``DecodeSettings`` checks the values, with the sentence every entry point says."""
+    return DecodeSettings(BASELINE.name, max_new_tokens=whole(max_new_tokens, "max new tokens"),
+                          temperature=number(temperature, "temperature"), seed=whole(seed, "seed"))
+
+
+def checked(studio: Studio, prompt_ids: list[int],
+            settings: list[DecodeSettings]) -> tuple[list[DecodeSettings], list[str]]:
+    """Check every run's settings against the models before any starts, so a bad value fails at once; with the
+    notes on how the runs will run (sampling on the readable step), each said once."""
+    notes = [note for setting in settings for note in studio.decoder.prepare(setting, len(prompt_ids))[1]]
+    return settings, list(dict.fromkeys(notes))
+
+
+def problem(exc: Exception) -> str:
+    """Show a failure that ended a run midway: a toast plus the status line's Markdown, beside what
+    the run made before it."""
+    if isinstance(exc, (EngineError, TraceError, VideoError)):
+        message = str(exc)
+    else:
+        log.exception("unexpected failure")
+        message = f"internal error ({type(exc).__name__}: {exc}); the app is still running, try again"
+    gr.Warning(message)
+    return f"⚠️ **{capitalized(message)}**"
+
+
+def refusal(exc: Exception) -> gr.Error:
+    """Bad input, refused before anything changed: the page shows it as an error toast and keeps
+    everything it shows (its events hide their progress, which would mark every output "Error");
+    an API client gets the message as its error, not a status line beside unchanged outputs.
+    Refusals are expected: the log gets one line, not a traceback."""
+    message = capitalized(str(exc))
+    log.info("refused: %s", message)
+    return gr.Error(message, print_exception=False)
+
+
+def capitalized(message: str) -> str:
+    return message[0].upper() + message[1:]

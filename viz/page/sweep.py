@@ -1,0 +1,119 @@
+"""The Budget sweep: DDTree at several tree budgets on the Run tab's prompt and settings, against one AR run, the
+plot and the table growing as the runs finish."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import gradio as gr
+
+from engine.errors import EngineError
+from engine.methods import BASELINE, TREE
+from engine.trace import Trace
+from viz.figures import sweep_figure, trace_economics
+from viz.page.state import RunControl, Session, checked, common_settings, encode_prompt, problem, refusal, run_live
+from viz.text_view import run_stats
+
+DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
+MAX_SWEEP_POINTS = 8
+SWEEP_HEADERS = ["budget", "τ", "step cost (AR steps)", "predicted τ ÷ cost", "measured speed-up", "tokens/s",
+                 "tokens", "steps"]
+
+
+class SweepView:
+    """DDTree at several budgets on the Run tab's prompt and settings, against one AR run."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.studio = session.studio
+
+    def build(self) -> None:
+        gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab, "
+                    "with AR as the tokens/s reference.")
+        with gr.Row():
+            self.budgets = gr.Textbox(DEFAULT_SWEEP, label=f"Budgets (comma separated, up to {MAX_SWEEP_POINTS})",
+                                      scale=3)
+            self.sweep_button = gr.Button("Run sweep", variant="primary", scale=1)
+            self.stop_button = gr.Button("Stop", variant="stop", scale=0)
+        self.status = gr.Markdown("", label="Sweep status")
+        self.plot = gr.Plot(sweep_figure([]), label="Budget sweep")
+        self.table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
+
+    def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, control: RunControl):
+        """AR once, then DDTree at each budget; the plot and table grow as runs finish."""
+        control.stop = False
+        try:
+            budgets = parse_budgets(budgets_text)
+            prompt_ids = encode_prompt(self.studio, prompt)
+            common = common_settings(max_new_tokens, temperature, seed)
+            settings, notes = checked(self.studio, prompt_ids, [common] + [
+                replace(common, method=TREE.name, tree_budget=budget) for budget in budgets])
+        except EngineError as exc:
+            raise refusal(exc) from None
+        said = "".join(f" · {note}" for note in notes)
+        for note in notes:
+            gr.Info(note)
+        baseline, runs = None, []
+        for number, setting in enumerate(settings):
+            baseline_run = setting.method == BASELINE.name
+            name = f"{BASELINE.title} baseline" if baseline_run else f"{TREE.title} budget {setting.tree_budget}"
+            bar = progress_bar(number, len(settings))
+            live = None
+            try:
+                compiling = self.studio.first_use(setting)
+                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
+                    tokens = run_stats(live.trace).tokens if live.trace else 0
+                    doing = (f"waiting for the model, behind {live.waiting_behind} other run(s)" if live.waiting_behind
+                             else f"{compiling}…" if compiling and not tokens else f"{tokens} tokens")
+                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {doing}{said}"}
+            except Exception as exc:
+                yield {self.status: problem(exc), **self._results(runs, baseline)}
+                return
+            if control.stop or live is None or live.trace is None:
+                break
+            if baseline_run:
+                baseline = live.trace
+            else:
+                runs.append(live.trace)
+                yield self._results(runs, baseline)
+        done = "Sweep stopped." if control.stop else "Sweep finished."
+        # the last message carries everything: API clients only see the final one
+        yield {self.status: f"{progress_bar(len(runs) + 1, len(settings))} {done}{said}",
+               **self._results(runs, baseline)}
+
+    def _results(self, runs: list[Trace], baseline: Trace | None) -> dict:
+        return {self.plot: sweep_figure(runs, baseline), self.table: sweep_rows(runs, baseline)}
+
+
+def parse_budgets(text: str) -> list[int]:
+    parts = [part.strip() for part in (text or "").replace(";", ",").split(",") if part.strip()]
+    try:
+        budgets = sorted({int(part) for part in parts})
+    except ValueError:
+        raise EngineError(f"budgets must be whole numbers separated by commas, e.g. {DEFAULT_SWEEP}") from None
+    if not budgets:
+        raise EngineError(f"enter at least one budget, e.g. {DEFAULT_SWEEP}")
+    if len(budgets) > MAX_SWEEP_POINTS:
+        raise EngineError(f"at most {MAX_SWEEP_POINTS} budgets per sweep, got {len(budgets)}")
+    return budgets
+
+
+def sweep_rows(runs: list[Trace], baseline: Trace | None) -> list[list]:
+    entries = trace_economics(runs, baseline)
+    rows = []
+    for trace in sorted(runs, key=lambda t: t.config.tree_budget):
+        stats, entry = run_stats(trace), entries[trace.config.label]
+        rows.append([trace.config.tree_budget, round(stats.tau, 3), _shown(entry.step_cost_vs_ar, ""),
+                     _shown(entry.predicted_speedup, "×"), _shown(entry.speedup_vs_ar, "×"),
+                     round(stats.tokens_per_s, 2), stats.tokens, stats.steps])
+    return rows
+
+
+def _shown(value: float | None, unit: str) -> str:
+    return "–" if value is None else f"{value:.2f}{unit}"
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    bar = round(width * done / total) if total else width
+    return f"`[{'█' * bar}{'·' * (width - bar)}]`"
+
