@@ -1,11 +1,15 @@
 """DDTree Studio: run AR, DFlash and DDTree side by side, replay the race, inspect every step.
 
     python app.py [--host 127.0.0.1] [--port 7860] [--model smollm2] [--drafter FOLDER|random]
-                  [--device cpu] [--dtype float32] [--engine torch|vllm] [--no-compile-step] [--tree-budget N]
+                  [--second-drafter FOLDER] [--device cpu] [--dtype float32] [--engine torch|vllm]
+                  [--no-compile-step] [--tree-budget auto|N]
 
-The page answers as soon as the models are loaded: its first DDTree budget comes from the bench's
-record for this kind of machine (``assets/budgets.json``), or from timings kept by earlier starts;
-what is missing is timed in the background (``engine.measure.calibration``).
+The page answers as soon as the models are loaded. Its DDTree budget box opens at "auto": every step sizes its
+tree with the step costs recorded for this kind of machine (``assets/batching.json``, else provisional ones). The
+fixed budget the banner recommends comes from the bench's record for this kind of machine
+(``assets/budgets.json``), or from timings kept by earlier starts; what is missing is timed in the background
+(``engine.measure.calibration``). ``--second-drafter``: a drafter to compare with the first on the same prompts,
+on the same target (its weights loaded once); the page's picker offers it and every folder in ``assets/drafters/``.
 
 The models load once at startup and are shared read-only by every browser session;
 each session keeps its own traces in ``gr.State``. ``--port`` defaults to Gradio's
@@ -33,16 +37,23 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.decode import Decoder
+from engine.loop.loading import drafter_folders
 from engine.measure.calibration import FALLBACK_BUDGET, BudgetChoice, cache_dir
-from engine.methods import check_budget
+from engine.methods import AUTO, TREE, Budget, check_budget
 from engine.serving.model_queue import ModelQueue
-from engine.serving.startup import add_model_arguments, check_model_arguments, load_studio_decoder, opening_budget
+from engine.serving.startup import (
+    add_model_arguments,
+    batch_budgeting,
+    check_model_arguments,
+    load_studio_decoder,
+    opening_budget,
+)
 from engine.serving.traffic import DEFAULT_SERVER, server_url
 from engine.trace import Trace
 from viz.page.doctor import DoctorView
 from viz.page.inspector import InspectorView
 from viz.page.replay import ReplayView
-from viz.page.run import RUN_OUTPUTS, RunView, typed
+from viz.page.run import RUN_OUTPUTS, RunView
 from viz.page.state import RunControl, ScratchFiles, Session, Studio, request_stop
 from viz.page.sweep import SweepView
 from viz.page.traces import TracesView
@@ -104,8 +115,10 @@ class StudioApp:
         drafter = (f"**{info.name}** (trained{drafts})" if info.trained else
                    f"**{info.name}** — ⚠️ **untrained**: seeded random weights, so drafts are noise and τ stays "
                    "near 1; the machinery is real, the speed-up is not")
+        auto = (f"The {TREE.title} budget \"{AUTO}\" sizes every step's tree with {decoder.budgeting.source}. "
+                "A fixed budget: ")
         return (f"Target **{target.name}** on {target.device} ({str(target.dtype).removeprefix('torch.')}, "
-                f"{decoder.engine} engine) · drafter {drafter}  \n{self.studio.budget_sentence()}")
+                f"{decoder.engine} engine) · drafter {drafter}  \n{auto}{self.studio.budget_sentence()}")
 
     def _wire(self, demo: gr.Blocks) -> None:
         session, run, replay, traces, inspector, sweep = (self.session, self.run_view, self.replay_view,
@@ -114,7 +127,7 @@ class StudioApp:
         # every output of a failed event "Error" unless the event hides its progress, so events that can refuse
         # hide it (their status line says how they are doing), or check first in an event without outputs.
         run_inputs = [run.prompt, run.max_new_tokens, run.temperature, run.seed, run.budget, run.methods,
-                      session.control]
+                      run.second_drafter, session.control]
         self.while_busy(run.run_button.click, functools.partial(run.run, present=self.present), run_inputs,
                         self.run_outputs, api_name="run", concurrency_id="model", concurrency_limit=4)
         run.stop_button.click(request_stop, session.control, session.status, api_name="stop", queue=False,
@@ -140,7 +153,8 @@ class StudioApp:
                          [session.traces, inspector.method, inspector.step], [inspector.step, *inspector.step_views],
                          api_visibility="private", show_progress="hidden", preprocess=False)
         self.while_busy(sweep.sweep_button.click, sweep.sweep,
-                        [run.prompt, run.max_new_tokens, run.temperature, run.seed, sweep.budgets, session.control],
+                        [run.prompt, run.max_new_tokens, run.temperature, run.seed, sweep.budgets, run.second_drafter,
+                         session.control],
                         [sweep.status, sweep.plot, sweep.table], api_name="sweep", concurrency_id="model",
                         concurrency_limit=4)
         sweep.stop_button.click(request_stop, session.control, sweep.status, api_visibility="private", queue=False,
@@ -158,9 +172,10 @@ class StudioApp:
                                                              show_progress="hidden")
         if self.studio.server is not None:  # the page opens on the server's list
             demo.load(traffic.refresh, traffic.url, listing, api_visibility="private", show_progress="hidden")
-        run.budget.input(typed, None, run.budget_typed, api_visibility="private", queue=False, show_progress="hidden")
-        self.timing_clock.tick(self.follow_timing, run.budget_typed, [self.banner, run.budget, self.timing_clock],
-                               api_visibility="private", queue=False, show_progress="hidden")
+        run.second_drafter.input(run.pick_second, run.second_drafter, [run.columns[key] for key in run.second_keys],
+                                 api_visibility="private", queue=False, show_progress="hidden")
+        self.timing_clock.tick(self.follow_timing, None, [self.banner, self.timing_clock], api_visibility="private",
+                               queue=False, show_progress="hidden")
 
     @property
     def busy_buttons(self) -> list[gr.Button]:
@@ -177,13 +192,12 @@ class StudioApp:
         for ended in (work.then, work.failure):  # the page runs a .then only after a success
             ended(lambda: {button: gr.Button(interactive=True) for button in buttons}, None, buttons, **private)
 
-    def follow_timing(self, budget_typed: bool) -> dict:
-        """The banner follows the background timing; when it ends, the budget box moves to its choice
-        (unless the visitor has typed in it) and the clock stops."""
+    def follow_timing(self) -> dict:
+        """The banner follows the background timing of the fixed budgets; when it ends, the clock stops (the budget
+        box keeps what it holds: "auto", or what the visitor typed)."""
         if self.studio.timing_pending:
             return {self.banner: self._model_banner()}
-        moved = {} if budget_typed else {self.run_view.budget: self.studio.budget.budget}
-        return {self.banner: self._model_banner(), **moved, self.timing_clock: gr.Timer(active=False)}
+        return {self.banner: self._model_banner(), self.timing_clock: gr.Timer(active=False)}
 
     def info(self) -> dict:
         """What the page runs on and the DDTree budget it starts with, and why; and the names of ``/run``'s
@@ -193,8 +207,10 @@ class StudioApp:
         if decoder is None:
             return {"engine": None, "model": None, "server": self.studio.server, "why": self._model_banner(), **outputs}
         return {"engine": decoder.engine, "device": str(decoder.target.device), "model": decoder.target.name,
-                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype, "tree_budget": choice.budget,
-                "why": self.studio.budget_sentence(),
+                "drafter": decoder.drafter_info.name, "draft_dtype": decoder.draft_dtype,
+                "tree_budget": self.studio.tree_budget, "auto_budget": decoder.budgeting.source,
+                "fixed_budget": choice.budget, "why": self.studio.budget_sentence(),
+                "second_drafters": self.studio.offered_drafters, "second_drafter": self.studio.second_drafter,
                 "calibration": {str(budget): entry.to_dict() for budget, entry in choice.table.items()}, **outputs}
 
     @property
@@ -224,11 +240,17 @@ CSS = """
 """
 
 
-def startup_studio(decoder: Decoder, queue: ModelQueue, tree_budget: int | None) -> Studio:
-    """The page's first budget, at once (``opening_budget``); where timings are missing the page starts at a
-    tree that branches and ``Studio.time_budgets`` times the rest in the background."""
-    budget, timing = opening_budget(decoder, tree_budget)
-    return Studio(decoder, budget, queue=queue, timing=timing)
+def startup_studio(decoder: Decoder, queue: ModelQueue, tree_budget: Budget = AUTO,
+                   second_drafter: str | None = None) -> Studio:
+    """The page's budgets, at once: "auto" trees sized with the step costs recorded for this kind of machine
+    (``batch_budgeting``, nothing timed at start-up), and the fixed budget it recommends (``opening_budget``; where
+    timings are missing, ``Studio.time_budgets`` times the rest in the background). The drafters the page offers
+    to compare: the torch engine's (a second decoder on the same target)."""
+    queue.run(batch_budgeting, decoder, False)
+    budget, timing = opening_budget(decoder, tree_budget if tree_budget != AUTO else None)
+    offered = drafter_folders(second_drafter) if decoder.engine == "torch" and decoder.drafter is not None else []
+    return Studio(decoder, budget, queue=queue, timing=timing, tree_budget=tree_budget, offered_drafters=offered,
+                  second_drafter=second_drafter)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -240,14 +262,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{DEFAULT_SERVER}: the page loads no model, it lists the server's requests and opens "
                              "any of them in the inspector")
     add_model_arguments(parser)
-    parser.add_argument("--tree-budget", type=int, default=None,
-                        help="the DDTree budget the page starts with (default: the largest tree within 5%% of the "
-                             "fastest budget: the bench's record for this kind of machine in assets/budgets.json, "
-                             "else timed here in the background)")
+    parser.add_argument("--second-drafter", default=None, metavar="FOLDER",
+                        help="a second DFlash drafter to compare with the first on the same prompts and target "
+                             "(torch engine): DFlash and DDTree run with both, side by side")
+    parser.add_argument("--tree-budget", default=AUTO,
+                        help='the DDTree budget the page starts with: "auto" (the default: every step sizes its tree '
+                             "with this machine's step costs) or 1..1024 nodes")
     args = parser.parse_args(argv)
     try:
-        if args.tree_budget is not None:
-            check_budget(args.tree_budget)
+        args.tree_budget = check_budget(args.tree_budget)
         if args.server is not None:
             server_url(args.server)
     except EngineError as exc:
@@ -274,7 +297,13 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     log.info("loaded %s with drafter %s in %.1f s", decoder.target.name, decoder.drafter_info.name,
              time.perf_counter() - started)
-    studio = startup_studio(decoder, queue, args.tree_budget)
+    studio = startup_studio(decoder, queue, args.tree_budget, args.second_drafter)
+    try:
+        second = studio.second_decoder(args.second_drafter)  # a bad folder fails here, not at the first run
+    except EngineError as exc:
+        raise SystemExit(f"error: --second-drafter: {exc}") from None
+    if second is not None:
+        log.info("second drafter %s (its runs labelled +%s)", second.drafter_info.name, second.drafter_info.tag)
     log.info("%s", studio.budget_sentence())
     if decoder.compile_step:
         log.info("the step is compiled: each method and budget compiles at its first run (the page says so while "

@@ -7,7 +7,9 @@ drafter's per-depth log-probabilities: the readable builder (``ddtree.tree``), a
 (``ddtree.fixed``) that a CUDA graph can hold. Adding a method is a row here plus its builders.
 
 A run's label is its name, with its budget where the user chooses one (``ddtree@32``), or ``@auto``
-where the budget is chosen step by step for the batch (``engine.loop.batch``).
+where the budget is chosen step by step for the batch (``engine.loop.batch``); a run of a second drafter
+beside the first (the page's comparison of two drafters) adds that drafter's tag (``ddtree@32+candidate``)
+and draws in a lighter shade of its method's colour.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from engine.errors import EngineError
 
 AUTO = "auto"  # a tree budget chosen every step for the batch, not by the user
 MAX_TREE_BUDGET = 1024
+TAG_MARK = "+"  # between a label and a second drafter's tag
+SECOND_SHADE = 0.45  # how far a second drafter's colour moves towards white
 
 Budget = int | str  # a node count, or AUTO
 
@@ -64,18 +68,29 @@ class Method:
             return 0
         return budget if self.budgeted else depth
 
-    def label(self, budget: Budget | None = None) -> str:
-        """``ar``, ``dflash``, ``ddtree@32``, ``ddtree@auto``: how results, traces and the page name a run."""
+    def label(self, budget: Budget | None = None, drafter_tag: str | None = None) -> str:
+        """``ar``, ``dflash``, ``ddtree@32``, ``ddtree@auto``: how results, traces and the page name a run; a second
+        drafter's run carries its tag (``ddtree@32+candidate``)."""
         if budget == AUTO and self.drafts:
-            return f"{self.name}@{AUTO}"
-        return f"{self.name}@{budget}" if self.budgeted and budget is not None else self.name
+            label = f"{self.name}@{AUTO}"
+        else:
+            label = f"{self.name}@{budget}" if self.budgeted and budget is not None else self.name
+        return f"{label}{TAG_MARK}{drafter_tag}" if drafter_tag and self.drafts else label
 
-    def heading(self, budget: Budget | None = None, long: bool = False) -> str:
-        """The label as a person reads it: ``DDTree@32`` (``long``: ``DDTree · budget 32``)."""
+    def heading(self, budget: Budget | None = None, long: bool = False, drafter_tag: str | None = None) -> str:
+        """The label as a person reads it: ``DDTree@32`` (``long``: ``DDTree · budget 32``), a second drafter's
+        run with its tag: ``DDTree@32 · candidate``."""
         shown = self.label(budget).removeprefix(self.name)
-        if not shown:
-            return self.title
-        return f"{self.title} · budget {shown[1:]}" if long else f"{self.title}{shown}"
+        heading = self.title if not shown else f"{self.title} · budget {shown[1:]}" if long else f"{self.title}{shown}"
+        return f"{heading} · {drafter_tag}" if drafter_tag and self.drafts else heading
+
+    def run_colour(self, drafter_tag: str | None = None, printed: bool = False) -> str:
+        """The colour of a run of this method (``printed``: on the report's and the video's dark cards); a second
+        drafter's run a lighter shade of it, so the two drafters read as one method twice."""
+        colour = self.print_colour if printed else self.colour
+        if not (drafter_tag and self.drafts):
+            return colour
+        return "#" + "".join(f"{round(c + (255 - c) * SECOND_SHADE):02x}" for c in _hex_rgb(colour))
 
 
 def _hex_rgb(colour: str) -> tuple[int, int, int]:
@@ -102,28 +117,35 @@ def method(name) -> Method:
     return METHODS[name]
 
 
-def print_rgb(method_row: Method) -> tuple[int, int, int]:
-    """``print_colour`` as the video's frames take it."""
-    return _hex_rgb(method_row.print_colour)
+def print_rgb(method_row: Method, drafter_tag: str | None = None) -> tuple[int, int, int]:
+    """``print_colour`` (a second drafter's run: its shade) as the video's frames take it."""
+    return _hex_rgb(method_row.run_colour(drafter_tag, printed=True))
 
 
 @dataclass(frozen=True)
 class Label:
-    """A run's label read back: its method, its budget (a number, ``AUTO`` or None) and a suffix the bench adds
-    (``:tokens``); a label of no method here (vLLM's own baselines) has ``method`` None."""
+    """A run's label read back: its method, its budget (a number, ``AUTO`` or None), a second drafter's tag and a
+    suffix the bench adds (``:tokens``); a label of no method here (vLLM's own baselines) has ``method`` None."""
 
     text: str
     method: Method | None
     budget: Budget | None
     suffix: str
+    drafter_tag: str | None = None
 
     @staticmethod
     def parse(text: str) -> Label:
         head, colon, suffix = text.partition(":")
+        head, _, tag = head.partition(TAG_MARK)
         name, _, budget = head.partition("@")
         row = METHODS.get(name)
         value: Budget | None = int(budget) if budget.isdigit() else (AUTO if budget == AUTO else None)
-        return Label(text, row, value, colon + suffix)
+        return Label(text, row, value, colon + suffix, tag or None)
+
+    @property
+    def heading(self) -> str:
+        """The label as the page's figures name it: ``DDTree@32``, ``DDTree@32 · candidate``."""
+        return self.method.heading(self.budget, drafter_tag=self.drafter_tag) if self.method is not None else self.text
 
     @property
     def order(self) -> tuple[int, int, str]:

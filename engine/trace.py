@@ -51,6 +51,8 @@ class RunConfig:
     notes: list[str] = field(default_factory=list)  # settings the engine adjusted, said plainly
     timing_only: bool = False  # random weights at a real model's shape: the costs are real, the text is not
     step: str = "readable"  # which step ran: "readable", "fixed" or "compiled fixed" (``engine.loop.decode.step_kind``)
+    # a second drafter's run beside the first's (the page's comparison of two drafters): what its label adds
+    drafter_tag: str | None = None
 
     @property
     def method_row(self) -> Method:
@@ -59,8 +61,18 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        """Short display name; runs with a budget carry it (``ddtree@32``, ``ddtree@auto``)."""
-        return self.method_row.label(self.tree_budget)
+        """Short display name; runs with a budget carry it (``ddtree@32``, ``ddtree@auto``), a second drafter's its
+        tag (``ddtree@32+candidate``)."""
+        return self.method_row.label(self.tree_budget, self.drafter_tag)
+
+    def heading(self, long: bool = False) -> str:
+        """The label as a person reads it (``engine.methods.Method.heading``)."""
+        return self.method_row.heading(self.tree_budget, long, self.drafter_tag)
+
+    @property
+    def colour(self) -> str:
+        """The run's colour in the page's figures: its method's, a second drafter's a lighter shade of it."""
+        return self.method_row.run_colour(self.drafter_tag)
 
     @property
     def model_label(self) -> str:

@@ -15,7 +15,8 @@ from engine.errors import EngineError
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice
 from engine.methods import NAMES, check_budget
-from tests.tiny import tiny_decoder
+from engine.models.drafter import save_drafter
+from tests.tiny import tiny_decoder, tiny_drafter
 from viz.page.run import RUN_OUTPUTS
 from viz.page.state import TRACE_FILE_NAME, RunControl, ScratchFiles, Studio, capitalized, save_traces
 
@@ -34,10 +35,20 @@ def traces(page) -> dict:
             for method in ("ar", "dflash", "ddtree")}
 
 
-def run_once(page, max_new_tokens=4, temperature=0.0, seed=0, budget=8, methods=("ar",)) -> list[dict]:
+@pytest.fixture(scope="module")
+def candidate(page, tmp_path_factory) -> str:
+    """A second drafter for the tiny target, in a folder the page offers."""
+    folder = tmp_path_factory.mktemp("drafters") / "candidate"
+    save_drafter(tiny_drafter(page.studio.decoder.target, seed=1), folder)
+    page.studio.offered_drafters = [str(folder)]
+    return str(folder)
+
+
+def run_once(page, max_new_tokens=4, temperature=0.0, seed=0, budget=8, methods=("ar",),
+             second_drafter="") -> list[dict]:
     """Every update the Run handler streams, to the end."""
-    return list(page.run_view.run(PROMPT, max_new_tokens, temperature, seed, budget, list(methods), RunControl(),
-                                  present=page.present))
+    return list(page.run_view.run(PROMPT, max_new_tokens, temperature, seed, budget, list(methods), second_drafter,
+                                  RunControl(), present=page.present))
 
 
 def refused(call) -> str:
@@ -58,7 +69,9 @@ def refused(call) -> str:
     ("temperature", float("nan"), "Temperature must be a number, got nan"),
     ("temperature", -0.5, "Temperature must be a number from 0 to 2, got -0.5"),
     ("temperature", 1000.0, "Temperature must be a number from 0 to 2, got 1000.0"),
-    ("budget", [8], "Tree budget must be a whole number, got [8]"),
+    ("budget", [8], 'Tree budget must be "auto" or a whole number from 1 to 1024, got [8]'),
+    ("budget", "", 'Tree budget must be "auto" or a whole number from 1 to 1024, got \'\''),
+    ("budget", "eight", 'Tree budget must be "auto" or a whole number from 1 to 1024, got \'eight\''),
     ("budget", -3, 'Tree budget must be "auto" or a whole number from 1 to 1024, got -3'),
 ])
 def test_every_number_of_a_run_and_a_sweep_is_refused_with_a_sentence_before_anything_runs(page, field, value,
@@ -67,7 +80,7 @@ def test_every_number_of_a_run_and_a_sweep_is_refused_with_a_sentence_before_any
     if field != "budget":  # the sweep takes its budgets as text
         settings = dict(max_new_tokens=4, temperature=0.0, seed=0) | {field: value}
         sweep = page.sweep_view.sweep(PROMPT, settings["max_new_tokens"], settings["temperature"], settings["seed"],
-                                      "2, 4", RunControl())
+                                      "2, 4", "", RunControl())
         assert refused(lambda: next(sweep)) == message
 
 
@@ -185,13 +198,11 @@ def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page, m
     assert status.startswith("**Done**") and status.count("sampling runs the readable step") == 1
 
 
-def test_the_budget_box_is_never_set_at_page_load_and_the_timing_leaves_a_typed_one_alone(page):
+def test_the_budget_box_opens_at_auto_and_nothing_but_the_visitor_sets_it(page):
     budget = page.run_view.budget
-    loads = [dep for dep in page.demo.config["dependencies"]
-             if any(trigger == "load" for _, trigger in dep["targets"]) and budget._id in dep["outputs"]]
-    assert loads == [] and budget.value == 8
-    assert budget not in page.follow_timing(True)
-    assert page.follow_timing(False)[budget] == 8
+    setters = [dep for dep in page.demo.config["dependencies"] if budget._id in dep["outputs"]]
+    assert setters == [] and budget.value == "auto"
+    assert budget not in page.follow_timing()
 
 
 def test_the_page_keeps_a_bounded_number_of_files_in_one_folder(tmp_path):
@@ -210,7 +221,9 @@ def test_the_public_api_names_every_endpoint_and_output(page):
     assert set(endpoints) == {"/run", "/stop", "/replay", "/video", "/upload", "/select_method", "/inspect",
                               "/sweep", "/examine", "/traffic", "/open_request", "/info"}
     assert [p["parameter_name"] for p in endpoints["/run"]["parameters"]] == [
-        "prompt", "max_new_tokens", "temperature", "seed", "budget", "methods"]
+        "prompt", "max_new_tokens", "temperature", "seed", "budget", "methods", "second_drafter"]
+    second = endpoints["/run"]["parameters"][-1]
+    assert second["parameter_has_default"] and second["parameter_default"] == "", "a client that names none runs one"
     assert [p["parameter_name"] for p in endpoints["/examine"]["parameters"]] == [
         "prompt_text", "max_new_tokens", "check_vllm"]
     unnamed = {name: [r["label"] for r in endpoint["returns"] if r["label"].startswith("value_")]
@@ -230,3 +243,38 @@ def test_the_served_page_keeps_a_bounded_number_of_sessions(monkeypatch):
     monkeypatch.setattr("sys.argv", ["app.py", "--tree-budget", "8"])
     app.main()
     assert launched["state_session_capacity"] == app.MAX_SESSIONS < 10000  # Gradio's own default
+
+
+def test_a_second_drafter_runs_beside_the_first_in_every_view_on_the_same_target(page, candidate, tmp_path):
+    final = run_once(page, max_new_tokens=6, methods=NAMES, second_drafter=candidate)[-1]
+    traces = final[page.session.traces]
+    assert list(traces) == ["ar", "dflash", "dflash_2", "ddtree", "ddtree_2"]
+    assert [trace.config.label for trace in traces.values()] == [
+        "ar", "dflash", "dflash+candidate", "ddtree@8", "ddtree@8+candidate"]
+    second = traces["ddtree_2"]
+    assert second.config.drafter == candidate and second.text == traces["ar"].text  # greedy: either drafter is exact
+    assert page.studio.second_decoders[candidate].target is page.studio.decoder.target, "the target loads once"
+    column = final[page.run_view.columns["ddtree_2"]]
+    assert column.visible and "second drafter" in column.value and "identical to AR" in column.value
+    assert ("DDTree@8 · candidate", "ddtree_2") in final[page.inspector.method].choices
+    assert [line.name for line in final[page.replay_view.race].data] == [t.config.label for t in traces.values()]
+    assert final[page.traces_view.summary]["dflash_2"]["label"] == "dflash+candidate"
+    # the download opens again in the same columns
+    path = tmp_path / "two-drafters.json"
+    save_traces(list(traces.values()), path)
+    uploaded = page.traces_view.load_upload(str(path), present=page.present)
+    assert list(uploaded[page.session.traces]) == list(traces)
+
+
+def test_a_sweep_with_a_second_drafter_runs_each_budget_with_both(page, candidate):
+    sweep = page.sweep_view
+    final = list(sweep.sweep(PROMPT, 6, 0.0, 0, "2, 4", candidate, RunControl()))[-1]
+    rows = final[sweep.table]
+    assert [(row[0], row[-1]) for row in rows] == [(2, "random"), (4, "random"), (2, candidate), (4, candidate)]
+    assert "With candidate, best measured: budget" in final[sweep.status]
+
+
+def test_a_second_drafter_the_page_does_not_offer_is_refused(page, candidate):
+    assert refused(lambda: run_once(page, methods=NAMES, second_drafter="/etc")) == (
+        f"Second drafter '/etc' is not one this page offers; choose from {candidate} (python app.py --second-drafter "
+        "FOLDER adds one)")

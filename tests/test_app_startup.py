@@ -148,14 +148,14 @@ def test_a_compiled_steps_first_run_warms_up_untimed_and_shows_only_the_run_afte
     assert [r.max_new_tokens for r in runs] == [60], "once built, a budget runs without a warm-up"
 
 
-def test_the_open_page_follows_the_timing_and_moves_the_budget_box_once_it_ends(decoder, monkeypatch):
+def test_the_open_page_follows_the_timing_and_its_budget_box_stays_auto(decoder, monkeypatch):
     monkeypatch.setattr(calibration, "measured_budgets", lambda: {})
-    studio = app.startup_studio(decoder, ModelQueue(), tree_budget=None)
+    studio = app.startup_studio(decoder, ModelQueue())
     page = app.StudioApp(studio)
-    assert set(page.follow_timing(False)) == {page.banner}, "while timing, only the banner moves"
+    assert page.run_view.budget.value == "auto"
+    assert set(page.follow_timing()) == {page.banner}, "while timing, only the banner moves"
     studio.timing.budgets, studio.timing.prompt = (2, 8), "howdoesitwork"
     studio.time_budgets()
-    done = page.follow_timing(False)
-    assert done[page.run_view.budget] == studio.budget.budget and "timed on this machine" in done[page.banner]
-    assert done[page.timing_clock].active is False
-    assert page.run_view.budget not in page.follow_timing(True), "a budget the visitor typed stays"
+    done = page.follow_timing()
+    assert set(done) == {page.banner, page.timing_clock} and done[page.timing_clock].active is False
+    assert "timed on this machine" in done[page.banner] and 'budget "auto" sizes every step' in done[page.banner]

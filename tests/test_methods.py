@@ -104,12 +104,14 @@ def test_the_check_lets_the_table_s_reads_and_other_strings_be(code):
     ("ddtree@8:tokens", "ddtree", 8, ":tokens"),
     ("ar:tokens", "ar", None, ":tokens"),
     ("vllm-ar", None, None, ""),
+    ("ddtree@16+candidate", "ddtree", 16, ""),
+    ("dflash+candidate:tokens", "dflash", None, ":tokens"),
 ])
 def test_a_label_reads_back_its_method_budget_and_suffix(text, name, budget, suffix):
     label = Label.parse(text)
     assert (label.method.name if label.method else None, label.budget, label.suffix) == (name, budget, suffix)
     if label.method is not None:
-        assert label.method.label(label.budget) + label.suffix == text
+        assert label.method.label(label.budget, label.drafter_tag) + label.suffix == text
 
 
 @pytest.mark.parametrize("row", METHODS.values(), ids=NAMES)
@@ -130,6 +132,10 @@ def test_labels_sort_by_the_tables_order_then_budget():
 def test_headings_are_what_the_page_the_report_and_the_video_show():
     assert [row.heading(32) for row in METHODS.values()] == ["AR", "DFlash", "DDTree@32"]
     assert [row.heading(32, long=True) for row in METHODS.values()] == ["AR", "DFlash", "DDTree · budget 32"]
+    # a second drafter's runs carry its tag, AR (which drafts nothing) none
+    assert [row.heading(32, drafter_tag="b") for row in METHODS.values()] == ["AR", "DFlash · b", "DDTree@32 · b"]
+    assert [row.label(32, "b") for row in METHODS.values()] == ["ar", "dflash+b", "ddtree@32+b"]
+    assert Label.parse("ddtree@32+b").heading == "DDTree@32 · b"
     assert [row.caption for row in METHODS.values()] == ["AR (target only)", "DFlash (chain)", "DDTree (tree)"]
     assert (BASELINE.name, TREE.name) == ("ar", "ddtree")
 
@@ -138,6 +144,12 @@ def test_the_colours_are_the_ones_the_figures_the_report_and_the_video_drew():
     assert [row.colour for row in METHODS.values()] == ["#7f7f7f", "#ff7f0e", "#1f6fd1"]  # plotly's, on the page
     assert [row.print_colour for row in METHODS.values()] == ["#94a3b8", "#38bdf8", "#f59e0b"]  # report's plots
     assert [print_rgb(row) for row in METHODS.values()] == [(148, 163, 184), (56, 189, 248), (245, 158, 11)]
+
+
+def test_a_second_drafters_runs_draw_in_a_lighter_shade_of_their_methods_colour():
+    assert [row.run_colour("b") for row in METHODS.values()] == ["#7f7f7f", "#ffb97a", "#84b0e6"]  # AR drafts nothing
+    assert [row.run_colour() for row in METHODS.values()] == [row.colour for row in METHODS.values()]
+    assert print_rgb(TREE, "b") == (250, 202, 121)
 
 
 def test_an_unknown_method_is_refused_with_the_names_there_are():

@@ -6,12 +6,14 @@ Pure functions of traces: no tokenizer (a ``TokenText`` is passed in), no models
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.measure.economics import Economics, Timing, economics, explain
+from engine.measure.economics import Economics, Timing, economics, explain, speed_noise
 from engine.methods import BASELINE, TREE, Label
 from engine.trace import STAGES, TIMING_ONLY, Step, Trace
 from viz.tokens import TokenText, shown
@@ -20,6 +22,7 @@ ACCEPTED_COLOUR = "#2ca02c"
 TARGET_COLOUR = "#d9534f"
 DARK_CELL = 0.5  # a heatmap cell at least this probable is dark blue: its token is written in white
 CORNER = (0.3, -0.3)  # where in a heatmap cell (depth, rank offsets; rank grows downwards) a corner mark sits
+NOISE_ERRORS = 2  # a measured speed-up's noise, drawn and said, is this many standard errors
 STAGE_COLOURS = {"draft": "#ff7f0e", "tree_build": "#9467bd", "tree_compile": "#8c564b", "verify": "#1f77b4",
                  "commit": "#2ca02c"}
 
@@ -191,7 +194,7 @@ def acceptance_histogram(traces: list[Trace]) -> go.Figure:
         counts = Counter(step.acceptance_length for step in trace.steps)
         lengths = sorted(counts)
         fig.add_trace(go.Bar(x=lengths, y=[counts[n] / len(trace.steps) for n in lengths], name=trace.config.label,
-                             marker_color=trace.config.method_row.colour,
+                             marker_color=trace.config.colour,
                              customdata=[[counts[n], len(trace.steps)] for n in lengths],
                              hovertemplate="length %{x}: %{customdata[0]} of %{customdata[1]} steps"
                                            "<extra>%{fullData.name}</extra>"))
@@ -222,7 +225,7 @@ def economics_figure(traces: list[Trace]) -> go.Figure:
         return empty_figure("Run AR with the others: a step's cost is measured in AR steps.")
     entries = trace_economics(runs)
     labels = [t.config.label for t in runs]
-    names = [heading(label) for label in labels]
+    names = [Label.parse(label).heading for label in labels]
     taus = [entries[label].tau or 0.0 for label in labels]
     costs = [entries[label].step_cost_vs_ar or 0.0 for label in labels]
     fig = go.Figure()
@@ -249,44 +252,128 @@ def economics_figure(traces: list[Trace]) -> go.Figure:
 def economics_text(traces: list[Trace]) -> str:
     """One plain sentence per drafting method (Markdown)."""
     entries = trace_economics(traces)
-    lines = [explain(heading(label), entry) for label, entry in entries.items() if not Label.parse(label).is_baseline]
+    labels = [Label.parse(label) for label in entries]
+    lines = [explain(label.heading, entries[label.text]) for label in labels if not label.is_baseline]
     return "\n".join(f"- {line}" for line in lines)
 
 
-def heading(label: str) -> str:
-    """A run's label as the page's figures name it: ``DDTree@32``."""
-    parsed = Label.parse(label)
-    return parsed.method.heading(parsed.budget) if parsed.method is not None else label
+@dataclass(frozen=True)
+class SweepPoint:
+    """One budget's run of a sweep: its economics against the sweep's AR run, and how noisy its measured speed-up
+    is (``noise``: ± that many times AR, ``NOISE_ERRORS`` standard errors; None without enough steps)."""
+
+    trace: Trace
+    economics: Economics
+    noise: float | None
+
+    @property
+    def budget(self) -> int:
+        return self.trace.config.tree_budget
+
+    @property
+    def measured(self) -> float:
+        return self.economics.speedup_vs_ar or 0.0
+
+    def within_noise(self, best: SweepPoint) -> bool:
+        """Whether this pass measured as fast as ``best``'s up to both passes' noise."""
+        return best.measured - self.measured <= math.hypot(self.noise or 0.0, best.noise or 0.0)
+
+
+def speedup_noise(trace: Trace, baseline: Trace) -> float | None:
+    """How far one pass's measured speed-up over ``baseline`` may stray by chance, relative to it: ``NOISE_ERRORS``
+    standard errors of the two passes' speeds together (``engine.measure.economics.speed_noise``)."""
+    errors = [speed_noise((step.acceptance_length, step.t_end - step.t_start) for step in run.steps)
+              for run in (trace, baseline)]
+    return None if None in errors else NOISE_ERRORS * math.hypot(*errors)
+
+
+def sweep_points(traces: list[Trace], baseline: Trace | None) -> dict[str | None, list[SweepPoint]]:
+    """A sweep's finished runs by drafter (the loaded one's under None, a second drafter's under its tag), each by
+    budget."""
+    runs = sorted((t for t in traces if t.summary is not None), key=lambda t: t.config.tree_budget)
+    entries = trace_economics(runs, baseline)
+    points: dict[str | None, list[SweepPoint]] = {}
+    for trace in runs:
+        noise = speedup_noise(trace, baseline) if baseline is not None else None
+        entry = entries[trace.config.label]
+        measured = entry.speedup_vs_ar
+        points.setdefault(trace.config.drafter_tag, []).append(
+            SweepPoint(trace, entry, noise * measured if noise is not None and measured is not None else None))
+    return points
+
+
+def best_measured(points: list[SweepPoint]) -> SweepPoint | None:
+    """The budget whose pass measured fastest (a prediction is no measurement: it leaves out the prefill)."""
+    measured = [point for point in points if point.economics.speedup_vs_ar is not None]
+    return max(measured, key=lambda point: point.measured) if measured else None
+
+
+def sweep_verdict(traces: list[Trace], baseline: Trace | None) -> str:
+    """In words (Markdown): each drafter's measured best budget, and the budgets one pass cannot tell from it."""
+    lines = []
+    for tag, points in sweep_points(traces, baseline).items():
+        best = best_measured(points)
+        if best is None:
+            continue
+        noise = f" ± {best.noise:.2f}" if best.noise is not None else ""
+        close = [str(point.budget) for point in points if point is not best and point.within_noise(best)]
+        tied = (f"; budget{'s' * (len(close) > 1)} {', '.join(close)} measured within one pass's noise of it: one "
+                "pass cannot tell them apart" if close else "")
+        best_of = f"With {tag}, best measured" if tag else "Best measured"
+        lines.append(f"{best_of}: budget **{best.budget}**, {best.measured:.2f}×{noise} AR "
+                     f"(predicted {best.economics.predicted_speedup or 0:.2f}×){tied}.")
+    return " ".join(lines)
+
+
+def _tagged(name: str, tag: str | None) -> str:
+    """A sweep trace's name; a second drafter's with its tag."""
+    return f"{name} · {tag}" if tag else name
 
 
 def sweep_figure(traces: list[Trace], baseline: Trace | None = None) -> go.Figure:
     """Against the DDTree budget: τ and the step cost (in AR steps) rising together, and the
-    speed-up τ ÷ cost (predicted) beside the measured one; AR is 1×."""
-    runs = sorted((t for t in traces if t.summary is not None), key=lambda t: t.config.tree_budget)
-    if not runs:
+    speed-up τ ÷ cost (predicted) beside the measured one with its noise, the measured best marked; AR is 1×.
+    A second drafter's runs are drawn beside the first's, dotted, in its shade."""
+    groups = sweep_points(traces, baseline)
+    if not groups:
         return empty_figure("Run a sweep to compare budgets.")
-    budgets = [t.config.tree_budget for t in runs]
-    entries = trace_economics(runs, baseline)
-    rows = [entries[t.config.label] for t in runs]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("τ and step cost", "speed-up vs AR"))
-    fig.add_trace(go.Scatter(x=budgets, y=[e.tau for e in rows], mode="lines+markers", name="τ (tokens per step)",
-                             marker_color=ACCEPTED_COLOUR), row=1, col=1)
-    if baseline is not None:
+    for tag, points in groups.items():
+        budgets, rows = [point.budget for point in points], [point.economics for point in points]
+        line = dict(dash="dot" if tag else None)
+        fig.add_trace(go.Scatter(x=budgets, y=[e.tau for e in rows], mode="lines+markers",
+                                 name=_tagged("τ (tokens per step)", tag), marker_color=ACCEPTED_COLOUR, line=line),
+                      row=1, col=1)
+        if baseline is None:
+            continue
+        colour = TREE.run_colour(tag)
         fig.add_trace(go.Scatter(x=budgets, y=[e.step_cost_vs_ar for e in rows], mode="lines+markers",
-                                 name="step cost (AR steps)", marker_color=TARGET_COLOUR), row=1, col=1)
+                                 name=_tagged("step cost (AR steps)", tag), marker_color=TARGET_COLOUR, line=line),
+                      row=1, col=1)
         fig.add_trace(go.Scatter(x=budgets, y=[e.predicted_speedup for e in rows], mode="lines+markers",
-                                 name="predicted τ ÷ cost", marker_color=TREE.colour), row=1, col=2)
-        fig.add_trace(go.Scatter(x=budgets, y=[e.speedup_vs_ar for e in rows], mode="markers", name="measured",
-                                 marker=dict(color=TREE.colour, symbol="x", size=10)), row=1, col=2)
+                                 name=_tagged("predicted τ ÷ cost", tag), marker_color=colour, line=line), row=1, col=2)
+        fig.add_trace(go.Scatter(x=budgets, y=[e.speedup_vs_ar for e in rows], mode="markers",
+                                 name=_tagged("measured", tag), marker=dict(color=colour, symbol="x", size=10),
+                                 error_y=dict(type="data", array=[point.noise or 0.0 for point in points],
+                                              color=colour, thickness=1)), row=1, col=2)
+        best = best_measured(points)
+        if best is not None:
+            # on a log axis an annotation's x is the exponent: 16 sits at log10(16), not at 10^16
+            fig.add_annotation(x=math.log10(best.budget), y=best.measured, text=_tagged(f"best: {best.budget}", tag),
+                               showarrow=True, arrowhead=2, row=1, col=2)
+    if baseline is not None:
         fig.add_hline(y=1.0, line=dict(dash="dash", color=BASELINE.colour), annotation_text=BASELINE.title,
                       row=1, col=2)
-        best = max(range(len(rows)), key=lambda i: rows[i].predicted_speedup or 0.0)
-        # on a log axis an annotation's x is the exponent: 16 sits at log10(16), not at 10^16
-        fig.add_annotation(x=math.log10(budgets[best]), y=rows[best].predicted_speedup or 0,
-                           text=f"best: {budgets[best]}", showarrow=True, arrowhead=2, row=1, col=2)
+    budgets = sorted({point.budget for points in groups.values() for point in points})
+    noises = [point.noise / point.measured for points in groups.values() for point in points
+              if point.noise is not None and point.measured]
+    noise = (f"measured: one pass, ± {100 * statistics.median(noises):.0f}% noise ({NOISE_ERRORS} standard errors, "
+             "from its steps' times)") if noises else ""
+    runs = [point.trace for points in groups.values() for point in points]
     fig.update_xaxes(type="log", title="tree budget (nodes)", tickvals=budgets)
-    fig.update_layout(template="plotly_white", height=380, margin=dict(l=10, r=10, t=50, b=40),
-                      legend=dict(orientation="h", y=-0.25), title=dict(text=timing_title("", runs), x=0))
+    fig.update_layout(template="plotly_white", height=380, margin=dict(l=10, r=10, t=60, b=40),
+                      legend=dict(orientation="h", y=-0.25),
+                      title=dict(text=timing_title(noise, runs), x=0, font=dict(size=13)))
     return fig
 
 
@@ -299,7 +386,7 @@ def race_chart(traces: list[Trace], until: float | None = None) -> go.Figure:
     for trace in traces:
         times, counts = race_line(trace, until)
         fig.add_trace(go.Scatter(x=times, y=counts, mode="lines", line_shape="hv", name=trace.config.label,
-                                 line=dict(color=trace.config.method_row.colour, width=2)))
+                                 line=dict(color=trace.config.colour, width=2)))
     fig.update_layout(title=dict(text=timing_title("Tokens over time (each method ran alone)", traces), x=0,
                                  font=dict(size=14)),
                       template="plotly_white", height=300, margin=dict(l=10, r=10, t=70, b=40),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from engine.methods import METHODS
 from engine.trace import Trace, divergence
 from viz.tokens import committed_origins
 
@@ -27,6 +26,9 @@ def legend_html() -> str:
             "(bonus / AR)</span> · hover a token for its step</div>")
 
 
+STOPPED = "cancelled"  # a summary's stop reason when the visitor stopped the run
+
+
 @dataclass(frozen=True)
 class RunStats:
     tokens: int
@@ -34,6 +36,7 @@ class RunStats:
     tau: float
     elapsed_s: float
     done: bool
+    stopped: bool = False  # done because the visitor stopped it, not at its end
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,7 +48,8 @@ def run_stats(trace: Trace, until: float | None = None) -> RunStats:
     finished = trace.summary is not None and (until is None or until >= trace.summary.wall_s)
     if finished:
         s = trace.summary
-        return RunStats(tokens=s.new_tokens, steps=s.steps, tau=s.tau, elapsed_s=s.wall_s, done=True)
+        return RunStats(tokens=s.new_tokens, steps=s.steps, tau=s.tau, elapsed_s=s.wall_s, done=True,
+                        stopped=s.stop_reason == STOPPED)
     steps = [step for step in trace.steps if until is None or step.t_end <= until]
     started = until is None or trace.prefill.t_end <= until
     lengths = [step.acceptance_length for step in steps]
@@ -76,21 +80,23 @@ def identical_to(trace: Trace, reference: Trace) -> bool:
     return trace.output_ids == reference.output_ids
 
 
-def column_html(method: str, trace: Trace | None, ar: Trace | None = None, until: float | None = None,
+def column_html(caption: str, trace: Trace | None, ar: Trace | None = None, until: float | None = None,
                 all_done: bool = False, absent: str = "not run") -> str:
-    """One method's column: title, drafter badge, stats line, verdict against AR,
+    """One column: title (``caption``, the budget), drafter badge, stats line, verdict against AR,
     the engine's notes, text. ``absent`` says why there is no trace yet.
 
     ``all_done`` says every method of the run has finished, which is when comparing
-    with AR means something.
+    with AR means something; a run stopped midway is not compared.
     """
     budget = f" · budget {trace.config.tree_budget}" if trace and trace.config.tree_budget is not None else ""
-    title = f"<div style='font-weight:600;font-size:1.1em'>{METHODS[method].caption}{budget}</div>"
+    title = f"<div class='ddt-heading' style='font-weight:600;font-size:1.1em'>{html.escape(caption)}{budget}</div>"
     if trace is None:
         return f"<div class='ddt-column'>{title}<div style='color:#888'>{html.escape(absent)}</div></div>"
     stats = run_stats(trace, until)
     parts = [title, _drafter_badge(trace), _stats_line(stats, trace, ar, until)]
-    if all_done and ar is not None and stats.done:
+    if stats.stopped:
+        parts.append(_badge("#eee", "stopped before its end: not compared with AR"))
+    elif all_done and ar is not None and stats.done and not run_stats(ar).stopped:
         parts.append(_verdict(trace, ar))
     parts += [f"<div style='color:#8a4b00;font-size:0.85em'>{html.escape(note)}</div>"
               for note in trace.config.notes]
@@ -117,7 +123,7 @@ def _stats_line(stats: RunStats, trace: Trace, ar: Trace | None, until: float | 
         ar_stats = run_stats(ar, until)
         if ar_stats.tokens_per_s > 0 and stats.tokens_per_s > 0:
             items.append(f"{stats.tokens_per_s / ar_stats.tokens_per_s:.2f}× vs AR")
-    state = "done" if stats.done else "running" if until is None else "…"
+    state = "stopped" if stats.stopped else "done" if stats.done else "running" if until is None else "…"
     return (f"<div class='ddt-stats' style='font-size:0.9em'>{' · '.join(items)} "
             f"<span style='color:#888'>({state})</span></div>")
 

@@ -32,7 +32,7 @@ from engine.methods import BASELINE, TREE, Label, print_rgb
 from engine.trace import Step, Trace, TraceError, read_trace_file
 from viz.tree_figure import tidy_layout
 
-MAX_COLUMNS = 4
+MAX_COLUMNS = 5  # AR, and DFlash and DDTree of two drafters side by side
 INTRO_S = 1.5  # the prompt card
 HOLD_S = 2.0  # the final frame, so the finish badges can be read
 PROMPT_CARD_LINES = 7
@@ -352,11 +352,11 @@ def fit_text(text: str, font: Font, width: float) -> str:
 
 
 def method_title(trace: Trace) -> str:
-    return trace.config.method_row.heading(trace.config.tree_budget, long=True)
+    return trace.config.heading(long=True)
 
 
 def short_title(trace: Trace) -> str:
-    return trace.config.method_row.heading(trace.config.tree_budget)
+    return trace.config.heading()
 
 
 def drafter_name(trace: Trace) -> str | None:
@@ -525,7 +525,7 @@ class Scene:
 
     def _draw_column_frame(self, draw: ImageDraw.ImageDraw, column: Column, box: ColumnLayout) -> None:
         theme, fonts, trace = self.theme, self.fonts, column.trace
-        colour = print_rgb(trace.config.method_row)
+        colour = print_rgb(trace.config.method_row, trace.config.drafter_tag)
         draw.rounded_rectangle(box.panel.xy, radius=self.preset.px(14), fill=theme.panel, outline=theme.panel_edge,
                                width=self.preset.px(2))
         draw.rectangle((box.panel.x0 + self.preset.px(14), box.panel.y0, box.panel.x1 - self.preset.px(14),
@@ -590,7 +590,7 @@ class Scene:
     def _draw_column(self, draw: ImageDraw.ImageDraw, column: Column, box: ColumnLayout, lines: list[WrappedLine],
                      state: ColumnState) -> None:
         theme, fonts = self.theme, self.fonts
-        colour = print_rgb(column.trace.config.method_row)
+        colour = print_rgb(column.trace.config.method_row, column.trace.config.drafter_tag)
         draw.text((box.name.x1, box.name.y0 + line_height(fonts.heading) // 2), f"{state.elapsed_s:.2f} s",
                   font=fonts.clock, fill=theme.text if not state.finished else colour, anchor="rm")
         draw.text((box.stats.x0, box.stats.y0), fit_text(_stats_line(column, state), fonts.small, box.stats.width),

@@ -41,6 +41,7 @@ class DrafterInfo:
     name: str
     trained: bool
     revision: str | None = None  # the weights' fingerprint (``engine.models.drafter.weights_digest``)
+    tag: str | None = None  # a second drafter beside the first: what its runs' labels add (``ddtree@16+tag``)
 
 
 def step_kind(fixed_step: bool, compile_step: bool) -> str:
@@ -159,6 +160,7 @@ class Decoder:
             block_size=settings.block_size, tree_budget=recorded_budget(settings),
             temperature=settings.temperature, seed=settings.seed, max_new_tokens=settings.max_new_tokens,
             prompt=prompt, prompt_ids=list(prompt_ids), notes=notes, timing_only=self.timing_only, step=step,
+            drafter_tag=self.drafter_info.tag if drafts else None,
         )
 
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings):

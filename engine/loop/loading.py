@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,7 +15,8 @@ from engine.models.target import BUNDLED_MODEL, load_target, resolve_dtype
 from engine.trace import SCRIPTED, TIMING_ONLY
 
 ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
-SHIPPED_DRAFTER = ASSETS / "drafters" / "smollm2-135m-dflash-b16"
+DRAFTERS = ASSETS / "drafters"
+SHIPPED_DRAFTER = DRAFTERS / "smollm2-135m-dflash-b16"
 RANDOM = "random"
 # <empty_output>: a SmolLM2 special token that chat text never produces
 BUNDLED_MASK_TOKEN = 16
@@ -61,6 +64,38 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
         draft_model, info = checkpoint, drafter_info(drafter)
     draft_model = draft_model.to(device=target.device, dtype=draft_dtype_for(target, draft_dtype)).eval()
     return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step)
+
+
+def second_decoder(decoder: Decoder, folder: str) -> Decoder:
+    """``folder``'s drafter beside ``decoder``'s, to compare the two on the same prompts: a decoder on the same
+    target object (its weights loaded once), the drafter in the first one's dtype, its runs labelled with its tag
+    (``drafter_tag``)."""
+    if decoder.engine != "torch":
+        raise EngineError("a second drafter runs on the torch engine: the vLLM engine's workers hold one drafter")
+    target = decoder.target
+    dtype = decoder.drafter.dtype if decoder.drafter is not None else draft_dtype_for(target)
+    drafter = load_drafter(folder).to(device=target.device, dtype=dtype).eval()
+    info = replace(drafter_info(folder), tag=drafter_tag(folder, decoder.drafter_info.name))
+    return Decoder(target, drafter, info, engine=decoder.engine, cuda_graphs=decoder.cuda_graphs,
+                   fixed_step=decoder.fixed_step, compile_step=decoder.compile_step)
+
+
+def drafter_tag(folder: str, beside: str) -> str:
+    """What a second drafter's labels add: its folder's name, in characters a label can carry, set apart from the
+    first drafter's name (the same folder twice measures how much one run's speed varies)."""
+    tag = re.sub(r"[^\w.-]+", "-", Path(folder).resolve().name).strip("-") or "second"
+    return f"{tag}-2" if tag == Path(beside).name else tag
+
+
+def drafter_folders(*given: str | None) -> list[str]:
+    """The drafter folders a page offers to compare: the ones given (``--drafter``, ``--second-drafter``) and every
+    checkpoint folder in ``assets/drafters/``, each once."""
+    shipped = [str(path.parent) for path in sorted(DRAFTERS.glob("*/config.json"))]
+    offered: dict[Path, str] = {}
+    for folder in [*given, *shipped]:
+        if folder not in (None, RANDOM):
+            offered.setdefault(Path(folder).resolve(), folder)
+    return list(offered.values())
 
 
 def draft_dtype_for(target, choice: str = AUTO) -> torch.dtype:

@@ -13,6 +13,7 @@ sampled run), the same wall time for more tokens is faster.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -77,6 +78,20 @@ def economics(timings: dict[str, Timing], baseline: str = "ar") -> dict[str, Eco
             speedup_vs_ar=_ratio(timing.tokens_per_s, reference.tokens_per_s if reference else None),
         )
     return result
+
+
+def speed_noise(steps: Iterable[tuple[int, float]]) -> float | None:
+    """How far one pass's tokens per second may stray by chance, relative to it: the standard error of tokens ÷
+    seconds over its steps (``(tokens, seconds)`` each), as a ratio estimator's, from how the steps' times spread
+    about their tokens. It sees what moved the steps within the pass (a busy machine, a slow step), not what moves
+    a whole pass (a warm cache); None under two steps."""
+    steps = list(steps)
+    count, tokens, seconds = len(steps), sum(t for t, _ in steps), sum(s for _, s in steps)
+    if count < 2 or tokens == 0 or seconds <= 0:
+        return None
+    rate = tokens / seconds
+    spread = sum((t - rate * s) ** 2 for t, s in steps) / (count - 1)
+    return math.sqrt(spread / count) / (tokens / count)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -16,7 +16,7 @@ from viz.figures import (
     stage_figure,
     timing_title,
 )
-from viz.page.state import Session, method_choices, ordered, refusal, whole
+from viz.page.state import Session, lane_of, method_choices, ordered, refusal, whole
 from viz.tree_figure import tree_figure
 
 
@@ -56,8 +56,10 @@ class InspectorView:
 
     def shown(self, traces: dict[str, Trace]) -> dict:
         runs = ordered(traces)
-        first = runs[-1].config.method if runs else None  # the table's last: the tree, when there is one
-        return {self.method: gr.Radio(choices=method_choices(t.config.method for t in runs), value=first),
+        # a column each, by its run's heading (a second drafter's with its tag); the last: a tree, when there is one
+        choices = [(trace.config.heading(), lane_of(trace).key) for trace in runs]
+        first = choices[-1][1] if choices else None
+        return {self.method: gr.Radio(choices=choices, value=first),
                 self.run_stages: stage_figure({t.config.label: t.summary.stage_s for t in runs},
                                               timing_title("Time per stage, whole run", runs)),
                 self.histogram: acceptance_histogram(runs),
@@ -75,8 +77,7 @@ class InspectorView:
         if not traces:
             raise refusal(EngineError("nothing to inspect yet: run the methods or upload traces"))
         if not isinstance(method, str) or method not in traces:  # unprocessed (``inspect``): it may be anything
-            raise refusal(EngineError(f"this session has no {method!r} trace; it has "
-                                      f"{', '.join(t.config.method for t in ordered(traces))}"))
+            raise refusal(EngineError(f"this session has no {method!r} trace; it has {', '.join(traces)}"))
 
     def choose_method(self, traces: dict[str, Trace], method: str | None) -> dict:
         self.requested(traces, method)

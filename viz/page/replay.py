@@ -11,7 +11,7 @@ from engine.errors import EngineError
 from engine.methods import BASELINE
 from engine.trace import Trace
 from viz.figures import race_chart
-from viz.page.state import RunControl, Session, ordered, refusal
+from viz.page.state import LANES, RunControl, Session, ordered, refusal
 from viz.text_view import column_html
 from viz.video import VideoError, render_video
 
@@ -84,8 +84,8 @@ class ReplayView:
     def _race_frame(self, traces: dict[str, Trace], clock: float | None, status: str) -> dict:
         ar = traces.get(BASELINE.name)
         return {self.status: status, self.race: race_chart(ordered(traces), until=clock), **{
-            column: column_html(method, traces.get(method), ar, until=clock, all_done=clock is None)
-            for method, column in self.columns.items()}}
+            self.columns[lane.key]: column_html(lane.caption, traces.get(lane.key), ar, until=clock,
+                                                all_done=clock is None) for lane in LANES}}
 
     def shown(self, traces: dict[str, Trace]) -> dict:
         return {self.race: race_chart(ordered(traces))}

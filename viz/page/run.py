@@ -1,5 +1,5 @@
-"""The Run view: the prompt, the settings and a live column a method, each method run alone one after another,
-with the step economics under them."""
+"""The Run view: the prompt, the settings and a live column a method (and a second drafter's beside the first's),
+each run alone one after another, with the step economics under them."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ from dataclasses import replace
 import gradio as gr
 
 from engine.errors import EngineError
+from engine.loop.loading import display_name
 from engine.loop.settings import DecodeSettings
-from engine.methods import BASELINE, MAX_TREE_BUDGET, METHODS, NAMES, TREE
+from engine.methods import AUTO, BASELINE, MAX_TREE_BUDGET, NAMES, TREE, check_budget
 from engine.trace import Trace
 from viz.figures import economics_figure, economics_text
 from viz.page.state import (
+    LANES,
+    LANE_KEYS,
     LiveRun,
+    PlannedRun,
     RunControl,
     Session,
     checked,
@@ -25,7 +29,6 @@ from viz.page.state import (
     problem,
     refusal,
     run_live,
-    whole,
 )
 from viz.text_view import column_html, legend_html, run_stats
 
@@ -36,9 +39,10 @@ EXAMPLE_PROMPTS = [
     "Write a Python function that reverses a string.",
 ]
 # /run's outputs by name (/upload's and /open_request's too), in the order the API returns them: the status line, a
-# column a method, then what the other views show of the traces
-RUN_OUTPUTS = ("status", *NAMES, "summary", "download", "race", "inspect_method", "step", "tree", "probs", "why",
+# column a method (and the second drafter's, ``dflash_2``), then what the other views show of the traces
+RUN_OUTPUTS = ("status", *LANE_KEYS, "summary", "download", "race", "inspect_method", "step", "tree", "probs", "why",
                "step_stages", "run_stages", "histogram", "economics_plot", "economics_text")
+NO_SECOND_DRAFTER = ("none", "")  # the second-drafter picker's first choice, and its value
 
 
 def named_outputs(result) -> dict:
@@ -67,20 +71,24 @@ class RunView:
                     self.temperature = gr.Number(0.0, label="Temperature (0 = greedy)")
                 with gr.Row():
                     self.seed = gr.Number(0, label="Seed", step=1)
-                    # a plain value, not one computed at page load: a load event, queued behind runs, would
-                    # overwrite what the visitor typed meanwhile; the timing clock moves an untouched box
-                    self.budget = gr.Number(self.studio.budget.budget, step=1, elem_id="budget",
-                                            label=f"{TREE.title} budget (nodes, 1–{MAX_TREE_BUDGET})")
-                    self.budget_typed = gr.State(False)
+                    # text: "auto" sizes every step's tree with this machine's step costs (engine.loop.budgeting)
+                    self.budget = gr.Textbox(str(self.studio.tree_budget), max_lines=1, elem_id="budget",
+                                             label=f"{TREE.title} budget (\"{AUTO}\" or nodes, 1–{MAX_TREE_BUDGET})")
+                self.second_drafter = gr.Dropdown(
+                    [NO_SECOND_DRAFTER, *((display_name(folder), folder) for folder in self.studio.offered_drafters)],
+                    value=self.studio.second_drafter or NO_SECOND_DRAFTER[1], elem_id="second-drafter",
+                    visible=bool(self.studio.offered_drafters),
+                    label="Second drafter (DFlash and DDTree also run with it, in columns beside the first's)")
                 with gr.Row():
                     self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
         self.session.status.render()
         gr.HTML(legend_html())
         with gr.Row(equal_height=False):
-            self.columns = {row.name: gr.HTML(column_html(row.name, None), label=f"{row.caption} output",
-                                              show_label=False, elem_id=f"column-{row.name}", elem_classes="ddt-output")
-                            for row in METHODS.values()}
+            self.columns = {lane.key: gr.HTML(column_html(lane.caption, None), label=f"{lane.caption} output",
+                                              show_label=False, elem_id=f"column-{lane.key}", elem_classes="ddt-output",
+                                              visible=not lane.second or self.studio.second_drafter is not None)
+                            for lane in LANES}
         with gr.Row(equal_height=False):
             self.economics_plot = gr.Plot(economics_figure([]), label="Step economics", show_label=False,
                                           elem_id="economics-plot", scale=3)
@@ -92,52 +100,66 @@ class RunView:
     def status(self) -> gr.Markdown:
         return self.session.status
 
-    def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, control: RunControl,
+    @property
+    def second_keys(self) -> list[str]:
+        """The second drafter's columns."""
+        return [lane.key for lane in LANES if lane.second]
+
+    def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, second_drafter, control: RunControl,
             present: Callable[[dict[str, Trace], str], dict]):
-        """Run the chosen methods one after another, streaming each column, then show
-        everything about the finished traces."""
+        """Run the chosen methods one after another (a drafting one with the second drafter too, where one is
+        picked), streaming each column, then show everything about the finished traces."""
         control.stop = False
         try:
             if not methods:
                 raise EngineError("choose at least one method to run")
             prompt_ids = encode_prompt(self.studio, prompt)
-            common = common_settings(max_new_tokens, temperature, seed)
-            budget = whole(budget, "tree budget")  # its range DecodeSettings checks (``engine.methods.check_budget``)
-            settings, _ = checked(self.studio, prompt_ids, [replace(common, method=name, tree_budget=budget)
-                                                         for name in NAMES if name in methods])
+            runs = self.planned(common_settings(max_new_tokens, temperature, seed), check_budget(budget), methods,
+                                second_drafter)
+            checked(prompt_ids, runs)
         except EngineError as exc:
             raise refusal(exc) from None
         finished: dict[str, Trace] = {}
-        yield {column: column_html(method, None, absent="waiting" if method in methods else "not selected")
-               for method, column in self.columns.items()}
-        for number, setting in enumerate(settings, start=1):
-            method = setting.method
-            heading = f"**Running {METHODS[method].caption}** ({number} of {len(settings)})"
+        planned = {run.lane.key for run in runs}
+        yield {self.columns[lane.key]: gr.HTML(column_html(lane.caption, None, absent="waiting" if lane.key in planned
+                                                           else "not selected"),
+                                               visible=not lane.second or bool(second_drafter)) for lane in LANES}
+        for number, run in enumerate(runs, start=1):
+            heading = f"**Running {run.lane.caption}** ({number} of {len(runs)})"
             live = None
             try:
-                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
+                for live in run_live(self.studio, prompt, prompt_ids, run.settings, control, run.decoder):
                     if live.waiting_behind:
                         yield {self.status: f"{heading}: waiting for the model, behind {live.waiting_behind} "
                                             "other run(s) (other visitors', the doctor's or the start-up timing "
                                             "of the budgets)…"}
                     else:
-                        yield self._live_update(setting, live, finished, heading)
+                        yield self._live_update(run, live, finished, heading)
             except Exception as exc:
                 yield present(finished, problem(exc))
                 return
             if live is not None and live.trace is not None:
-                finished[method] = live.trace
+                finished[run.lane.key] = live.trace
             if control.stop:
                 break
         yield present(finished, self._run_status(finished, control.stop))
 
-    def _live_update(self, setting: DecodeSettings, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
-        method = setting.method
+    def planned(self, common: DecodeSettings, budget, methods: list[str],
+                second_drafter: str | None) -> list[PlannedRun]:
+        """The click's runs in the columns' order: each chosen method with the loaded drafter, and a drafting one
+        with the second drafter too; the box's budget is the tree's (DFlash drafts its whole block)."""
+        decoders = {False: self.studio.decoder, True: self.studio.second_decoder(second_drafter)}
+        return [PlannedRun(lane, decoders[lane.second],
+                           replace(common, method=lane.method.name,
+                                   tree_budget=budget if lane.method.budgeted else common.tree_budget))
+                for lane in LANES if lane.method.name in methods and decoders[lane.second] is not None]
+
+    def _live_update(self, run: PlannedRun, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
         if live.trace is None:
-            return {self.status: f"{heading}: {self.studio.first_use(setting) or 'prefill'}…"}
+            return {self.status: f"{heading}: {self.studio.first_use(run.settings) or 'prefill'}…"}
         stats = run_stats(live.trace)
         return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
-                self.columns[method]: column_html(method, live.trace, finished.get(BASELINE.name))}
+                self.columns[run.lane.key]: column_html(run.lane.caption, live.trace, finished.get(BASELINE.name))}
 
     @staticmethod
     def _run_status(traces: dict[str, Trace], stopped: bool) -> str:
@@ -146,17 +168,16 @@ class RunView:
         for note in notes:
             gr.Info(note)
         done = "Stopped" if stopped else "Done"
-        return " · ".join([f"**{done}**: {', '.join(METHODS[m].caption for m in traces) or 'nothing ran'}.", *notes])
+        ran = ", ".join(lane.caption for lane in LANES if lane.key in traces) or "nothing ran"
+        return " · ".join([f"**{done}**: {ran}.", *notes])
 
     def shown(self, traces: dict[str, Trace]) -> dict:
         ar = traces.get(BASELINE.name)
         runs = ordered(traces)
-        return {**{column: column_html(method, traces.get(method), ar, all_done=True)
-                   for method, column in self.columns.items()},
+        return {**{self.columns[lane.key]: gr.HTML(column_html(lane.caption, traces.get(lane.key), ar, all_done=True),
+                                                   visible=not lane.second or lane.key in traces) for lane in LANES},
                 self.economics_plot: economics_figure(runs), self.economics_text: economics_text(runs)}
 
-
-def typed() -> bool:
-    """The visitor typed in a box: what the page would put there later must not replace it."""
-    return True
-
+    def pick_second(self, folder: str | None) -> dict:
+        """The second drafter's columns show while one is picked."""
+        return {self.columns[key]: gr.HTML(visible=bool(folder)) for key in self.second_keys}

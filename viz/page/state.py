@@ -1,4 +1,5 @@
-"""What every view of the page shares: the loaded models (``Studio``), a session's traces and Stop switch
+"""What every view of the page shares: the loaded models (``Studio``, with a second drafter to compare), the page's
+columns (``Lane``: a method with the first or the second drafter), a session's traces and Stop switch
 (``Session``), a run on the model's queue as the page follows it (``run_live``), the files handed to Gradio, and
 how a box's value becomes a setting or a refusal.
 
@@ -24,10 +25,12 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.decode import Decoder
+from engine.loop.loading import second_decoder
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice, StartupTiming, cache_dir
-from engine.methods import BASELINE, DFLASH, METHODS, NAMES, TREE
+from engine.methods import AUTO, BASELINE, DFLASH, METHODS, TREE, Budget, Method
 from engine.serving.model_queue import ModelQueue
+from engine.serving.startup import batch_budgeting
 from engine.trace import Trace, TraceError, write_trace_file
 from viz.tokens import TokenText, pieces_token_text
 from viz.video import VideoError
@@ -55,6 +58,10 @@ class Studio:
     timing_error: str | None = None
     # the labels (``ddtree@32``: what a compiled step is compiled for) run once already
     started: set[str] = field(default_factory=set)
+    tree_budget: Budget = AUTO  # what the page's budget box opens at (``--tree-budget``)
+    offered_drafters: list[str] = field(default_factory=list)  # the folders the page offers as a second drafter
+    second_drafter: str | None = None  # the one it opens with (``--second-drafter``)
+    second_decoders: dict[str, Decoder] = field(default_factory=dict)  # the second drafters loaded, by folder
 
     @property
     def has_model(self) -> bool:
@@ -65,6 +72,25 @@ class Studio:
             raise EngineError(f"this page loads no model: it opens the traffic of {self.server}; start it without "
                               "--server to run prompts here")
         return self.decoder
+
+    def second_decoder(self, folder: str | None) -> Decoder | None:
+        """The decoder of ``folder``'s drafter beside the loaded one (None for none), loaded once, as a job on the
+        model's queue. Only a folder the page offers: an API client could name any path."""
+        if not folder:
+            return None
+        self.require_model()
+        if folder not in self.offered_drafters:
+            raise EngineError(f"second drafter {folder!r} is not one this page offers; choose from "
+                              f"{', '.join(self.offered_drafters)} (python app.py --second-drafter FOLDER adds one)",
+                              field="second_drafter")
+        return self.queue.run(self._load_second, folder)
+
+    def _load_second(self, folder: str) -> Decoder:
+        if folder not in self.second_decoders:
+            decoder = second_decoder(self.decoder, folder)
+            batch_budgeting(decoder, time_here=False)  # its "auto" trees: this machine's step costs, its calibration
+            self.second_decoders[folder] = decoder
+        return self.second_decoders[folder]
 
     @property
     def timing_pending(self) -> bool:
@@ -133,13 +159,63 @@ def request_stop(control: RunControl) -> str:
     return "Stopping after the current step…"
 
 
+# ---------------------------------------------------------------- the page's columns
+
+SECOND_KEY = "_2"  # a second drafter's column: its method's name and this
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A column of the page: a method, run with the loaded drafter or (``second``) with the second drafter beside
+    it. Its key names it in the session's traces, ``/run``'s outputs and the inspector's picker."""
+
+    method: Method
+    second: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.method.name}{SECOND_KEY}" if self.second else self.method.name
+
+    @property
+    def caption(self) -> str:
+        return f"{self.method.caption} · second drafter" if self.second else self.method.caption
+
+
+# a drafting method's second-drafter column beside its first, so the two drafters stand side by side
+LANES = tuple(Lane(row, second) for row in METHODS.values() for second in (False, True)[: 1 + row.drafts])
+LANE_KEYS = tuple(lane.key for lane in LANES)
+
+
+def lane_of(trace: Trace) -> Lane:
+    """The column a trace is shown in: a run whose label carries a drafter's tag is the second drafter's."""
+    row = trace.config.method_row
+    return Lane(row, second=row.drafts and trace.config.drafter_tag is not None)
+
+
+def by_lane(traces: Iterable[Trace]) -> dict[str, Trace]:
+    """Traces by their column's key, the first of each (an upload can hold several runs of one)."""
+    shown: dict[str, Trace] = {}
+    for trace in traces:
+        shown.setdefault(lane_of(trace).key, trace)
+    return shown
+
+
 def ordered(traces: dict[str, Trace]) -> list[Trace]:
-    return [traces[method] for method in NAMES if method in traces]
+    return [traces[key] for key in LANE_KEYS if key in traces]
 
 
 def method_choices(names: Iterable[str]) -> list[tuple[str, str]]:
     """A box that picks methods: each shown by its caption, its name the value."""
     return [(METHODS[name].caption, name) for name in names]
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of a click: its column, the decoder of its drafter, its settings."""
+
+    lane: Lane
+    decoder: Decoder
+    settings: DecodeSettings
 
 
 class ScratchFiles:
@@ -187,12 +263,13 @@ class LiveRun:
     (and its speed) pays for no compilation."""
 
     def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-                 control: RunControl, warm_up: bool = False):
+                 control: RunControl, warm_up: bool = False, decoder: Decoder | None = None):
         self.trace: Trace | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
         self.queue = studio.queue
-        self.job = studio.queue.submit(self._work, studio.decoder, prompt, prompt_ids, settings, control, warm_up)
+        self.job = studio.queue.submit(self._work, decoder or studio.decoder, prompt, prompt_ids, settings, control,
+                                       warm_up)
 
     @property
     def waiting_behind(self) -> int:
@@ -218,11 +295,12 @@ class LiveRun:
 
 
 def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-             control: RunControl) -> Iterator[LiveRun]:
+             control: RunControl, decoder: Decoder | None = None) -> Iterator[LiveRun]:
     """Yield the live run every ``POLL_S`` until it ends (yielding once more at the end); while it waits in
     the model's queue its ``waiting_behind`` says so. Nothing here holds the model: the queue runs one job
-    at a time."""
-    live = LiveRun(studio, prompt, prompt_ids, settings, control, warm_up=studio.first_use(settings) is not None)
+    at a time. ``decoder``: a second drafter's, else the loaded one."""
+    live = LiveRun(studio, prompt, prompt_ids, settings, control, warm_up=studio.first_use(settings) is not None,
+                   decoder=decoder)
     try:
         while not live.done.wait(POLL_S):
             yield live
@@ -282,12 +360,11 @@ def common_settings(max_new_tokens, temperature, seed) -> DecodeSettings:
                           temperature=number(temperature, "temperature"), seed=whole(seed, "seed"))
 
 
-def checked(studio: Studio, prompt_ids: list[int],
-            settings: list[DecodeSettings]) -> tuple[list[DecodeSettings], list[str]]:
-    """Check every run's settings against the models before any starts, so a bad value fails at once; with the
+def checked(prompt_ids: list[int], runs: list[PlannedRun]) -> list[str]:
+    """Check every run's settings against its models before any starts, so a bad value fails at once; return the
     notes on how the runs will run (sampling on the readable step), each said once."""
-    notes = [note for setting in settings for note in studio.decoder.prepare(setting, len(prompt_ids))[1]]
-    return settings, list(dict.fromkeys(notes))
+    notes = [note for run in runs for note in run.decoder.prepare(run.settings, len(prompt_ids))[1]]
+    return list(dict.fromkeys(notes))
 
 
 def problem(exc: Exception) -> str:

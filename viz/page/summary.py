@@ -1,5 +1,5 @@
-"""The API's digest of a run (``/run``'s summary output, the Traces view's JSON): per method its text, headline
-numbers, step economics and where it left AR's text."""
+"""The API's digest of a run (``/run``'s summary output, the Traces view's JSON): per column (a method, and a second
+drafter's beside the first's) its text, headline numbers, step economics and where it left AR's text."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ from viz.text_view import identical_to, run_stats
 
 
 def run_summary(traces: dict[str, Trace]) -> dict:
-    """The API-friendly digest of a run: text, headline numbers and step economics per method
-    (``step_cost_vs_ar`` and ``predicted_speedup`` need AR in the run; the prediction leaves the
-    prefill out, the measured ``speedup_vs_ar`` is tokens per second over AR's, whole wall times)."""
+    """The API-friendly digest of a run: text, headline numbers and step economics per column, keyed as the columns
+    are (``ddtree``, ``ddtree_2``: ``viz.page.state.Lane``), with each run's label (``step_cost_vs_ar`` and
+    ``predicted_speedup`` need AR in the run; the prediction leaves the prefill out, the measured ``speedup_vs_ar``
+    is tokens per second over AR's, whole wall times)."""
     ar = traces.get(BASELINE.name)
     entries = trace_economics(ordered(traces))
     summary = {}
-    for method, trace in traces.items():
+    for key, trace in traces.items():
         stats = run_stats(trace)
         entry = entries[trace.config.label]
-        summary[method] = {
-            "text": trace.text, "tokens": stats.tokens, "steps": stats.steps, "tau": round(stats.tau, 4),
+        summary[key] = {
+            "label": trace.config.label, "text": trace.text, "tokens": stats.tokens, "steps": stats.steps,
+            "tau": round(stats.tau, 4),
             "tokens_per_s": round(stats.tokens_per_s, 3), "wall_s": round(stats.elapsed_s, 4),
             "prefill_s": round(trace.summary.time_to_first_token_s, 4),
             "step_cost_vs_ar": _rounded(entry.step_cost_vs_ar), "predicted_speedup": _rounded(entry.predicted_speedup),

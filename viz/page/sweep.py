@@ -1,5 +1,6 @@
-"""The Budget sweep: DDTree at several tree budgets on the Run tab's prompt and settings, against one AR run, the
-plot and the table growing as the runs finish."""
+"""The Budget sweep: DDTree at several tree budgets on the Run tab's prompt and settings (and with its second drafter
+too, where one is picked), against one AR run, the plot and the table growing as the runs finish; the best budget is
+the one measured fastest, said with how noisy one pass is."""
 
 from __future__ import annotations
 
@@ -10,14 +11,25 @@ import gradio as gr
 from engine.errors import EngineError
 from engine.methods import BASELINE, TREE
 from engine.trace import Trace
-from viz.figures import sweep_figure, trace_economics
-from viz.page.state import RunControl, Session, checked, common_settings, encode_prompt, problem, refusal, run_live
+from viz.figures import sweep_figure, sweep_points, sweep_verdict
+from viz.page.state import (
+    Lane,
+    PlannedRun,
+    RunControl,
+    Session,
+    checked,
+    common_settings,
+    encode_prompt,
+    problem,
+    refusal,
+    run_live,
+)
 from viz.text_view import run_stats
 
 DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
 MAX_SWEEP_POINTS = 8
-SWEEP_HEADERS = ["budget", "τ", "step cost (AR steps)", "predicted τ ÷ cost", "measured speed-up", "tokens/s",
-                 "tokens", "steps"]
+SWEEP_HEADERS = ["budget", "τ", "step cost (AR steps)", "predicted τ ÷ cost", "measured speed-up",
+                 "± one pass's noise", "tokens/s", "tokens", "steps", "drafter"]
 
 
 class SweepView:
@@ -28,8 +40,9 @@ class SweepView:
         self.studio = session.studio
 
     def build(self) -> None:
-        gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab, "
-                    "with AR as the tokens/s reference.")
+        gr.Markdown("DDTree at several tree budgets on the prompt and settings of the **Run** tab (its second "
+                    "drafter too, where one is picked), with AR as the tokens/s reference. The best budget is the one "
+                    "measured fastest; each is one pass, whose noise is drawn and said beside it.")
         with gr.Row():
             self.budgets = gr.Textbox(DEFAULT_SWEEP, label=f"Budgets (comma separated, up to {MAX_SWEEP_POINTS})",
                                       scale=3)
@@ -39,33 +52,39 @@ class SweepView:
         self.plot = gr.Plot(sweep_figure([]), label="Budget sweep")
         self.table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
 
-    def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, control: RunControl):
-        """AR once, then DDTree at each budget; the plot and table grow as runs finish."""
+    def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, second_drafter, control: RunControl):
+        """AR once, then DDTree at each budget (with each drafter); the plot and table grow as runs finish."""
         control.stop = False
         try:
             budgets = parse_budgets(budgets_text)
             prompt_ids = encode_prompt(self.studio, prompt)
             common = common_settings(max_new_tokens, temperature, seed)
-            settings, notes = checked(self.studio, prompt_ids, [common] + [
-                replace(common, method=TREE.name, tree_budget=budget) for budget in budgets])
+            decoders = {Lane(TREE): self.studio.decoder,
+                        Lane(TREE, second=True): self.studio.second_decoder(second_drafter)}
+            planned = [PlannedRun(Lane(BASELINE), self.studio.decoder, common)] + [
+                PlannedRun(lane, decoder, replace(common, method=TREE.name, tree_budget=budget))
+                for budget in budgets for lane, decoder in decoders.items() if decoder is not None]
+            notes = checked(prompt_ids, planned)
         except EngineError as exc:
             raise refusal(exc) from None
         said = "".join(f" · {note}" for note in notes)
         for note in notes:
             gr.Info(note)
         baseline, runs = None, []
-        for number, setting in enumerate(settings):
-            baseline_run = setting.method == BASELINE.name
-            name = f"{BASELINE.title} baseline" if baseline_run else f"{TREE.title} budget {setting.tree_budget}"
-            bar = progress_bar(number, len(settings))
+        for number, run in enumerate(planned):
+            setting = run.settings
+            baseline_run = run.lane.method is BASELINE
+            name = (f"{BASELINE.title} baseline" if baseline_run else
+                    f"{TREE.title} budget {setting.tree_budget}" + (" (second drafter)" if run.lane.second else ""))
+            bar = progress_bar(number, len(planned))
             live = None
             try:
                 compiling = self.studio.first_use(setting)
-                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
+                for live in run_live(self.studio, prompt, prompt_ids, setting, control, run.decoder):
                     tokens = run_stats(live.trace).tokens if live.trace else 0
                     doing = (f"waiting for the model, behind {live.waiting_behind} other run(s)" if live.waiting_behind
                              else f"{compiling}…" if compiling and not tokens else f"{tokens} tokens")
-                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {doing}{said}"}
+                    yield {self.status: f"{bar} run {number + 1} of {len(planned)}: {name}, {doing}{said}"}
             except Exception as exc:
                 yield {self.status: problem(exc), **self._results(runs, baseline)}
                 return
@@ -77,9 +96,10 @@ class SweepView:
                 runs.append(live.trace)
                 yield self._results(runs, baseline)
         done = "Sweep stopped." if control.stop else "Sweep finished."
+        verdict = sweep_verdict(runs, baseline)
         # the last message carries everything: API clients only see the final one
-        yield {self.status: f"{progress_bar(len(runs) + 1, len(settings))} {done}{said}",
-               **self._results(runs, baseline)}
+        yield {self.status: " ".join(filter(None, [f"{progress_bar(len(runs) + 1, len(planned))} {done}", verdict]))
+               + said, **self._results(runs, baseline)}
 
     def _results(self, runs: list[Trace], baseline: Trace | None) -> dict:
         return {self.plot: sweep_figure(runs, baseline), self.table: sweep_rows(runs, baseline)}
@@ -99,13 +119,14 @@ def parse_budgets(text: str) -> list[int]:
 
 
 def sweep_rows(runs: list[Trace], baseline: Trace | None) -> list[list]:
-    entries = trace_economics(runs, baseline)
     rows = []
-    for trace in sorted(runs, key=lambda t: t.config.tree_budget):
-        stats, entry = run_stats(trace), entries[trace.config.label]
-        rows.append([trace.config.tree_budget, round(stats.tau, 3), _shown(entry.step_cost_vs_ar, ""),
-                     _shown(entry.predicted_speedup, "×"), _shown(entry.speedup_vs_ar, "×"),
-                     round(stats.tokens_per_s, 2), stats.tokens, stats.steps])
+    for points in sweep_points(runs, baseline).values():
+        for point in points:
+            stats, entry, trace = run_stats(point.trace), point.economics, point.trace
+            rows.append([point.budget, round(stats.tau, 3), _shown(entry.step_cost_vs_ar, ""),
+                         _shown(entry.predicted_speedup, "×"), _shown(entry.speedup_vs_ar, "×"),
+                         _shown(point.noise, "×"), round(stats.tokens_per_s, 2), stats.tokens, stats.steps,
+                         trace.config.drafter])
     return rows
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from engine.trace import Trace, TraceError, read_trace_file
-from viz.page.state import TRACE_FILE_NAME, Session, ordered, refusal, save_traces
+from viz.page.state import TRACE_FILE_NAME, Session, by_lane, ordered, refusal, save_traces
 from viz.page.summary import run_summary
 
 
@@ -32,14 +32,12 @@ class TracesView:
             traces = read_trace_file(path)
         except TraceError as exc:
             raise refusal(exc) from None
-        by_method: dict[str, Trace] = {}
-        for trace in traces:
-            by_method.setdefault(trace.config.method, trace)
-        status = f"Loaded {len(by_method)} trace(s) from the upload."
-        if len(by_method) < len(traces):
-            status += " The file holds several traces of one method; the first of each is shown."
+        shown = by_lane(traces)
+        status = f"Loaded {len(shown)} trace(s) from the upload."
+        if len(shown) < len(traces):
+            status += " The file holds several traces of one method and drafter; the first of each is shown."
         try:
-            return present(by_method, status)
+            return present(shown, status)
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # a value of the wrong kind that the reader let through: refused, not an internal error
             raise refusal(TraceError(f"the file's traces hold a value that cannot be shown ({type(exc).__name__}: "

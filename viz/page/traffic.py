@@ -12,7 +12,7 @@ from engine.errors import EngineError
 from engine.methods import METHODS
 from engine.serving.traffic import DEFAULT_SERVER, ServedRequest, recent_requests, request_traces, server_url
 from engine.trace import Trace
-from viz.page.state import Session, refusal
+from viz.page.state import Session, by_lane, refusal
 
 
 class TrafficView:
@@ -60,8 +60,8 @@ class TrafficView:
         except EngineError as exc:
             raise refusal(exc) from None
         trace = traces[0]
-        return self.present({trace.config.method: trace}, f"Opened request {trace_id} from {server_url(url)}: "
-                                                     f"{trace.config.label}, {len(trace.steps)} steps.")
+        return self.present(by_lane([trace]), f"Opened request {trace_id} from {server_url(url)}: "
+                                              f"{trace.config.label}, {len(trace.steps)} steps.")
 
     def pick_row(self, ids: list[str], selected: gr.SelectData) -> str:
         """A click on the table picks the request of that row (which ``open`` then opens)."""
