@@ -4,6 +4,7 @@ refusal leaves alone, what the replay animates, and what the page keeps on disk 
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import gradio as gr
@@ -101,7 +102,19 @@ def test_a_refusal_logs_one_line_not_a_traceback(page, caplog):
 def test_the_doctor_refuses_a_bad_token_count_in_its_check_and_in_its_endpoint(page, value, message):
     examine, check = (next(fn.fn for fn in page.demo.fns.values() if fn.name == name) for name in ("examine", "check"))
     assert refused(lambda: check(value, False)) == message
-    assert refused(lambda: examine("Say hi.", value, False)) == message
+    assert refused(lambda: next(examine("Say hi.", value, False, RunControl()))) == message
+
+
+def test_the_doctor_says_it_waits_its_turn_and_a_stop_ends_it(page):
+    doctor, release, control = page.doctor_view, threading.Event(), RunControl()
+    page.studio.queue.submit(release.wait)  # another visitor's run
+    updates = doctor.examine("Say hi.", 8, False, control)
+    assert next(updates)[doctor.verdict] == ("**Running the doctor**: waiting for the model, behind 1 other "
+                                             "run(s)…")
+    control.stop = True  # the tab's Stop
+    release.set()
+    assert list(updates)[-1][doctor.verdict] == ("**Stopped**: the doctor was stopped during the target's greedy "
+                                                 "outputs. Nothing was judged.")
 
 
 @pytest.mark.parametrize("step, shown", [(999, "last"), (0, 1), (-5, 1), (3.0, 3)])

@@ -19,10 +19,16 @@ from engine.measure.doctor import (
     CANNOT_JUDGE,
     DEFAULT_PROMPTS,
     FAULTY,
+    GREEDY_STAGE,
     HEALTHY,
     MIN_JUDGED_ROOTS,
+    PASSES_STAGE,
+    PROBE_STAGE,
+    WIRING_STAGE,
     CalibrationBin,
     DoctorReport,
+    DoctorStopped,
+    Pacer,
     PositionStats,
     ProbeSettings,
     diagnose,
@@ -273,6 +279,25 @@ def test_the_batched_probe_drafts_what_the_decoder_drafts():
     stepwise = proposals_along(decoder, run.ids[:run.prompt_length].tolist(), run.ids[run.prompt_length:].tolist(), 4)
     assert torch.equal(batched.tokens, stepwise.tokens)
     assert torch.allclose(batched.log_probs, stepwise.log_probs.to(batched.log_probs.dtype), atol=1e-5)
+
+
+def test_the_doctor_says_each_stage_with_the_time_it_has_left_and_a_stop_ends_it():
+    target = tiny_target(3)
+    decoder = Decoder(target, DFlashDrafter(tiny_config(target)).initialize(3).double().eval(),
+                      DrafterInfo("random", trained=False))
+    heard = []
+    diagnose(decoder, TINY_PROMPTS, ProbeSettings(max_new_tokens=8, budgets=(4,)), pacer=Pacer(heard.append))
+    assert list(dict.fromkeys(p.stage for p in heard)) == [GREEDY_STAGE, PASSES_STAGE, PROBE_STAGE, WIRING_STAGE]
+    assert all(p.left_s is None for p in heard if p.done == 0), "a stage's pace is known after its first tick"
+    greedy, probe, wirings = ([p for p in heard if p.stage == stage and p.done]
+                              for stage in (GREEDY_STAGE, PROBE_STAGE, WIRING_STAGE))
+    assert not greedy[0].foreseen and str(greedy[0]).endswith(
+        "left in this stage (the drafter's probes are timed when they start)")
+    # the configured probe foresees the miswiring probes after it: they score its blocks again on fewer roots
+    assert all(p.foreseen for p in probe) and probe[-1].left_s > 0
+    assert (wirings[-1].done, wirings[-1].left_s) == (wirings[-1].total, 0)
+    with pytest.raises(DoctorStopped, match="stopped during the target's greedy outputs"):
+        diagnose(decoder, TINY_PROMPTS, ProbeSettings(max_new_tokens=8), pacer=Pacer(should_stop=lambda: True))
 
 
 def test_greedy_outputs_in_one_batch_are_ar_outputs():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -63,6 +64,62 @@ CALIBRATION_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 # be at least two standard errors of that difference: n >= 2 * (2 * 0.5 / FAR_GAIN) ** 2, 89 roots.
 MIN_JUDGED_ROOTS = math.ceil(2 * (2 * 0.5 / FAR_GAIN) ** 2)
 HEALTHY, FAULTY, CANNOT_JUDGE = 0, 1, 3  # the CLI's exit status (bad input is EngineError: 2)
+GREEDY_STAGE, PASSES_STAGE = "the target's greedy outputs", "the target's passes over them"
+PROBE_STAGE, WIRING_STAGE = "the drafter's blocks at every root, as configured", "the miswiring probes"
+
+
+class DoctorStopped(Exception):
+    """The doctor was asked to stop (the Doctor tab's Stop): it ends between two of its passes."""
+
+
+@dataclass(frozen=True)
+class DoctorProgress:
+    """Where a doctor's run is: its stage, how far through it, the seconds so far, and the seconds left as far as
+    this run has timed them (``left_s``: None before the stage's first tick; ``foreseen`` False while the drafter's
+    probes, after the target's part, are not timed yet and ``left_s`` is the target's part alone)."""
+
+    stage: str
+    done: int
+    total: int
+    elapsed_s: float
+    left_s: float | None
+    foreseen: bool
+
+    def __str__(self) -> str:
+        said = f"{self.stage} ({self.done} of {self.total}), {self.elapsed_s:.0f} s so far"
+        if self.left_s is None:
+            return said
+        left = f"{said}; about {self.left_s:.0f} s left"
+        return left if self.foreseen else f"{left} in this stage (the drafter's probes are timed when they start)"
+
+
+class Pacer:
+    """A doctor's run, stage by stage: each tick reports how far the stage is and, from its own pace, the seconds
+    it has left, with those of the stages after it where they follow from it (the miswiring probes score the
+    configured probe's blocks again, on fewer roots); a stop asked for ends the run at the next tick."""
+
+    def __init__(self, on_progress: Callable[[DoctorProgress], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None):
+        self.report = on_progress or (lambda progress: None)
+        self.should_stop = should_stop or (lambda: False)
+        self.started = time.perf_counter()
+        self.stage_started = self.started
+        self.name, self.total, self.after, self.foreseen = "", 1, 0.0, False
+
+    def stage(self, name: str, total: int, after: float | None = 0.0) -> None:
+        """A stage of ``total`` ticks; ``after``: the later stages' seconds as a multiple of this one's (None: not
+        foreseen from it)."""
+        self.name, self.total, self.stage_started = name, max(total, 1), time.perf_counter()
+        self.after, self.foreseen = after or 0.0, after is not None
+        self.tick(0)
+
+    def tick(self, done: int) -> None:
+        if self.should_stop():
+            raise DoctorStopped(f"the doctor was stopped during {self.name}")
+        now = time.perf_counter()
+        pace = (now - self.stage_started) / done if done else None
+        left = None if pace is None else pace * (self.total - done) + pace * self.total * self.after
+        self.report(DoctorProgress(self.name, done, self.total, now - self.started, left, self.foreseen))
 
 
 @dataclass(frozen=True)
@@ -223,15 +280,24 @@ def prompt_pass(target, prompt_ids: list[int], output: list[int]) -> PromptPass:
     return PromptPass(ids, len(prompt_ids), tuple(hidden), captured.get("x"), confidence)
 
 
-def greedy_outputs(decoder: Decoder, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def greedy_outputs(decoder: Decoder, prompt_ids: list[list[int]], max_new_tokens: int,
+                   pacer: Pacer | None = None) -> list[list[int]]:
     """The target's greedy output for every prompt (up to and with its stop token). A plain-attention
     target decodes all prompts in one batch, left-padded (the padding masked, positions counted from each
     prompt's first token): a pass a token for all of them instead of one a prompt and a token. A hybrid's
     recurrent layers would run through the padding: it decodes each prompt alone, as AR."""
-    target = decoder.target
+    target, pacer = decoder.target, pacer or Pacer()
     if hybrid.is_hybrid(target.config) or len(prompt_ids) == 1:
         settings = DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens")
-        return [decoder.run(settings=settings, prompt_ids=ids).output_ids for ids in prompt_ids]
+        pacer.stage(GREEDY_STAGE, len(prompt_ids) * max_new_tokens, after=None)
+        outputs = []
+        for ids in prompt_ids:
+            before = len(outputs) * max_new_tokens
+            trace = decoder.run(settings=settings, prompt_ids=ids,
+                                on_step=lambda trace, step, before=before: pacer.tick(before + len(trace.output_ids)))
+            outputs.append(trace.output_ids)
+        return outputs
+    pacer.stage(GREEDY_STAGE, max_new_tokens, after=None)
     width, device = max(map(len, prompt_ids)), target.device
     pad = target.stop_ids[0] if target.stop_ids else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -239,7 +305,7 @@ def greedy_outputs(decoder: Decoder, prompt_ids: list[list[int]], max_new_tokens
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     cache, outputs, stops = target.new_cache(), [[] for _ in prompt_ids], set(target.stop_ids)
     with torch.inference_mode():
-        for _ in range(max_new_tokens):
+        for made in range(max_new_tokens):
             logits = target.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                   **{hybrid.cache_argument(type(target.model)): cache}).logits
             chosen = logits[:, -1].argmax(dim=-1)
@@ -248,6 +314,7 @@ def greedy_outputs(decoder: Decoder, prompt_ids: list[list[int]], max_new_tokens
                     output.append(token)
             if all(output[-1] in stops for output in outputs):
                 break
+            pacer.tick(made + 1)
             ids, positions = chosen[:, None], positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return outputs
@@ -456,29 +523,33 @@ def static_report(model: str, drafter: str, engine: str, findings: list[Finding]
     return DoctorReport(model, drafter, engine, line, status, findings)
 
 
-def target_passes(decoder: Decoder, prompts, max_new_tokens: int, on_progress=None) -> list[PromptPass]:
+def target_passes(decoder: Decoder, prompts, max_new_tokens: int, pacer: Pacer | None = None) -> list[PromptPass]:
     """Every prompt's greedy output and its target pass: the probe's slow half, and the drafter's no part
     of it, so drafters for one target can share them (``diagnose(runs=...)``)."""
     if not prompts:
         raise EngineError("the doctor needs at least one prompt")
-    progress = on_progress or (lambda message: None)
-    progress(f"the target's greedy outputs: {len(prompts)} prompts, {max_new_tokens} tokens each")
+    pacer = pacer or Pacer()
     prompt_ids = [decoder.target.chat_ids(prompt) for prompt in prompts]
-    outputs = greedy_outputs(decoder, prompt_ids, max_new_tokens)
-    progress("the target's passes over them")
-    return [prompt_pass(decoder.target, ids, output) for ids, output in zip(prompt_ids, outputs)]
+    outputs = greedy_outputs(decoder, prompt_ids, max_new_tokens, pacer)
+    pacer.stage(PASSES_STAGE, len(prompt_ids), after=None)
+    runs = []
+    for ids, output in zip(prompt_ids, outputs):
+        runs.append(prompt_pass(decoder.target, ids, output))
+        pacer.tick(len(runs))
+    return runs
 
 
 def diagnose(decoder: Decoder, prompts: list[str] | tuple[str, ...] = DEFAULT_PROMPTS,
              settings: ProbeSettings = ProbeSettings(), raw_drafter_config: dict | None = None,
-             on_progress=None, runs: list[PromptPass] | None = None) -> DoctorReport:
+             pacer: Pacer | None = None, runs: list[PromptPass] | None = None) -> DoctorReport:
     """Check ``decoder``'s target + drafter pair; ``raw_drafter_config`` (the drafter's config.json) lets the
     vLLM checks see keys the Studio does not read (``eagle_aux_hidden_state_layer_ids``); ``runs``: the
-    target's passes already made (``target_passes``), else made here from ``prompts``."""
+    target's passes already made (``target_passes``), else made here from ``prompts``. ``pacer`` hears how far
+    it is and may stop it (``DoctorStopped``)."""
     target, drafter = decoder.target, decoder.drafter
     if drafter is None or isinstance(drafter, ScriptedDrafter):
         raise EngineError("the doctor checks a trained DFlash drafter: load one (a scripted drafter knows its answers)")
-    progress = on_progress or (lambda message: None)
+    pacer = pacer or Pacer()
     findings = static_checks(target.config, target.tokenizer, drafter.config, settings.engine, raw_drafter_config)
     findings.append(Finding(NOTE, "dtype", f"target {_dtype(target.dtype)}, drafts in {_dtype(drafter.dtype)}"))
     report = static_report(target.name, decoder.drafter_info.name, settings.engine, findings)
@@ -486,14 +557,18 @@ def diagnose(decoder: Decoder, prompts: list[str] | tuple[str, ...] = DEFAULT_PR
         return report
     clock = time.perf_counter()
     if runs is None:
-        runs = target_passes(decoder, prompts, settings.max_new_tokens, progress)
+        runs = target_passes(decoder, prompts, settings.max_new_tokens, pacer)
         report.seconds["target"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    progress("the drafter's blocks at every root, as configured")
-    scores = measure_acceptance(report, decoder, runs, settings.budgets)
+    probes = wiring_probes(decoder, runs, settings, raw_drafter_config)
+    # each miswiring probe scores the wiring prompts' roots (every ``wiring_stride``-th) as the configured probe does
+    roots = [len(run.ids) - run.prompt_length for run in runs]
+    share = sum(-(-count // settings.wiring_stride) for count in roots[: settings.wiring_prompts]) / max(sum(roots), 1)
+    pacer.stage(PROBE_STAGE, len(runs), after=len(probes) * share)
+    scores = measure_acceptance(report, decoder, runs, settings.budgets, pacer)
     report.seconds["probe"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    report.wirings = probe_wirings(decoder, runs, scores, settings, raw_drafter_config, progress)
+    report.wirings = probe_wirings(decoder, runs, scores, settings, probes, pacer)
     report.seconds["wirings"] = time.perf_counter() - clock
     shortfall = sample_shortfall(report.wirings, len(runs), settings)
     if shortfall is None:  # a small sample's probes name no fault: their differences would be noise
@@ -503,11 +578,14 @@ def diagnose(decoder: Decoder, prompts: list[str] | tuple[str, ...] = DEFAULT_PR
 
 
 def measure_acceptance(report: DoctorReport, decoder: Decoder, runs: list[PromptPass],
-                       budgets: tuple[int, ...]) -> list[BlockScores]:
+                       budgets: tuple[int, ...], pacer: Pacer | None = None) -> list[BlockScores]:
     """The configured drafter's blocks at every root of every output, and the report's measures of them."""
-    configured = configured_wiring(decoder.drafter)
-    scores = [score_blocks(decoder, run, configured, list(range(run.prompt_length, len(run.ids))),
-                           max(budgets + (1,))) for run in runs]
+    configured, pacer = configured_wiring(decoder.drafter), pacer or Pacer()
+    scores = []
+    for run in runs:
+        scores.append(score_blocks(decoder, run, configured, list(range(run.prompt_length, len(run.ids))),
+                                   max(budgets + (1,))))
+        pacer.tick(len(scores))
     report.prompts, report.roots = len(runs), sum(len(s.anchors) for s in scores)
     report.first_slot = first_slot_rate(scores)
     report.positions = position_stats(scores)
@@ -517,18 +595,25 @@ def measure_acceptance(report: DoctorReport, decoder: Decoder, runs: list[Prompt
     return scores
 
 
-def probe_wirings(decoder: Decoder, runs: list[PromptPass], scores: list[BlockScores], settings: ProbeSettings,
-                  raw_drafter_config: dict | None, progress) -> list[WiringResult]:
-    """The configured wiring and every miswiring on the same roots (fewer of them: see ``ProbeSettings``)."""
+def wiring_probes(decoder: Decoder, runs: list[PromptPass], settings: ProbeSettings,
+                  raw_drafter_config: dict | None) -> list[tuple[Wiring, str]]:
+    """Every miswiring to probe, with its role: a variant of the configured wiring, or a deployment's."""
     drafter, num_layers = decoder.drafter, len(runs[0].hidden) - 1
+    return [(w, "variant") for w in variant_wirings(drafter, num_layers, runs[0].before_norm is not None)] + \
+        [(w, "deployment") for w in deployment_wirings(drafter, num_layers, settings.engine, raw_drafter_config)]
+
+
+def probe_wirings(decoder: Decoder, runs: list[PromptPass], scores: list[BlockScores], settings: ProbeSettings,
+                  probes: list[tuple[Wiring, str]], pacer: Pacer | None = None) -> list[WiringResult]:
+    """The configured wiring and every miswiring on the same roots (fewer of them: see ``ProbeSettings``)."""
+    pacer = pacer or Pacer()
     subset = [s.every(settings.wiring_stride) for s in scores[: settings.wiring_prompts]]
-    results = [wiring_result(configured_wiring(drafter), subset, "configured")]
-    probes = [(w, "variant") for w in variant_wirings(drafter, num_layers, runs[0].before_norm is not None)] + \
-             [(w, "deployment") for w in deployment_wirings(drafter, num_layers, settings.engine, raw_drafter_config)]
+    results = [wiring_result(configured_wiring(decoder.drafter), subset, "configured")]
+    pacer.stage(WIRING_STAGE, len(probes))
     for wiring, role in probes:
-        progress(f"miswiring probe: {wiring.label}")
         probed = [score_blocks(decoder, run, wiring, s.anchors, 1) for run, s in zip(runs, subset)]
         results.append(wiring_result(wiring, probed, role))
+        pacer.tick(len(results) - 1)
     return results
 
 

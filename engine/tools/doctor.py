@@ -21,7 +21,15 @@ from pathlib import Path
 from engine.errors import EngineError, run_command
 from engine.loop.decode import Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, display_name, draft_dtype_for, drafter_info
-from engine.measure.doctor import DEFAULT_PROMPTS, ProbeSettings, diagnose, probe_can_run, static_report
+from engine.measure.doctor import (
+    DEFAULT_PROMPTS,
+    DoctorProgress,
+    Pacer,
+    ProbeSettings,
+    diagnose,
+    probe_can_run,
+    static_report,
+)
 from engine.measure.doctor_checks import check_for_this_target, static_checks
 from engine.models.drafter import load_drafter, read_drafter_config
 from engine.models.target import BUNDLED_MODEL, bundled_gguf, has_tokenizer, load_target, shape_config
@@ -71,8 +79,14 @@ def _main(args: argparse.Namespace) -> int:
                                             dtype=draft_dtype_for(target, args.draft_dtype)).eval()
     decoder = Decoder(target, drafter, drafter_info(args.drafter))
     print(f"loaded in {time.perf_counter() - started:.1f} s; probing {len(prompts)} prompts", file=sys.stderr)
-    report = diagnose(decoder, prompts, settings, raw, on_progress=lambda line: print(line, file=sys.stderr))
+    report = diagnose(decoder, prompts, settings, raw, pacer=Pacer(say_stage))
     return finish(report, args.out)
+
+
+def say_stage(progress: DoctorProgress) -> None:
+    """Each stage as it starts, on stderr."""
+    if progress.done == 0:
+        print(progress.stage, file=sys.stderr)
 
 
 def model_config(model: str | None):
