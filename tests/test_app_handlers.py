@@ -211,10 +211,11 @@ def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page, m
     assert status.startswith("**Done**") and status.count("sampling runs the readable step") == 1
 
 
-def test_the_budget_box_opens_at_auto_and_nothing_but_the_visitor_sets_it(page):
-    budget = page.run_view.budget
-    setters = [dep for dep in page.demo.config["dependencies"] if budget._id in dep["outputs"]]
-    assert setters == [] and budget.value == "auto"
+def test_the_budget_box_opens_at_auto_and_only_traces_shown_set_it(page):
+    budget, dependencies = page.run_view.budget, page.demo.config["dependencies"]
+    setters = [dep for dep in dependencies if budget._id in dep["outputs"]]
+    shown = {dep["id"] for dep in dependencies if dep["api_name"] in ("upload", "open_request", "open")}
+    assert {dep["trigger_after"] for dep in setters} <= shown and budget.value == "auto"
     assert budget not in page.follow_timing()
 
 
@@ -291,3 +292,17 @@ def test_a_second_drafter_the_page_does_not_offer_is_refused(page, candidate):
     assert refused(lambda: run_once(page, methods=NAMES, second_drafter="/etc")) == (
         f"Second drafter '/etc' is not one this page offers; choose from {candidate} (python app.py --second-drafter "
         "FOLDER adds one)")
+
+
+def test_an_upload_puts_its_prompt_and_settings_in_the_form_for_the_next_run_or_sweep(page, traces, tmp_path):
+    path = tmp_path / "uploaded.json"
+    save_traces(list(traces.values()), path)
+    shown = page.traces_view.load_upload(str(path), present=page.present)
+    run = page.run_view
+    form = run.filled_from(shown[page.session.traces])
+    assert [form[box] for box in run.form] == [PROMPT, 24, 0.0, 0, "8", ["ar", "dflash", "ddtree"]]
+    dependencies = page.demo.config["dependencies"]
+    upload = next(dep for dep in dependencies if dep["api_name"] == "upload")
+    filled = [dep for dep in dependencies if dep.get("trigger_after") == upload["id"]]
+    assert [sorted(dep["outputs"]) for dep in filled] == [sorted(box._id for box in run.form)]
+    assert filled[0]["trigger_only_on_success"]

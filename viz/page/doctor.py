@@ -52,7 +52,7 @@ class DoctorView:
                           show_progress="hidden").success(
             self.examine, [self.prompts, self.tokens, self.vllm, self.control], [self.verdict, *self.plots],
             api_name="examine")
-        self.stop_button.click(stop, self.control, None, queue=False, api_visibility="private",
+        self.stop_button.click(stop_doctor, self.control, None, queue=False, api_visibility="private",
                                show_progress="hidden")
 
     def probe_settings(self, max_new_tokens, check_vllm: bool):
@@ -104,7 +104,7 @@ class DoctorView:
                                                          for plot, name in zip(self.plots, self.PLOTS)}
 
 
-def stop(control: RunControl) -> None:
+def stop_doctor(control: RunControl) -> None:
     """The doctor stops at its next pass."""
     control.stop = True
 

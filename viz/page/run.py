@@ -178,6 +178,24 @@ class RunView:
                                                    visible=not lane.second or lane.key in traces) for lane in LANES},
                 self.economics_plot: economics_figure(runs), self.economics_text: economics_text(runs)}
 
+    @property
+    def form(self) -> list:
+        """The boxes a set of traces fills in (``filled_from``)."""
+        return [self.prompt, self.max_new_tokens, self.temperature, self.seed, self.budget, self.methods]
+
+    def filled_from(self, traces: dict[str, Trace]) -> dict:
+        """The form as the traces ran (an upload's, a served request's), so that Run or a sweep after it runs their
+        prompt and settings, not the ones the boxes held before."""
+        runs = ordered(traces)
+        if not runs:
+            return {}
+        config = runs[0].config
+        budgets = [trace.config.tree_budget for trace in runs if trace.config.method_row.budgeted]
+        return {self.prompt: config.prompt, self.max_new_tokens: config.max_new_tokens,
+                self.temperature: config.temperature, self.seed: config.seed,
+                self.methods: list(dict.fromkeys(trace.config.method for trace in runs)),
+                **({self.budget: str(budgets[0])} if budgets else {})}
+
     def pick_second(self, folder: str | None) -> dict:
         """The second drafter's columns show while one is picked."""
         return {self.columns[key]: gr.HTML(visible=bool(folder)) for key in self.second_keys}
