@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.loop.settings import DecodeSettings
-from engine.measure.economics import Timing, economics, explain
+from engine.measure.economics import Timing, economics, explain, speed_noise
 from engine.tools.bench import Job, best_budget, per_category, read_prompts, summarize_runs
 from engine.trace import Summary, Trace
 from tests.tiny import tiny_decoder
@@ -116,3 +116,12 @@ def test_the_bench_counts_outputs_identical_to_ar_and_which_others_left_it_at_a_
     summary = summarize_runs(runs, [Job("ar", "ar", None), Job("dflash", "dflash", None)])
     assert summary["dflash"]["identical_to_ar"] == "1/4" and summary["dflash"]["near_ties_vs_ar"] == 2
     assert "| 1/4 (2 at near-ties) |" in format_summary(summary)
+
+
+@pytest.mark.parametrize("steps, noise", [
+    ([(1, 0.1)] * 10, 0.0),  # every step at one pace: nothing to stray
+    ([(1, 0.1), (1, 0.3)], 0.5),  # rate 5: residuals ±0.5, spread 0.5, standard error 0.5 of a mean token of 1
+    ([(3, 0.1)], None),  # one step says nothing of its spread
+])
+def test_one_pass_noise_is_the_standard_error_of_its_tokens_per_second_over_its_steps(steps, noise):
+    assert speed_noise(steps) == (pytest.approx(noise) if noise is not None else None)

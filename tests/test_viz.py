@@ -15,6 +15,7 @@ from tests.tiny import tiny_decoder
 from viz.figures import (
     CORNER,
     DARK_CELL,
+    TARGET_COLOUR,
     acceptance_histogram,
     draft_rank,
     economics_figure,
@@ -24,6 +25,7 @@ from viz.figures import (
     race_chart,
     stage_figure,
     sweep_figure,
+    sweep_verdict,
 )
 from viz.text_view import column_html, run_stats, tokens_html
 from viz.tokens import committed_origins, pieces_token_text, visible
@@ -191,8 +193,11 @@ def test_probability_figure_marks_accepted_and_target_tokens():
     assert marks["accepted draft token"] == accepted_cells
     rank, _ = draft_rank(step, 3, step.bonus_token)  # in the top-k, though not in the tree
     dx, dy = CORNER  # in the cell's corner
-    assert marks["target's token"] == [(1 + dx, accepted_cells[0][1] + dy), (2 + dx, accepted_cells[1][1] + dy),
-                                       (3 + dx, rank + 1 + dy)]
+    assert marks["target's choice"] == [(1 + dx, accepted_cells[0][1] + dy), (2 + dx, accepted_cells[1][1] + dy),
+                                        (3 + dx, rank + 1 + dy)]
+    # the target's choice is what was committed, not a rejection: no red cross marks it
+    choice = next(t for t in fig.data if t.name == "target's choice").marker
+    assert choice.symbol == "diamond" and choice.color != TARGET_COLOUR
     heatmap = fig.data[0]
     assert len(heatmap.z) == 8 and len(heatmap.z[0]) == len(step.draft_top_tokens)
 
@@ -228,7 +233,8 @@ def test_probability_figure_says_when_the_target_token_is_not_in_top_k(traces):
     step = next(s for s in traces["ddtree"].steps
                 if draft_rank(s, len(s.accepted), s.bonus_token) is None and len(s.accepted) <= len(s.draft_top_tokens))
     fig = probability_figure(step, token_text)
-    assert any("not in top-" in a.text for a in fig.layout.annotations)
+    (said,) = [a.text for a in fig.layout.annotations if "not in the drafter's top-" in a.text]
+    assert "✗" not in said
 
 
 def test_probability_figure_for_ar_explains_there_is_no_draft(traces):
@@ -339,6 +345,27 @@ def test_the_sweep_marks_its_best_budget_inside_the_log_axis(traces):
     assert math.log10(min(budgets)) <= best.x <= math.log10(max(budgets))
 
 
+def test_the_sweeps_best_is_the_measured_best_and_it_says_how_noisy_one_pass_is(traces):
+    decoder = tiny_decoder()
+    runs = {b: decoder.run(prompt_ids=PROMPT_IDS, settings=DecodeSettings("ddtree", max_new_tokens=8, tree_budget=b))
+            for b in (2, 4, 16)}
+    predicted = sweep_figure(list(runs.values()), traces["ar"]).data[2].y
+    # a slow prefill: the steps, and so the prediction, are the same; what was measured is slower
+    slowed = max(runs, key=lambda b: predicted[list(runs).index(b)])
+    late = copy.deepcopy(runs[slowed])
+    late.summary.time_to_first_token_s += 100.0
+    late.summary.wall_s += 100.0
+    runs[slowed] = late
+    fig = sweep_figure(list(runs.values()), traces["ar"])
+    measured = dict(zip(runs, fig.data[3].y))
+    (best,) = [a.text for a in fig.layout.annotations if a.text.startswith("best: ")]
+    assert best == f"best: {max(measured, key=measured.get)}" != f"best: {slowed}"
+    assert all(width > 0 for width in fig.data[3].error_y.array), "every measured point says its noise"
+    assert "measured: one pass, ± " in fig.layout.title.text and "2 standard errors" in fig.layout.title.text
+    said = sweep_verdict(list(runs.values()), traces["ar"])
+    assert said.startswith(f"Best measured: budget **{max(measured, key=measured.get)}**, ") and "± " in said
+
+
 def test_drafting_run_alone_says_its_tau_and_asks_for_ar_for_the_cost(traces):
     text = economics_text([traces["ddtree"]])
     assert "no verify steps" not in text
@@ -371,6 +398,16 @@ def test_the_verdict_says_where_a_run_leaves_ar_and_whether_the_target_was_at_a_
     column = column_html("ddtree", ddtree, ar, all_done=True)
     assert verdict.format(n=index + 1) in column.replace("&#x27;", "'")
     assert "identical to AR" not in column
+
+
+def test_a_stopped_run_says_so_and_is_compared_with_nothing(traces):
+    stopped_ar = copy.deepcopy(traces["ar"])
+    stopped_ar.summary.stop_reason = "cancelled"
+    column = column_html("AR (target only)", stopped_ar, stopped_ar, all_done=True)
+    assert "(stopped)" in column and "stopped before its end" in column
+    assert "(done)" not in column and "reference output" not in column
+    after = column_html("DDTree (tree)", traces["ddtree"], stopped_ar, all_done=True)
+    assert "(done)" in after and not any(verdict in after for verdict in ("identical to AR", "differs", "leaves AR"))
 
 
 def test_run_stats_as_of_a_moment(traces):

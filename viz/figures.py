@@ -20,6 +20,9 @@ from viz.tokens import TokenText, shown
 
 ACCEPTED_COLOUR = "#2ca02c"
 TARGET_COLOUR = "#d9534f"
+# the target's choice in the drafter's top-k: a neutral dark mark, not a red cross, which reads as "rejected" (the
+# target's token is what was committed, in or out of the draft)
+CHOICE_COLOUR = "#1b1f24"
 DARK_CELL = 0.5  # a heatmap cell at least this probable is dark blue: its token is written in white
 CORNER = (0.3, -0.3)  # where in a heatmap cell (depth, rank offsets; rank grows downwards) a corner mark sits
 NOISE_ERRORS = 2  # a measured speed-up's noise, drawn and said, is this many standard errors
@@ -61,7 +64,7 @@ def draft_rank(step: Step, depth: int, token: int) -> tuple[int, float] | None:
 
 def probability_figure(step: Step, token_text: TokenText, label: str = "") -> go.Figure:
     """Heatmap of the drafter's top-k per depth, with the accepted token (green
-    square) and the target's token (red cross) marked where they are in the top-k."""
+    square) and the target's choice (a dark diamond) marked where they are in the top-k."""
     if not step.draft_top_tokens:
         return empty_figure("No draft in this step: AR makes every token with the target.")
     depths = list(range(1, len(step.draft_top_tokens) + 1))
@@ -81,8 +84,8 @@ def probability_figure(step: Step, token_text: TokenText, label: str = "") -> go
     _mark(fig, step, accepted_tokens, "accepted draft token",
           dict(symbol="square-open", size=30, color=ACCEPTED_COLOUR, line=dict(width=3)))
     wanted = target_path_tokens(step)
-    _mark(fig, step, wanted, "target's token", dict(symbol="x-thin-open", size=9, color=TARGET_COLOUR,
-                                                    line=dict(width=2, color=TARGET_COLOUR)), corner=True)
+    _mark(fig, step, wanted, "target's choice", dict(symbol="diamond", size=9, color=CHOICE_COLOUR,
+                                                     line=dict(width=1, color="white")), corner=True)
     # the tokens last, over the marks, light on dark cells: a sure rank-1 draft is the darkest cell of all
     cells = [(d, r) for r in ranks for d in depths]
     fig.add_trace(go.Scatter(
@@ -93,8 +96,8 @@ def probability_figure(step: Step, token_text: TokenText, label: str = "") -> go
     missed = stop_depth <= len(depths) and draft_rank(step, stop_depth, wanted[-1]) is None
     if missed:
         fig.add_annotation(x=1, y=1, xref="paper", yref="paper", showarrow=False, xanchor="right", yanchor="bottom",
-                           text=f"✗ depth {stop_depth}: target wanted {shown(token_text, wanted[-1])}, "
-                                f"not in top-{k}", font=dict(color=TARGET_COLOUR, size=12))
+                           text=f"depth {stop_depth}: the target chose {shown(token_text, wanted[-1])}, "
+                                f"not in the drafter's top-{k}", font=dict(color=CHOICE_COLOUR, size=12))
     fig.update_layout(
         title=dict(text=" · ".join(filter(None, [label, f"Step {step.number}: drafter's top-{k} per depth"])), x=0,
                    font=dict(size=14)),
