@@ -111,7 +111,7 @@ def test_the_doctor_while_a_run_runs_both_finish_and_the_doctor_renders_its_verd
                            " ?? '')", timeout=RUN_TIMEOUT_MS)
     verdict = page.locator("#doctor-verdict").inner_text()
     # one prompt scores too few draft positions to call a wiring faulty (test_doctor holds the shipped pair healthy)
-    assert verdict.startswith("⏳ Not judged yet: too few draft positions to judge"), verdict
+    assert verdict.startswith("○ Not judged yet: too few draft positions to judge"), verdict
     assert "layer ids" in verdict and "mask token: " in verdict
     page.locator("#doctor-positions .js-plotly-plot").wait_for()
     assert "Acceptance per draft position" in page.locator("#doctor-positions .gtitle").text_content()

@@ -114,7 +114,7 @@ def test_the_report_round_trips_through_json_and_draws(bundled):
     figures = doctor_figures(again)
     assert set(figures) == {"positions", "calibration", "confidence", "wirings"}
     assert all(figure.data for figure in figures.values())
-    assert report_markdown(report).startswith(f"✅ **Healthy**: {report.verdict.removeprefix('healthy: ')}\n")
+    assert report_markdown(report).startswith(f"✓ **Healthy**: {report.verdict.removeprefix('healthy: ')}\n")
 
 
 def test_one_short_prompt_is_too_few_to_judge_and_names_no_fault(bundled, capsys):
@@ -129,7 +129,7 @@ def test_one_short_prompt_is_too_few_to_judge_and_names_no_fault(bundled, capsys
                               "more prompts or more tokens per prompt")
     assert not any(f.severity == FAULT for f in report.findings)
     assert report.first_slot is not None and all(figure.data for figure in doctor_figures(report).values())
-    assert report_markdown(report).startswith(f"⏳ **Not judged yet**: too few draft positions to judge ({judged} ")
+    assert report_markdown(report).startswith(f"○ **Not judged yet**: too few draft positions to judge ({judged} ")
     assert doctor_cli.finish(report, None) == CANNOT_JUDGE  # the CLI's exit status: neither healthy nor a fault
     assert capsys.readouterr().out.startswith(f"verdict: {report.verdict}\n")
 
@@ -151,10 +151,27 @@ def test_the_doctor_tabs_markdown_keeps_token_text_and_says_healthy_once():
     report = DoctorReport("smollm2", "smollm2-135m-dflash-b16", "torch", "healthy: first-slot hits 71.5%", HEALTHY,
                           findings)
     text = shown_text(report_markdown(report))
-    assert text.splitlines()[0] == "✅ Healthy: first-slot hits 71.5%"
+    assert text.splitlines()[0] == "✓ Healthy: first-slot hits 71.5%"
     assert "mask token: 16 = '<|im_start|>', a special token no text produces" in text
     assert "rope: theta *10000* against the target's `100000` [sic]" in text
     assert "Target smollm2 · drafter smollm2-135m-dflash-b16 · torch engine" in text
+
+
+@pytest.mark.parametrize("status", [HEALTHY, FAULTY, CANNOT_JUDGE])
+def test_the_doctor_tabs_verdict_uses_only_glyphs_the_shipped_fonts_draw(status):
+    from fontTools.ttLib import TTFont
+
+    from viz.video import font_path
+
+    findings = [Finding(severity, "check", "a line — with τ → its fix") for severity in (OK, "note", WARNING, FAULT)]
+    report = DoctorReport("smollm2", "shipped", "torch", "a verdict", status, findings, first_slot=0.7, prompts=1,
+                          roots=9, tau={"ddtree@16": 3.2}, seconds={"target": 1.0})
+    fonts = [font_path(kind) for kind in ("sans", "bold")]
+    if None in fonts:
+        pytest.skip("needs DejaVu Sans (fonts-dejavu-core, or matplotlib's copy)")
+    drawn = set.intersection(*(set(TTFont(font).getBestCmap()) for font in fonts))
+    missing = {glyph for glyph in report_markdown(report) if not glyph.isspace() and ord(glyph) not in drawn}
+    assert not missing, f"the shipped fonts lack {sorted(missing)}: the page would show empty boxes"
 
 
 def test_the_calibration_plots_slots_by_colour_without_labels_that_overlap():
@@ -218,7 +235,7 @@ def test_a_static_report_draws_placeholders_and_its_verdict():
     report = static_report("small", "shipped", "torch", findings)
     assert report.status == FAULTY and "reach outside the target's 20 layers (0–19): [20, 27]" in report.verdict
     assert all(not figure.data for figure in doctor_figures(report).values())
-    assert "❌ **Fault**" in report_markdown(report)
+    assert "✗ **Fault**" in report_markdown(report)
 
 
 def test_cli_bad_input_is_one_line(capsys):

@@ -12,8 +12,10 @@ from engine.measure.doctor_checks import FAULT, WARNING
 from engine.methods import DDTREE, DFLASH
 from viz.figures import ACCEPTED_COLOUR, TARGET_COLOUR, empty_figure
 
-SEVERITY_MARKS = {"ok": "✅", "note": "ℹ️", WARNING: "⚠️", FAULT: "❌"}
-STATUS_HEADINGS = {HEALTHY: "✅ **Healthy**", FAULTY: "❌ **Fault**", CANNOT_JUDGE: "⏳ **Not judged yet**"}
+# glyphs the shipped fonts (DejaVu Sans, ``viz.video.FONT_FILES``) draw: no emoji, which a page without an emoji font
+# shows as empty boxes
+SEVERITY_MARKS = {"ok": "✓", "note": "ℹ", WARNING: "⚠", FAULT: "✗"}
+STATUS_HEADINGS = {HEALTHY: "✓ **Healthy**", FAULTY: "✗ **Fault**", CANNOT_JUDGE: "○ **Not judged yet**"}
 ROLE_COLOURS = {"configured": DFLASH.colour, "variant": "#9467bd", "deployment": DDTREE.colour}
 
 

@@ -109,13 +109,15 @@ def _font_dirs() -> list[Path]:
     return dirs
 
 
+def font_path(kind: str) -> Path | None:
+    """The shipped font file of ``kind`` (``FONT_FILES``), where this machine has it."""
+    return next((folder / FONT_FILES[kind] for folder in _font_dirs() if (folder / FONT_FILES[kind]).is_file()), None)
+
+
 @cache
 def load_font(kind: str, size: int) -> Font:
-    for folder in _font_dirs():
-        path = folder / FONT_FILES[kind]
-        if path.is_file():
-            return ImageFont.truetype(str(path), size)
-    return ImageFont.load_default(size=size)
+    path = font_path(kind)
+    return ImageFont.truetype(str(path), size) if path is not None else ImageFont.load_default(size=size)
 
 
 def load_fonts(preset: Preset) -> Fonts:
