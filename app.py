@@ -175,6 +175,11 @@ class StudioApp:
                                                              show_progress="hidden").success(**fill_form)
         if self.studio.server is not None:  # the page opens on the server's list
             demo.load(traffic.refresh, traffic.url, listing, api_visibility="private", show_progress="hidden")
+        traffic.clock.tick(traffic.follow, [traffic.url, traffic.request], [*listing, traffic.clock],
+                           api_visibility="private", show_progress="hidden")
+        for event, open_ in ((traffic.panel.expand, True), (traffic.panel.collapse, False)):
+            event(functools.partial(traffic.watch, open_), None, traffic.clock, api_visibility="private", queue=False,
+                  show_progress="hidden")
         run.second_drafter.input(run.pick_second, run.second_drafter, [run.columns[key] for key in run.second_keys],
                                  api_visibility="private", queue=False, show_progress="hidden")
         self.timing_clock.tick(self.follow_timing, None, [self.banner, self.timing_clock], api_visibility="private",

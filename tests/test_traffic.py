@@ -62,8 +62,24 @@ def test_a_page_without_a_model_lists_the_traffic_and_opens_a_request_in_every_v
     tree = json.loads(shown[page.inspector.tree].to_json())["data"]
     nodes = sorted(node for part in tree for node in part.get("customdata") or [])
     assert nodes == list(range(first.tree_size + 2))  # root, every drafted node, the bonus
-    assert "ddt-text" in shown[page.run_view.columns["ddtree"]]
+    assert "ddt-text" in shown[page.run_view.columns["ddtree"]].value
     assert page.traffic_view.pick_row(ids, gr.SelectData(None, {"index": [1, 0], "value": ""})) == chat_id
+
+
+def test_an_open_panel_refreshes_the_list_itself_keeping_the_request_picked(served, page):
+    url, chat, _ = served
+    traffic, chat_id = page.traffic_view, chat.model_extra["ddtree"]["trace_id"]
+    followed = traffic.follow(url, chat_id)
+    assert followed[traffic.request].value == chat_id, "a refresh keeps the visitor's pick"
+    assert page.session.status not in followed, "nor does it talk over the status line"
+    gone = traffic.follow("http://127.0.0.1:9", chat_id)
+    assert gone[traffic.clock].active is False and "stopped refreshing" in gone[page.session.status]
+    assert traffic.watch(True).active and not traffic.watch(False).active
+    dependencies = page.demo.config["dependencies"]
+    ticks = [dep for dep in dependencies if (traffic.clock._id, "tick") in map(tuple, dep["targets"])]
+    panel = [dep for dep in dependencies if {tuple(t) for t in dep["targets"]} & {(traffic.panel._id, "expand"),
+                                                                                (traffic.panel._id, "collapse")}]
+    assert len(ticks) == 1 and [dep["outputs"] for dep in panel] == [[traffic.clock._id]] * 2
 
 
 def test_what_the_traffic_cannot_open_is_refused_with_its_reason(served, page):
@@ -77,9 +93,9 @@ def test_what_the_traffic_cannot_open_is_refused_with_its_reason(served, page):
     with pytest.raises(EngineError, match="is not a server address"):
         server_url("localhost:8000")
     with pytest.raises(gr.Error, match="This page loads no model: it opens the traffic of"):
-        list(page.run_view.run("Hi", 4, 0.0, 0, 4, ["ar"], RunControl(), present=page.present))
+        list(page.run_view.run("Hi", 4, 0.0, 0, 4, ["ar"], "", RunControl(), present=page.present))
     with pytest.raises(gr.Error, match="This page loads no model"):
-        page.doctor_view.examine("Hi", 4, False)
+        next(page.doctor_view.examine("Hi", 4, False, RunControl()))
     assert request_traces(url, recent_requests(url)[0].id)  # the server still answers
 
 
