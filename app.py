@@ -246,9 +246,16 @@ class StudioApp:
 CSS = """
 .ddt-column { min-height: 8em; }
 #status { min-height: 1.5em; }
-/* a row wraps what it cannot fit: on a phone each output column takes a line of its own rather than a word */
-.ddt-output { min-width: min(280px, 100%) !important; }
+/* a row wraps what it cannot fit: on a phone each output column takes a line of its own rather than a word; on a
+   laptop two drafters' five columns share one row */
+.ddt-output { min-width: min(220px, 100%) !important; }
 """
+# Gradio's own semibold faces hold a few dozen glyphs: its semibold "A" beside a fallback font's "R" split a bold "AR"
+# in two. Bold text takes the full bold faces it also ships.
+THEME = gr.themes.Default(font=(gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif",
+                                "system-ui", "sans-serif"),
+                          font_mono=(gr.themes.LocalFont("IBM Plex Mono", weights=(400, 700)), "ui-monospace",
+                                     "Consolas", "monospace"))
 
 
 def startup_studio(decoder: Decoder, queue: ModelQueue, tree_budget: Budget = AUTO,
@@ -326,7 +333,7 @@ def main() -> None:
 
 def launch(studio: Studio, args: argparse.Namespace) -> None:
     StudioApp(studio).demo.queue(default_concurrency_limit=4).launch(
-        server_name=args.host, server_port=args.port, css=CSS, state_session_capacity=MAX_SESSIONS)
+        server_name=args.host, server_port=args.port, css=CSS, theme=THEME, state_session_capacity=MAX_SESSIONS)
 
 
 if __name__ == "__main__":

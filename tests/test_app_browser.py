@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 
+from engine.loop.loading import SHIPPED_DRAFTER
 from tests.conftest import launched_app
 from tests.test_serve import client, serving
 from tests.tiny import tiny_decoder
+from viz.page.state import LANE_KEYS
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -99,6 +104,44 @@ def test_two_sessions_at_once_keep_their_own_results(browser, app_url):
     assert "not run" in third.locator("#column-ar").inner_text()
 
 
+@pytest.fixture(scope="module")
+def shifted_drafter(tmp_path_factory) -> Path:
+    """The shipped drafter reading the target one layer late: its weights, its config's target_layer_ids + 1."""
+    folder = tmp_path_factory.mktemp("drafters") / "layers-plus-one"
+    shutil.copytree(SHIPPED_DRAFTER, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [layer + 1 for layer in config["dflash_config"]["target_layer_ids"]]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_two_drafters_race_side_by_side_and_the_shifted_one_keeps_fewer_drafts(browser, shifted_drafter, tmp_path):
+    with launched_app(["--second-drafter", str(shifted_drafter)], tmp_path / "app.log") as url:
+        page = open_page(browser, url, width=1440)
+        assert page.locator("#budget input").input_value() == "auto", "the budget box opens at auto"
+        assert page.locator("#second-drafter input").input_value() == str(shifted_drafter)
+        start_run(page, "Explain what a hash table is in two sentences.", max_new_tokens=48)
+        wait_until_done(page)
+        texts = {key: page.locator(f"#column-{key} .ddt-text").inner_text() for key in LANE_KEYS}
+        assert len(set(texts.values())) == 1, texts  # greedy: either drafter's output is AR's
+        assert page.locator("#column-ddtree_2 .ddt-heading").inner_text() == (
+            "DDTree (tree) · second drafter · budget 16")
+        assert str(shifted_drafter) in page.locator("#column-ddtree_2").inner_text()
+        assert "drafter smollm2-135m-dflash-b16" in page.locator("#column-ddtree").inner_text()
+        tops = {round(page.locator(f"#column-{key}").bounding_box()["y"]) for key in LANE_KEYS}
+        assert len(tops) == 1, "five columns side by side on a laptop's screen"
+        # the same weights reading the wrong layers keep fewer drafted tokens a step (the doctor names the fault)
+        tau = {key: float(re.search(r"τ ([\d.]+)", page.locator(f"#column-{key} .ddt-stats").inner_text())[1])
+               for key in LANE_KEYS}
+        assert tau["dflash"] + tau["ddtree"] > tau["dflash_2"] + tau["ddtree_2"], tau
+        legend = page.locator("#race-plot .legendtext").all_text_contents()
+        assert legend == ["ar", "dflash", "dflash+layers-plus-one", "ddtree@16", "ddtree@16+layers-plus-one"]
+        page.get_by_label("DDTree@16 · layers-plus-one").check()
+        page.wait_for_function("document.querySelector('#tree-plot .gtitle')?.textContent"
+                               ".startsWith('ddtree@16+layers-plus-one')")
+        page.screenshot(path=str(SCREENSHOT.with_name("app-two-drafters.png")), full_page=True)
+
+
 def test_the_doctor_while_a_run_runs_both_finish_and_the_doctor_renders_its_verdict(browser, app_url):
     """Run, then "Run the doctor" while it runs: once the two waited on each other for every visitor."""
     page = open_page(browser, app_url)
@@ -120,21 +163,42 @@ def test_the_doctor_while_a_run_runs_both_finish_and_the_doctor_renders_its_verd
     wait_until_done(page)
     texts = column_texts(page)
     assert texts["ar"].strip() and texts["ar"] == texts["dflash"] == texts["ddtree"]
+    # the doctor again, stopped: it says where it stopped and judges nothing
+    page.get_by_role("tab", name="Doctor").click()
+    page.locator("#doctor-button").click()
+    page.wait_for_function("document.querySelector('#doctor-verdict')?.innerText.startsWith('Running the doctor')",
+                           timeout=RUN_TIMEOUT_MS)
+    page.locator("#doctor-stop").click()
+    page.wait_for_function("document.querySelector('#doctor-verdict')?.innerText.startsWith('Stopped')",
+                           timeout=RUN_TIMEOUT_MS)
+    assert "Nothing was judged" in page.locator("#doctor-verdict").inner_text()
 
 
 def test_a_servers_traffic_opens_in_the_inspector(browser, tmp_path):
     """Serve, ask through the openai client, open the Studio on the server's traffic (no model), open the request
     and see its tree."""
+    # a long prompt (the tiny tokenizer reads no spaces), which must not push the numbers after it out of view
+    prompt = "Please-tell-me-a-long-story-about-a-dragon-who-guards-a-castle-by-the-sea,at-night!"
     with serving(tiny_decoder(0), tree_budget=8) as api_url:
         answer = client(api_url).chat.completions.create(model="tiny-llama", max_tokens=12,
-                                                          messages=[{"role": "user", "content": "Hello!"}])
+                                                          messages=[{"role": "user", "content": prompt}])
         trace_id = answer.model_extra["ddtree"]["trace_id"]
         with launched_app(["--server", api_url.removesuffix("/v1")], tmp_path / "app.log") as app_url:
-            page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            page = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
             page.goto(app_url)
             assert page.locator("#run-button").is_hidden()  # no model: nothing to run
             page.locator("#traffic-table", has_text="ddtree@8").wait_for()
             assert "No model loaded" in page.locator("#model-banner").inner_text()
+            # every column in view, none scrolled out of it
+            assert page.evaluate(OVERFLOWING, "#traffic-table") == []
+            table = page.locator("#traffic-table").bounding_box()
+            for header in ("τ", "tokens/s", "finish"):
+                cell = page.locator("#traffic-table th", has_text=header).first.bounding_box()
+                assert cell["x"] + cell["width"] <= table["x"] + table["width"], header
+            # a request served while the panel is open shows up without a click
+            client(api_url).completions.create(model="tiny-llama", prompt="Later", max_tokens=4,
+                                               extra_body={"method": "ar"})
+            page.locator("#traffic-table [role=gridcell]", has_text="Later").wait_for(timeout=30_000)
             page.locator("#traffic-table [role=gridcell]", has_text="ddtree@8").first.click()
             page.wait_for_function("document.querySelector('#status')?.innerText.startsWith('Opened request')",
                                    timeout=RUN_TIMEOUT_MS)
@@ -145,6 +209,10 @@ def test_a_servers_traffic_opens_in_the_inspector(browser, tmp_path):
             assert "Step 1" in tree_title(page)
 
 
+# the elements under a selector that scroll sideways: their content is wider than they show
+OVERFLOWING = """selector => [...document.querySelectorAll(`${selector}, ${selector} *`)]
+    .filter(e => e.scrollWidth > e.clientWidth + 1 && ['auto', 'scroll'].includes(getComputedStyle(e).overflowX))
+    .map(e => e.className)"""
 # every visible "Error" outside a toast: the pills Gradio puts on the outputs of a failed event
 ERROR_PILLS = """[...document.querySelectorAll('body *')].filter(e => e.children.length === 0
     && e.textContent.trim() === 'Error' && e.checkVisibility({opacityProperty: true, visibilityProperty: true})

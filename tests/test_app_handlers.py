@@ -306,3 +306,19 @@ def test_an_upload_puts_its_prompt_and_settings_in_the_form_for_the_next_run_or_
     filled = [dep for dep in dependencies if dep.get("trigger_after") == upload["id"]]
     assert [sorted(dep["outputs"]) for dep in filled] == [sorted(box._id for box in run.form)]
     assert filled[0]["trigger_only_on_success"]
+
+
+def test_every_font_face_the_page_declares_draws_every_letter():
+    """Gradio ships semibold faces of a few dozen glyphs: a bold "AR" drew its "A" from one and its "R" from a
+    fallback font, as two words. The page's theme declares only faces that hold every letter and digit."""
+    import re
+
+    from fontTools.ttLib import TTFont
+
+    frontend = Path(gr.__file__).parent / "templates" / "frontend"
+    faces = [frontend / url for font in (*app.THEME._font, *app.THEME._font_mono) if hasattr(font, "stylesheet")
+             for url in re.findall(r"url\('([^']+)'\)", font.stylesheet()["css"] or "")]
+    assert len(faces) == 4
+    wanted = {ord(c) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"}
+    thin = [face.name for face in faces if not wanted <= set(TTFont(face).getBestCmap())]
+    assert not thin, f"these faces lack letters: {thin}"

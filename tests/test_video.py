@@ -145,6 +145,23 @@ def test_columns_are_ordered_and_labelled(traces):
     assert "Drafter: oracle (untrained)" in scene.card_facts()
 
 
+def test_a_second_drafters_columns_stand_beside_the_firsts_with_its_tag_and_shade(traces, tmp_path):
+    import copy
+
+    from viz.video import method_title, print_rgb
+
+    seconds = [copy.deepcopy(trace) for trace in traces[1:]]
+    for trace in seconds:
+        trace.config.drafter_tag, trace.config.drafter = "candidate", "candidate-folder"
+    scene = Scene([*traces, *seconds], PRESETS["small"])
+    assert [method_title(c.trace) for c in scene.columns] == [
+        "AR", "DFlash", "DFlash · candidate", "DDTree · budget 16", "DDTree · budget 16 · candidate"]
+    colours = [print_rgb(c.trace.config.method_row, c.trace.config.drafter_tag) for c in scene.columns]
+    assert len(set(colours)) == 5, "each column its own colour: a drafter's shade of its method's"
+    assert "Drafter: candidate-folder (untrained)" in scene.card_facts()
+    render_video([*traces, *seconds], tmp_path / "two-drafters.mp4", preset="small", fps=2, slowdown=1.0)
+
+
 def test_traces_of_different_prompts_are_refused(traces):
     other = Decoder(tiny_target(0)).run(prompt_ids=[7, 8, 9], settings=DecodeSettings("ar", max_new_tokens=4))
     with pytest.raises(VideoError, match="different prompts"):

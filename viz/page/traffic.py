@@ -40,7 +40,7 @@ class TrafficView:
             # every column in view on a laptop's screen: the prompt wraps rather than pushing τ and finish aside
             self.table = gr.Dataframe(headers=self.HEADERS, label="Recent requests, newest first (click one to open "
                                       "it)", interactive=False, elem_id="traffic-table", wrap=True,
-                                      column_widths=["9%", "11%", "10%", "31%", "7%", "6%", "6%", "9%", "11%"])
+                                      column_widths=["9%", "14%", "10%", "28%", "7%", "6%", "6%", "9%", "11%"])
             with gr.Row():
                 self.request = gr.Dropdown([], label="Request", scale=3, elem_id="traffic-request")
                 self.open_button = gr.Button("Open in the inspector", scale=1, elem_id="traffic-open")
