@@ -208,12 +208,15 @@ def test_stop_ends_a_run_early_and_keeps_what_it_made(app_url):
     assert 0 < result["summary"]["ar"]["tokens"] < 300
     assert result["summary"]["ar"]["stop_reason"] == "cancelled"
     assert "ddtree" not in result["summary"]
+    # a stopped run says so, and is no reference: it was never compared
+    assert "(stopped)" in result["ar"] and "(done)" not in result["ar"] and "reference output" not in result["ar"]
 
 
 def test_budget_sweep(client):
     status, plot, table = client.predict(PROMPT, 6, 0.0, 0, "2, 4", api_name="/sweep")
-    assert "Sweep finished" in status
+    assert "Sweep finished" in status and "Best measured: budget **" in status  # the measured best, not predicted
     assert [row[0] for row in table["data"]] == [2, 4]
+    assert table["headers"][5] == "± one pass's noise" and all(row[5].endswith("×") for row in table["data"])
     assert table["headers"][:5] == ["budget", "τ", "step cost (AR steps)", "predicted τ ÷ cost", "measured speed-up"]
     assert all(row[2] != "–" and row[3].endswith("×") for row in table["data"])
     names = [trace["name"] for trace in plot_data(plot)]
@@ -264,9 +267,12 @@ def test_inspecting_before_any_run_says_why_not(app_url):
         fresh.predict("ar", api_name="/select_method")
 
 
-def test_the_page_opens_at_a_budget_whose_tree_branches(client, launched_threads):
+def test_the_page_opens_at_auto_and_recommends_a_fixed_budget_whose_tree_branches(client, launched_threads):
     info = client.predict(api_name="/info")
-    budget, drafts = info["tree_budget"], f" ({info['draft_dtype']} drafts)" if info["draft_dtype"] else ""
+    assert info["tree_budget"] == "auto" and info["auto_budget"]  # the box's default, and the step costs it sizes by
+    auto = run(client, max_new_tokens=8, budget=info["tree_budget"], methods=["ddtree"])
+    assert auto["summary"]["ddtree"]["label"] == "ddtree@auto" and auto["summary"]["ddtree"]["tree_budget"] == "auto"
+    budget, drafts = info["fixed_budget"], f" ({info['draft_dtype']} drafts)" if info["draft_dtype"] else ""
     machine = f"CPU, {launched_threads} threads | torch | float32{drafts} | readable step"  # the app's defaults
     record = json.loads((ROOT / "assets" / "budgets.json").read_text()).get(machine)
     if record is None:  # no bench record for this kind of machine: the budgets are timed here
@@ -284,7 +290,7 @@ def test_the_page_opens_at_a_budget_whose_tree_branches(client, launched_threads
             f"DDTree budget {budget} is {why}: the bench measured {at['speedup_vs_ar']:.2f}× AR at it "
             f"(τ {at['tau']:.2f}, {at['tokens_per_s']:.0f} tokens/s on {record['prompts']}) on another machine of "
             f"this kind ({machine}), not on this one ({record['results']}).")
-    result = run(client, prompt=EXAMPLE_PROMPTS[0], max_new_tokens=16, budget=info["tree_budget"], methods=["ddtree"])
+    result = run(client, prompt=EXAMPLE_PROMPTS[0], max_new_tokens=16, budget=budget, methods=["ddtree"])
     (trace,) = read_download(result["download"])
     branching = [step for step in trace.steps if len(set(step.tree_parents)) < len(step.tree_parents)]
-    assert branching, f"budget {info['tree_budget']} drew only chains"
+    assert branching, f"budget {budget} drew only chains"

@@ -59,7 +59,7 @@ def check(url: str, prompts: list[dict], max_new_tokens: int, sweep_budgets: str
     client = Client(url, verbose=False)
     info = client.predict(api_name="/info")
     print(f"page: {info['engine']} engine on {info['device']}, model {info['model']}, drafter {info['drafter']}")
-    print(f"default budget: {info['tree_budget']}: {info['why']}")
+    print(f"default budget: {info['tree_budget']} ({info['auto_budget']}); fixed: {info['why']}")
     runs = []
     for prompt in prompts:
         outputs = dict(zip(info["run_outputs"], client.predict(prompt["prompt"], max_new_tokens, 0.0, 0,
