@@ -120,11 +120,13 @@ def test_a_tree_budget_flag_out_of_range_is_refused_with_the_budgets_sentence(ca
 
 
 def test_a_compiled_steps_first_run_says_it_is_compiling():
-    studio = Studio(SimpleNamespace(compile_step=True), budget=None)
+    studio = Studio(SimpleNamespace(compile_step=True, drafter_info=DrafterInfo("shipped", True)), budget=None)
     first = DecodeSettings("ddtree", tree_budget=32)
     assert studio.first_use(first).startswith("compiling the ddtree step for this budget")
     studio.started.add(first.label)
     assert studio.first_use(first) is None and studio.first_use(DecodeSettings("ddtree", tree_budget=64))
+    second = SimpleNamespace(compile_step=True, drafter_info=DrafterInfo("candidate", True, tag="candidate"))
+    assert studio.first_use(first, second), "a second drafter's decoder compiles its own step"
     assert Studio(SimpleNamespace(compile_step=False), budget=None).first_use(first) is None
 
 

@@ -156,7 +156,7 @@ class RunView:
 
     def _live_update(self, run: PlannedRun, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
         if live.trace is None:
-            return {self.status: f"{heading}: {self.studio.first_use(run.settings) or 'prefill'}…"}
+            return {self.status: f"{heading}: {self.studio.first_use(run.settings, run.decoder) or 'prefill'}…"}
         stats = run_stats(live.trace)
         return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
                 self.columns[run.lane.key]: column_html(run.lane.caption, live.trace, finished.get(BASELINE.name))}

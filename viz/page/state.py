@@ -28,7 +28,7 @@ from engine.loop.decode import Decoder
 from engine.loop.loading import second_decoder
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice, StartupTiming, cache_dir
-from engine.methods import AUTO, BASELINE, DFLASH, METHODS, TREE, Budget, Method
+from engine.methods import AUTO, BASELINE, DFLASH, METHODS, TREE, Budget, Method, method
 from engine.serving.model_queue import ModelQueue
 from engine.serving.startup import batch_budgeting
 from engine.trace import Trace, TraceError, write_trace_file
@@ -56,7 +56,8 @@ class Studio:
     server: str | None = None  # the Studio server whose traffic the page opens first
     timing: StartupTiming | None = None  # budgets still being timed in the background, if any
     timing_error: str | None = None
-    # the labels (``ddtree@32``: what a compiled step is compiled for) run once already
+    # the labels (``ddtree@32``, a second drafter's ``ddtree@32+tag``: what a compiled step is compiled for) run
+    # once already
     started: set[str] = field(default_factory=set)
     tree_budget: Budget = AUTO  # what the page's budget box opens at (``--tree-budget``)
     offered_drafters: list[str] = field(default_factory=list)  # the folders the page offers as a second drafter
@@ -108,9 +109,11 @@ class Studio:
                     "where this one stopped.")
         return self.budget.sentence()
 
-    def first_use(self, settings: DecodeSettings) -> str | None:
-        """Said while a compiled step's first run of a method and budget compiles it (a minute or more)."""
-        if not self.has_model or not self.decoder.compile_step or settings.label in self.started:
+    def first_use(self, settings: DecodeSettings, decoder: Decoder | None = None) -> str | None:
+        """Said while a compiled step's first run of a method and budget compiles it (a minute or more); each
+        drafter's decoder compiles its own (``decoder``: a second drafter's, else the loaded one)."""
+        decoder = decoder or self.decoder
+        if not self.has_model or not decoder.compile_step or compiled_label(settings, decoder) in self.started:
             return None
         return (f"compiling the {settings.method} step for this budget (once per method and budget; the compile "
                 f"cache in {cache_dir()} keeps it for the next start)")
@@ -299,20 +302,25 @@ def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: Decod
     """Yield the live run every ``POLL_S`` until it ends (yielding once more at the end); while it waits in
     the model's queue its ``waiting_behind`` says so. Nothing here holds the model: the queue runs one job
     at a time. ``decoder``: a second drafter's, else the loaded one."""
-    live = LiveRun(studio, prompt, prompt_ids, settings, control, warm_up=studio.first_use(settings) is not None,
-                   decoder=decoder)
+    live = LiveRun(studio, prompt, prompt_ids, settings, control,
+                   warm_up=studio.first_use(settings, decoder) is not None, decoder=decoder)
     try:
         while not live.done.wait(POLL_S):
             yield live
         if live.error is not None:
             raise live.error
-        studio.started.add(settings.label)
+        studio.started.add(compiled_label(settings, decoder or studio.decoder))
         yield live
     finally:
         if not live.done.is_set():
             control.stop = True  # the page went away mid-run: let the run stop at its next step
             if not studio.queue.cancel(live.job):
                 live.done.wait()
+
+
+def compiled_label(settings: DecodeSettings, decoder: Decoder) -> str:
+    """What a compiled step is compiled for: the run's label, with its drafter's tag where it is a second one."""
+    return method(settings.method).label(settings.tree_budget, decoder.drafter_info.tag)
 
 
 def encode_prompt(studio: Studio, prompt: str) -> list[int]:

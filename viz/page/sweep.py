@@ -79,7 +79,7 @@ class SweepView:
             bar = progress_bar(number, len(planned))
             live = None
             try:
-                compiling = self.studio.first_use(setting)
+                compiling = self.studio.first_use(setting, run.decoder)
                 for live in run_live(self.studio, prompt, prompt_ids, setting, control, run.decoder):
                     tokens = run_stats(live.trace).tokens if live.trace else 0
                     doing = (f"waiting for the model, behind {live.waiting_behind} other run(s)" if live.waiting_behind
