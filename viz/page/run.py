@@ -73,7 +73,7 @@ class RunView:
                     self.seed = gr.Number(0, label="Seed", step=1)
                     # text: "auto" sizes every step's tree with this machine's step costs (engine.loop.budgeting)
                     self.budget = gr.Textbox(str(self.studio.tree_budget), max_lines=1, elem_id="budget",
-                                             label=f"{TREE.title} budget (\"{AUTO}\" or 1–{MAX_TREE_BUDGET} nodes)")
+                                             label=f"{TREE.title} budget (\"{AUTO}\" or 1–{MAX_TREE_BUDGET})")
                 self.second_drafter = gr.Dropdown(
                     [NO_SECOND_DRAFTER, *((display_name(folder), folder) for folder in self.studio.offered_drafters)],
                     value=self.studio.second_drafter or NO_SECOND_DRAFTER[1], elem_id="second-drafter",
