@@ -37,7 +37,7 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.decode import Decoder
-from engine.loop.loading import drafter_folders
+from engine.loop.loading import drafter_folders, takes_second_drafter
 from engine.measure.calibration import FALLBACK_BUDGET, BudgetChoice, cache_dir
 from engine.methods import AUTO, TREE, Budget, check_budget
 from engine.serving.model_queue import ModelQueue
@@ -266,7 +266,7 @@ def startup_studio(decoder: Decoder, queue: ModelQueue, tree_budget: Budget = AU
     to compare: the torch engine's (a second decoder on the same target)."""
     queue.run(batch_budgeting, decoder, False)
     budget, timing = opening_budget(decoder, tree_budget if tree_budget != AUTO else None)
-    offered = drafter_folders(second_drafter) if decoder.engine == "torch" and decoder.drafter is not None else []
+    offered = drafter_folders(second_drafter) if takes_second_drafter(decoder) else []
     return Studio(decoder, budget, queue=queue, timing=timing, tree_budget=tree_budget, offered_drafters=offered,
                   second_drafter=second_drafter)
 

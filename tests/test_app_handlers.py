@@ -322,3 +322,10 @@ def test_every_font_face_the_page_declares_draws_every_letter():
     wanted = {ord(c) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"}
     thin = [face.name for face in faces if not wanted <= set(TTFont(face).getBestCmap())]
     assert not thin, f"these faces lack letters: {thin}"
+
+
+def test_beside_an_engine_that_holds_one_drafter_a_second_is_refused_before_any_folder_is_read(page, monkeypatch):
+    monkeypatch.setattr(page.studio.decoder, "engine", "vllm")
+    assert refused(lambda: run_once(page, methods=NAMES, second_drafter="/anywhere")) == (
+        "A second drafter runs beside a first on the torch engine: the vLLM engine's workers hold one drafter")
+    assert not app.startup_studio(page.studio.decoder, page.studio.queue).offered_drafters, "nor offered"

@@ -70,14 +70,20 @@ def second_decoder(decoder: Decoder, folder: str) -> Decoder:
     """``folder``'s drafter beside ``decoder``'s, to compare the two on the same prompts: a decoder on the same
     target object (its weights loaded once), the drafter in the first one's dtype, its runs labelled with its tag
     (``drafter_tag``)."""
-    if decoder.engine != "torch":
-        raise EngineError("a second drafter runs on the torch engine: the vLLM engine's workers hold one drafter")
+    if not takes_second_drafter(decoder):
+        raise EngineError("a second drafter runs beside a first on the torch engine: the vLLM engine's workers hold "
+                          "one drafter")
     target = decoder.target
-    dtype = decoder.drafter.dtype if decoder.drafter is not None else draft_dtype_for(target)
+    dtype = decoder.drafter.dtype
     drafter = load_drafter(folder).to(device=target.device, dtype=dtype).eval()
     info = replace(drafter_info(folder), tag=drafter_tag(folder, decoder.drafter_info.name))
     return Decoder(target, drafter, info, engine=decoder.engine, cuda_graphs=decoder.cuda_graphs,
                    fixed_step=decoder.fixed_step, compile_step=decoder.compile_step)
+
+
+def takes_second_drafter(decoder: Decoder) -> bool:
+    """Whether a second drafter can run beside ``decoder``'s: a torch engine's, with a drafter of its own."""
+    return decoder.engine == "torch" and decoder.drafter is not None
 
 
 def drafter_tag(folder: str, beside: str) -> str:

@@ -25,7 +25,7 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.decode import Decoder
-from engine.loop.loading import second_decoder
+from engine.loop.loading import second_decoder, takes_second_drafter
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice, StartupTiming, cache_dir
 from engine.methods import AUTO, BASELINE, DFLASH, METHODS, TREE, Budget, Method, method
@@ -76,11 +76,11 @@ class Studio:
 
     def second_decoder(self, folder: str | None) -> Decoder | None:
         """The decoder of ``folder``'s drafter beside the loaded one (None for none), loaded once, as a job on the
-        model's queue. Only a folder the page offers: an API client could name any path."""
+        model's queue. Only a folder the page offers: an API client could name any path (where no second drafter
+        can run, loading says why before it reads the folder)."""
         if not folder:
             return None
-        self.require_model()
-        if folder not in self.offered_drafters:
+        if folder not in self.offered_drafters and takes_second_drafter(self.require_model()):
             raise EngineError(f"second drafter {folder!r} is not one this page offers; choose from "
                               f"{', '.join(self.offered_drafters)} (python app.py --second-drafter FOLDER adds one)",
                               field="second_drafter")
