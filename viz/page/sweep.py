@@ -50,7 +50,9 @@ class SweepView:
             self.stop_button = gr.Button("Stop", variant="stop", scale=0)
         self.status = gr.Markdown("", label="Sweep status")
         self.plot = gr.Plot(sweep_figure([]), label="Budget sweep")
-        self.table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False, wrap=True)
+        # the drafter's name wraps, not a header in the middle of a word
+        self.table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False, wrap=True,
+                                  column_widths=["7%", "6%", "12%", "12%", "11%", "11%", "8%", "7%", "6%", "20%"])
 
     def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, second_drafter, control: RunControl):
         """AR once, then DDTree at each budget (with each drafter); the plot and table grow as runs finish."""
