@@ -138,11 +138,16 @@ class StudioApp:
                                   show_progress="hidden").success(
             replay.render_video, [session.traces, replay.speed], [session.status, replay.video], api_name="video",
             concurrency_id="video", concurrency_limit=1)
-        # an upload (or a served request, below) fills the form with its prompt and settings
-        fill_form = dict(fn=run.filled_from, inputs=session.traces, outputs=run.form, api_visibility="private",
-                         queue=False, show_progress="hidden")
+        # an upload (or a served request, below) fills the form with its prompt and settings, and shows the second
+        # drafter's columns where it holds that drafter's runs
+        private = dict(api_visibility="private", queue=False, show_progress="hidden")
+        second_columns = [run.columns[key] for key in run.second_keys]
+        show_second = dict(fn=run.show_second, inputs=[session.traces, run.second_drafter], outputs=second_columns,
+                           **private)
+        fill_form = dict(fn=run.filled_from, inputs=session.traces, outputs=run.form, **private)
         traces.upload.upload(functools.partial(traces.load_upload, present=self.present), traces.upload,
-                             self.run_outputs, api_name="upload", show_progress="hidden").success(**fill_form)
+                             self.run_outputs, api_name="upload", show_progress="hidden").success(
+            **fill_form).success(**show_second)
         # .input (not .change) so the updates a run or upload makes do not trigger these again
         inspector.method.input(inspector.choose_method, [session.traces, inspector.method],
                                [inspector.step, *inspector.step_views], api_name="select_method",
@@ -167,12 +172,13 @@ class StudioApp:
         listing = [traffic.table, traffic.listed, traffic.request, session.status]
         traffic.refresh_button.click(traffic.refresh, traffic.url, listing, api_name="traffic", show_progress="hidden")
         self.while_busy(traffic.open_button.click, traffic.open, [traffic.url, traffic.request], self.run_outputs,
-                        api_name="open_request", then=fill_form)
+                        api_name="open_request", then=(fill_form, show_second))
         # the click's row reaches only the event it triggers: pick the request there, then open it
         traffic.table.select(traffic.pick_row, traffic.listed, traffic.request, api_visibility="private",
                              show_progress="hidden").success(traffic.open, [traffic.url, traffic.request],
                                                              self.run_outputs, api_visibility="private",
-                                                             show_progress="hidden").success(**fill_form)
+                                                             show_progress="hidden").success(
+            **fill_form).success(**show_second)
         if self.studio.server is not None:  # the page opens on the server's list
             demo.load(traffic.refresh, traffic.url, listing, api_visibility="private", show_progress="hidden")
         traffic.clock.tick(traffic.follow, [traffic.url, traffic.request], [*listing, traffic.clock],
@@ -180,8 +186,7 @@ class StudioApp:
         for event, open_ in ((traffic.panel.expand, True), (traffic.panel.collapse, False)):
             event(functools.partial(traffic.watch, open_), None, traffic.clock, api_visibility="private", queue=False,
                   show_progress="hidden")
-        run.second_drafter.input(run.pick_second, run.second_drafter, [run.columns[key] for key in run.second_keys],
-                                 api_visibility="private", queue=False, show_progress="hidden")
+        run.second_drafter.input(**show_second)
         self.timing_clock.tick(self.follow_timing, None, [self.banner, self.timing_clock], api_visibility="private",
                                queue=False, show_progress="hidden")
 
@@ -190,18 +195,19 @@ class StudioApp:
         """The buttons that start work in the session's columns or on its Stop switch: one at a time."""
         return [self.run_view.run_button, self.sweep_view.sweep_button, self.replay_view.replay_button]
 
-    def while_busy(self, trigger: Callable, fn: Callable, inputs: list, outputs: list, then: dict | None = None,
+    def while_busy(self, trigger: Callable, fn: Callable, inputs: list, outputs: list, then: tuple[dict, ...] = (),
                    **event) -> None:
         """``fn`` on ``trigger`` with the busy buttons disabled until it ends, however it ends (done, stopped,
-        refused or failed), so a second click cannot start a run the page would not show; ``then``: an event after
-        it succeeds. Only ``fn`` is the API's endpoint: the buttons are the page's."""
+        refused or failed), so a second click cannot start a run the page would not show; ``then``: events after
+        it succeeds, in turn. Only ``fn`` is the API's endpoint: the buttons are the page's."""
         buttons, private = self.busy_buttons, dict(queue=False, api_visibility="private", show_progress="hidden")
         work = trigger(lambda: {button: gr.Button(interactive=False) for button in buttons}, None, buttons,
                        **private).then(fn, inputs, outputs, show_progress="hidden", **event)
-        if then is not None:
-            work.success(**then)
         for ended in (work.then, work.failure):  # the page runs a .then only after a success
             ended(lambda: {button: gr.Button(interactive=True) for button in buttons}, None, buttons, **private)
+        following = work
+        for after in then:
+            following = following.success(**after)
 
     def follow_timing(self) -> dict:
         """The banner follows the background timing of the fixed budgets; when it ends, the clock stops (the budget

@@ -269,7 +269,12 @@ def test_a_second_drafter_runs_beside_the_first_in_every_view_on_the_same_target
     assert second.config.drafter == candidate and second.text == traces["ar"].text  # greedy: either drafter is exact
     assert page.studio.second_decoders[candidate].target is page.studio.decoder.target, "the target loads once"
     column = final[page.run_view.columns["ddtree_2"]]
-    assert column.visible and "second drafter" in column.value and "identical to AR" in column.value
+    assert "second drafter" in column and "identical to AR" in column
+    # its columns show while it is picked, or while the traces shown hold its runs
+    assert {update.visible for update in page.run_view.show_second(traces, candidate).values()} == {True}
+    assert {update.visible for update in page.run_view.show_second(traces, "").values()} == {True}
+    ar_only = {"ar": traces["ar"]}
+    assert {update.visible for update in page.run_view.show_second(ar_only, "").values()} == {False}
     assert ("DDTree@8 · candidate", "ddtree_2") in final[page.inspector.method].choices
     assert [line.name for line in final[page.replay_view.race].data] == [t.config.label for t in traces.values()]
     assert final[page.traces_view.summary]["dflash_2"]["label"] == "dflash+candidate"

@@ -121,9 +121,8 @@ class RunView:
             raise refusal(exc) from None
         finished: dict[str, Trace] = {}
         planned = {run.lane.key for run in runs}
-        yield {self.columns[lane.key]: gr.HTML(column_html(lane.caption, None, absent="waiting" if lane.key in planned
-                                                           else "not selected"),
-                                               visible=not lane.second or bool(second_drafter)) for lane in LANES}
+        yield {self.columns[lane.key]: column_html(lane.caption, None, absent="waiting" if lane.key in planned
+                                                   else "not selected") for lane in LANES}
         for number, run in enumerate(runs, start=1):
             heading = f"**Running {run.lane.caption}** ({number} of {len(runs)})"
             live = None
@@ -174,8 +173,8 @@ class RunView:
     def shown(self, traces: dict[str, Trace]) -> dict:
         ar = traces.get(BASELINE.name)
         runs = ordered(traces)
-        return {**{self.columns[lane.key]: gr.HTML(column_html(lane.caption, traces.get(lane.key), ar, all_done=True),
-                                                   visible=not lane.second or lane.key in traces) for lane in LANES},
+        return {**{self.columns[lane.key]: column_html(lane.caption, traces.get(lane.key), ar, all_done=True)
+                   for lane in LANES},
                 self.economics_plot: economics_figure(runs), self.economics_text: economics_text(runs)}
 
     @property
@@ -196,6 +195,8 @@ class RunView:
                 self.methods: list(dict.fromkeys(trace.config.method for trace in runs)),
                 **({self.budget: str(budgets[0])} if budgets else {})}
 
-    def pick_second(self, folder: str | None) -> dict:
-        """The second drafter's columns show while one is picked."""
-        return {self.columns[key]: gr.HTML(visible=bool(folder)) for key in self.second_keys}
+    def show_second(self, traces: dict[str, Trace], folder: str | None) -> dict:
+        """The second drafter's columns show while one is picked or the traces shown hold its runs (the page's own
+        event: ``/run``'s outputs stay the columns' HTML)."""
+        shown = bool(folder) or any(key in traces for key in self.second_keys)
+        return {self.columns[key]: gr.HTML(visible=shown) for key in self.second_keys}
