@@ -186,25 +186,28 @@ class Batch:
                 finished.append(request)
                 self.release(request)
         budget = PREFILL_TOKENS
-        for request in list(self.waiting):
-            if budget <= 0:
+        for request in sorted(self.waiting, key=lambda r: len(r.prompt_ids) - r.prefilled):  # the shortest first:
+            if budget <= 0:  # the most requests start soonest
                 break
             budget -= self.prefill(request, budget)
             if request.trace is not None:
                 self.waiting.remove(request)
                 self.requests.append(request)
                 self.requests.sort(key=lambda r: r.row)
-        for request in self.requests:
-            request.finished = request.finished or request.stop_reason()
-        if any(r.finished is None for r in self.requests):
+        self.settle(finished)
+        if self.requests:
             self.step()
+        self.settle(finished)
+        return finished
+
+    def settle(self, finished: list[BatchRequest]) -> None:
+        """Every decoding request with a stop reason leaves, its trace summarized; added to ``finished``."""
         for request in list(self.requests):
             request.finished = request.finished or request.stop_reason()
             if request.finished is not None:
                 request.finish()
                 finished.append(request)
                 self.release(request)
-        return finished
 
     def run(self, jobs: list[tuple[list[int], DecodeSettings]]) -> list[Trace]:
         """Every job to its end, all joined at once: their traces, in order (tests and the bench)."""
@@ -262,14 +265,15 @@ class Batch:
     def step(self) -> None:
         """One batched step for every decoding request: plan who drafts, draft, size and build the trees,
         pack them, verify them in one pass, walk and commit each, record each request's step."""
-        active = [r for r in self.requests if r.finished is None]
+        active = list(self.requests)
         t_start = self.clock.now()
         with self.clock.stage("draft"):
             drafts = self.draft(active, self.plan(active))
         with self.clock.stage("tree_build"):
             planned, allocation = self.build(active, drafts)
         with self.clock.stage("tree_compile"):
-            layout = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active])
+            layout = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active],
+                                [r.row for r in active])
             layout = layout.to(self.target.device)
         with self.clock.stage("verify"):
             logits, hidden = self.verify(layout, any(r.drafts for r in active))

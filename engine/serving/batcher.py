@@ -117,8 +117,10 @@ class Batcher:
         batch = self.batch
         try:
             finished = batch.advance()
-        except Exception as exc:  # a failure inside a shared step: every request in it gets the error
-            log.exception("a batched step failed; its %d requests are answered with the error", len(self._futures))
+        except Exception as exc:  # a failure inside a shared step: every request in it gets the error (each
+            # request's handler logs it with its traceback)
+            log.error("a batched step failed (%s: %s); its %d requests get the error and the batch starts afresh",
+                      type(exc).__name__, exc, len(self._futures))
             for future in self._futures.values():
                 future.set_exception(exc)
             self._futures.clear()

@@ -352,17 +352,20 @@ class Server:
         return value
 
     def start(self, generation: Generation) -> Future:
-        """The request's run, batched with the others or queued alone: a future of its trace."""
+        """The request's run, batched with the others or queued alone: a future of its trace, kept in the book
+        once it ends, whether its client waited for it or left."""
         job = generation.job
         if self.batcher is None:
-            return self.queue.submit(generation.run, self.decoder)
-        return self.batcher.submit(job.trace_id, job.prompt, job.prompt_ids, job.settings,
-                                   on_step=generation.on_step, should_stop=generation.should_stop)
+            future = self.queue.submit(generation.run, self.decoder)
+        else:
+            future = self.batcher.submit(job.trace_id, job.prompt, job.prompt_ids, job.settings,
+                                         on_step=generation.on_step, should_stop=generation.should_stop)
+        future.add_done_callback(lambda done: self.keep(job, done))
+        return future
 
-    def finished(self, job: Job, trace: Trace) -> Completion:
-        completion = finish(trace, job.stops)
-        self.book.add(job, completion)
-        return completion
+    def keep(self, job: Job, done: Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.book.add(job, finish(done.result(), job.stops))
 
     async def complete(self, job: Job, request: Request) -> Completion:
         """The run's answer, once it is done; a client that leaves first stops it at its next step."""
@@ -374,7 +377,7 @@ class Server:
             if not future.done() and await request.is_disconnected():
                 self.leave(generation, future)
                 raise ApiError(400, "the client left before its answer")  # said to no one: the connection is gone
-        return self.finished(job, await answer)
+        return finish(await answer, job.stops)
 
     def leave(self, generation: Generation, future: Future) -> None:
         """The client left: stop its run at the next step, or drop it from the queue if it has not started."""
@@ -399,7 +402,7 @@ class Server:
                 if len(shown) > sent:
                     yield event(chunk(shown[sent:]))
                     sent = len(shown)
-            completion = self.finished(job, future.result())
+            completion = finish(future.result(), job.stops)
             if len(completion.text) > sent:
                 yield event(chunk(completion.text[sent:]))
             ddtree = completion.ddtree(job.trace_id)
