@@ -185,6 +185,39 @@ def test_sixteen_clients_at_once_each_get_their_own_answer(tiny_url, twin):
     assert answers == [solo(twin, prompt, max_tokens=12).text for _, prompt, _, _ in asks]
 
 
+def test_clients_at_once_share_decoding_steps_and_each_trace_says_with_whom(slow_url):
+    """Continuous batching: requests in flight together verify in the same steps; a request's trace names its
+    neighbours per step, and its text is still its solo answer."""
+    asks = [(prompt, method) for prompt, method in zip(PROMPTS, ("ar", "dflash", "ddtree", "ddtree"))]
+
+    def one(request):
+        prompt, method = request
+        return ask(slow_url, "completions", prompt, max_tokens=24, extra_body={"method": method})
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(one, asks))
+    twin = tiny_decoder(0)
+    twin.target.stop_ids = []
+    names = {answer["ddtree"]["trace_id"] for answer in answers}
+    for (prompt, method), answer in zip(asks, answers):
+        assert answer["text"] == solo(twin, prompt, max_tokens=24).text
+        trace = trace_of(slow_url, answer["ddtree"]["trace_id"])
+        sizes = [step.batch.size for step in trace.steps]
+        assert max(sizes) >= 2, "it shared steps"
+        neighbours = {name for step in trace.steps for name in step.batch.neighbours}
+        assert neighbours and neighbours <= names - {answer["ddtree"]["trace_id"]}
+
+
+def test_a_server_one_at_a_time_runs_each_request_alone(twin):
+    with serving(tiny_decoder(0), tree_budget=BUDGET, batching=False) as url:
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda prompt: ask(url, "completions", prompt, max_tokens=8), PROMPTS[:3]))
+        for prompt, answer in zip(PROMPTS, answers):
+            trace = trace_of(url, answer["ddtree"]["trace_id"])
+            assert answer["text"] == solo(twin, prompt, max_tokens=8).text
+            assert all(step.batch is None for step in trace.steps) and trace.config.step == "readable"
+
+
 @pytest.fixture()
 def slow_url() -> Iterator[str]:
     """A server whose model takes 10 ms a pass and never meets a stop token: a long run ends only at its limit."""
