@@ -5,9 +5,9 @@ A step is two programs over buffers that never change shape:
 
 - ``draft`` (DFlash, DDTree): the drafter's pass over ``StaticDraftContext``, fed the previous
   step's accepted rows (padded to the block) and their count;
-- ``advance``: the tree (``ddtree.fixed``: beam tree, chain, or none for AR; on a GPU the beam
-  tree is one Triton program, ``engine.gpu.beam_kernel``, for budgets up to 64), the ancestor
-  closure, one verify pass of the target over a KV cache whose write cursor is a device tensor,
+- ``advance``: the tree (``ddtree.fixed``: the best-first tree, the chain, or none for AR; on a GPU
+  the tree is one Triton program, ``engine.gpu.beam_kernel``, for budgets up to 64), the ancestor
+  mask, one verify pass of the target over a KV cache whose write cursor is a device tensor,
   the pointer-jumping walk, the KV compaction of the accepted path and the drafter's next
   context, all in place; it ends by packing what the step decided into one tensor
   (``StepLayout``), so the host reads once.
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 import ddtree
-from ddtree.fixed import FixedTree, accepted_path, ancestor_closure
+import ddtree.fixed
+from ddtree.fixed import FixedTree
 from engine.gpu.beam_kernel import fused_tree_program
 from engine.gpu.graphs import GraphedCall
 from engine.gpu.profiling import STAGE_MARK
@@ -195,12 +196,12 @@ class FixedProgram:
         """The verify pass's ids, positions and ancestor mask for the tree below the root."""
         ids = torch.cat([self.root, tree.tokens])
         positions = self.past + torch.cat([torch.zeros_like(self.root), tree.depths])
-        return ids, positions, ancestor_closure(tree.parents, self.depth)
+        return ids, positions, ddtree.fixed.ancestor_mask(tree.parents, self.depth)
 
     def _decide_step(self, tree: FixedTree, ids, visible, logits):
         """The walk along the target's choices, what it commits, and the step's packed record."""
         target_tokens = logits.argmax(dim=-1)
-        path, length, bonus = accepted_path(tree, target_tokens, visible, self.depth)
+        path, length, bonus = ddtree.fixed.follow_tree(tree, target_tokens, visible, self.depth)
         along = ids.index_select(0, torch.cat([path[1:], path[-1:]]))
         committed = torch.where(self.slots < length - 1, along, bonus)
         top2 = logits.index_select(0, path).float().topk(2, dim=-1).values
