@@ -43,7 +43,8 @@ MEASURED_BUDGETS = Path(__file__).resolve().parent.parent.parent / "assets" / "b
 
 
 def cache_dir() -> Path:
-    """Where the app keeps what it measured or compiled between starts (``DDTREE_STUDIO_CACHE`` moves it)."""
+    """The Studio's one cache folder, read at each call (``DDTREE_STUDIO_CACHE`` moves it): what the app keeps
+    between starts (timings, compiled code) and the vLLM engine's converted model folders."""
     return Path(os.environ.get("DDTREE_STUDIO_CACHE") or Path.home() / ".cache" / "ddtree-studio")
 
 

@@ -27,6 +27,7 @@ from engine.gpu.profiling import KernelProfile
 from engine.loop.decode import Decoder, DrafterInfo, check_drafter_fits
 from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
 from engine.loop.settings import DecodeSettings
+from engine.measure.calibration import cache_dir
 from engine.models.convert import convert, tensor_parallel_copy
 from engine.models.drafter import DFlashDrafter, drafter_shape
 from engine.models.hybrid import is_hybrid
@@ -44,7 +45,6 @@ from engine.trace import Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
 REPO = Path(__file__).resolve().parent.parent.parent
-CONVERTED = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree-studio"))
 # vLLM's own runs (the baseline) serve one request at a time with room for 8: its AR on the bundled model runs
 # faster at 8 than at its shipped default (1,024 here), each output first leaving the Studio's AR at the same token
 # at both (`gpu_session.sh baseline`: benchmarks/baseline/gpu-vllm-baseline-8.json against
@@ -92,15 +92,15 @@ def require_vllm():
 
 def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
     """An HF folder or id vLLM can load. The bundled GGUF (or any .gguf) is converted once, in
-    float32, and given attention heads that split over ``tensor_parallel_size`` GPUs if its own
-    do not (``split_heads_folder``)."""
+    float32, into the Studio's cache (``cache_dir``), and given attention heads that split over
+    ``tensor_parallel_size`` GPUs if its own do not (``split_heads_folder``)."""
     name = name or BUNDLED_MODEL
     if name != BUNDLED_MODEL and not name.endswith(".gguf"):
         return name
     gguf = bundled_gguf() if name == BUNDLED_MODEL else Path(name)
     if not gguf.is_file():
         raise EngineError(f"GGUF file {name!r} does not exist")
-    folder = CONVERTED / f"{gguf.stem}-float32"
+    folder = cache_dir() / f"{gguf.stem}-float32"
     _write_once(folder, lambda out: convert(gguf, out, torch.float32))
     return split_heads_folder(folder, tensor_parallel_size)
 
@@ -116,7 +116,7 @@ def split_heads_folder(folder: str | Path, tensor_parallel_size: int) -> str:
         return str(folder)
     weights = sorted(folder.glob("*.safetensors"))
     source = f"{folder.resolve()}|" + "|".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
-    split = CONVERTED / f"{folder.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}-tp{tensor_parallel_size}"
+    split = cache_dir() / f"{folder.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}-tp{tensor_parallel_size}"
     _write_once(split, lambda out: tensor_parallel_copy(folder, out, tensor_parallel_size))
     return str(split)
 
