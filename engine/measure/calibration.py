@@ -178,20 +178,6 @@ class StartupTiming:
         self.path.write_text(json.dumps(kept, indent=1) + "\n")
 
 
-def choose_budget(decoder: Decoder, budgets: tuple[int, ...] = CANDIDATE_BUDGETS, prompt: str = CALIBRATION_PROMPT,
-                  tokens: int = CALIBRATION_TOKENS, cache: Path | None = None) -> BudgetChoice:
-    """The page's budget in one call: the bench's record if it fits, else every missing label timed now."""
-    if decoder.drafter is None:
-        return BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time")
-    recorded = recorded_choice(decoder)
-    if recorded is not None:
-        return recorded
-    timing = StartupTiming(decoder, budgets, prompt, tokens, cache)
-    for label in timing.missing():
-        timing.time(label)
-    return timing.choice()
-
-
 def machine_key(decoder: Decoder) -> str:
     """What a measured budget holds for: the device (GPU model, or CPU and its threads), engine,
     dtype (and the drafter's, where it differs) and step."""
