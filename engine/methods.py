@@ -12,7 +12,7 @@ where the budget is chosen step by step for the batch (``engine.loop.batch``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +135,13 @@ class Label:
     @property
     def is_baseline(self) -> bool:
         return self.method is BASELINE and not self.suffix
+
+
+def budget_sweep(labels: Iterable[str]) -> dict[int, str]:
+    """The budget sweep among run labels: ``TREE``'s runs at a chosen budget with full traces (no suffix), label
+    by budget (``{8: "ddtree@8", 32: "ddtree@32"}``), what the bench's best budget and the opening budget read."""
+    return {run.budget: run.text for run in map(Label.parse, labels)
+            if run.method is TREE and isinstance(run.budget, int) and not run.suffix}
 
 
 def check_budget(budget, where: str = "tree budget") -> Budget:

@@ -32,6 +32,7 @@ import torch
 from engine.loop.decode import Decoder, step_kind
 from engine.loop.settings import DecodeSettings
 from engine.measure.economics import Economics, Timing, economics
+from engine.methods import BASELINE, DFLASH, TREE, Label, budget_sweep
 
 CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
 CALIBRATION_PROMPT = "Explain briefly how a refrigerator keeps food cold."
@@ -93,7 +94,7 @@ class BudgetChoice:
 def acceptance_curve(decoder: Decoder) -> dict[int, float]:
     """The drafter's measured τ per DDTree budget, if its checkpoint records one."""
     recorded = decoder.drafter.config.acceptance if decoder.drafter is not None else {}
-    return {int(budget): float(tau) for budget, tau in recorded.get("ddtree", {}).items()}
+    return {int(budget): float(tau) for budget, tau in recorded.get(TREE.name, {}).items()}
 
 
 def recorded_choice(decoder: Decoder) -> BudgetChoice | None:
@@ -108,8 +109,8 @@ def recorded_choice(decoder: Decoder) -> BudgetChoice | None:
 
 @dataclass
 class StartupTiming:
-    """Step costs timed on this machine, label by label ("ar", then each budget), each kept in ``path``
-    as soon as it is measured: a start that is cut short loses nothing it had timed."""
+    """Step costs timed on this machine, run label by run label (AR's, then DDTree's at each budget), each kept
+    in ``path`` as soon as it is measured: a start that is cut short loses nothing it had timed."""
 
     decoder: Decoder
     budgets: tuple[int, ...] = CANDIDATE_BUDGETS
@@ -129,7 +130,7 @@ class StartupTiming:
 
     @property
     def labels(self) -> list[str]:
-        return ["ar", *map(str, self.budgets)]
+        return [BASELINE.label(), *(TREE.label(budget) for budget in self.budgets)]
 
     def missing(self) -> list[str]:
         return [label for label in self.labels if label not in self.timings]
@@ -142,11 +143,12 @@ class StartupTiming:
         """One label's warm-up and timed run; the first of a start also warms DFlash up, so the page's
         first runs do not pay one-time costs (allocation; on a GPU, CUDA graph capture)."""
         ids = self.decoder.target.chat_ids(self.prompt)
-        setting = (DecodeSettings("ar", max_new_tokens=self.tokens) if label == "ar" else
-                   DecodeSettings("ddtree", max_new_tokens=self.tokens, tree_budget=int(label)))
+        run = Label.parse(label)
+        setting = DecodeSettings(run.method.name, max_new_tokens=self.tokens,
+                                 **({} if run.budget is None else {"tree_budget": run.budget}))
         warm_tokens = self.tokens if self.decoder.target.device.type == "cuda" else 4
         if label == self.missing()[0]:
-            self.decoder.run(prompt_ids=ids, settings=DecodeSettings("dflash", max_new_tokens=warm_tokens))
+            self.decoder.run(prompt_ids=ids, settings=DecodeSettings(DFLASH.name, max_new_tokens=warm_tokens))
         self.decoder.run(prompt_ids=ids, settings=replace(setting, max_new_tokens=warm_tokens))
         self.timings[label] = Timing.of([self.decoder.run(prompt_ids=ids, settings=setting).summary])
         self._save()
@@ -156,7 +158,7 @@ class StartupTiming:
         measured = economics(self.timings)
         table = {}
         for budget in self.budgets:
-            entry = measured[str(budget)]
+            entry = measured[TREE.label(budget)]
             tau, cost = curve.get(budget, entry.tau), entry.step_cost_vs_ar
             table[budget] = Economics(tau, entry.step_ms, cost, tau / cost if tau and cost else None,
                                       entry.speedup_vs_ar)
@@ -200,8 +202,7 @@ def record_best(results_path: str, path: Path = MEASURED_BUDGETS) -> tuple[str, 
     opens at ``pick_budget`` of them."""
     results = json.loads(Path(results_path).read_text())
     config, summary = results["config"], results.get("summary") or {}
-    budgets = {int(label.split("@")[1]): row for label, row in summary.items()
-               if label.startswith("ddtree@") and ":" not in label}
+    budgets = {budget: summary[label] for budget, label in budget_sweep(summary).items()}
     if not budgets:
         raise ValueError(f"{results_path} has no best DDTree budget: bench DDTree at one budget or more")
     gpu = config["host"].get("gpu") if str(config["device"]).startswith("cuda") else None
