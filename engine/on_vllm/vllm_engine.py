@@ -28,6 +28,7 @@ from engine.loop.decode import Decoder, DrafterInfo, check_drafter_fits
 from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import cache_dir
+from engine.methods import BASELINE
 from engine.models.convert import convert, tensor_parallel_copy
 from engine.models.drafter import DFlashDrafter, drafter_shape
 from engine.models.hybrid import is_hybrid
@@ -41,7 +42,7 @@ from engine.models.target import (
     shape_tokenizer,
     stop_token_ids,
 )
-from engine.trace import Step, Trace
+from engine.trace import NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP, Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -275,7 +276,7 @@ class VllmDecoder(Decoder):
         super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step,
                          compile_step=options.compile_step, timing_only=options.random_weights)
 
-    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings(BASELINE.name), *,
             prompt_ids: list[int] | None = None, on_step: Callable[[Trace, Step], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Trace:
         """The whole generation runs in the workers: ``on_step`` sees the steps once it is over,
@@ -318,6 +319,29 @@ def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bflo
         drafter = str(shipped_drafter())
     info = drafter_info(drafter, timing_only=options.random_weights) if drafter else DrafterInfo("none", trained=False)
     return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
+
+
+@dataclass(frozen=True)
+class NativeDecoder:
+    """One of vLLM's own decoders, a baseline the bench times beside the Studio's (``--native``): vLLM's AR, or
+    its speculative decoding with the Studio's drafter (vLLM's DFlash) or with the target's own
+    multi-token-prediction layers (MTP). Its own table: these are vLLM's modes, none of them a Studio method."""
+
+    option: str  # what ``--native`` calls it
+    label: str  # its runs' label in a results file (``engine.trace``)
+    our_drafter: bool = False  # drafts with the Studio's drafter (vLLM's DFlash)
+    mtp: bool = False  # drafts with the target's own multi-token-prediction layers
+    cuda_graphs: bool = True  # vLLM's own CUDA graphs (off: compiled without them, as ``--vllm-compile`` runs ours)
+
+    @property
+    def drafts(self) -> bool:
+        return self.our_drafter or self.mtp
+
+
+NATIVE_DECODERS = (NativeDecoder("ar", NATIVE_AR),
+                   NativeDecoder("ar-graphless", NATIVE_AR_GRAPHLESS, cuda_graphs=False),
+                   NativeDecoder("dflash", NATIVE_DFLASH, our_drafter=True),
+                   NativeDecoder("mtp", NATIVE_MTP, mtp=True))
 
 
 @dataclass
