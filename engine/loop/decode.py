@@ -26,7 +26,7 @@ from engine.loop.draft_pass import EagerDraft, GraphedDraft
 from engine.loop.fixed_step import FixedProgram, FixedRun
 from engine.loop.run import Outcome, Run, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
-from engine.methods import method
+from engine.methods import BASELINE, method
 from engine.models.drafter import DFlashDrafter
 from engine.models.protocols import TargetModel
 from engine.trace import RunConfig, Step, Trace
@@ -132,7 +132,7 @@ class Decoder:
         return replace(settings, block_size=block_size), notes
 
     @torch.inference_mode()
-    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings(BASELINE.name), *,
             prompt_ids: list[int] | None = None,
             on_step: Callable[[Trace, Step], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Trace:
