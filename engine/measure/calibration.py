@@ -7,8 +7,9 @@ Otherwise ``StartupTiming`` times the budgets on this machine, one at a time, in
 (the page shows its progress), and keeps every timing in a cache (``~/.cache/ddtree-studio``), so a
 second start times only what is still missing.
 
-Which budget: a visitor comes to see a tree, and the fastest budget on a CPU drafts a chain of four.
-So the page opens at the largest budget within ``NEAR_FASTEST`` of the fastest one's speed-up.
+Which budget: a visitor comes to see a tree, and on a CPU the fastest budget drafts little more than a chain
+(README, "The first start"). So the page opens at the largest budget within ``NEAR_FASTEST`` of the fastest
+one's speed-up.
 
 Speed-up = τ ÷ step cost. τ at each budget is the drafter's: its measured acceptance curve
 (``acceptance`` in the drafter's config.json, written from a bench run on prompts it never
@@ -38,7 +39,7 @@ CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
 CALIBRATION_PROMPT = "Explain briefly how a refrigerator keeps food cold."
 CALIBRATION_TOKENS = 16
 FALLBACK_BUDGET = 32  # no drafter to time
-PROVISIONAL_BUDGET = 16  # while the timing runs: a tree that branches, within 5% of the CPU's fastest in the bench
+PROVISIONAL_BUDGET = 16  # while the timing runs: a tree that branches, the CPU bench's (README, "The first start")
 NEAR_FASTEST = 0.95  # a budget at 95% of the fastest budget's speed-up still counts as fast
 MEASURED_BUDGETS = Path(__file__).resolve().parent.parent.parent / "assets" / "budgets.json"
 

@@ -53,13 +53,13 @@ DEFAULT_PROMPTS = (
 DEFAULT_BUDGETS = (4, 16, 64)
 CHANCE = 0.05  # first-slot hits below this, with no wiring doing better: the drafter has learned nothing here
 FAR_GAIN, FAR_RATIO = 0.15, 1.5  # "far higher": at least this many points more and this many times as many hits
-# a small drafter shrugs a one-layer shift off at its first slot (the shipped one: 62% against 60-61%) and shows
-# it in its chains (2.55 draft tokens kept against 1.8-2.1) and the likelihood of the right tokens
+# a small drafter shrugs a one-layer shift off at its first slot and shows it in its chains and the likelihood of the
+# right tokens (the shipped drafter's figures: docs/HISTORY.md, "Lab notes moved out of the code")
 LONGER, LIKELIER = 1.15, 0.05  # chains this many times as long (and 0.05 tokens more), 0.05 nats a slot likelier
 ROOTS_PER_PASS = 32  # blocks in one drafter pass: a [32*15, vocab] logits chunk stays small
 CALIBRATION_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-# Judged roots: below this many the wiring probes' differences are noise (one prompt of 8 tokens once named the
-# shipped drafter's wiring a fault). A first-slot rate on n roots has a standard error of at most 0.5 / sqrt(n)
+# Judged roots: below this many the wiring probes' differences are noise (a short probe can name a healthy wiring a
+# fault). A first-slot rate on n roots has a standard error of at most 0.5 / sqrt(n)
 # (binomial, at p = 1/2), the difference of two rates at most sqrt(2) times that; "far more hits" (FAR_GAIN) must
 # be at least two standard errors of that difference: n >= 2 * (2 * 0.5 / FAR_GAIN) ** 2, 89 roots.
 MIN_JUDGED_ROOTS = math.ceil(2 * (2 * 0.5 / FAR_GAIN) ** 2)

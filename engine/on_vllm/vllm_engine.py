@@ -47,10 +47,10 @@ from engine.trace import NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_M
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
 REPO = Path(__file__).resolve().parent.parent.parent
 # vLLM's own runs (the baseline) serve one request at a time with room for 8: its AR on the bundled model runs
-# faster at 8 than at its shipped default (1,024 here), each output first leaving the Studio's AR at the same token
-# at both (`gpu_session.sh baseline`: benchmarks/baseline/gpu-vllm-baseline-8.json against
-# gpu-vllm-baseline-default.json); and a hybrid's state blocks (one per sequence) for that default do not fit
-# beside the Studio's engine at 27B (159 at 0.45).
+# faster at 8 than at its shipped default, each output first leaving the Studio's AR at the same token at both
+# (`gpu_session.sh baseline`: benchmarks/baseline/gpu-vllm-baseline-8.json against gpu-vllm-baseline-default.json);
+# and at that default a hybrid's state blocks (one per sequence) do not fit beside the Studio's engine at 27B
+# (the figures: docs/HISTORY.md, "Lab notes moved out of the code").
 NATIVE_MAX_SEQS = 8
 
 
