@@ -28,7 +28,7 @@ from engine.loop.run import Outcome, Run, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import BASELINE, method
 from engine.models.drafter import DFlashDrafter
-from engine.models.protocols import TargetModel
+from engine.models.protocols import FixedKV, TargetModel
 from engine.trace import RunConfig, Step, Trace
 
 FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
@@ -65,7 +65,11 @@ class Decoder:
         self.budgeting = Budgeting()  # how "auto" trees are sized here (``engine.loop.budgeting``); start-up may
         # put this machine's recorded step costs in its place
         self._graphed_drafts: dict[int, GraphedDraft] = {}
-        self._programs: dict[tuple, object] = {}
+        self._programs: dict[tuple, FixedProgram] = {}
+        # one KV cache for all the fixed-step programs, grown (never shrunk) when a run needs more rows: a budget
+        # sweep holds one cache at its longest run's size, not one per budget
+        self._fixed_kv: FixedKV | None = None
+        self._fixed_capacity = 0
         if drafter is not None:
             check_drafter_fits(drafter.config, target.config)
 
@@ -173,25 +177,42 @@ class Decoder:
             return False
         return not method(settings.method).drafts or self.drafter.graphable or not self.cuda_graphs
 
-    def fixed_program(self, settings: DecodeSettings, prompt_length: int):
-        """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
+    def fixed_program(self, settings: DecodeSettings, prompt_length: int) -> FixedProgram:
+        """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA), on the decoder's
+        KV cache grown to this run's rows."""
         nodes = method(settings.method).nodes(settings.tree_budget, settings.block_size - 1)
         # the last step may pass max_new_tokens by a block, and its tree's rows sit after that; one scratch row
         needed = prompt_length + settings.max_new_tokens + settings.block_size + nodes + 2
         capacity = -(-needed // FIXED_CAPACITY_STEP) * FIXED_CAPACITY_STEP
-        key = (settings.method, nodes, settings.block_size, capacity, settings.record_top_k)
+        kv = self.fixed_kv(capacity)
+        key = (settings.method, nodes, settings.block_size, settings.record_top_k)
         if key not in self._programs:
-            self._programs[key] = FixedProgram(self, method(settings.method), nodes, settings.block_size, capacity,
+            self._programs[key] = FixedProgram(self, method(settings.method), nodes, settings.block_size,
                                                settings.record_top_k,
                                                graphs=self.cuda_graphs and self.target.device.type == "cuda",
                                                compile_step=self.compile_step)
-        return self._programs[key]
+        program = self._programs[key]
+        program.use(kv, capacity)
+        return program
+
+    def fixed_kv(self, capacity: int) -> FixedKV:
+        """The fixed step's one KV cache, with room for ``capacity`` rows: where it has fewer, the programs let go
+        of it and of their graphs (``FixedProgram.release``) and a cache of ``capacity`` rows takes its place (each
+        program takes it up at its next run, ``FixedProgram.use``)."""
+        if capacity > self._fixed_capacity:
+            for program in self._programs.values():
+                program.release()
+            self._fixed_kv = None  # the smaller cache goes before the larger one is allocated
+            self._fixed_capacity = capacity
+            self._fixed_kv = self.target.fixed_kv(capacity, compiled=self.compile_step)
+        return self._fixed_kv
 
     def close(self) -> None:
-        """Give back the device memory the step's graphs and programs hold before another engine
+        """Give back the device memory the step's graphs, programs and KV cache hold before another engine
         (vLLM's own, in the bench) starts; they are rebuilt if this decoder runs again."""
         self._graphed_drafts.clear()
         self._programs.clear()
+        self._fixed_kv, self._fixed_capacity = None, 0
 
 
 def recorded_budget(settings: DecodeSettings):

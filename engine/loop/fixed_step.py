@@ -13,7 +13,8 @@ A step is two programs over buffers that never change shape:
   (``StepLayout``), so the host reads once.
 
 The KV cache is the target's (``engine.models.protocols.FixedKV``): ``StaticKV`` (a Hugging Face model,
-``engine.models.target``) or the vLLM engine's ``PagedKV`` (``engine.on_vllm.vllm_worker``).
+``engine.models.target``) or the vLLM engine's ``PagedKV`` (``engine.on_vllm.vllm_worker``), one a decoder,
+shared by all its programs (``engine.loop.decode.Decoder.fixed_kv``).
 Nothing in the programs depends on a host value, so on CUDA each is captured once and replayed
 as a CUDA graph (``graphs=True``); on the CPU they run as written. ``FixedRun`` is
 ``engine.loop.run``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
@@ -92,10 +93,12 @@ class StepLayout:
 
 
 class FixedProgram:
-    """The buffers and the two programs of one (method, budget, block size, capacity) for one decoder."""
+    """The buffers and the two programs of one (method, budget, block size, top-k) for one decoder. The KV cache
+    is the decoder's, shared with its other programs (``use``); the drafter's context buffers are the program's
+    own, grown with it when a run needs more rows."""
 
-    def __init__(self, decoder, method: Method, nodes: int, block_size: int, capacity: int, top_k: int,
-                 graphs: bool = False, compile_step: bool = False):
+    def __init__(self, decoder, method: Method, nodes: int, block_size: int, top_k: int, graphs: bool = False,
+                 compile_step: bool = False):
         target = decoder.target
         device = target.device
         self.target, self.method, self.nodes, self.graphs = target, method, nodes, graphs
@@ -103,16 +106,16 @@ class FixedProgram:
         self.depth = block_size - 1
         top_k = min(top_k, target.config.vocab_size) if self.drafter is not None else 0
         self.layout = StepLayout(self.depth, nodes, top_k)
-        self.kv: FixedKV = target.fixed_kv(capacity, compiled=compile_step)
+        self.kv: FixedKV | None = None  # the decoder's, from ``use``
         long = dict(dtype=torch.long, device=device)
         self.root = torch.zeros(1, **long)
         self.past = torch.zeros((), **long)
         self.slots = torch.arange(self.depth + 1, **long)
         if self.drafter is not None:
             self.embedding, self.lm_head = decoder.draft_weights
-            self.buffers = DraftBuffers.allocate(self.drafter, block_size, capacity, device, self.drafter.dtype)
+            self.buffers: DraftBuffers | None = None  # from ``use``, for as many rows as the KV cache
+            self.prompt_rows = 0  # the context holds a padded prompt and a block after it
             self.log_probs = torch.zeros(self.depth, self.drafter.config.vocab_size, device=device)  # for advance
-            self.prompt_rows = capacity  # the context holds a padded prompt and a block after it
             self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by bucket
         else:
             self.log_probs = torch.zeros(0, 1, device=device)  # AR drafts nothing: its tree is the root alone
@@ -122,6 +125,26 @@ class FixedProgram:
             compiled(self._decide_step)
         self._tree = fused_tree_program(method.fixed, device, nodes) or compiled(method.fixed)
         self._graphs: dict[str, GraphedCall] = {}
+
+    def use(self, kv: FixedKV, capacity: int) -> None:
+        """Before a run of up to ``capacity`` rows: the decoder's KV cache (of at least as many), and the drafter's
+        context grown to as many where it holds fewer. A CUDA graph replays the addresses it was captured over:
+        where either is new, every graph is dropped and the next calls capture again."""
+        if kv is not self.kv:
+            self._graphs.clear()
+            self.kv = kv
+        if self.drafter is not None and self.prompt_rows < capacity:
+            self._graphs.clear()
+            self.buffers = None  # the shorter context goes before the longer one is allocated
+            self.buffers = DraftBuffers.allocate(self.drafter, self.depth + 1, capacity, self.target.device,
+                                                 self.drafter.dtype)
+            self.prompt_rows = capacity
+
+    def release(self) -> None:
+        """Before the decoder's KV cache grows: let go of it and of every graph captured over it, so that its
+        memory is free for the larger one (``use`` takes that one)."""
+        self._graphs.clear()
+        self.kv = None
 
     def prefill_cache(self):
         """Before a run's prefill: the target cache to write the prompt into; the drafter's emptied."""
