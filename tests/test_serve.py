@@ -333,6 +333,17 @@ def test_an_unexpected_failure_is_a_500_in_openais_shape_and_the_server_serves_o
         assert answer["text"] == solo(twin, PROMPTS[0], max_tokens=4).text
 
 
+def test_a_request_run_alone_is_checked_against_the_models_once(twin):
+    """When it comes, not again when its run leaves the queue (nor, on the vLLM engine, which runs requests one at a
+    time, in its workers)."""
+    decoder = tiny_decoder(0)
+    prepared, prepare = [], decoder.prepare
+    decoder.prepare = lambda *args: prepared.append(args) or prepare(*args)
+    with serving(decoder, batching=False) as url:
+        answer = ask(url, "completions", PROMPTS[0], max_tokens=4, extra_body={"method": "ddtree", "tree_budget": 4})
+    assert len(prepared) == 1 and answer["text"] == solo(twin, PROMPTS[0], max_tokens=4).text
+
+
 # ---------------------------------------------------------------- traces
 
 def test_traces_are_listed_newest_first_kept_to_a_bound_and_written_as_the_studios_files(tmp_path):

@@ -145,8 +145,17 @@ class Decoder:
                 raise EngineError("the prompt is empty: type a message for the model to answer")
             prompt_ids = self.target.chat_ids(prompt)
         settings, notes = self.prepare(settings, len(prompt_ids))
+        return self.run_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop)
+
+    @torch.inference_mode()
+    def run_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                     on_step: Callable[[Trace, Step], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> Trace:
+        """``run`` on settings ``prepare`` already checked against these models for this prompt (with its notes):
+        nothing is checked again. The vLLM engine's workers run what its driver prepared, the API what it prepared
+        when the request came."""
         fixed = self.uses_fixed_step(settings)
-        config = self.run_config(prompt, prompt_ids, settings, notes, step_kind(fixed, self.compile_step))
+        config = self.run_config(prompt, prompt_ids, settings, list(notes), step_kind(fixed, self.compile_step))
         if fixed:
             program = self.fixed_program(settings, len(prompt_ids))
             return FixedRun(self, settings, config, on_step, should_stop, program).execute()

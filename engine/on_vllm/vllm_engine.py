@@ -28,7 +28,6 @@ from engine.loop.decode import Decoder, DrafterInfo, check_drafter_fits
 from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import cache_dir
-from engine.methods import BASELINE
 from engine.models.convert import convert, tensor_parallel_copy
 from engine.models.drafter import DFlashDrafter, drafter_shape
 from engine.models.hybrid import is_hybrid
@@ -276,19 +275,15 @@ class VllmDecoder(Decoder):
         super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step,
                          compile_step=options.compile_step, timing_only=options.random_weights)
 
-    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings(BASELINE.name), *,
-            prompt_ids: list[int] | None = None, on_step: Callable[[Trace, Step], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> Trace:
-        """The whole generation runs in the workers: ``on_step`` sees the steps once it is over,
-        and ``should_stop`` is read only before it starts."""
-        if prompt_ids is None:
-            if not prompt.strip():
-                raise EngineError("the prompt is empty: type a message for the model to answer")
-            prompt_ids = self.target.chat_ids(prompt)
-        self.prepare(settings, len(prompt_ids))  # bad settings fail here, before any worker is busy
+    def run_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                     on_step: Callable[[Trace, Step], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> Trace:
+        """The whole generation runs in the workers, on the settings prepared here (``Decoder.run`` prepares them:
+        bad settings fail before any worker is busy; the workers run them as they are): ``on_step`` sees the
+        steps once it is over, and ``should_stop`` is read only before it starts."""
         if should_stop is not None and should_stop():
             raise EngineError("stopped before the run started")
-        raw = self.llm.collective_rpc("studio_run", args=(prompt, list(prompt_ids), asdict(settings)))[0]
+        raw = self.llm.collective_rpc("studio_run", args=(prompt, list(prompt_ids), asdict(settings), list(notes)))[0]
         trace = Trace.from_json(raw)
         trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
                                   f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}, "
@@ -300,8 +295,9 @@ class VllmDecoder(Decoder):
         return trace
 
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings) -> KernelProfile:
-        self.prepare(settings, len(prompt_ids))
-        return KernelProfile(**self.llm.collective_rpc("studio_kernels", args=(list(prompt_ids), asdict(settings)))[0])
+        settings, notes = self.prepare(settings, len(prompt_ids))
+        return KernelProfile(**self.llm.collective_rpc("studio_kernels",
+                                                       args=(list(prompt_ids), asdict(settings), notes))[0])
 
     def close(self) -> None:
         """Stop the workers, whose engine holds its share of the GPU until then; nothing runs here after."""
