@@ -136,17 +136,17 @@ def test_a_recorded_bench_decides_without_timing_anything_and_says_where_it_was_
 def test_startup_timing_keeps_every_timing_and_a_restart_times_only_what_is_missing(decoder, tmp_path, monkeypatch):
     cache = tmp_path / "timings.json"
     first = StartupTiming(decoder, (2, 8), "howdoesitwork", 8, cache)
-    assert first.missing() == ["ar", "ddtree@2", "ddtree@8"] and first.progress() == "0 of 3 timed"
+    assert first.missing() == ["ar", "2", "8"] and first.progress() == "0 of 3 timed"
     first.time("ar")
-    first.time("ddtree@2")  # the start is cut short here
+    first.time("2")  # the start is cut short here
     timed = []
     monkeypatch.setattr(StartupTiming, "time", lambda self, label: timed.append(label) or
-                        self.timings.setdefault(label, self.timings["ddtree@2"]))
+                        self.timings.setdefault(label, self.timings["2"]))
     second = StartupTiming(decoder, (2, 8), "howdoesitwork", 8, cache)
     assert second.timings == first.timings and second.progress() == "2 of 3 timed"
     for label in second.missing():
         second.time(label)
-    assert timed == ["ddtree@8"]
+    assert timed == ["8"]
     assert set(second.choice().table) == {2, 8}
 
 

@@ -33,7 +33,7 @@ import torch
 from engine.loop.decode import Decoder, step_kind
 from engine.loop.settings import DecodeSettings
 from engine.measure.economics import Economics, Timing, economics
-from engine.methods import BASELINE, DFLASH, TREE, Label, budget_sweep
+from engine.methods import BASELINE, DFLASH, TREE, budget_sweep
 
 CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
 CALIBRATION_PROMPT = "Explain briefly how a refrigerator keeps food cold."
@@ -110,8 +110,8 @@ def recorded_choice(decoder: Decoder) -> BudgetChoice | None:
 
 @dataclass
 class StartupTiming:
-    """Step costs timed on this machine, run label by run label (AR's, then DDTree's at each budget), each kept
-    in ``path`` as soon as it is measured: a start that is cut short loses nothing it had timed."""
+    """Step costs timed on this machine, label by label (AR's run label, then each DDTree budget as a number),
+    each kept in ``path`` as soon as it is measured: a start that is cut short loses nothing it had timed."""
 
     decoder: Decoder
     budgets: tuple[int, ...] = CANDIDATE_BUDGETS
@@ -131,7 +131,7 @@ class StartupTiming:
 
     @property
     def labels(self) -> list[str]:
-        return [BASELINE.label(), *(TREE.label(budget) for budget in self.budgets)]
+        return [BASELINE.label(), *map(str, self.budgets)]
 
     def missing(self) -> list[str]:
         return [label for label in self.labels if label not in self.timings]
@@ -144,9 +144,8 @@ class StartupTiming:
         """One label's warm-up and timed run; the first of a start also warms DFlash up, so the page's
         first runs do not pay one-time costs (allocation; on a GPU, CUDA graph capture)."""
         ids = self.decoder.target.chat_ids(self.prompt)
-        run = Label.parse(label)
-        setting = DecodeSettings(run.method.name, max_new_tokens=self.tokens,
-                                 **({} if run.budget is None else {"tree_budget": run.budget}))
+        setting = (DecodeSettings(BASELINE.name, max_new_tokens=self.tokens) if label == BASELINE.label() else
+                   DecodeSettings(TREE.name, max_new_tokens=self.tokens, tree_budget=int(label)))
         warm_tokens = self.tokens if self.decoder.target.device.type == "cuda" else 4
         if label == self.missing()[0]:
             self.decoder.run(prompt_ids=ids, settings=DecodeSettings(DFLASH.name, max_new_tokens=warm_tokens))
@@ -159,7 +158,7 @@ class StartupTiming:
         measured = economics(self.timings)
         table = {}
         for budget in self.budgets:
-            entry = measured[TREE.label(budget)]
+            entry = measured[str(budget)]
             tau, cost = curve.get(budget, entry.tau), entry.step_cost_vs_ar
             table[budget] = Economics(tau, entry.step_ms, cost, tau / cost if tau and cost else None,
                                       entry.speedup_vs_ar)
