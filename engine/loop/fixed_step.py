@@ -113,7 +113,7 @@ class FixedProgram:
         self.slots = torch.arange(self.depth + 1, **long)
         if self.drafter is not None:
             self.embedding, self.lm_head = decoder.draft_weights
-            self.buffers: DraftBuffers | None = None  # from ``use``, for as many rows as the KV cache
+            self.buffers: DraftBuffers | None = None  # from ``use``, for this program's longest run so far
             self.prompt_rows = 0  # the context holds a padded prompt and a block after it
             self.log_probs = torch.zeros(self.depth, self.drafter.config.vocab_size, device=device)  # for advance
             self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by bucket
