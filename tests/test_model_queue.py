@@ -141,7 +141,8 @@ def test_a_batch_of_served_requests_and_a_page_run_take_turns_and_both_finish():
     batcher = Batcher(decoder, queue)
     prompts = [decoder.target.text_ids(text) for text in ("abc", "hello", "why?")]
     settings = DecodeSettings("ddtree", max_new_tokens=40, tree_budget=8)
-    futures = [batcher.submit(f"request-{n}", "", ids, settings) for n, ids in enumerate(prompts)]
+    futures = [batcher.submit(f"request-{n}", "", ids, *decoder.prepare(settings, len(ids)))
+               for n, ids in enumerate(prompts)]
     steps_when_the_page_ran = []
 
     def page_run():

@@ -199,7 +199,7 @@ def test_clients_at_once_share_decoding_steps_and_each_trace_says_with_whom(slow
     twin = tiny_decoder(0)
     twin.target.stop_ids = []
     names = {answer["ddtree"]["trace_id"] for answer in answers}
-    for (prompt, method), answer in zip(asks, answers):
+    for (prompt, _), answer in zip(asks, answers):
         assert answer["text"] == solo(twin, prompt, max_tokens=24).text
         trace = trace_of(slow_url, answer["ddtree"]["trace_id"])
         sizes = [step.batch.size for step in trace.steps]
@@ -364,6 +364,17 @@ def test_an_unexpected_failure_is_a_500_in_openais_shape_and_the_server_serves_o
         decoder.target.verify_batch = verify
         answer = ask(url, "completions", PROMPTS[0], max_tokens=4, extra_body={"method": "ar"})
         assert answer["text"] == solo(twin, PROMPTS[0], max_tokens=4).text
+
+
+def test_a_request_run_alone_is_checked_against_the_models_once(twin):
+    """When it comes, not again when its run leaves the queue (nor, on the vLLM engine, which runs requests one at a
+    time, in its workers)."""
+    decoder = tiny_decoder(0)
+    prepared, prepare = [], decoder.prepare
+    decoder.prepare = lambda *args: prepared.append(args) or prepare(*args)
+    with serving(decoder, batching=False) as url:
+        answer = ask(url, "completions", PROMPTS[0], max_tokens=4, extra_body={"method": "ddtree", "tree_budget": 4})
+    assert len(prepared) == 1 and answer["text"] == solo(twin, PROMPTS[0], max_tokens=4).text
 
 
 # ---------------------------------------------------------------- traces

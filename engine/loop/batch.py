@@ -31,6 +31,7 @@ from ddtree.allocate import Allocation, Offer, allocate, plan_drafts
 from ddtree.batch import BatchLayout, pack_trees
 from engine.errors import EngineError
 from engine.loop.budgeting import Budgeting, first_nodes
+from engine.loop.decode import READABLE_SAMPLING
 from engine.loop.draft_pass import draft_log_probs
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
@@ -140,13 +141,19 @@ class Batch:
               should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
         """A request joins: checked against the models now (an ``EngineError`` refuses it alone), prefilled
         over the next rounds, then stepped with the others."""
-        decoder = self.decoder
-        settings, notes = decoder.prepare(settings, len(prompt_ids))
-        if settings.temperature == 0 and decoder.fixed_step:
-            notes = [note for note in notes if "readable step" not in note]
-        config = decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + self.verify_kind)
+        settings, notes = self.decoder.prepare(settings, len(prompt_ids))
+        return self.admit_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop,
+                                   name=name)
+
+    def admit_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                       on_step: Callable[[Trace, Step], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
+        """``admit`` for settings ``Decoder.prepare`` already checked for this prompt (with its notes)."""
+        notes = [note for note in notes if note != READABLE_SAMPLING]  # every batched step samples as it must
+        config = self.decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + self.verify_kind)
         self._names += 1
-        request = BatchRequest(decoder, settings, config, on_step, should_stop, name or f"request-{self._names}")
+        request = BatchRequest(self.decoder, settings, config, on_step, should_stop,
+                               name or f"request-{self._names}")
         request.row = len(self.requests) + len(self.waiting)
         self.kv.reserve(request.row + 1, 0)
         if self.context is not None:

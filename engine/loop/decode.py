@@ -26,11 +26,12 @@ from engine.loop.draft_pass import EagerDraft, GraphedDraft
 from engine.loop.fixed_step import FixedProgram, FixedRun
 from engine.loop.run import Outcome, Run, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
-from engine.methods import method
+from engine.methods import BASELINE, method
 from engine.models.drafter import DFlashDrafter
-from engine.models.protocols import TargetModel
+from engine.models.protocols import FixedKV, TargetModel
 from engine.trace import RunConfig, Step, Trace
 
+READABLE_SAMPLING = "sampling runs the readable step: the fixed-shape step walks greedily"
 FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
 
 
@@ -65,7 +66,11 @@ class Decoder:
         self.budgeting = Budgeting()  # how "auto" trees are sized here (``engine.loop.budgeting``); start-up may
         # put this machine's recorded step costs in its place
         self._graphed_drafts: dict[int, GraphedDraft] = {}
-        self._programs: dict[tuple, object] = {}
+        self._programs: dict[tuple, FixedProgram] = {}
+        # one KV cache for all the fixed-step programs, grown (never shrunk) when a run needs more rows: a budget
+        # sweep holds one cache at its longest run's size, not one per budget
+        self._fixed_kv: FixedKV | None = None
+        self._fixed_capacity = 0
         if drafter is not None:
             check_drafter_fits(drafter.config, target.config)
 
@@ -122,7 +127,7 @@ class Decoder:
                 raise EngineError(f"block size {block_size} is not supported by this drafter: "
                                   f"choose 2..{native} (it was trained with blocks of {native})", field="block_size")
         if self.fixed_step and settings.temperature > 0:
-            notes.append("sampling runs the readable step: the fixed-shape step walks greedily")
+            notes.append(READABLE_SAMPLING)
         limit = self.target.context_length
         needed = prompt_length + settings.max_new_tokens + block_size
         if needed > limit:
@@ -132,7 +137,7 @@ class Decoder:
         return replace(settings, block_size=block_size), notes
 
     @torch.inference_mode()
-    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings(BASELINE.name), *,
             prompt_ids: list[int] | None = None,
             on_step: Callable[[Trace, Step], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Trace:
@@ -141,8 +146,17 @@ class Decoder:
                 raise EngineError("the prompt is empty: type a message for the model to answer")
             prompt_ids = self.target.chat_ids(prompt)
         settings, notes = self.prepare(settings, len(prompt_ids))
+        return self.run_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop)
+
+    @torch.inference_mode()
+    def run_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                     on_step: Callable[[Trace, Step], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> Trace:
+        """``run`` on settings ``prepare`` already checked against these models for this prompt (with its notes):
+        nothing is checked again. The vLLM engine's workers run what its driver prepared, the API what it prepared
+        when the request came."""
         fixed = self.uses_fixed_step(settings)
-        config = self.run_config(prompt, prompt_ids, settings, notes, step_kind(fixed, self.compile_step))
+        config = self.run_config(prompt, prompt_ids, settings, list(notes), step_kind(fixed, self.compile_step))
         if fixed:
             program = self.fixed_program(settings, len(prompt_ids))
             return FixedRun(self, settings, config, on_step, should_stop, program).execute()
@@ -173,25 +187,42 @@ class Decoder:
             return False
         return not method(settings.method).drafts or self.drafter.graphable or not self.cuda_graphs
 
-    def fixed_program(self, settings: DecodeSettings, prompt_length: int):
-        """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
+    def fixed_program(self, settings: DecodeSettings, prompt_length: int) -> FixedProgram:
+        """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA), on the decoder's
+        KV cache grown to this run's rows."""
         nodes = method(settings.method).nodes(settings.tree_budget, settings.block_size - 1)
         # the last step may pass max_new_tokens by a block, and its tree's rows sit after that; one scratch row
         needed = prompt_length + settings.max_new_tokens + settings.block_size + nodes + 2
         capacity = -(-needed // FIXED_CAPACITY_STEP) * FIXED_CAPACITY_STEP
-        key = (settings.method, nodes, settings.block_size, capacity, settings.record_top_k)
+        kv = self.fixed_kv(capacity)
+        key = (settings.method, nodes, settings.block_size, settings.record_top_k)
         if key not in self._programs:
-            self._programs[key] = FixedProgram(self, method(settings.method), nodes, settings.block_size, capacity,
+            self._programs[key] = FixedProgram(self, method(settings.method), nodes, settings.block_size,
                                                settings.record_top_k,
                                                graphs=self.cuda_graphs and self.target.device.type == "cuda",
                                                compile_step=self.compile_step)
-        return self._programs[key]
+        program = self._programs[key]
+        program.use(kv, capacity)
+        return program
+
+    def fixed_kv(self, capacity: int) -> FixedKV:
+        """The fixed step's one KV cache, with room for ``capacity`` rows: where it has fewer, the programs let go
+        of it and of their graphs (``FixedProgram.release``) and a cache of ``capacity`` rows takes its place (each
+        program takes it up at its next run, ``FixedProgram.use``)."""
+        if capacity > self._fixed_capacity:
+            for program in self._programs.values():
+                program.release()
+            self._fixed_kv = None  # the smaller cache goes before the larger one is allocated
+            self._fixed_capacity = capacity
+            self._fixed_kv = self.target.fixed_kv(capacity, compiled=self.compile_step)
+        return self._fixed_kv
 
     def close(self) -> None:
-        """Give back the device memory the step's graphs and programs hold before another engine
+        """Give back the device memory the step's graphs, programs and KV cache hold before another engine
         (vLLM's own, in the bench) starts; they are rebuilt if this decoder runs again."""
         self._graphed_drafts.clear()
         self._programs.clear()
+        self._fixed_kv, self._fixed_capacity = None, 0
 
 
 def recorded_budget(settings: DecodeSettings):

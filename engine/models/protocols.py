@@ -75,7 +75,9 @@ class TargetModel(Protocol):
 @runtime_checkable
 class FixedKV(Protocol):
     """The fixed-shape step's KV cache: buffers that never change shape, a write cursor held in a
-    device tensor, so that a step's programs replay as CUDA graphs."""
+    device tensor, so that a step's programs replay as CUDA graphs. A decoder keeps one, shared by all its
+    programs (each run rewrites it from its prompt on), and asks ``TargetModel.fixed_kv`` for a larger one
+    when a run needs more rows (``engine.loop.decode.Decoder.fixed_kv``)."""
 
     forks_states: bool  # linear-attention states fork per tree node: even AR's one token commits
 

@@ -173,7 +173,8 @@ class Job:
     endpoint: str  # "chat.completions" or "completions"
     prompt: str  # the prompt as the trace keeps it
     prompt_ids: list[int]
-    settings: DecodeSettings
+    settings: DecodeSettings  # checked against the models when the request came (``Decoder.prepare``)
+    notes: tuple[str, ...]  # how that check adjusted them
     stops: tuple[str, ...]
     created: int  # unix seconds, when the request came
 
@@ -238,8 +239,8 @@ class Generation:
     def run(self, decoder: Decoder) -> Trace:
         """The request alone, as a job on the model's thread (a server that does not batch)."""
         job = self.job
-        return decoder.run(job.prompt, job.settings, prompt_ids=job.prompt_ids, on_step=self.on_step,
-                           should_stop=self.should_stop)
+        return decoder.run_prepared(job.prompt, job.prompt_ids, job.settings, list(job.notes), on_step=self.on_step,
+                                    should_stop=self.should_stop)
 
     def on_step(self, trace: Trace, step) -> None:
         text, end = cut_at_stop(trace.text, self.job.stops)
@@ -326,10 +327,11 @@ class Server:
                                       seed=fresh_seed() if body.seed is None else body.seed,
                                       tree_budget=self.options.tree_budget if body.tree_budget is None else
                                       body.tree_budget)
-            self.decoder.prepare(settings, len(prompt_ids))
+            settings, notes = self.decoder.prepare(settings, len(prompt_ids))
         except EngineError as exc:
             raise ApiError(400, str(exc), request_param(exc.field, body, prompt_param)) from None
-        return Job(f"trace-{uuid.uuid4().hex}", endpoint, prompt, prompt_ids, settings, body.stops, int(time.time()))
+        return Job(f"trace-{uuid.uuid4().hex}", endpoint, prompt, prompt_ids, settings, tuple(notes), body.stops,
+                   int(time.time()))
 
     def max_tokens(self, body: Body, prompt_length: int, prompt_param: str) -> int:
         """The request's token limit, within what the context leaves; unset, all of that (a chat, as OpenAI)
@@ -358,7 +360,7 @@ class Server:
         if self.batcher is None:
             future = self.queue.submit(generation.run, self.decoder)
         else:
-            future = self.batcher.submit(job.trace_id, job.prompt, job.prompt_ids, job.settings,
+            future = self.batcher.submit(job.trace_id, job.prompt, job.prompt_ids, job.settings, list(job.notes),
                                          on_step=generation.on_step, should_stop=generation.should_stop)
         future.add_done_callback(lambda done: self.keep(job, done))
         return future
