@@ -40,6 +40,7 @@ from engine.models.batched import BatchDraftContext, BatchKV, packed_pass, padde
 from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace, summarize
 
 PREFILL_TOKENS = 128  # prompt tokens a round prefills at most, so the running requests wait at most that long
+DEPTH_MARGIN = 2  # depths an "auto" request drafts past the nodes it is expected to get
 INITIAL_ROWS = 4
 KEPT_SHAPES = 256
 INITIAL_COLUMNS = 512
@@ -292,22 +293,33 @@ class Batch:
         for p, outcome in zip(planned, outcomes):
             self.record(p, outcome, layout, allocation, active, t_start, stage_s)
 
-    def plan(self, active: list[BatchRequest]) -> list[bool]:
-        """Which requests draft this step: those with a fixed budget always, "auto" ones by their last
-        draft's worth (one that never drafted does), AR never."""
-        offers = []
+    def plan(self, active: list[BatchRequest]) -> list[int]:
+        """How deep each request drafts this step (0: not at all). A fixed budget drafts its whole block, as it
+        does alone; an "auto" one by its last draft's worth (one that never drafted drafts its whole block): as
+        deep as the nodes the batch is expected to give it, and a little deeper, since the drafter's lm_head
+        costs per depth; AR never."""
+        offers: list[Offer | None] = []
         for request in active:
             if not request.row_method.drafts:
                 offers.append(None)
-            elif not request.settings.auto_budget:
-                offers.append(Offer((1.0,), 1, fixed=True))
+            elif request.settings.auto_budget and request.offer is not None:
+                offers.append(request.offer)
             else:
-                offers.append(request.offer or Offer((1.0,), 1, fixed=True))
-        return plan_drafts(offers, self.budgeting.cost, len(active))
+                offers.append(Offer((1.0,), 1, fixed=True))
+        drafting = plan_drafts(offers, self.budgeting.cost, len(active))
+        chosen = [offer for offer, draft in zip(offers, drafting) if draft]
+        expected = iter(allocate(chosen, self.budgeting.cost, len(active), len(chosen)).nodes)
+        depths = []
+        for request, offer, draft in zip(active, offers, drafting):
+            nodes = next(expected) if draft else 0
+            full = request.settings.block_size - 1
+            depths.append(0 if not draft else full if offer.fixed else min(full, nodes + DEPTH_MARGIN))
+        return depths
 
-    def draft(self, active: list[BatchRequest], drafting: list[bool]) -> dict[BatchRequest, torch.Tensor]:
-        """One drafter pass over the drafting requests' blocks: log-probabilities ``[D, vocab]`` each."""
-        chosen = [r for r, draft in zip(active, drafting) if draft]
+    def draft(self, active: list[BatchRequest], depths: list[int]) -> dict[BatchRequest, torch.Tensor]:
+        """One drafter pass over the drafting requests' blocks (those with a depth): log-probabilities
+        ``[depth, vocab]`` each, to the deepest any of them drafts."""
+        chosen = [r for r, depth in zip(active, depths) if depth]
         if not chosen:
             return {}
         block_size = chosen[0].settings.block_size
@@ -330,7 +342,7 @@ class Batch:
         embedding, lm_head = self.decoder.draft_weights
         context = self.context.rows_view([r.row for r in chosen], new)
         log_probs = draft_log_probs(self.drafter, embedding, lm_head, block, block_positions, padded, positions,
-                                    context, added)
+                                    context, added, depth=max(depths))
         for request in chosen:
             request.read_context()
         return dict(zip(chosen, log_probs))
