@@ -82,6 +82,7 @@ class StepBatch:
     budget: int  # this request's nodes
     reason: str  # why its tree has that size
     neighbours: list[str]  # the other requests in the step, by name
+    alone_s: float = 0.0  # what the step would have taken with its tree alone, by the machine's step costs
 
 
 @dataclass

@@ -421,8 +421,10 @@ class Batch:
         step = request.record(len(request.trace.steps), t_start - request.t0, planned.root,
                               draft_top(planned.log_probs, request.settings.record_top_k) if full else ([], []),
                               outcome, dict(stage_s))
+        alone = self.budgeting.cost.seconds(1, planned.tree.size, int(planned.log_probs is not None))
         step.batch = StepBatch(size=len(active), nodes=layout.tokens - len(active), budget=planned.tree.size,
-                               reason=planned.reason, neighbours=[r.name for r in active if r is not request])
+                               reason=planned.reason, neighbours=[r.name for r in active if r is not request],
+                               alone_s=alone)
         request.trace.steps.append(step)
         if request.on_step is not None:
             request.on_step(request.trace, step)
