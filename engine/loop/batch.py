@@ -37,7 +37,7 @@ from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import method
 from engine.models.batched import BatchDraftContext, BatchKV, packed_pass, padded_pass
-from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace, summarize
+from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace
 
 PREFILL_TOKENS = 128  # prompt tokens a round prefills at most, so the running requests wait at most that long
 DEPTH_MARGIN = 2  # depths an "auto" request drafts past the nodes it is expected to get
@@ -56,7 +56,6 @@ class BatchRequest(Run):
         self.row = -1
         self.prefilled = 0  # prompt tokens in the cache so far
         self.start = 0  # the root's position, once the prompt is in
-        self.trace: Trace | None = None
         self.finished: str | None = None  # the stop reason, once it has one
         self.pending_context: list[torch.Tensor] = []  # committed rows' features the drafter has not read yet
         self.pending_positions: list[torch.Tensor] = []
@@ -84,11 +83,7 @@ class BatchRequest(Run):
 
     def finish(self) -> Trace | None:
         """Its trace, summarized (None: it left before its first token)."""
-        if self.trace is None:
-            return None
-        self.trace.summary = summarize(self.config, self.trace.prefill, self.trace.steps, self.elapsed(),
-                                       self.finished)
-        return self.trace
+        return None if self.trace is None else self.conclude(self.finished)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,8 @@ class TargetModel(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_text(self, token: int) -> str: ...  # one token alone, special tokens written out (a trace's text)
+
     def new_cache(self): ...  # the readable step's cache, passed back into ``forward`` and ``commit``
 
     def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor: ...

@@ -107,6 +107,10 @@ class Target:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's own text, a special token's too (``<|im_end|>``): how a trace shows the token."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
     def new_cache(self):
         from transformers import DynamicCache
 

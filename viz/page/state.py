@@ -29,7 +29,7 @@ from engine.measure.calibration import BudgetChoice, StartupTiming, cache_dir
 from engine.methods import BASELINE, DFLASH, METHODS, NAMES, TREE
 from engine.serving.model_queue import ModelQueue
 from engine.trace import Trace, TraceError, write_trace_file
-from viz.tokens import TokenText, pieces_token_text
+from viz.tokens import TokenText, traces_token_text
 from viz.video import VideoError
 
 log = logging.getLogger("ddtree-studio")
@@ -107,15 +107,13 @@ class Studio:
 
     @functools.cached_property
     def decode_token(self) -> TokenText:
-        tokenizer = self.decoder.target.tokenizer
-        return functools.lru_cache(maxsize=None)(lambda token: tokenizer.decode([token], skip_special_tokens=False))
+        return functools.lru_cache(maxsize=None)(self.decoder.target.token_text)
 
     def token_text_for(self, traces: list[Trace]) -> TokenText:
-        """The tokenizer for traces of the loaded model; otherwise (an upload from
-        another model) the text pieces the traces themselves carry."""
-        if self.has_model and traces and all(trace.config.model == self.decoder.target.name for trace in traces):
-            return self.decode_token
-        return pieces_token_text(traces)
+        """The texts the traces carry; for what they lack, the tokenizer where the traces are the loaded model's,
+        else the pieces they committed (``viz.tokens.traces_token_text``)."""
+        own = self.has_model and traces and all(trace.config.model == self.decoder.target.name for trace in traces)
+        return traces_token_text(traces, self.decode_token if own else None)
 
 
 # ---------------------------------------------------------------- per-session state
