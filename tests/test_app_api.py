@@ -205,9 +205,9 @@ def test_stop_ends_a_run_early_and_keeps_what_it_made(app_url):
     assert client.predict(api_name="/stop").startswith("Stopping")
     result = named_outputs(job.result(timeout=120))
     assert result["status"].startswith("**Stopped**")
-    assert 0 < result["summary"]["ar"]["tokens"] < 300
-    assert result["summary"]["ar"]["stop_reason"] == "cancelled"
-    assert "ddtree" not in result["summary"]
+    for method in ("ar", "ddtree"):  # they take turns: both had started, both stop at their next step
+        assert 0 < result["summary"][method]["tokens"] < 300
+        assert result["summary"][method]["stop_reason"] == "cancelled"
 
 
 def test_budget_sweep(client):

@@ -4,6 +4,7 @@ refusal leaves alone, what the replay animates, and what the page keeps on disk 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import gradio as gr
@@ -14,6 +15,7 @@ import viz.page.traces
 from engine.errors import EngineError
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice
+from engine.measure.fairness import ArReference
 from engine.methods import NAMES, check_budget
 from tests.tiny import tiny_decoder
 from viz.page.run import RUN_OUTPUTS
@@ -183,6 +185,21 @@ def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page, m
     monkeypatch.setattr(page.studio.decoder, "fixed_step", True)  # where sampling takes the readable step instead
     status = run_once(page, temperature=0.5, max_new_tokens=2, methods=NAMES)[-1][page.session.status]
     assert status.startswith("**Done**") and status.count("sampling runs the readable step") == 1
+
+
+def test_a_run_streams_every_column_as_they_take_turns_and_says_when_its_timings_were_disturbed(page, monkeypatch):
+    updates = run_once(page, max_new_tokens=24, methods=NAMES)
+    live = [update for update in updates if page.session.status in update and "Running" in update[page.session.status]]
+    columns = [column for column in page.run_view.columns.values()]
+    assert any(all(column in update for column in columns) for update in live), "every column streams"
+    quiet = updates[-1][page.session.status]
+    assert quiet.startswith("**Done**") and "(in turns, each on its own clock" in quiet and "disturbed" not in quiet
+    recorded = ArReference(10**6, "the test recorded", "here")
+    monkeypatch.setattr(page.studio, "budget", replace(page.studio.budget, ar=recorded))
+    disturbed = run_once(page, max_new_tokens=24, methods=["ar", "ddtree"])[-1][page.session.status]
+    assert disturbed.startswith("**Done**") and " ⚠️ **The timings were disturbed**: AR decoded " in disturbed
+    assert "where the test recorded 1000000.0 here: something else is using the processor. Close it and run again." \
+        in disturbed
 
 
 def test_the_budget_box_is_never_set_at_page_load_and_the_timing_leaves_a_typed_one_alone(page):

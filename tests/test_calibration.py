@@ -14,6 +14,7 @@ from engine.measure.calibration import (
     pick_budget,
 )
 from engine.measure.economics import Economics
+from engine.measure.fairness import ArReference
 from engine.serving.startup import opening_budget
 from engine.training.export import acceptance_record
 from tests.tiny import tiny_decoder
@@ -92,7 +93,8 @@ def bench_results(path, budgets: dict[int, float], **config) -> str:
               "drafter_revision": "abc123", "host": {"threads": torch.get_num_threads()}} | config
     summary = {f"ddtree@{b}": {"tokens_per_s": 20.0 * s, "speedup_vs_ar": s, "tau": 2.0 + b / 100}
                for b, s in budgets.items()}
-    path.write_text(json.dumps({"config": config, "summary": {"ar": {"speedup_vs_ar": 1.0}} | summary}))
+    runs = [{"label": "ar", "wall_s": 2.1, "prefill_s": 0.1, "verify_steps": 40}]  # AR decodes 20 tokens/s
+    path.write_text(json.dumps({"config": config, "runs": runs, "summary": {"ar": {"speedup_vs_ar": 1.0}} | summary}))
     return str(path)
 
 
@@ -127,6 +129,8 @@ def test_a_recorded_bench_decides_without_timing_anything_and_says_where_it_was_
         "DDTree budget 16 is the largest tree within 5% of the fastest (budget 4, 1.50×), so the first page shows a "
         "tree that branches: the bench measured 1.44× AR at it (τ 2.16, 29 tokens/s on fresh.jsonl) on another "
         f"machine of this kind ({key}), not on this one ({results}).")
+    # what a disturbed page measures AR against (engine.measure.fairness)
+    assert choice.ar == ArReference(20.0, "the bench recorded", f"on this kind of machine ({key})")
     monkeypatch.setattr(decoder, "drafter_info", DrafterInfo("another", trained=True, revision="def456"))
     monkeypatch.setenv("DDTREE_STUDIO_CACHE", str(tmp_path / "cache"))
     choice, timing = opening_budget(decoder)  # a bench of other weights: opens for now, its timing left to run
@@ -148,6 +152,8 @@ def test_startup_timing_keeps_every_timing_and_a_restart_times_only_what_is_miss
         second.time(label)
     assert timed == ["8"]
     assert set(second.choice().table) == {2, 8}
+    assert second.choice().ar == ArReference(1 / first.timings["ar"].step_s, "the start-up timing measured",
+                                             "on this machine")
 
 
 def test_a_compiled_fixed_step_is_recorded_apart_from_the_plain_one(tmp_path):

@@ -24,6 +24,7 @@ from engine.gpu.profiling import profile_kernels
 from engine.loop.budgeting import Budgeting
 from engine.loop.draft_pass import EagerDraft, GraphedDraft
 from engine.loop.fixed_step import FixedProgram, FixedRun
+from engine.loop.race import TURN_S, Race, check_apart, one_after_another, take_turns
 from engine.loop.run import Outcome, Run, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import BASELINE, method
@@ -65,7 +66,7 @@ class Decoder:
         self.timing_only = timing_only  # random weights at a real shape: traces say so
         self.budgeting = Budgeting()  # how "auto" trees are sized here (``engine.loop.budgeting``); start-up may
         # put this machine's recorded step costs in its place
-        self._graphed_drafts: dict[int, GraphedDraft] = {}
+        self._graphed_drafts: dict[tuple, GraphedDraft] = {}
         self._programs: dict[tuple, FixedProgram] = {}
         # one KV cache for all the fixed-step programs, grown (never shrunk) when a run needs more rows: a budget
         # sweep holds one cache at its longest run's size, not one per budget
@@ -100,13 +101,16 @@ class Decoder:
         tied = target.lm_head.data_ptr() == target.embedding.data_ptr()
         return embedding, embedding if tied else target.lm_head.to(dtype)
 
-    def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
+    def draft_pass(self, block_size: int, owner: tuple = ()) -> EagerDraft | GraphedDraft:
+        """The drafter's pass for a run; a graphed one is kept for the next run of the same ``owner``
+        (``DecodeSettings.apart``: the runs of a race never share one)."""
         if not (self.cuda_graphs and self.drafter.graphable):
             return EagerDraft(self.drafter, *self.draft_weights, block_size)
-        if block_size not in self._graphed_drafts:
-            self._graphed_drafts[block_size] = GraphedDraft(self.drafter, *self.draft_weights, block_size,
-                                                            self.target.context_length)
-        graphed = self._graphed_drafts[block_size]
+        key = (block_size, *owner)
+        if key not in self._graphed_drafts:
+            self._graphed_drafts[key] = GraphedDraft(self.drafter, *self.draft_weights, block_size,
+                                                     self.target.context_length)
+        graphed = self._graphed_drafts[key]
         graphed.reset()
         return graphed
 
@@ -141,12 +145,20 @@ class Decoder:
             prompt_ids: list[int] | None = None,
             on_step: Callable[[Trace, Step], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Trace:
+        return self.start(prompt, settings, prompt_ids=prompt_ids, on_step=on_step, should_stop=should_stop).execute()
+
+    def start(self, prompt: str = "", settings: DecodeSettings = DecodeSettings(BASELINE.name), *,
+              prompt_ids: list[int] | None = None,
+              on_step: Callable[[Trace, Step], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> Run:
+        """The run of these settings, checked and ready, not begun: ``run`` takes it through, ``race`` gives it
+        turns among others."""
         if prompt_ids is None:
             if not prompt.strip():
                 raise EngineError("the prompt is empty: type a message for the model to answer")
             prompt_ids = self.target.chat_ids(prompt)
         settings, notes = self.prepare(settings, len(prompt_ids))
-        return self.run_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop)
+        return self.start_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop)
 
     @torch.inference_mode()
     def run_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
@@ -155,12 +167,38 @@ class Decoder:
         """``run`` on settings ``prepare`` already checked against these models for this prompt (with its notes):
         nothing is checked again. The vLLM engine's workers run what its driver prepared, the API what it prepared
         when the request came."""
+        return self.start_prepared(prompt, prompt_ids, settings, notes, on_step=on_step,
+                                   should_stop=should_stop).execute()
+
+    @torch.inference_mode()
+    def start_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                       on_step: Callable[[Trace, Step], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> Run:
+        """``start`` on settings ``prepare`` already checked (``run_prepared``)."""
         fixed = self.uses_fixed_step(settings)
         config = self.run_config(prompt, prompt_ids, settings, list(notes), step_kind(fixed, self.compile_step))
         if fixed:
             program = self.fixed_program(settings, len(prompt_ids))
-            return FixedRun(self, settings, config, on_step, should_stop, program).execute()
-        return ReadableRun(self, settings, config, on_step, should_stop).execute()
+            return FixedRun(self, settings, config, on_step, should_stop, program)
+        return ReadableRun(self, settings, config, on_step, should_stop)
+
+    def race(self, prompt: str, settings: list[DecodeSettings], *, prompt_ids: list[int] | None = None,
+             on_step: Callable[[Trace, Step], None] | None = None, should_stop: Callable[[], bool] | None = None,
+             turn_s: float = TURN_S) -> Race:
+        """The runs of ``settings`` on one prompt in turns (``engine.loop.race``), so that a load falls on all
+        alike; where they cannot take turns (``takes_turns``), whole, one after another."""
+        check_apart(settings)
+        if not self.takes_turns(settings):
+            return one_after_another([self.run(prompt, setting, prompt_ids=prompt_ids, on_step=on_step,
+                                               should_stop=should_stop) for setting in settings])
+        runs = [self.start(prompt, setting, prompt_ids=prompt_ids, on_step=on_step, should_stop=should_stop)
+                for setting in settings]
+        return take_turns(runs, turn_s)
+
+    def takes_turns(self, settings: list[DecodeSettings]) -> bool:
+        """Whether runs of these settings can take turns: not on the fixed step, whose programs share one KV cache
+        (``fixed_kv``), each run writing it from the prompt on."""
+        return not any(map(self.uses_fixed_step, settings))
 
     def run_config(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str],
                    step: str) -> RunConfig:
@@ -249,7 +287,7 @@ class ReadableRun(Run):
 
     def __init__(self, decoder: Decoder, settings: DecodeSettings, config: RunConfig, on_step, should_stop):
         super().__init__(decoder, settings, config, on_step, should_stop)
-        self.draft_pass = decoder.draft_pass(settings.block_size) if self.drafts else None
+        self.draft_pass = decoder.draft_pass(settings.block_size, settings.apart) if self.drafts else None
         self.budgeting = decoder.budgeting
 
     def steps(self) -> Iterator[Step]:

@@ -33,6 +33,7 @@ import torch
 from engine.loop.decode import Decoder, step_kind
 from engine.loop.settings import DecodeSettings
 from engine.measure.economics import Economics, Timing, economics
+from engine.measure.fairness import ArReference
 from engine.methods import BASELINE, DFLASH, TREE, budget_sweep
 
 CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
@@ -63,6 +64,7 @@ class BudgetChoice:
     tau_source: str
     measured: dict | None = None  # the bench's record for this kind of machine, when it decided
     machine: str = ""
+    ar: ArReference | None = None  # AR's speed here, as the record or the timing found it (``engine.measure.fairness``)
 
     def sentence(self) -> str:
         if self.measured is not None:
@@ -105,7 +107,9 @@ def recorded_choice(decoder: Decoder) -> BudgetChoice | None:
     if entry is None or entry.get("drafter_revision") != decoder.drafter_info.revision or "budgets" not in entry:
         return None
     speedups = {int(budget): row["speedup_vs_ar"] for budget, row in entry["budgets"].items()}
-    return BudgetChoice(pick_budget(speedups), {}, "the bench", entry, key)
+    ar = entry.get("ar_decode_tokens_per_s")
+    reference = ArReference(ar, "the bench recorded", f"on this kind of machine ({key})") if ar else None
+    return BudgetChoice(pick_budget(speedups), {}, "the bench", entry, key, reference)
 
 
 @dataclass
@@ -164,7 +168,9 @@ class StartupTiming:
                                       entry.speedup_vs_ar)
         source = "the drafter's acceptance curve" if all(b in curve for b in self.budgets) else "the timing runs"
         best = pick_budget({budget: entry.predicted_speedup or 0.0 for budget, entry in table.items()})
-        return BudgetChoice(best, table, source, machine=machine_key(self.decoder))
+        ar_step_s = self.timings[BASELINE.label()].step_s
+        reference = ArReference(1 / ar_step_s, "the start-up timing measured", "on this machine") if ar_step_s else None
+        return BudgetChoice(best, table, source, machine=machine_key(self.decoder), ar=reference)
 
     def _cache(self) -> dict:
         try:
@@ -209,9 +215,13 @@ def record_best(results_path: str, path: Path = MEASURED_BUDGETS) -> tuple[str, 
     # results from before --step ran the readable loop
     step = step_kind(config.get("step") == "fixed", bool(config.get("compile_step")))
     key = _key(gpu, config["host"]["threads"], config["engine"], config["dtype"], step, config.get("draft_dtype"))
+    ar = [run for run in results["runs"] if run["label"] == BASELINE.label()]
+    ar_decoding_s = sum(run["wall_s"] - run["prefill_s"] for run in ar)
     entry = {"budgets": {str(budget): {"tokens_per_s": round(row["tokens_per_s"], 1),
                                        "speedup_vs_ar": round(row["speedup_vs_ar"], 3), "tau": round(row["tau"], 3)}
                          for budget, row in sorted(budgets.items())},
+             # the yardstick of a disturbed page (``engine.measure.fairness``): AR's tokens a second, no prompt pass
+             "ar_decode_tokens_per_s": round(sum(run["verify_steps"] for run in ar) / ar_decoding_s, 1),
              "drafter_revision": config["drafter_revision"], "prompts": config["prompts"],
              "results": str(results_path)}
     table = measured_budgets(path) | {key: entry}

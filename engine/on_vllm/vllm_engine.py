@@ -294,6 +294,13 @@ class VllmDecoder(Decoder):
                 on_step(trace, step)
         return trace
 
+    def start(self, *args, **kwargs):
+        raise EngineError("the vLLM engine runs each generation whole in its workers: it has no run to hand out "
+                          "step by step; call run, or race (which runs the methods one after another)")
+
+    def takes_turns(self, settings: list[DecodeSettings]) -> bool:
+        return False  # the loop runs in the workers, a generation at a time
+
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings) -> KernelProfile:
         settings, notes = self.prepare(settings, len(prompt_ids))
         return KernelProfile(**self.llm.collective_rpc("studio_kernels",

@@ -4,21 +4,24 @@
         --max-new-tokens 64 --device cpu --out results.json
 
 Each method runs warm (one untimed warm-up per method first, long enough for a second step, and
-every prompt's first step once) and alone, prompt by prompt. Speedup is the method's tokens per
-second over AR's, measured in this run.
+every prompt's first step once) and alone, prompt by prompt, or with ``--interleave`` in turns
+(``engine.loop.race``), so that a load on the machine falls on every method alike. Speedup is the
+method's tokens per second over AR's, measured in this run. The results' ``disturbance`` says when
+the timings were not this machine's own (``engine.measure.fairness``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,8 +31,11 @@ from engine.errors import EngineError, run_command
 from engine.gpu.profiling import KernelProfile
 from engine.loop.decode import Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, RANDOM, load_decoder, shipped_drafter
+from engine.loop.race import TURN_S
 from engine.loop.settings import DecodeSettings
+from engine.measure.calibration import recorded_choice
 from engine.measure.economics import Timing, economics
+from engine.measure.fairness import ArReference, slow_ar, uneven_pace
 from engine.methods import BASELINE, NAMES, budget_sweep, method
 from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
@@ -215,9 +221,14 @@ def prompt_tokens(decoder, prompt: dict) -> list[int]:
 
 
 def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: DecodeSettings,
-              traces_dir: Path | None = None, progress: bool = True) -> tuple[list[dict], list[str]]:
-    """Run every job on every prompt; returns run records and human-readable notes."""
+              traces_dir: Path | None = None, progress: bool = True, interleave: bool = False,
+              reference: ArReference | None = None) -> tuple[list[dict], list[str], list[str]]:
+    """Run every job on every prompt, each whole one after another or (``interleave``) in turns; returns run
+    records, human-readable notes and what disturbed the timings (``engine.measure.fairness``: AR against
+    ``reference``, and each run's pace over its stretches)."""
     notes: list[str] = []
+    disturbed: list[str] = []
+    ar_traces: list[Trace] = []
     for job in tqdm(jobs, desc="warm-up", disable=not progress, leave=False):
         decoder.run(prompts[0]["prompt"], _settings(base, job).warm_up(), prompt_ids=prompt_tokens(decoder, prompts[0]))
     # every prompt's first step once: on a GPU each fixed program captures a graph per padded prompt
@@ -232,11 +243,15 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
     runs: list[dict] = []
     bar = tqdm(total=len(prompts) * len(jobs), desc="bench", disable=not progress)
     for prompt in prompts:
+        bar.set_postfix_str(prompt["id"])
+        # in turns (``--interleave``) or each whole, one after another (a turn that never ends)
+        race = decoder.race(prompt["prompt"], [_settings(base, job) for job in jobs],
+                            prompt_ids=prompt_tokens(decoder, prompt), turn_s=TURN_S if interleave else math.inf)
         ar_trace = None
-        for job in jobs:
-            bar.set_postfix_str(f"{prompt['id']} {job.label}")
-            trace = decoder.run(prompt["prompt"], _settings(base, job), prompt_ids=prompt_tokens(decoder, prompt))
+        for job, trace, turns in zip(jobs, race.traces, race.turns):
             record = run_record(prompt, job, trace)
+            if interleave:
+                record["turns"] = turns
             if job.label == BASELINE.label():
                 ar_trace = trace
             elif ar_trace is not None:
@@ -248,8 +263,11 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
             if traces_dir is not None:
                 trace.save(traces_dir / f"{prompt['id']}.{job.label}.json")
             bar.update()
+        disturbed += [f"{prompt['id']}: {finding}" for finding in filter(None, map(uneven_pace, race.traces))]
+        ar_traces += [ar_trace] if ar_trace is not None else []
     bar.close()
-    return runs, notes
+    slow = slow_ar(ar_traces, reference)
+    return runs, notes, ([slow] if slow else []) + disturbed
 
 
 def plan_native_jobs(spec: str) -> list[Job]:
@@ -465,6 +483,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vllm engine: vLLM compiles the target itself (its inductor graph, one for every pass "
                              "size) instead of running it eagerly; the Studio's CUDA graphs replay it as before "
                              "(default for hybrid targets; --no-vllm-compile runs them eagerly)")
+    parser.add_argument("--interleave", action="store_true",
+                        help=f"give each prompt's runs turns of {TURN_S:g} s, round after round, each on its own "
+                             "clock, instead of running each whole one after another: a load on the machine falls on "
+                             "every method alike (the results' disturbance says when AR ran far below this machine "
+                             "kind's record, or a run's pace changed)")
     parser.add_argument("--reduced-traces", action="store_true",
                         help="also time every method with traces kept to the committed tokens (label suffix :tokens)")
     parser.add_argument("--count-kernels", action="store_true",
@@ -515,6 +538,9 @@ def _main(args: argparse.Namespace) -> int:
     if args.native_max_seqs is not None and (not args.native or args.native_max_seqs < 0):
         raise EngineError(f"--native-max-seqs sets vLLM's own runs: it needs --native and a count (0: vLLM's "
                           f"default), got {args.native_max_seqs}" + ("" if args.native else " without --native"))
+    if args.interleave and args.engine == "vllm":
+        raise EngineError("--interleave gives the methods turns on one thread; the vLLM engine runs each generation "
+                          "whole in its workers: bench it without --interleave")
     if args.count_kernels and not gpu:
         raise EngineError("--count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda")
     native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench
@@ -533,12 +559,14 @@ def _main(args: argparse.Namespace) -> int:
     traces_dir = Path(args.traces) if args.traces else Path(tempfile.mkdtemp()) if args.trace_file else None
     if traces_dir is not None:
         traces_dir.mkdir(parents=True, exist_ok=True)
-    runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
+    recorded = recorded_choice(decoder)
+    runs, notes, disturbance = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress,
+                                         interleave=args.interleave, reference=recorded.ar if recorded else None)
     if args.trace_file:
         write_trace_file(args.trace_file, [Trace.load(traces_dir / f"{prompts[0]['id']}.{job.label}.json")
                                            for job in jobs])
     notes = tokenized + notes
-    measured = Measured(jobs, runs, notes, {})
+    measured = Measured(jobs, runs, notes, {}, disturbance)
     config = run_config(args, decoder, dtype, prompts, jobs, runs)
     # What follows can take minutes at real shapes (kernel counts profile every method once more; vLLM's own
     # decoding starts a second engine and compiles its graphs): whatever stops the run there (a device call's
@@ -569,6 +597,7 @@ class Measured:
     runs: list[dict]
     notes: list[str]
     kernels: dict[str, KernelProfile]
+    disturbance: list[str] = field(default_factory=list)  # what disturbed the timings (``engine.measure.fairness``)
 
 
 def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict], jobs: list[Job],
@@ -594,7 +623,7 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "vllm_mtp_tokens": args.native_mtp_tokens if any(job.native.mtp for job in plan_native_jobs(args.native))
         else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "seed": args.seed,
+        "temperature": args.temperature, "seed": args.seed, "interleave": args.interleave,
         "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
         "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(),
         "prompt_ids": {prompt["id"]: prompt_tokens(decoder, prompt) for prompt in prompts},  # for --compare-to
@@ -615,13 +644,15 @@ def report(out: str | None, config: dict, started: float, measured: Measured, pe
         config = config | {"native_pending": "native" in pending, "kernels_pending": "kernels" in pending,
                            "total_s": time.perf_counter() - started}
         Path(out).write_text(json.dumps({"config": config, "runs": measured.runs, "summary": summary, "best": best,
-                                         "notes": measured.notes}, indent=1))
+                                         "notes": measured.notes, "disturbance": measured.disturbance}, indent=1))
     if pending:
         follows = " and ".join({"kernels": "the kernel counts", "native": "vLLM's own decoding"}[p] for p in pending)
         print(f"the Studio's runs are in {out or '(no --out)'}; {follows} follow", flush=True)
         return
     for note in measured.notes:
         print(note)
+    for finding in measured.disturbance:
+        print(f"the timings were disturbed: {finding}")
     print(format_summary(summary, best))
     if measured.kernels:
         print(format_kernels(measured.kernels))

@@ -1,5 +1,5 @@
-"""The Run view: the prompt, the settings and a live column a method, each method run alone one after another,
-with the step economics under them."""
+"""The Run view: the prompt, the settings and a live column a method, the methods taking turns on the model (each on
+its own clock, so that a load falls on all alike), with the step economics under them."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ from dataclasses import replace
 import gradio as gr
 
 from engine.errors import EngineError
+from engine.loop.race import Race
 from engine.loop.settings import DecodeSettings
 from engine.methods import BASELINE, MAX_TREE_BUDGET, METHODS, NAMES, TREE
 from engine.trace import Trace
 from viz.figures import economics_figure, economics_text
 from viz.page.state import (
-    LiveRun,
+    LiveRace,
     RunControl,
     Session,
     checked,
     common_settings,
+    disturbed,
     encode_prompt,
     method_choices,
     ordered,
@@ -59,8 +61,8 @@ class RunView:
                 self.prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLE_PROMPTS[0], elem_id="prompt")
                 gr.Examples(EXAMPLE_PROMPTS, inputs=self.prompt, label="Example prompts")
             with gr.Column(scale=2):
-                self.methods = gr.CheckboxGroup(method_choices(NAMES), value=list(NAMES),
-                                                label="Methods (each runs alone, one after another)", elem_id="methods")
+                self.methods = gr.CheckboxGroup(method_choices(NAMES), value=list(NAMES), elem_id="methods",
+                                                label="Methods (they take turns, each on its own clock)")
                 with gr.Row():
                     # no precision: a rounding box would quietly run 2.5 tokens as 2; ``whole`` refuses it
                     self.max_new_tokens = gr.Number(64, label="Max new tokens", step=1, elem_id="max-new-tokens")
@@ -94,8 +96,8 @@ class RunView:
 
     def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, control: RunControl,
             present: Callable[[dict[str, Trace], str], dict]):
-        """Run the chosen methods one after another, streaming each column, then show
-        everything about the finished traces."""
+        """Run the chosen methods in turns on the model (``engine.loop.race``), streaming every column, then show
+        everything about the finished traces and whether anything disturbed their timings."""
         control.stop = False
         try:
             if not methods:
@@ -107,46 +109,49 @@ class RunView:
                                                          for name in NAMES if name in methods])
         except EngineError as exc:
             raise refusal(exc) from None
-        finished: dict[str, Trace] = {}
         yield {column: column_html(method, None, absent="waiting" if method in methods else "not selected")
                for method, column in self.columns.items()}
-        for number, setting in enumerate(settings, start=1):
-            method = setting.method
-            heading = f"**Running {METHODS[method].caption}** ({number} of {len(settings)})"
-            live = None
-            try:
-                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
-                    if live.waiting_behind:
-                        yield {self.status: f"{heading}: waiting for the model, behind {live.waiting_behind} "
-                                            "other run(s) (other visitors', the doctor's or the start-up timing "
-                                            "of the budgets)…"}
-                    else:
-                        yield self._live_update(setting, live, finished, heading)
-            except Exception as exc:
-                yield present(finished, problem(exc))
-                return
-            if live is not None and live.trace is not None:
-                finished[method] = live.trace
-            if control.stop:
-                break
-        yield present(finished, self._run_status(finished, control.stop))
+        heading = f"**Running {', '.join(METHODS[setting.method].caption for setting in settings)}**"
+        live = None
+        try:
+            for live in run_live(self.studio, prompt, prompt_ids, settings, control):
+                if live.waiting_behind:
+                    yield {self.status: f"{heading}: waiting for the model, behind {live.waiting_behind} other "
+                                        "run(s) (other visitors', the doctor's or the start-up timing of the "
+                                        "budgets)…"}
+                else:
+                    yield self._live_update(settings, live, heading)
+        except Exception as exc:
+            ended = [trace for trace in live.traces.values() if trace.summary is not None] if live else []
+            yield present(by_method(ended), problem(exc))
+            return
+        race = live.race
+        finished = by_method(race.traces if race is not None else [])
+        yield present(finished, self._run_status(finished, control.stop, race) + disturbed(self.studio, race))
 
-    def _live_update(self, setting: DecodeSettings, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
-        method = setting.method
-        if live.trace is None:
-            return {self.status: f"{heading}: {self.studio.first_use(setting) or 'prefill'}…"}
-        stats = run_stats(live.trace)
-        return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
-                self.columns[method]: column_html(method, live.trace, finished.get(BASELINE.name))}
+    def _live_update(self, settings: list[DecodeSettings], live: LiveRace, heading: str) -> dict:
+        if not live.traces:
+            first_use = next(filter(None, map(self.studio.first_use, settings)), None)
+            return {self.status: f"{heading}: {first_use or 'prefill'}…"}
+        traces = by_method(live.traces.values())
+        ar = traces.get(BASELINE.name)
+        progress = ", ".join(f"{METHODS[method].title} {run_stats(trace).tokens} tokens"
+                             for method, trace in traces.items())
+        return {self.status: f"{heading}: {progress}",
+                **{self.columns[method]: column_html(method, trace, ar) for method, trace in traces.items()}}
 
     @staticmethod
-    def _run_status(traces: dict[str, Trace], stopped: bool) -> str:
+    def _run_status(traces: dict[str, Trace], stopped: bool, race: Race | None) -> str:
         # each run keeps the notes on its settings: one temperature warning per method is one warning
         notes = list(dict.fromkeys(note for trace in traces.values() for note in trace.config.notes))
         for note in notes:
             gr.Info(note)
         done = "Stopped" if stopped else "Done"
-        return " · ".join([f"**{done}**: {', '.join(METHODS[m].caption for m in traces) or 'nothing ran'}.", *notes])
+        how = ("" if race is None or len(traces) < 2 else
+               " (in turns, each on its own clock: a load falls on all alike)" if race.in_turns else
+               " (one after another: this engine runs a generation whole)")
+        ran = ', '.join(METHODS[m].caption for m in traces) or 'nothing ran'
+        return " · ".join([f"**{done}**: {ran}{how}.", *notes])
 
     def shown(self, traces: dict[str, Trace]) -> dict:
         ar = traces.get(BASELINE.name)
@@ -154,6 +159,11 @@ class RunView:
         return {**{column: column_html(method, traces.get(method), ar, all_done=True)
                    for method, column in self.columns.items()},
                 self.economics_plot: economics_figure(runs), self.economics_text: economics_text(runs)}
+
+
+def by_method(traces) -> dict[str, Trace]:
+    """Traces keyed by their method, in the table's order."""
+    return {trace.config.method: trace for trace in sorted(traces, key=lambda trace: NAMES.index(trace.config.method))}
 
 
 def typed() -> bool:

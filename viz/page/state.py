@@ -24,8 +24,10 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.decode import Decoder
+from engine.loop.race import Race
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice, StartupTiming, cache_dir
+from engine.measure.fairness import disturbance
 from engine.methods import BASELINE, DFLASH, METHODS, NAMES, TREE
 from engine.serving.model_queue import ModelQueue
 from engine.trace import Trace, TraceError, write_trace_file
@@ -179,32 +181,35 @@ class Session:
 
 # ---------------------------------------------------------------- running the model
 
-class LiveRun:
-    """One decoder run on the model thread; the handler polls ``trace`` as it grows. ``warm_up``: a compiled
-    step's first run of its method and budget; a short untimed run builds its programs first, so the run shown
-    (and its speed) pays for no compilation."""
+class LiveRace:
+    """The runs of one click, a job on the model thread: in turns where the engine can (``engine.loop.race``), so
+    that what else the machine does lands on every run alike. The handler polls ``traces`` (by label) as they grow;
+    ``race`` is whole once the job ends. A compiled step's first run of its method and budget is warmed up first by
+    a short untimed run, so the run shown (and its speed) pays for no compilation."""
 
-    def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-                 control: RunControl, warm_up: bool = False):
-        self.trace: Trace | None = None
+    def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], settings: list[DecodeSettings],
+                 control: RunControl):
+        self.traces: dict[str, Trace] = {}
+        self.race: Race | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
         self.queue = studio.queue
-        self.job = studio.queue.submit(self._work, studio.decoder, prompt, prompt_ids, settings, control, warm_up)
+        warm_ups = [setting.warm_up() for setting in settings if studio.first_use(setting) is not None]
+        self.job = studio.queue.submit(self._work, studio.decoder, prompt, prompt_ids, settings, warm_ups, control)
 
     @property
     def waiting_behind(self) -> int:
-        """How many jobs (the running one included) this run waits behind in the model's queue; 0 once it runs."""
+        """How many jobs (the running one included) this race waits behind in the model's queue; 0 once it runs."""
         return 0 if self.job.running() or self.job.done() else self.queue.ahead_of(self.job) + 1
 
-    def _work(self, decoder: Decoder, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-              control: RunControl, warm_up: bool) -> None:
+    def _work(self, decoder: Decoder, prompt: str, prompt_ids: list[int], settings: list[DecodeSettings],
+              warm_ups: list[DecodeSettings], control: RunControl) -> None:
         try:
             if control.stop:  # stopped (or the page left) while it queued
                 return
-            if warm_up:
-                decoder.run(prompt, settings.warm_up(), prompt_ids=prompt_ids, should_stop=lambda: control.stop)
-            self.trace = decoder.run(prompt, settings, prompt_ids=prompt_ids, on_step=self._on_step,
+            if warm_ups:
+                decoder.race(prompt, warm_ups, prompt_ids=prompt_ids, should_stop=lambda: control.stop)
+            self.race = decoder.race(prompt, settings, prompt_ids=prompt_ids, on_step=self._on_step,
                                      should_stop=lambda: control.stop)
         except Exception as exc:  # handed to the UI thread, which reports it
             self.error = exc
@@ -212,27 +217,37 @@ class LiveRun:
             self.done.set()
 
     def _on_step(self, trace: Trace, step) -> None:
-        self.trace = trace
+        self.traces[trace.config.label] = trace
 
 
-def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-             control: RunControl) -> Iterator[LiveRun]:
-    """Yield the live run every ``POLL_S`` until it ends (yielding once more at the end); while it waits in
+def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: list[DecodeSettings],
+             control: RunControl) -> Iterator[LiveRace]:
+    """Yield the live race every ``POLL_S`` until it ends (yielding once more at the end); while it waits in
     the model's queue its ``waiting_behind`` says so. Nothing here holds the model: the queue runs one job
     at a time."""
-    live = LiveRun(studio, prompt, prompt_ids, settings, control, warm_up=studio.first_use(settings) is not None)
+    live = LiveRace(studio, prompt, prompt_ids, settings, control)
     try:
         while not live.done.wait(POLL_S):
             yield live
         if live.error is not None:
             raise live.error
-        studio.started.add(settings.label)
+        studio.started.update(setting.label for setting in settings)
         yield live
     finally:
         if not live.done.is_set():
-            control.stop = True  # the page went away mid-run: let the run stop at its next step
+            control.stop = True  # the page went away mid-run: let the runs stop at their next step
             if not studio.queue.cancel(live.job):
                 live.done.wait()
+
+
+def disturbed(studio: Studio, race: Race | None) -> str:
+    """What disturbed a race's timings (``engine.measure.fairness``), as the status line says it; "" if nothing."""
+    findings = disturbance(race.traces, studio.budget.ar) if race is not None else []
+    if not findings:
+        return ""
+    for finding in findings:
+        gr.Warning(f"The timings were disturbed: {finding}.")
+    return " ⚠️ **The timings were disturbed**: " + "; ".join(findings) + "."
 
 
 def encode_prompt(studio: Studio, prompt: str) -> list[int]:

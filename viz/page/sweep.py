@@ -1,5 +1,5 @@
-"""The Budget sweep: DDTree at several tree budgets on the Run tab's prompt and settings, against one AR run, the
-plot and the table growing as the runs finish."""
+"""The Budget sweep: DDTree at several tree budgets on the Run tab's prompt and settings, against one AR run, the runs
+taking turns on the model (each on its own clock, so that a load falls on all alike)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,17 @@ from engine.errors import EngineError
 from engine.methods import BASELINE, TREE
 from engine.trace import Trace
 from viz.figures import sweep_figure, trace_economics
-from viz.page.state import RunControl, Session, checked, common_settings, encode_prompt, problem, refusal, run_live
+from viz.page.state import (
+    RunControl,
+    Session,
+    checked,
+    common_settings,
+    disturbed,
+    encode_prompt,
+    problem,
+    refusal,
+    run_live,
+)
 from viz.text_view import run_stats
 
 DEFAULT_SWEEP = "4, 8, 16, 32, 64, 128"
@@ -40,7 +50,7 @@ class SweepView:
         self.table = gr.Dataframe(headers=SWEEP_HEADERS, label="Sweep results", interactive=False)
 
     def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, control: RunControl):
-        """AR once, then DDTree at each budget; the plot and table grow as runs finish."""
+        """AR and DDTree at each budget in turns; the plot and the table once they end."""
         control.stop = False
         try:
             budgets = parse_budgets(budgets_text)
@@ -53,32 +63,26 @@ class SweepView:
         said = "".join(f" · {note}" for note in notes)
         for note in notes:
             gr.Info(note)
-        baseline, runs = None, []
-        for number, setting in enumerate(settings):
-            baseline_run = setting.method == BASELINE.name
-            name = f"{BASELINE.title} baseline" if baseline_run else f"{TREE.title} budget {setting.tree_budget}"
-            bar = progress_bar(number, len(settings))
-            live = None
-            try:
-                compiling = self.studio.first_use(setting)
-                for live in run_live(self.studio, prompt, prompt_ids, setting, control):
-                    tokens = run_stats(live.trace).tokens if live.trace else 0
-                    doing = (f"waiting for the model, behind {live.waiting_behind} other run(s)" if live.waiting_behind
-                             else f"{compiling}…" if compiling and not tokens else f"{tokens} tokens")
-                    yield {self.status: f"{bar} run {number + 1} of {len(settings)}: {name}, {doing}{said}"}
-            except Exception as exc:
-                yield {self.status: problem(exc), **self._results(runs, baseline)}
-                return
-            if control.stop or live is None or live.trace is None:
-                break
-            if baseline_run:
-                baseline = live.trace
-            else:
-                runs.append(live.trace)
-                yield self._results(runs, baseline)
+        heading = f"{BASELINE.title} and {TREE.title} at {len(budgets)} budget(s) in turns, each on its own clock"
+        compiling = next(filter(None, map(self.studio.first_use, settings)), None)
+        live = None
+        try:
+            for live in run_live(self.studio, prompt, prompt_ids, settings, control):
+                tokens = sum(run_stats(trace).tokens for trace in live.traces.values())
+                bar = progress_bar(tokens, len(settings) * common.max_new_tokens)
+                doing = (f"waiting for the model, behind {live.waiting_behind} other run(s)" if live.waiting_behind
+                         else f"{compiling}…" if compiling and not tokens else f"{tokens} tokens")
+                yield {self.status: f"{bar} {heading}: {doing}{said}"}
+        except Exception as exc:
+            yield {self.status: problem(exc)}
+            return
+        race = live.race
+        traces = race.traces if race is not None else []
+        baseline = next((trace for trace in traces if trace.config.method == BASELINE.name), None)
+        runs = [trace for trace in traces if trace is not baseline]
         done = "Sweep stopped." if control.stop else "Sweep finished."
         # the last message carries everything: API clients only see the final one
-        yield {self.status: f"{progress_bar(len(runs) + 1, len(settings))} {done}{said}",
+        yield {self.status: f"{progress_bar(1, 1)} {done}{said}{disturbed(self.studio, race)}",
                **self._results(runs, baseline)}
 
     def _results(self, runs: list[Trace], baseline: Trace | None) -> dict:
