@@ -198,8 +198,8 @@ def test_a_run_streams_every_column_as_they_take_turns_and_says_when_its_timings
     monkeypatch.setattr(page.studio, "budget", replace(page.studio.budget, ar=recorded))
     disturbed = run_once(page, max_new_tokens=24, methods=["ar", "ddtree"])[-1][page.session.status]
     assert disturbed.startswith("**Done**") and " ⚠️ **The timings were disturbed**: AR decoded " in disturbed
-    assert "where the test recorded 1000000.0 here: something else is using the processor. Close it and run again." \
-        in disturbed
+    assert ("where the test recorded 1000000.0 here: something else is using the processor, which slows the methods "
+            "unlike each other. Close it and run again.") in disturbed
 
 
 def test_the_budget_box_is_never_set_at_page_load_and_the_timing_leaves_a_typed_one_alone(page):

@@ -49,8 +49,8 @@ def slow_ar(ar: list[Trace], reference: ArReference | None) -> str | None:
     if rate >= AR_FAR_BELOW * reference.tokens_per_s:
         return None
     return (f"AR decoded {rate:.1f} tokens/s (the prompt's pass left out), where {reference.measured_by} "
-            f"{reference.tokens_per_s:.1f} {reference.where}: something else is using the processor. Close it and "
-            "run again")
+            f"{reference.tokens_per_s:.1f} {reference.where}: something else is using the processor, which slows the "
+            "methods unlike each other. Close it and run again")
 
 
 def uneven_pace(trace: Trace) -> str | None:
