@@ -214,7 +214,7 @@ class Trace:
     def from_dict(data: dict) -> Trace:
         if not isinstance(data, dict):
             raise TraceError("a trace must be a JSON object")
-        check_version(data.get("schema_version"), "trace")
+        _check_version(data.get("schema_version"), "trace")
         try:
             steps = data["steps"]
             if not isinstance(steps, list):
@@ -240,7 +240,7 @@ class Trace:
         return Trace.from_json(Path(path).read_text())
 
 
-def check_version(version, what: str) -> None:
+def _check_version(version, what: str) -> None:
     if version not in READ_VERSIONS:
         raise TraceError(f"{what} schema version {version!r} is not supported (expected "
                          f"{' or '.join(map(str, READ_VERSIONS))})")
@@ -393,7 +393,7 @@ def traces_from_data(data) -> list[Trace]:
                          f"file holds {{\"schema_version\": {SCHEMA_VERSION}, \"traces\": [...]}} (the app's "
                          "download) or one trace with its \"config\" and \"steps\" (Trace.save)")
     if isinstance(data, dict) and "traces" in data:
-        check_version(data.get("schema_version"), "trace file")
+        _check_version(data.get("schema_version"), "trace file")
         data = data["traces"]
     items = data if isinstance(data, list) else [data]
     traces = [Trace.from_dict(item) for item in items]
