@@ -14,7 +14,7 @@ from gradio_client.exceptions import AppError
 
 from engine.errors import EngineError
 from engine.methods import NAMES, check_budget
-from engine.trace import Trace
+from engine.trace import SCHEMA_VERSION, Trace
 from viz.page.run import EXAMPLE_PROMPTS, RUN_OUTPUTS, named_outputs
 
 ALL_METHODS = list(NAMES)
@@ -101,7 +101,7 @@ def test_inspect_moves_through_steps(client, full_run):
 
 def read_download(path: str) -> list[Trace]:
     bundle = json.loads(Path(path).read_text())
-    assert bundle["schema_version"] == 1
+    assert bundle["schema_version"] == SCHEMA_VERSION
     return [Trace.from_dict(item) for item in bundle["traces"]]
 
 

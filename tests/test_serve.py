@@ -22,7 +22,7 @@ from engine.loop.settings import DecodeSettings
 from engine.serving.model_queue import ModelQueue
 from engine.serving.openai_api import ServeOptions, create_app
 from engine.tools import serve
-from engine.trace import Trace
+from engine.trace import SCHEMA_VERSION, Trace
 from tests.conftest import free_port
 from tests.tiny import tiny_decoder
 
@@ -102,7 +102,7 @@ def traces(url: str) -> list[dict]:
 
 def trace_of(url: str, trace_id: str) -> Trace:
     data = httpx.get(f"{url}/traces/{trace_id}").json()
-    assert data["schema_version"] == 1 and len(data["traces"]) == 1
+    assert data["schema_version"] == SCHEMA_VERSION and len(data["traces"]) == 1
     return Trace.from_dict(data["traces"][0])
 
 
@@ -399,7 +399,8 @@ def test_traces_are_listed_newest_first_kept_to_a_bound_and_written_as_the_studi
         assert httpx.get(f"{url}/traces/{ids[0]}").status_code == 404, "past the bound"
     assert sorted(path.stem for path in tmp_path.glob("*.json")) == sorted(ids), "every request's file, kept or not"
     written = json.loads((tmp_path / f"{ids[0]}.json").read_text())
-    assert written["schema_version"] == 1 and Trace.from_dict(written["traces"][0]).text == answers[0]["text"]
+    assert written["schema_version"] == SCHEMA_VERSION
+    assert Trace.from_dict(written["traces"][0]).text == answers[0]["text"]
 
 
 # ---------------------------------------------------------------- the command
