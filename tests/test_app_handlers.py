@@ -194,6 +194,10 @@ def test_a_run_streams_every_column_as_they_take_turns_and_says_when_its_timings
     assert any(all(column in update for column in columns) for update in live), "every column streams"
     quiet = updates[-1][page.session.status]
     assert quiet.startswith("**Done**") and "(in turns, each on its own clock" in quiet and "disturbed" not in quiet
+    monkeypatch.setattr(page.studio.decoder, "fixed_step", True)  # whose programs share one KV cache
+    whole = run_once(page, max_new_tokens=8, methods=NAMES)[-1][page.session.status]
+    assert "(one after another: the fixed step and the vLLM engine run each generation whole)" in whole
+    monkeypatch.setattr(page.studio.decoder, "fixed_step", False)
     recorded = ArReference(10**6, "the test recorded", "here")
     monkeypatch.setattr(page.studio, "budget", replace(page.studio.budget, ar=recorded))
     disturbed = run_once(page, max_new_tokens=24, methods=["ar", "ddtree"])[-1][page.session.status]

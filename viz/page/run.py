@@ -149,7 +149,7 @@ class RunView:
         done = "Stopped" if stopped else "Done"
         how = ("" if race is None or len(traces) < 2 else
                " (in turns, each on its own clock: a load falls on all alike)" if race.in_turns else
-               " (one after another: this engine runs a generation whole)")
+               " (one after another: the fixed step and the vLLM engine run each generation whole)")
         ran = ', '.join(METHODS[m].caption for m in traces) or 'nothing ran'
         return " · ".join([f"**{done}**: {ran}{how}.", *notes])
 
