@@ -186,3 +186,18 @@ def test_a_hybrid_target_is_refused_a_batch():
 
     with pytest.raises(EngineError, match="cannot verify a batch of trees in one pass"):
         Batch(hybrid_decoder(), Budgeting())
+
+
+def test_the_page_says_what_batch_a_step_ran_in_and_what_sharing_cost_the_request(oracle64):
+    from viz.figures import economics_text, explain_stop
+
+    decoder, asked = oracle64
+    traces = Batch(decoder, Budgeting(CHEAP_NODES)).run(list(zip(asked, MIXED)))
+    step = traces[0].steps[0]
+    said = explain_stop(step, lambda token: f"t{token}")
+    assert said.endswith(f"In a batch of **5** requests ({step.batch.nodes} draft nodes verified in all), its tree "
+                         "had **16** nodes: its own budget: 16 nodes. Beside it: `request-2`, `request-3`, "
+                         "`request-4`, `request-5`.")
+    alone = 1000 * CHEAP_NODES.seconds(1, 16, 1)
+    assert f"where its trees alone would take {alone:.0f} ms by this machine's step costs" in economics_text(traces[:1])
+    assert "shared its" not in economics_text([alone(decoder, asked[0], MIXED[0])])
