@@ -198,6 +198,6 @@ def test_the_page_says_what_batch_a_step_ran_in_and_what_sharing_cost_the_reques
     assert said.endswith(f"In a batch of **5** requests ({step.batch.nodes} draft nodes verified in all), its tree "
                          "had **16** nodes: its own budget: 16 nodes. Beside it: `request-2`, `request-3`, "
                          "`request-4`, `request-5`.")
-    alone = 1000 * CHEAP_NODES.seconds(1, 16, 1)
-    assert f"where its trees alone would take {alone:.0f} ms by this machine's step costs" in economics_text(traces[:1])
+    alone_ms = 1000 * CHEAP_NODES.seconds(1, 16, 1)
+    assert f"where its trees alone would take {alone_ms:.0f} ms by this machine's step costs" in economics_text(traces[:1])
     assert "shared its" not in economics_text([alone(decoder, asked[0], MIXED[0])])
