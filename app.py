@@ -16,7 +16,7 @@ each session keeps its own traces in ``gr.State``. ``--port`` defaults to Gradio
 ``GRADIO_SERVER_PORT`` (then 7860), ``--host`` to ``GRADIO_SERVER_NAME`` (then 127.0.0.1).
 
 Trace files (the download, and what the upload accepts) are JSON:
-``{"schema_version": 1, "traces": [<Trace>, ...]}`` with one trace per method, each
+``{"schema_version": 2, "traces": [<Trace>, ...]}`` with one trace per method, each
 as ``engine.trace.Trace.to_dict()`` writes it. The upload also takes a single trace
 object (``Trace.save``) or a plain list of traces.
 

@@ -12,7 +12,8 @@ request 1 has committed 2 tokens and verifies its root alone (AR, 1 token)::
     query_start_loc = [0, 3, 4]                     T = 4 tokens, B = 2 requests
     input_ids       = [r0, a, b, r1]
     position_ids    = [5, 6, 6, 2]                  past + depth: siblings share a position
-    kv_rows         = [0, 0, 0, 1]                  the request's row of the cache
+    rows            = [0, 1]                        each request's row of the batched cache
+    kv_rows         = [0, 0, 0, 1]                  the token's row of the cache
     kv_columns      = [5, 6, 7, 2]                  past + the node's index: the tree lands after the past
     padded          = [[0, 1, 2], [3, 3, 3]]        each request's tokens, its last repeated to the widest
     unpadded        = [0, 1, 2, 3]                  where token t sits in ``padded`` flattened
@@ -37,6 +38,7 @@ from ddtree.verify import compile_tree
 class BatchLayout:
     """B trees as one verify pass: T tokens packed, attention per request over its own cache row."""
 
+    rows: torch.Tensor  # [B] long: each request's row of the batched cache
     query_start_loc: torch.Tensor  # [B+1] long: request r's tokens are T-indices qsl[r]..qsl[r+1]-1
     input_ids: torch.Tensor  # [T] long: each request's root, then its draft nodes
     position_ids: torch.Tensor  # [T] long: past + depth
@@ -71,9 +73,11 @@ class BatchLayout:
         return BatchLayout(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
 
 
-def pack_trees(trees: list[DraftTree], roots: list[int], pasts: list[int]) -> BatchLayout:
+def pack_trees(trees: list[DraftTree], roots: list[int], pasts: list[int], rows: list[int] | None = None
+               ) -> BatchLayout:
     """The layout of one verify pass over ``trees``, request r's tree below ``roots[r]`` after its
-    ``pasts[r]`` committed rows (so its root sits at position ``pasts[r]``)."""
+    ``pasts[r]`` committed rows (so its root sits at position ``pasts[r]``), in row ``rows[r]`` of the
+    batched cache (default: row r)."""
     compiled = [compile_tree(tree, root, past) for tree, root, past in zip(trees, roots, pasts)]
     sizes = torch.tensor([inputs.input_ids.shape[1] for inputs in compiled])
     query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
@@ -92,11 +96,13 @@ def pack_trees(trees: list[DraftTree], roots: list[int], pasts: list[int]) -> Ba
         size, start = int(sizes[r]), pasts[r]
         visible[r, :, start:start + size] = inputs.visible[last[r]]
 
+    rows_t = torch.arange(requests) if rows is None else torch.tensor(rows, dtype=torch.long)
     return BatchLayout(
+        rows=rows_t,
         query_start_loc=query_start_loc,
         input_ids=torch.cat([inputs.input_ids[0] for inputs in compiled]),
         position_ids=torch.cat([inputs.position_ids[0] for inputs in compiled]),
-        kv_rows=torch.repeat_interleave(torch.arange(requests), sizes),
+        kv_rows=torch.repeat_interleave(rows_t, sizes),
         kv_columns=torch.cat([start + torch.arange(int(size)) for start, size in zip(pasts, sizes)]),
         padded=padded,
         unpadded=unpadded,

@@ -1,17 +1,19 @@
 """DDTree's stages as fixed-shape tensor programs: no host reads, no data-dependent shapes.
 
-The same tree, mask and walk as ``build_tree``, ``ancestor_mask`` and ``follow_tree``, written
-so that a whole decoding step can be captured once and replayed as a CUDA graph: every loop
+Each function here is the fixed-shape form of the readable stage of the same name
+(``ddtree.tree.build_tree`` and ``chain_tree``, ``ddtree.verify.ancestor_mask`` and ``follow_tree``),
+written so that a whole decoding step can be captured once and replayed as a CUDA graph: every loop
 runs a fixed number of times (the block depth, or its logarithm) and every tensor has a
-shape fixed by the budget. The readable versions stay the reference; tests hold these to them.
+shape fixed by the budget. The readable forms stay the reference; tests hold these to them.
 
-- ``beam_tree``: per depth, expand the best ``budget`` partial paths by their best
-  ``budget`` tokens and keep the best ``budget``; then the global best ``budget`` nodes.
+- ``build_tree``: per depth, expand the best ``budget`` partial paths by their best
+  ``budget`` tokens and keep the best ``budget`` (a beam); then the global best ``budget`` nodes.
   A node of the best-first tree has fewer than ``budget`` better nodes in all, so fewer
   at its own depth: the beam holds it, and the global cut finds exactly the heap's nodes
   (ties aside). Nodes come parents first: by depth, then by path probability.
-- ``ancestor_closure``: the ancestors-and-self mask by repeated squaring of the parent relation.
-- ``accepted_path``: the walk, from the ancestor closure: a node is on the path when it and
+- ``chain_tree``: DFlash's chain, the most probable token at every depth.
+- ``ancestor_mask``: the ancestors-and-self mask by repeated squaring of the parent relation.
+- ``follow_tree``: the walk, from the ancestor mask: a node is on the path when it and
   all its ancestors hold the target's choice after their parents; the deepest is the leaf.
 - ``compaction_rows``: the KV rows that move so the accepted path follows the past, as a
   fixed number of (source, target) pairs.
@@ -50,9 +52,10 @@ class FixedTree:
         return FixedTree(long, long, long, real, real, long, torch.empty(0, dtype=torch.bool, device=device))
 
 
-def beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
-    """The ``budget`` most probable nodes below the root, from per-depth ``log_probs [..., D, V]``
-    (any leading batch dimensions: one tree per row)."""
+def build_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
+    """``ddtree.tree.build_tree``'s fixed-shape form, by a beam per depth and a global cut: the ``budget`` most
+    probable nodes below the root, from per-depth ``log_probs [..., D, V]`` (any leading batch dimensions: one
+    tree per row)."""
     *batch, depth_limit, vocab = log_probs.shape
     device = log_probs.device
     width = min(budget, vocab)
@@ -86,8 +89,9 @@ def beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:
                      ranks=ranks, valid=path_lp > NEG_INF)
 
 
-def chain(log_probs: torch.Tensor) -> FixedTree:
-    """DFlash's draft, as ``chain_tree``: the most probable token at every depth, one branch."""
+def chain_tree(log_probs: torch.Tensor) -> FixedTree:
+    """``ddtree.tree.chain_tree``'s fixed-shape form: DFlash's draft, the most probable token at every depth,
+    one branch."""
     top_lp, tokens = log_probs.float().max(dim=-1)  # [..., D]
     nodes = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
     return FixedTree(tokens=tokens, parents=nodes, depths=nodes + 1, log_probs=top_lp,
@@ -102,8 +106,9 @@ def _pad(values: torch.Tensor, size: int, fill=NEG_INF) -> torch.Tensor:
     return torch.cat([values, values.new_full((*values.shape[:-1], size - values.shape[-1]), fill)], dim=-1)
 
 
-def ancestor_closure(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """``[..., n+1, n+1]`` bool, as ``ancestor_mask``: row i sees column j iff j is i or an ancestor."""
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``ddtree.verify.ancestor_mask``'s fixed-shape form, by repeated squaring of the parent relation:
+    ``[..., n+1, n+1]`` bool, row i sees column j iff j is i or an ancestor."""
     *batch, n = parents.shape
     device = parents.device
     step = torch.zeros(*batch, n + 1, n + 1, device=device)
@@ -116,11 +121,11 @@ def ancestor_closure(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return reach > 0
 
 
-def accepted_path(tree: FixedTree, target_tokens: torch.Tensor, visible: torch.Tensor, max_depth: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The walk of ``follow_tree`` without a host read, in a few whole-tree operations.
-    ``target_tokens [..., n+1]``: the target's choice after each node, root first; ``visible``: the
-    tree's ``ancestor_closure``. A node is accepted when it and every ancestor hold the target's
+def follow_tree(tree: FixedTree, target_tokens: torch.Tensor, visible: torch.Tensor, max_depth: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ddtree.verify.follow_tree``'s fixed-shape form: the walk without a host read, in a few whole-tree
+    operations. ``target_tokens [..., n+1]``: the target's choice after each node, root first; ``visible``:
+    the tree's ``ancestor_mask``. A node is accepted when it and every ancestor hold the target's
     choice after their parents (siblings hold distinct tokens, so these nodes form one chain);
     the deepest is the leaf, and its row of ``visible`` is the path. Returns ``(path
     [..., max_depth+1], length, bonus)``: the accepted node indices root first (padded with the

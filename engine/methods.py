@@ -14,13 +14,14 @@ and draws in a lighter shade of its method's colour.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 import ddtree
-from ddtree.fixed import FixedTree, beam_tree, chain
+import ddtree.fixed
+from ddtree.fixed import FixedTree
 from engine.errors import EngineError
 
 AUTO = "auto"  # a tree budget chosen every step for the batch, not by the user
@@ -46,7 +47,7 @@ def chain_nodes(log_probs: torch.Tensor, nodes: int) -> ddtree.DraftTree:
 
 
 def fixed_chain(log_probs: torch.Tensor, nodes: int) -> FixedTree:
-    return chain(log_probs)
+    return ddtree.fixed.chain_tree(log_probs)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ AR = Method("ar", "AR", "AR (target only)", "#7f7f7f", "#94a3b8", drafts=False, 
 DFLASH = Method("dflash", "DFlash", "DFlash (chain)", "#ff7f0e", "#38bdf8", drafts=True, budgeted=False,
                 readable=chain_nodes, fixed=fixed_chain)
 DDTREE = Method("ddtree", "DDTree", "DDTree (tree)", "#1f6fd1", "#f59e0b", drafts=True, budgeted=True,
-                readable=ddtree.build_tree, fixed=beam_tree)
+                readable=ddtree.build_tree, fixed=ddtree.fixed.build_tree)
 
 METHODS: dict[str, Method] = {method.name: method for method in (AR, DFLASH, DDTREE)}
 NAMES = tuple(METHODS)
@@ -156,6 +157,13 @@ class Label:
     @property
     def is_baseline(self) -> bool:
         return self.method is BASELINE and not self.suffix
+
+
+def budget_sweep(labels: Iterable[str]) -> dict[int, str]:
+    """The budget sweep among run labels: ``TREE``'s runs at a chosen budget with full traces (no suffix), label
+    by budget (``{8: "ddtree@8", 32: "ddtree@32"}``), what the bench's best budget and the opening budget read."""
+    return {run.budget: run.text for run in map(Label.parse, labels)
+            if run.method is TREE and isinstance(run.budget, int) and not run.suffix}
 
 
 def check_budget(budget, where: str = "tree budget") -> Budget:

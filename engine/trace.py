@@ -12,12 +12,15 @@ import functools
 import json
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from engine.methods import AUTO, METHODS, NAMES, Method, method
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# version 1 lacks ``Step.batch`` and ``Trace.token_texts``, which default to empty: its files read as they are
+READ_VERSIONS = (1, 2)
 # bench labels of vLLM's own decoding (--native)
 NATIVE_AR, NATIVE_DFLASH, NATIVE_MTP = "vllm-ar", "vllm-dflash", "vllm-mtp"
 NATIVE_AR_GRAPHLESS = "vllm-ar-graphless"  # vLLM's AR compiled, without its CUDA graphs (--native ar-graphless)
@@ -94,6 +97,7 @@ class StepBatch:
     budget: int  # this request's nodes
     reason: str  # why its tree has that size
     neighbours: list[str]  # the other requests in the step, by name
+    alone_s: float = 0.0  # what the step would have taken with its tree alone, by the machine's step costs
 
 
 @dataclass
@@ -165,6 +169,8 @@ class Trace:
     steps: list[Step] = field(default_factory=list)
     summary: Summary | None = None
     schema_version: int = SCHEMA_VERSION
+    # every token id the trace shows, with the tokenizer's text of it alone: a page without the model shows words
+    token_texts: dict[int, str] = field(default_factory=dict)
 
     @property
     def output_ids(self) -> list[int]:
@@ -193,6 +199,20 @@ class Trace:
     def text(self) -> str:
         return "".join(self.text_pieces)
 
+    @property
+    def shown_ids(self) -> set[int]:
+        """Every token id a view of the trace can show: the committed tokens, each step's root, tree, target
+        choices, bonus and the drafter's top-k."""
+        ids = set(self.output_ids)
+        for step in self.steps:
+            ids.update(step.tree_tokens, step.target_tokens, (step.root_token, step.bonus_token))
+            ids.update(token for depth in step.draft_top_tokens for token in depth)
+        return ids
+
+    def carry_token_texts(self, token_text: Callable[[int], str]) -> None:
+        """Keep the text of every shown id (``token_texts``), so that the trace reads without its tokenizer."""
+        self.token_texts = {token: token_text(token) for token in sorted(self.shown_ids)}
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -206,9 +226,7 @@ class Trace:
     def from_dict(data: dict) -> Trace:
         if not isinstance(data, dict):
             raise TraceError("a trace must be a JSON object")
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise TraceError(f"trace schema version {version!r} is not supported (expected {SCHEMA_VERSION})")
+        _check_version(data.get("schema_version"), "trace")
         try:
             steps = data["steps"]
             if not isinstance(steps, list):
@@ -218,6 +236,7 @@ class Trace:
                 prefill=_build(Prefill, data["prefill"], "prefill"),
                 steps=[_build(Step, s, f"steps[{i}]") for i, s in enumerate(steps)],
                 summary=_build(Summary, data["summary"], "summary") if data.get("summary") is not None else None,
+                token_texts=_token_texts(data.get("token_texts", {})),
             )
         except KeyError as exc:
             raise TraceError(f"trace is missing or has malformed field: {exc.args[0]} is missing") from exc
@@ -231,6 +250,24 @@ class Trace:
     @staticmethod
     def load(path: str | Path) -> Trace:
         return Trace.from_json(Path(path).read_text())
+
+
+def _check_version(version, what: str) -> None:
+    if version not in READ_VERSIONS:
+        raise TraceError(f"{what} schema version {version!r} is not supported (expected "
+                         f"{' or '.join(map(str, READ_VERSIONS))})")
+
+
+def _token_texts(data) -> dict[int, str]:
+    """``token_texts`` as JSON writes it (its keys strings) or as ``to_dict`` makes it (its keys ints)."""
+    if not isinstance(data, dict) or not all(_is_token_id(key) and isinstance(text, str) for key, text in data.items()):
+        raise TypeError(f"token_texts must be an object of strings keyed by token ids, got {_shown(data)}")
+    return {int(key): text for key, text in data.items()}
+
+
+def _is_token_id(key) -> bool:
+    return (isinstance(key, int) and not isinstance(key, bool) and key >= 0) or (isinstance(key, str)
+                                                                                and key.isascii() and key.isdigit())
 
 
 @dataclass(frozen=True)
@@ -339,7 +376,7 @@ def _parse_json(text: str):
 # ---------------------------------------------------------------- trace files
 
 def trace_file_data(traces: list[Trace]) -> dict:
-    """A trace file's JSON: ``{"schema_version": 1, "traces": [<Trace>, ...]}``, one trace per run."""
+    """A trace file's JSON: ``{"schema_version": 2, "traces": [<Trace>, ...]}``, one trace per run."""
     return {"schema_version": SCHEMA_VERSION, "traces": [t.to_dict() for t in traces]}
 
 
@@ -368,9 +405,7 @@ def traces_from_data(data) -> list[Trace]:
                          f"file holds {{\"schema_version\": {SCHEMA_VERSION}, \"traces\": [...]}} (the app's "
                          "download) or one trace with its \"config\" and \"steps\" (Trace.save)")
     if isinstance(data, dict) and "traces" in data:
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise TraceError(f"trace file schema version {data.get('schema_version')!r} is not supported "
-                             f"(expected {SCHEMA_VERSION})")
+        _check_version(data.get("schema_version"), "trace file")
         data = data["traces"]
     items = data if isinstance(data, list) else [data]
     traces = [Trace.from_dict(item) for item in items]

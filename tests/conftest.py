@@ -65,6 +65,18 @@ def launched_app(args: list[str], log_path: Path) -> Iterator[str]:
             process.kill()
 
 
+@contextmanager
+def busy_core() -> Iterator[None]:
+    """A process that keeps one core busy, as a machine doing something else does, until the block ends."""
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # running before what it is to disturb begins
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture(scope="session")
 def app_url(tmp_path_factory) -> Iterator[str]:
     with launched_app([], tmp_path_factory.mktemp("app") / "app.log") as url:

@@ -14,7 +14,7 @@ from gradio_client.exceptions import AppError
 
 from engine.errors import EngineError
 from engine.methods import NAMES, check_budget
-from engine.trace import Trace
+from engine.trace import SCHEMA_VERSION, Trace
 from viz.page.run import EXAMPLE_PROMPTS, RUN_OUTPUTS, named_outputs
 from viz.page.state import LANE_KEYS
 
@@ -102,7 +102,7 @@ def test_inspect_moves_through_steps(client, full_run):
 
 def read_download(path: str) -> list[Trace]:
     bundle = json.loads(Path(path).read_text())
-    assert bundle["schema_version"] == 1
+    assert bundle["schema_version"] == SCHEMA_VERSION
     return [Trace.from_dict(item) for item in bundle["traces"]]
 
 
@@ -208,9 +208,9 @@ def test_stop_ends_a_run_early_and_keeps_what_it_made(app_url):
     assert client.predict(api_name="/stop").startswith("Stopping")
     result = named_outputs(job.result(timeout=120))
     assert result["status"].startswith("**Stopped**")
-    assert 0 < result["summary"]["ar"]["tokens"] < 300
-    assert result["summary"]["ar"]["stop_reason"] == "cancelled"
-    assert "ddtree" not in result["summary"]
+    for method in ("ar", "ddtree"):  # they take turns: both had started, both stop at their next step
+        assert 0 < result["summary"][method]["tokens"] < 300
+        assert result["summary"][method]["stop_reason"] == "cancelled"
     # a stopped run says so, and is no reference: it was never compared
     assert "(stopped)" in result["ar"] and "(done)" not in result["ar"] and "reference output" not in result["ar"]
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.loop.loading import SHIPPED_DRAFTER
-from tests.conftest import launched_app
+from engine.serving.traffic import request_traces
+from tests.conftest import busy_core, launched_app
 from tests.test_serve import client, serving
 from tests.tiny import tiny_decoder
 from viz.page.state import LANE_KEYS
@@ -207,6 +208,17 @@ def test_a_servers_traffic_opens_in_the_inspector(browser, tmp_path):
             page.locator("#tree-plot .js-plotly-plot").wait_for()
             assert page.locator("#tree-plot .js-plotly-plot .point").count() >= 3  # root, drafts, bonus
             assert "Step 1" in tree_title(page)
+            # words in every tree node and top-k cell, for tokens the answer never wrote too: the served trace
+            # carries their texts, and this page has no tokenizer
+            (trace,) = request_traces(api_url.removesuffix("/v1"), trace_id)
+            first = trace.steps[0]
+            assert {token for depth in first.draft_top_tokens for token in depth} - set(trace.output_ids)
+            page.locator("#probs-plot .js-plotly-plot").wait_for()
+            nodes = page.locator("#tree-plot .textpoint").all_text_contents()
+            cells = page.locator("#probs-plot .textpoint").all_text_contents()
+            assert len(nodes) == first.tree_size + 2  # root, every drafted node, the bonus
+            assert len(cells) == len(first.draft_top_tokens) * len(first.draft_top_tokens[0])
+            assert all(text and not re.search(r"#\d+", text) for text in nodes + cells), nodes + cells
 
 
 # the elements under a selector that scroll sideways: their content is wider than they show
@@ -217,6 +229,31 @@ OVERFLOWING = """selector => [...document.querySelectorAll(`${selector}, ${selec
 ERROR_PILLS = """[...document.querySelectorAll('body *')].filter(e => e.children.length === 0
     && e.textContent.trim() === 'Error' && e.checkVisibility({opacityProperty: true, visibilityProperty: true})
     && !e.closest('[data-testid="toast-body"], .toast-body')).length"""
+
+
+def race_on_page(page) -> tuple[float, str]:
+    """AR, DFlash and DDTree on the page: DDTree's speed-up over AR as its column says it, and the status line."""
+    start_run(page, "Write a Python function that reverses a string.", max_new_tokens=48, budget=16)
+    page.wait_for_function("document.querySelector('#status')?.innerText.startsWith('Running')")  # not the last one's
+    wait_until_done(page)
+    stats = page.locator("#column-ddtree .ddt-stats").inner_text()
+    return float(re.search(r"([\d.]+)× vs AR", stats).group(1)), page.locator("#status").inner_text()
+
+
+@pytest.mark.slow
+def test_a_race_under_load_keeps_its_speed_up_or_says_it_was_disturbed(browser, app_url):
+    """A process keeps a core busy while the methods run: they take turns, so a load falls on all alike, and
+    DDTree's speed-up over AR stays within 15% of the quiet run's, or the page says the timings were disturbed,
+    with the figures and what to do."""
+    page = open_page(browser, app_url)
+    quiet, said = race_on_page(page)
+    assert "(in turns, each on its own clock" in said
+    with busy_core():
+        loaded, said = race_on_page(page)
+    if abs(loaded / quiet - 1) > 0.15:
+        assert "The timings were disturbed" in said, (quiet, loaded, said)
+        assert re.search(r"AR decoded [\d.]+ tokens/s \(the prompt's pass left out\), where .* [\d.]+ on this .*"
+                         r"Close it and run again", said) or "at its slowest" in said, (quiet, loaded, said)
 
 
 def test_a_refusal_says_its_sentence_once_and_leaves_the_outputs_unmarked(browser, app_url):

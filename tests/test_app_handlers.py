@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import gradio as gr
@@ -15,6 +16,7 @@ import viz.page.traces
 from engine.errors import EngineError
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice
+from engine.measure.fairness import ArReference
 from engine.methods import NAMES, check_budget
 from engine.models.drafter import save_drafter
 from tests.tiny import tiny_decoder, tiny_drafter
@@ -209,6 +211,25 @@ def test_each_note_on_the_settings_is_said_once_however_many_methods_ran(page, m
     monkeypatch.setattr(page.studio.decoder, "fixed_step", True)  # where sampling takes the readable step instead
     status = run_once(page, temperature=0.5, max_new_tokens=2, methods=NAMES)[-1][page.session.status]
     assert status.startswith("**Done**") and status.count("sampling runs the readable step") == 1
+
+
+def test_a_run_streams_every_column_as_they_take_turns_and_says_when_its_timings_were_disturbed(page, monkeypatch):
+    updates = run_once(page, max_new_tokens=24, methods=NAMES)
+    live = [update for update in updates if page.session.status in update and "Running" in update[page.session.status]]
+    columns = [page.run_view.columns[name] for name in NAMES]  # the first drafter's: no second one is picked
+    assert any(all(column in update for column in columns) for update in live), "every column streams"
+    quiet = updates[-1][page.session.status]
+    assert quiet.startswith("**Done**") and "(in turns, each on its own clock" in quiet and "disturbed" not in quiet
+    monkeypatch.setattr(page.studio.decoder, "fixed_step", True)  # whose programs share one KV cache
+    whole = run_once(page, max_new_tokens=8, methods=NAMES)[-1][page.session.status]
+    assert "(one after another: the fixed step and the vLLM engine run each generation whole)" in whole
+    monkeypatch.setattr(page.studio.decoder, "fixed_step", False)
+    recorded = ArReference(10**6, "the test recorded", "here")
+    monkeypatch.setattr(page.studio, "budget", replace(page.studio.budget, ar=recorded))
+    disturbed = run_once(page, max_new_tokens=24, methods=["ar", "ddtree"])[-1][page.session.status]
+    assert disturbed.startswith("**Done**") and " ⚠️ **The timings were disturbed**: AR decoded " in disturbed
+    assert ("where the test recorded 1000000.0 here: something else is using the processor, which slows the methods "
+            "unlike each other. Close it and run again.") in disturbed
 
 
 def test_the_budget_box_opens_at_auto_and_only_traces_shown_set_it(page):

@@ -14,9 +14,10 @@ import engine.measure.calibration as calibration
 import engine.serving.startup as startup
 from engine.loop.decode import DrafterInfo
 from engine.loop.settings import DecodeSettings
+from engine.methods import TREE
 from engine.serving.model_queue import ModelQueue
 from tests.tiny import tiny_decoder
-from viz.page.state import RunControl, Studio, run_live
+from viz.page.state import Lane, PlannedRun, RunControl, Studio, run_live
 
 
 @pytest.fixture()
@@ -132,19 +133,20 @@ def test_a_compiled_steps_first_run_says_it_is_compiling():
 
 def test_a_compiled_steps_first_run_warms_up_untimed_and_shows_only_the_run_after_it(decoder, monkeypatch):
     monkeypatch.setattr(decoder, "compile_step", True)
-    runs, run = [], decoder.run
-    monkeypatch.setattr(decoder, "run", lambda prompt, settings, **kwargs: runs.append(settings) or run(
+    runs, start = [], decoder.start
+    monkeypatch.setattr(decoder, "start", lambda prompt, settings, **kwargs: runs.append(settings) or start(
         prompt, settings, **kwargs))
     studio = Studio(decoder, budget=None)
     setting = DecodeSettings("ddtree", max_new_tokens=60, tree_budget=8)
     prompt_ids = decoder.target.chat_ids("hello")
 
     def last_live():
-        return [live for live in run_live(studio, "hello", prompt_ids, setting, RunControl())][-1]
+        return [live for live in run_live(studio, "hello", prompt_ids, [PlannedRun(Lane(TREE), decoder, setting)],
+                                          RunControl())][-1]
 
     shown = last_live()
     assert [r.max_new_tokens for r in runs] == [40, 60], "a short warm-up, then the run itself"
-    assert shown.trace.config.max_new_tokens == 60 and studio.first_use(setting) is None
+    assert shown.race.traces[0].config.max_new_tokens == 60 and studio.first_use(setting) is None
     runs.clear()
     last_live()
     assert [r.max_new_tokens for r in runs] == [60], "once built, a budget runs without a warm-up"

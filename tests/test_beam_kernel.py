@@ -1,4 +1,4 @@
-"""The one-program tree build (engine.gpu.beam_kernel) against ``beam_tree`` and the heap.
+"""The one-program tree build (engine.gpu.beam_kernel) against ``ddtree.fixed.build_tree`` and the heap.
 
 It runs where Triton runs: natively on a GPU (``engine/tools/gpu_session.sh check``), or on the
 CPU under Triton's interpreter, which tests/conftest.py turns on there. Without Triton it is skipped.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.fixed import beam_tree
+from ddtree.fixed import build_tree
 from engine.gpu.beam_kernel import fused_beam_tree, fused_fits
 from tests.test_fixed import random_log_probs, token_paths
 
@@ -27,7 +27,7 @@ FIELDS = ("tokens", "parents", "depths", "ranks", "valid", "log_probs", "path_lo
 ])
 def test_the_fused_build_is_the_beam_and_finds_the_heaps_tree(depth, vocab, budget, seed):
     log_probs = random_log_probs(depth, vocab, seed).to(DEVICE)
-    fused, readable = fused_beam_tree(log_probs, budget), beam_tree(log_probs, budget)
+    fused, readable = fused_beam_tree(log_probs, budget), build_tree(log_probs, budget)
     for name in FIELDS:
         assert torch.equal(getattr(fused, name), getattr(readable, name)), name
     if vocab ** depth >= budget:  # the block holds the budget: no padding nodes, the heap's exact tree
@@ -40,7 +40,7 @@ def test_a_batch_of_trees_is_each_tree_on_its_own():
     rows = torch.stack([random_log_probs(8, 300, seed) for seed in range(3)]).to(DEVICE)
     batched = fused_beam_tree(rows, 24)
     for row in range(3):
-        single = beam_tree(rows[row], 24)
+        single = build_tree(rows[row], 24)
         assert all(torch.equal(getattr(batched, name)[row], getattr(single, name)) for name in FIELDS)
 
 

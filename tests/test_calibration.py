@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from engine.loop.decode import Decoder, DrafterInfo
-from engine.measure.calibration import BudgetChoice, StartupTiming, choose_budget, pick_budget
+from engine.measure.calibration import (
+    FALLBACK_BUDGET,
+    PROVISIONAL_BUDGET,
+    BudgetChoice,
+    StartupTiming,
+    pick_budget,
+)
 from engine.measure.economics import Economics
+from engine.measure.fairness import ArReference
+from engine.serving.startup import opening_budget
 from engine.training.export import acceptance_record
 from tests.tiny import tiny_decoder
 
@@ -17,11 +25,31 @@ def decoder() -> Decoder:
     return tiny_decoder(0)
 
 
-def test_the_chosen_budget_has_the_best_predicted_speedup_and_its_tau_is_the_drafters(decoder, monkeypatch):
-    curve = {"4": 1.5, "8": 2.5, "16": 2.9}
+@pytest.fixture
+def start(decoder, tmp_path, monkeypatch):
+    """A start on this machine: ``opening_budget``, then its timing (where it has one) run to the end, as the page
+    runs it in the background. The cache is a fresh folder; the calibration prompt is one the tiny target reads."""
+    monkeypatch.setenv("DDTREE_STUDIO_CACHE", str(tmp_path / "cache"))
+    ids = decoder.target.chat_ids("howdoesitwork")
+    monkeypatch.setattr(decoder.target, "chat_ids", lambda prompt: ids)
+
+    def opened_and_timed() -> BudgetChoice:
+        choice, timing = opening_budget(decoder)
+        if timing is None:
+            return choice
+        assert choice.budget == PROVISIONAL_BUDGET and timing.missing() == timing.labels
+        for label in timing.missing():
+            timing.time(label)
+        return timing.choice()
+
+    return opened_and_timed
+
+
+def test_the_chosen_budget_has_the_best_predicted_speedup_and_its_tau_is_the_drafters(decoder, start, monkeypatch):
+    curve = {"4": 1.5, "8": 2.5, "16": 2.9, "32": 3.0, "64": 3.1}
     monkeypatch.setattr(decoder.drafter.config, "acceptance", {"ddtree": curve})
-    choice = choose_budget(decoder, budgets=(4, 8, 16), prompt="howdoesitwork", tokens=8)
-    assert set(choice.table) == {4, 8, 16} and choice.tau_source == "the drafter's acceptance curve"
+    choice = start()
+    assert set(choice.table) == {4, 8, 16, 32, 64} and choice.tau_source == "the drafter's acceptance curve"
     for budget, entry in choice.table.items():
         assert entry.tau == curve[str(budget)]
         assert entry.step_cost_vs_ar > 0 and entry.predicted_speedup == pytest.approx(entry.tau / entry.step_cost_vs_ar)
@@ -30,14 +58,18 @@ def test_the_chosen_budget_has_the_best_predicted_speedup_and_its_tau_is_the_dra
     assert "timed on this machine" in choice.sentence()
 
 
-def test_without_a_curve_the_calibration_runs_give_tau(decoder, monkeypatch):
+def test_without_a_curve_the_calibration_runs_give_tau_and_a_restart_opens_at_their_choice(decoder, start,
+                                                                                              monkeypatch):
     monkeypatch.setattr(decoder.drafter.config, "acceptance", {})
-    choice = choose_budget(decoder, budgets=(2, 8), prompt="howdoesitwork", tokens=8)
+    choice = start()
     assert choice.tau_source == "the timing runs" and all(e.tau >= 1 for e in choice.table.values())
+    assert opening_budget(decoder) == (choice, None)  # every timing kept: nothing left to time
 
 
-def test_a_set_budget_says_where_it_came_from():
+def test_a_set_budget_says_where_it_came_from(decoder):
+    assert opening_budget(decoder, 12) == (BudgetChoice(12, {}, "set with --tree-budget"), None)
     assert BudgetChoice(12, {}, "set with --tree-budget").sentence() == "DDTree budget 12 (set with --tree-budget)."
+    assert opening_budget(Decoder(decoder.target)) == (BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time"), None)
     entry = Economics(tau=3.0, step_ms=10.0, step_cost_vs_ar=1.5, predicted_speedup=2.0, speedup_vs_ar=1.9)
     assert "τ 3.00 ÷ step cost 1.50 AR steps = 2.00×" in BudgetChoice(8, {8: entry}, "x").sentence()
 
@@ -61,7 +93,8 @@ def bench_results(path, budgets: dict[int, float], **config) -> str:
               "drafter_revision": "abc123", "host": {"threads": torch.get_num_threads()}} | config
     summary = {f"ddtree@{b}": {"tokens_per_s": 20.0 * s, "speedup_vs_ar": s, "tau": 2.0 + b / 100}
                for b, s in budgets.items()}
-    path.write_text(json.dumps({"config": config, "summary": {"ar": {"speedup_vs_ar": 1.0}} | summary}))
+    runs = [{"label": "ar", "wall_s": 2.1, "prefill_s": 0.1, "verify_steps": 40}]  # AR decodes 20 tokens/s
+    path.write_text(json.dumps({"config": config, "runs": runs, "summary": {"ar": {"speedup_vs_ar": 1.0}} | summary}))
     return str(path)
 
 
@@ -90,15 +123,18 @@ def test_a_recorded_bench_decides_without_timing_anything_and_says_where_it_was_
         raise AssertionError("a recorded bench decides: nothing is timed at start-up")
 
     monkeypatch.setattr(decoder, "run", no_timing)
-    choice = choose_budget(decoder, budgets=(2, 8), prompt="howdoesitwork", tokens=8)
-    assert choice.budget == 16 and choice.table == {}
+    choice, timing = opening_budget(decoder)
+    assert choice.budget == 16 and choice.table == {} and timing is None
     assert choice.sentence() == (
         "DDTree budget 16 is the largest tree within 5% of the fastest (budget 4, 1.50×), so the first page shows a "
         "tree that branches: the bench measured 1.44× AR at it (τ 2.16, 29 tokens/s on fresh.jsonl) on another "
         f"machine of this kind ({key}), not on this one ({results}).")
+    # what a disturbed page measures AR against (engine.measure.fairness)
+    assert choice.ar == ArReference(20.0, "the bench recorded", f"on this kind of machine ({key})")
     monkeypatch.setattr(decoder, "drafter_info", DrafterInfo("another", trained=True, revision="def456"))
-    with pytest.raises(AssertionError, match="nothing is timed"):
-        choose_budget(decoder, budgets=(2, 8), prompt="howdoesitwork", tokens=8)  # a bench of other weights
+    monkeypatch.setenv("DDTREE_STUDIO_CACHE", str(tmp_path / "cache"))
+    choice, timing = opening_budget(decoder)  # a bench of other weights: opens for now, its timing left to run
+    assert choice.budget == PROVISIONAL_BUDGET and timing.missing() == timing.labels
 
 
 def test_startup_timing_keeps_every_timing_and_a_restart_times_only_what_is_missing(decoder, tmp_path, monkeypatch):
@@ -116,6 +152,8 @@ def test_startup_timing_keeps_every_timing_and_a_restart_times_only_what_is_miss
         second.time(label)
     assert timed == ["8"]
     assert set(second.choice().table) == {2, 8}
+    assert second.choice().ar == ArReference(1 / first.timings["ar"].step_s, "the start-up timing measured",
+                                             "on this machine")
 
 
 def test_a_compiled_fixed_step_is_recorded_apart_from_the_plain_one(tmp_path):

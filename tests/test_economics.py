@@ -71,7 +71,9 @@ def test_the_bench_summary_carries_the_economics_categories_and_the_best_budget(
     assert best_budget(summary)["label"] == "ddtree@8" and best_budget(summary)["tree_budget"] == 8
 
 
-def test_reduced_traces_time_the_same_decoding_and_the_best_budget_keeps_full_traces(tmp_path):
+@pytest.mark.parametrize("interleave", [False, True])
+def test_reduced_traces_time_the_same_decoding_and_the_best_budget_keeps_full_traces(tmp_path, interleave):
+    """One after another or in turns (``--interleave``, twins each on buffers of their own), the same tokens."""
     from engine.tools.bench import benchmark, plan_jobs, with_reduced_traces
 
     decoder = tiny_decoder(0)
@@ -79,7 +81,9 @@ def test_reduced_traces_time_the_same_decoding_and_the_best_budget_keeps_full_tr
     assert [job.label for job in jobs] == ["ar", "ar:tokens", "ddtree@4", "ddtree@4:tokens", "ddtree@8",
                                            "ddtree@8:tokens"]
     prompts = [{"id": "p", "prompt": "ABCDEFG", "category": None}]
-    runs, _ = benchmark(decoder, prompts, jobs, DecodeSettings("ar", max_new_tokens=12), tmp_path, progress=False)
+    runs, _, disturbance = benchmark(decoder, prompts, jobs, DecodeSettings("ar", max_new_tokens=12), tmp_path,
+                                     progress=False, interleave=interleave)
+    assert ("turns" in runs[0]) == interleave and isinstance(disturbance, list)
     by_label = {run["label"]: run for run in runs}
     for label in ("ar", "ddtree@4", "ddtree@8"):
         assert by_label[label + ":tokens"]["output_ids"] == by_label[label]["output_ids"]

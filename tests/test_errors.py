@@ -35,6 +35,17 @@ def test_prompt_beyond_context(decoder):
         decoder.run(prompt_ids=[3] * 500, settings=DecodeSettings("ddtree", max_new_tokens=20))
 
 
+
+def test_prepared_settings_run_as_they_are(decoder, monkeypatch):
+    """Settings are checked against the models once: the vLLM engine's workers and the API's queued runs take
+    what was prepared (``Decoder.run_prepared``) and check nothing again."""
+    settings, _ = decoder.prepare(DecodeSettings("ddtree", max_new_tokens=4, tree_budget=4), 2)
+    expected = decoder.run(prompt_ids=[3, 4], settings=settings)
+    monkeypatch.setattr(decoder, "prepare", lambda *args: pytest.fail("prepared settings are checked again"))
+    trace = decoder.run_prepared("", [3, 4], settings, ["a note from the driver"])
+    assert trace.output_ids == expected.output_ids and trace.config.notes == ["a note from the driver"]
+
+
 BUDGET_SENTENCE = 'tree budget must be "auto" or a whole number from 1 to {high}, got {got}'
 
 

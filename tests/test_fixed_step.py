@@ -103,6 +103,35 @@ def test_sampling_keeps_the_readable_step_and_says_so(decoders):
     assert fixed.run(prompt_ids=PROMPTS[0], settings=DecodeSettings("ddtree", max_new_tokens=8)).config.step == "fixed"
 
 
+
+def test_the_programs_share_one_kv_cache_that_grows_when_a_run_needs_more_rows(decoders, monkeypatch):
+    """A sweep holds one KV cache, not one a budget. A longer run grows it (the programs let go of the smaller one
+    and its graphs), and a program made for the smaller one decodes as before on the larger."""
+    import engine.loop.decode
+
+    monkeypatch.setattr(engine.loop.decode, "FIXED_CAPACITY_STEP", 32)
+    readable, shared = decoders
+    fixed = Decoder(readable.target, readable.drafter, readable.drafter_info, fixed_step=True)
+
+    def same_as_readable(settings: DecodeSettings) -> None:
+        ours = fixed.run(prompt_ids=PROMPTS[0], settings=settings)
+        assert ours.output_ids == readable.run(prompt_ids=PROMPTS[0], settings=settings).output_ids
+        assert all(program.kv in (None, fixed._fixed_kv) for program in fixed._programs.values())
+
+    chain, tree = DecodeSettings("dflash", max_new_tokens=8), DecodeSettings("ddtree", max_new_tokens=8, tree_budget=6)
+    for settings in (tree, chain):  # 4 prompt tokens, 8 new, a block of 8 and the tree's nodes: within 32 rows
+        same_as_readable(settings)
+    assert fixed._fixed_capacity == 32 and [p.kv for p in fixed._programs.values()] == [fixed._fixed_kv] * 2
+    small = fixed._fixed_kv
+    same_as_readable(DecodeSettings("ddtree", max_new_tokens=40, tree_budget=6))  # 60 rows
+    assert fixed._fixed_capacity == 64 and fixed._fixed_kv is not small and len(fixed._programs) == 2
+    chain_program = next(p for key, p in fixed._programs.items() if key[0] == "dflash")
+    assert chain_program.kv is None  # let go of the smaller cache; takes the larger one at its next run
+    same_as_readable(chain)
+    assert chain_program.kv is fixed._fixed_kv and chain_program.prompt_rows == 32  # its own context: still enough
+    same_as_readable(DecodeSettings("dflash", max_new_tokens=40))
+    assert chain_program.prompt_rows == 64 and fixed._fixed_capacity == 64
+
 class _HostWork(TorchDispatchMode):
     """Records what a CUDA graph cannot hold: host reads (``.item()``, ``.tolist()``),
     data-dependent shapes, and Python scalars written by index (copied from the host)."""

@@ -126,3 +126,34 @@ def test_every_pair_of_model_handlers_started_together_finishes(page, tmp_path, 
             assert expected in outcome, (name, outcome)
         else:
             assert "internal error" not in outcome and outcome.strip(), (name, outcome)
+
+
+# ---------------------------------------------------------------- served requests beside the page's runs
+
+def test_a_batch_of_served_requests_and_a_page_run_take_turns_and_both_finish():
+    """The server's rounds (engine.serving.batcher) are jobs on the same queue as the page's runs: a run asked for
+    while requests are in flight starts between two rounds, and every request still finishes with its solo text."""
+    from engine.loop.settings import DecodeSettings
+    from engine.serving.batcher import Batcher
+
+    decoder, twin = tiny_decoder(0), tiny_decoder(0)
+    queue = ModelQueue()
+    batcher = Batcher(decoder, queue)
+    prompts = [decoder.target.text_ids(text) for text in ("abc", "hello", "why?")]
+    settings = DecodeSettings("ddtree", max_new_tokens=40, tree_budget=8)
+    futures = [batcher.submit(f"request-{n}", "", ids, *decoder.prepare(settings, len(ids)))
+               for n, ids in enumerate(prompts)]
+    steps_when_the_page_ran = []
+
+    def page_run():
+        steps_when_the_page_ran.append(batcher.batch.steps_taken)
+        return decoder.run(prompt_ids=prompts[0], settings=DecodeSettings("ar", max_new_tokens=40))
+
+    page = queue.submit(page_run)
+    traces = [future.result(timeout=RACE_TIMEOUT_S) for future in futures]
+    assert page.result(timeout=RACE_TIMEOUT_S).output_ids == twin.run(
+        prompt_ids=prompts[0], settings=DecodeSettings("ar", max_new_tokens=40)).output_ids
+    assert steps_when_the_page_ran[0] < batcher.batch.steps_taken, "the page's run went between two rounds"
+    for ids, trace in zip(prompts, traces):
+        assert trace.output_ids == twin.run(prompt_ids=ids, settings=settings).output_ids
+    assert batcher.in_flight == 0

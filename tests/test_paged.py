@@ -123,7 +123,7 @@ def test_a_split_heads_drafter_drafts_the_same_block(tmp_path, monkeypatch):
     import engine.on_vllm.vllm_engine as vllm_engine
     from engine.models.drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
 
-    monkeypatch.setattr(vllm_engine, "CONVERTED", tmp_path / "cache")
+    monkeypatch.setenv("DDTREE_STUDIO_CACHE", str(tmp_path / "cache"))
     config = DrafterConfig(hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,
                            num_key_value_heads=3, head_dim=8, vocab_size=64, num_target_layers=4,
                            target_layer_ids=[0, 2], mask_token_id=1, block_size=4)

@@ -2,6 +2,7 @@
 
 from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.settings import DecodeSettings
+from engine.methods import DFLASH, method
 from engine.models.drafter import ScriptedDrafter
 from engine.tools import replay as replay_cli
 from engine.tools.replay import first_slot_table, proposals_along, replay
@@ -16,12 +17,12 @@ def assert_replay_equals_decoding(decoder: Decoder, max_new_tokens: int) -> list
     for prompt in PROMPTS:
         ar = decoder.run(prompt_ids=prompt, settings=DecodeSettings("ar", max_new_tokens=max_new_tokens))
         proposals = proposals_along(decoder, prompt, ar.output_ids, top_k=48)
-        for method, budget in METHODS:
-            trace = decoder.run(prompt_ids=prompt, settings=DecodeSettings(method, max_new_tokens=max_new_tokens,
+        for name, budget in METHODS:
+            trace = decoder.run(prompt_ids=prompt, settings=DecodeSettings(name, max_new_tokens=max_new_tokens,
                                                                            tree_budget=budget or 32))
             assert trace.output_ids == ar.output_ids
-            lengths = replay(proposals, method, budget)
-            assert lengths == trace.summary.acceptance_lengths, (prompt, method, budget)
+            lengths = replay(proposals, method(name), budget)
+            assert lengths == trace.summary.acceptance_lengths, (prompt, name, budget)
             every_length += lengths
     return every_length
 
@@ -58,7 +59,7 @@ def test_the_first_slot_is_right_exactly_where_a_dflash_step_accepts_a_draft_tok
         hits = proposals.first_slot_hits()
         assert len(hits) == len(output) - 1 and all(0 < confidence <= 1 for _, confidence in hits)
         j = 0
-        for committed in replay(proposals, "dflash", 0):
+        for committed in replay(proposals, DFLASH, 0):
             if len(output) - 1 - j >= 2:  # room for a draft token before the output ends
                 assert hits[j][0] == (committed >= 2), (prompt, j)
                 outcomes.add(hits[j][0])

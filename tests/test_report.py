@@ -32,8 +32,8 @@ def results_path(tmp_path_factory):
     oracle = ScriptedDrafter(config, [reference]).initialize(0).to(torch.float64).eval()
     decoder = Decoder(target, oracle, DrafterInfo("oracle", trained=False))
     jobs = plan_jobs("ar,dflash,ddtree", "4,16")
-    runs, notes = benchmark(decoder, [PROMPT], jobs, DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS),
-                            progress=False)
+    runs, notes, _ = benchmark(decoder, [PROMPT], jobs, DecodeSettings("ar", max_new_tokens=MAX_NEW_TOKENS),
+                               progress=False)
     results = {
         "config": {"command": "python -m engine.tools.bench (test)", "model": target.name, "drafter": "oracle",
                    "drafter_trained": False, "engine": "torch", "device": "cpu", "dtype": "float64",

@@ -22,7 +22,7 @@ from engine.loop.settings import DecodeSettings
 from engine.serving.model_queue import ModelQueue
 from engine.serving.openai_api import ServeOptions, create_app
 from engine.tools import serve
-from engine.trace import Trace
+from engine.trace import SCHEMA_VERSION, Trace
 from tests.conftest import free_port
 from tests.tiny import tiny_decoder
 
@@ -102,7 +102,7 @@ def traces(url: str) -> list[dict]:
 
 def trace_of(url: str, trace_id: str) -> Trace:
     data = httpx.get(f"{url}/traces/{trace_id}").json()
-    assert data["schema_version"] == 1 and len(data["traces"]) == 1
+    assert data["schema_version"] == SCHEMA_VERSION and len(data["traces"]) == 1
     return Trace.from_dict(data["traces"][0])
 
 
@@ -125,8 +125,9 @@ def test_every_method_answers_ars_greedy_text_streamed_or_not(tiny_url, twin, en
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     ddtree = answer["ddtree"]
     assert ddtree == {"method": method, "tree_budget": BUDGET if method == "ddtree" else None,
-                      "tau": round(alone.summary.tau, 4), "steps": alone.summary.steps,
+                      "seed": ddtree["seed"], "tau": round(alone.summary.tau, 4), "steps": alone.summary.steps,
                       "tokens_per_s": ddtree["tokens_per_s"], "trace_id": ddtree["trace_id"]}
+    assert 0 <= ddtree["seed"] < 2**63
     assert ddtree["tokens_per_s"] > 0 and answer["id"].endswith(ddtree["trace_id"].removeprefix("trace-"))
     if stream:
         assert len([piece for piece in answer["pieces"] if piece]) > 1, "the text arrives step by step"
@@ -144,6 +145,15 @@ def test_a_sampled_request_is_its_seeds_run(tiny_url, twin):
     answers = [ask(tiny_url, "completions", PROMPTS[0], stream, max_tokens=12, temperature=0.8, seed=seed)["text"]
                for stream, seed in ((False, 5), (True, 5), (False, 6))]
     assert answers[:2] == [expected, expected] and answers[2] != expected
+
+
+def test_a_sampled_request_without_a_seed_is_a_fresh_sample_and_says_its_seed(tiny_url, twin):
+    unseeded = [ask(tiny_url, "completions", PROMPTS[0], stream, max_tokens=16, temperature=1.0)
+                for stream in (False, True, False)]
+    assert len({answer["text"] for answer in unseeded}) == 3, "each request draws its own sample"
+    for answer in unseeded:  # and repeats exactly with the seed it was given
+        again = ask(tiny_url, "completions", PROMPTS[0], max_tokens=16, temperature=1.0, seed=answer["ddtree"]["seed"])
+        assert again["text"] == answer["text"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -175,13 +185,47 @@ def test_sixteen_clients_at_once_each_get_their_own_answer(tiny_url, twin):
     assert answers == [solo(twin, prompt, max_tokens=12).text for _, prompt, _, _ in asks]
 
 
+def test_clients_at_once_share_decoding_steps_and_each_trace_says_with_whom(slow_url):
+    """Continuous batching: requests in flight together verify in the same steps; a request's trace names its
+    neighbours per step, and its text is still its solo answer."""
+    asks = [(prompt, method) for prompt, method in zip(PROMPTS, ("ar", "dflash", "ddtree", "ddtree"))]
+
+    def one(request):
+        prompt, method = request
+        return ask(slow_url, "completions", prompt, max_tokens=24, extra_body={"method": method})
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(one, asks))
+    twin = tiny_decoder(0)
+    twin.target.stop_ids = []
+    names = {answer["ddtree"]["trace_id"] for answer in answers}
+    for (prompt, _), answer in zip(asks, answers):
+        assert answer["text"] == solo(twin, prompt, max_tokens=24).text
+        trace = trace_of(slow_url, answer["ddtree"]["trace_id"])
+        sizes = [step.batch.size for step in trace.steps]
+        assert max(sizes) >= 2, "it shared steps"
+        neighbours = {name for step in trace.steps for name in step.batch.neighbours}
+        assert neighbours and neighbours <= names - {answer["ddtree"]["trace_id"]}
+
+
+def test_a_server_one_at_a_time_runs_each_request_alone(twin):
+    with serving(tiny_decoder(0), tree_budget=BUDGET, batching=False) as url:
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda prompt: ask(url, "completions", prompt, max_tokens=8), PROMPTS[:3]))
+        for prompt, answer in zip(PROMPTS, answers):
+            trace = trace_of(url, answer["ddtree"]["trace_id"])
+            assert answer["text"] == solo(twin, prompt, max_tokens=8).text
+            assert all(step.batch is None for step in trace.steps) and trace.config.step == "readable"
+
+
 @pytest.fixture()
 def slow_url() -> Iterator[str]:
     """A server whose model takes 10 ms a pass and never meets a stop token: a long run ends only at its limit."""
     decoder = tiny_decoder(0)
     decoder.target.stop_ids = []
-    forward = decoder.target.forward
+    forward, verify = decoder.target.forward, decoder.target.verify_batch
     decoder.target.forward = lambda *args, **kwargs: time.sleep(0.01) or forward(*args, **kwargs)
+    decoder.target.verify_batch = lambda *args, **kwargs: time.sleep(0.01) or verify(*args, **kwargs)
     with serving(decoder, tree_budget=BUDGET) as url:
         yield url
 
@@ -218,19 +262,28 @@ def test_a_client_that_leaves_before_a_whole_answer_stops_its_run_too(slow_url):
 BAD_CHATS = [
     ({"messages": []}, 400, "messages", "messages: List should have at least 1 item after validation, not 0"),
     ({"extra_body": {"method": "beam"}}, 400, "method", "unknown method 'beam'; choose from ar, dflash, ddtree"),
-    ({"max_tokens": 0}, 400, "max_tokens", "max_tokens must be between 1 and 4096, got 0"),
-    ({"max_tokens": -3}, 400, "max_tokens", "max_tokens must be between 1 and 4096, got -3"),
+    ({"max_tokens": 0}, 400, "max_tokens", "max new tokens must be a whole number from 1 to 4096, got 0"),
+    ({"max_tokens": -3}, 400, "max_tokens", "max new tokens must be a whole number from 1 to 4096, got -3"),
+    ({"max_completion_tokens": 5000, "max_tokens": None}, 400, "max_completion_tokens",
+     "max new tokens must be a whole number from 1 to 4096, got 5000"),
     ({"max_tokens": 500}, 400, "max_tokens", "max_tokens 500 and the prompt's 6 tokens exceed the model's context "
                                              "of 512 tokens: at most 490 new tokens fit after this prompt"),
     ({"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages",
      "the prompt's 600 tokens fill the model's context of 512 tokens: shorten it"),
-    ({"extra_body": {"tree_budget": 0}}, 400, "tree_budget", "tree_budget must be between 1 and 1024, got 0"),
-    ({"extra_body": {"tree_budget": 5000}}, 400, "tree_budget", "tree_budget must be between 1 and 1024, got 5000"),
+    ({"extra_body": {"tree_budget": 0}}, 400, "tree_budget",
+     'tree budget must be "auto" or a whole number from 1 to 1024, got 0'),
+    ({"extra_body": {"tree_budget": 5000}}, 400, "tree_budget",
+     'tree budget must be "auto" or a whole number from 1 to 1024, got 5000'),
+    ({"extra_body": {"tree_budget": "many"}}, 400, "tree_budget",
+     "tree budget must be \"auto\" or a whole number from 1 to 1024, got 'many'"),
+    ({"seed": 2**70}, 400, "seed", f"seed must be a whole number from 0 to {2**63 - 1}, got {2**70}"),
+    ({"temperature": 2.5}, 400, "temperature", "temperature must be a number from 0 to 2, got 2.5"),
+
     ({"n": 2}, 400, "n", "n must be 1: this server returns one choice per request"),
     ({"model": "gpt-4o"}, 404, "model", "The model `gpt-4o` does not exist: this server runs `tiny-llama`"),
     ({"max_tokens": "ten"}, 400, "max_tokens",
      "max_tokens: Input should be a valid integer, unable to parse string as an integer"),
-    ({"temperature": -1}, 400, "temperature", "temperature must be >= 0, got -1.0"),
+    ({"temperature": -1}, 400, "temperature", "temperature must be a number from 0 to 2, got -1.0"),
     ({"messages": "Hello!"}, 400, "messages", "messages: Input should be a valid list"),
     ({"stop": ["a", ""]}, 400, "stop", "stop takes 1 to 4 non-empty strings"),
     ({"logprobs": True}, 400, "logprobs", "logprobs are not supported"),
@@ -253,6 +306,25 @@ def test_bad_input_is_refused_in_openais_shape_naming_the_field(tiny_url, bad, s
     assert isinstance(refused.value, openai.NotFoundError if status == 404 else openai.BadRequestError)
     assert refused.value.body == {"message": message, "type": "invalid_request_error", "param": param,
                                   "code": "model_not_found" if status == 404 else None}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint, body, param, text", [
+    ("chat/completions", '"messages": [{"role": "user", "content": "bad \\ud800"}]', "messages",
+     "\\ud800' at character 4"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "Hi"}], "stop": ["\\udfff"]', "messages",
+     "\\udfff' at character 0"),
+    ("completions", '"prompt": "bad \\ud800"', "prompt", "\\ud800' at character 4"),
+])
+def test_a_lone_surrogate_is_refused_before_any_answer_starts(tiny_url, stream, endpoint, body, param, text):
+    """Valid JSON (``"\\ud800"`` is an escape JSON allows), but no text: a 400 naming the field, streamed or not
+    (never a 200 followed by an error)."""
+    raw = f'{{"model": "{TINY}", "max_tokens": 4, "stream": {json.dumps(stream)}, {body}}}'
+    refused = httpx.post(f"{tiny_url}/{endpoint}", content=raw, headers={"content-type": "application/json"})
+    assert refused.status_code == 400
+    assert refused.json() == {"error": {"message": f"{param} holds a lone surrogate ('{text}), which is not text: "
+                                                   "send valid Unicode", "type": "invalid_request_error",
+                                        "param": param, "code": None}}
 
 
 def test_a_completion_refuses_what_only_a_chat_takes_and_what_it_does_not_do(tiny_url):
@@ -278,8 +350,8 @@ def test_a_body_that_is_not_json_and_an_unknown_trace_are_refused_in_openais_sha
 
 def test_an_unexpected_failure_is_a_500_in_openais_shape_and_the_server_serves_on(caplog):
     decoder, twin = tiny_decoder(0), tiny_decoder(0)
-    run = decoder.run
-    decoder.run = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    verify = decoder.target.verify_batch
+    decoder.target.verify_batch = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("out of memory"))
     with serving(decoder) as url:
         with pytest.raises(openai.InternalServerError) as failed:
             ask(url, "completions", PROMPTS[0], max_tokens=4)
@@ -289,9 +361,20 @@ def test_an_unexpected_failure_is_a_500_in_openais_shape_and_the_server_serves_o
             ask(url, "chat", PROMPTS[0], stream=True, max_tokens=4)
         assert failed_stream.value.body["message"] == said
         assert len([r for r in caplog.records if r.exc_info]) == 2, "each failure logged once"
-        decoder.run = run
+        decoder.target.verify_batch = verify
         answer = ask(url, "completions", PROMPTS[0], max_tokens=4, extra_body={"method": "ar"})
         assert answer["text"] == solo(twin, PROMPTS[0], max_tokens=4).text
+
+
+def test_a_request_run_alone_is_checked_against_the_models_once(twin):
+    """When it comes, not again when its run leaves the queue (nor, on the vLLM engine, which runs requests one at a
+    time, in its workers)."""
+    decoder = tiny_decoder(0)
+    prepared, prepare = [], decoder.prepare
+    decoder.prepare = lambda *args: prepared.append(args) or prepare(*args)
+    with serving(decoder, batching=False) as url:
+        answer = ask(url, "completions", PROMPTS[0], max_tokens=4, extra_body={"method": "ddtree", "tree_budget": 4})
+    assert len(prepared) == 1 and answer["text"] == solo(twin, PROMPTS[0], max_tokens=4).text
 
 
 # ---------------------------------------------------------------- traces
@@ -316,18 +399,21 @@ def test_traces_are_listed_newest_first_kept_to_a_bound_and_written_as_the_studi
         assert httpx.get(f"{url}/traces/{ids[0]}").status_code == 404, "past the bound"
     assert sorted(path.stem for path in tmp_path.glob("*.json")) == sorted(ids), "every request's file, kept or not"
     written = json.loads((tmp_path / f"{ids[0]}.json").read_text())
-    assert written["schema_version"] == 1 and Trace.from_dict(written["traces"][0]).text == answers[0]["text"]
+    assert written["schema_version"] == SCHEMA_VERSION
+    assert Trace.from_dict(written["traces"][0]).text == answers[0]["text"]
 
 
 # ---------------------------------------------------------------- the command
 
 def test_the_command_checks_its_flags(capsys):
     args = serve.parse_args([])
-    assert (args.host, args.port, args.method, args.tree_budget, args.engine) == ("127.0.0.1", 8000, "ddtree", None,
-                                                                                   "torch")
+    assert (args.host, args.port, args.method, args.tree_budget, args.engine, args.one_at_a_time) == (
+        "127.0.0.1", 8000, "ddtree", "auto", "torch", False)
+    assert serve.parse_args(["--tree-budget", "24"]).tree_budget == 24
     with pytest.raises(SystemExit):
         serve.parse_args(["--tree-budget", "0"])
-    assert "--tree-budget must be between 1 and 1024, got 0" in capsys.readouterr().err
+    assert ('argument --tree-budget: tree budget must be "auto" or a whole number from 1 to 1024, got 0'
+            in capsys.readouterr().err)
     with pytest.raises(SystemExit):
         serve.parse_args(["--vllm-compile"])
     assert "--vllm-compile has vLLM compile its target: it needs --engine vllm" in capsys.readouterr().err

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from engine.loop.batch import Batch
+from engine.loop.budgeting import Budgeting
+from engine.loop.decode import Decoder
 from engine.loop.loading import SHIPPED_DRAFTER, display_name
 from engine.loop.settings import DecodeSettings
 from engine.models.target import BUNDLED_MODEL
-from engine.trace import Trace, TraceError, read_trace_file, write_trace_file
-from tests.tiny import tiny_decoder
+from engine.trace import SCHEMA_VERSION, Trace, TraceError, read_trace_file, write_trace_file
+from tests.tiny import STOP, tiny_decoder
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,53 @@ def test_a_missing_field_and_a_broken_tree_are_named(traces, tmp_path):
     raw["steps"][0]["tree_parents"].pop()
     path.write_text(json.dumps(raw))
     with pytest.raises(TraceError, match="^step 1 of the ddtree trace is inconsistent: its tree lists differ in len"):
+        read_trace_file(path)
+
+
+@pytest.mark.parametrize("step", ["readable", "fixed", "batched"])
+def test_a_runs_trace_carries_the_text_of_every_token_it_shows(step):
+    """Tree nodes, the target's choices, the drafter's top-k, roots, bonuses and committed tokens: a page without the
+    model shows each as the tokenizer writes it alone, special tokens too (the tiny model's stop token)."""
+    decoder = tiny_decoder(2, block_size=8)
+    settings = [DecodeSettings(method, max_new_tokens=12, tree_budget=6) for method in ("ar", "ddtree")]
+    if step == "batched":
+        traces = Batch(decoder, Budgeting()).run([([5, 6, 7, 8], setting) for setting in settings])
+    else:
+        runner = decoder if step == "readable" else Decoder(decoder.target, decoder.drafter, decoder.drafter_info,
+                                                            fixed_step=True)
+        traces = [runner.run(prompt_ids=[5, 6, 7, 8], settings=setting) for setting in settings]
+    ar, ddtree = traces
+    assert ddtree.config.step.startswith(step)
+    drafted = {token for s in ddtree.steps for token in s.tree_tokens + [t for depth in s.draft_top_tokens
+                                                                          for t in depth]}
+    assert drafted - set(ddtree.output_ids)  # tokens no run committed, which an old trace could only show as #id
+    for trace in traces:
+        shown = trace.shown_ids
+        assert shown >= set(trace.output_ids) | {s.bonus_token for s in trace.steps}
+        assert trace.token_texts == {token: decoder.target.token_text(token) for token in shown}
+    assert decoder.target.token_text(STOP) != decoder.target.decode([STOP]) == ""
+
+
+def test_token_texts_read_back_and_a_version_1_file_still_reads(traces, tmp_path):
+    path = write_trace_file(tmp_path / "download.json", traces)
+    written = json.loads(path.read_text())
+    assert written["schema_version"] == SCHEMA_VERSION == 2
+    assert all(isinstance(key, str) for key in written["traces"][2]["token_texts"])  # JSON keys are strings
+    assert [trace.token_texts for trace in read_trace_file(path)] == [trace.token_texts for trace in traces]
+    old = {"schema_version": 1, "traces": [trace.to_dict() for trace in traces]}
+    for raw in old["traces"]:
+        del raw["token_texts"]
+        raw["schema_version"] = 1
+        for step in raw["steps"]:
+            del step["batch"]
+    path.write_text(json.dumps(old))
+    assert [trace.token_texts for trace in read_trace_file(path)] == [{}, {}, {}]
+    old["traces"][0]["token_texts"] = {"x": "a"}
+    path.write_text(json.dumps(old))
+    with pytest.raises(TraceError, match="token_texts must be an object of strings keyed by token ids"):
+        read_trace_file(path)
+    path.write_text(json.dumps({"schema_version": 3, "traces": []}))
+    with pytest.raises(TraceError, match=r"^trace file schema version 3 is not supported \(expected 1 or 2\)$"):
         read_trace_file(path)
 
 

@@ -4,6 +4,7 @@ requests a real server answered through the ``openai`` client, and opens any of 
 from __future__ import annotations
 
 import json
+import re
 
 import gradio as gr
 import pytest
@@ -62,6 +63,13 @@ def test_a_page_without_a_model_lists_the_traffic_and_opens_a_request_in_every_v
     tree = json.loads(shown[page.inspector.tree].to_json())["data"]
     nodes = sorted(node for part in tree for node in part.get("customdata") or [])
     assert nodes == list(range(first.tree_size + 2))  # root, every drafted node, the bonus
+    # every node and top-k cell in words, tokens the request never wrote too: the trace carries their texts
+    assert trace.shown_ids - set(trace.output_ids)
+    probs = json.loads(shown[page.inspector.probs].to_json())["data"]
+    labels = [label for part in tree for label in [*(part.get("text") or []), *(part.get("hovertext") or [])]]
+    cells = [cell for row in probs[0]["customdata"] for cell in row] + probs[-1]["text"]
+    assert len(cells) == 2 * len(first.draft_top_tokens) * len(first.draft_top_tokens[0])
+    assert not any(re.search(r"#\d+", label) for label in labels + cells)
     assert "ddt-text" in shown[page.run_view.columns["ddtree"]]
     assert page.traffic_view.pick_row(ids, gr.SelectData(None, {"index": [1, 0], "value": ""})) == chat_id
 

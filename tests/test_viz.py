@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import time
 
 import pytest
@@ -28,7 +29,7 @@ from viz.figures import (
     sweep_verdict,
 )
 from viz.text_view import column_html, run_stats, tokens_html
-from viz.tokens import committed_origins, pieces_token_text, visible
+from viz.tokens import committed_origins, pieces_token_text, traces_token_text, visible
 from viz.tree_figure import NODE_STYLES, tidy_layout, tree_figure, tree_height
 
 PROMPT_IDS = [5, 6, 7, 8]
@@ -425,6 +426,26 @@ def test_token_text_from_trace_pieces(traces):
     step = trace.steps[0]
     assert text(step.committed_ids[0]) == step.committed_text[0]
     assert text(10**6) == "#1000000"
+
+
+def test_figures_show_every_token_as_text_without_a_tokenizer(traces):
+    """The texts a trace carries label every tree node, hover and top-k cell (no ``#id``) where no model is loaded;
+    a trace without them (schema version 1) knows only what it committed."""
+    runs = list(traces.values())
+    text = traces_token_text(runs)
+    unknown = re.compile(r"#\d+")
+    for step in traces["ddtree"].steps:
+        tree = tree_figure(step, text)
+        shown = [label for kind in node_traces(tree).values() for label in [*kind.text, *kind.hovertext]]
+        heatmap = probability_figure(step, text)
+        cells = [cell for row in heatmap.data[0].customdata for cell in row] + list(heatmap.data[-1].text)
+        assert not any(unknown.search(label) for label in shown + cells + [explain_stop(step, text)])
+    drafted = traces["ddtree"].steps[0].draft_top_tokens[0][-1]
+    assert text(drafted) == traces["ddtree"].token_texts[drafted]
+    assert traces_token_text(runs, tokenizer=lambda token: "?")(10**6) == "?"  # what no trace carries
+    old = copy.deepcopy(traces["ddtree"])
+    old.token_texts = {}
+    assert traces_token_text([old])(drafted) == (f"#{drafted}" if drafted not in old.output_ids else text(drafted))
 
 
 def test_visible_whitespace():

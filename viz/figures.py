@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from engine.measure.economics import Economics, Timing, economics, explain, speed_noise
 from engine.methods import BASELINE, TREE, Label
-from engine.trace import STAGES, TIMING_ONLY, Step, Trace
+from engine.trace import STAGES, TIMING_ONLY, Step, StepBatch, Trace
 from viz.tokens import TokenText, shown
 
 ACCEPTED_COLOUR = "#2ca02c"
@@ -23,6 +23,7 @@ TARGET_COLOUR = "#d9534f"
 # the target's choice in the drafter's top-k: a neutral dark mark, not a red cross, which reads as "rejected" (the
 # target's token is what was committed, in or out of the draft)
 CHOICE_COLOUR = "#1b1f24"
+MAX_NEIGHBOURS = 6  # neighbours a step's batch line names; the rest are counted
 DARK_CELL = 0.5  # a heatmap cell at least this probable is dark blue: its token is written in white
 CORNER = (0.3, -0.3)  # where in a heatmap cell (depth, rank offsets; rank grows downwards) a corner mark sits
 NOISE_ERRORS = 2  # a measured speed-up's noise, drawn and said, is this many standard errors
@@ -125,7 +126,21 @@ def _mark(fig: go.Figure, step: Step, tokens: list[int], name: str, marker: dict
 
 
 def explain_stop(step: Step, token_text: TokenText) -> str:
-    """Markdown: where and why the acceptance walk stopped in this step."""
+    """Markdown: where and why the acceptance walk stopped in this step, and the batch it ran in."""
+    said = _walk(step, token_text)
+    return said if step.batch is None else f"{said}\n\n{batch_line(step.batch)}"
+
+
+def batch_line(batch: StepBatch) -> str:
+    """Markdown: the batch a served request's step ran in, its tree's size and why, and its neighbours."""
+    neighbours = ", ".join(f"`{name}`" for name in batch.neighbours[:MAX_NEIGHBOURS])
+    more = f" and {len(batch.neighbours) - MAX_NEIGHBOURS} more" if len(batch.neighbours) > MAX_NEIGHBOURS else ""
+    beside = f" Beside it: {neighbours}{more}." if batch.neighbours else " It ran alone."
+    return (f"In a batch of **{batch.size}** request{'s' * (batch.size != 1)} ({batch.nodes} draft nodes verified in "
+            f"all), its tree had **{batch.budget}** node{'s' * (batch.budget != 1)}: {batch.reason}.{beside}")
+
+
+def _walk(step: Step, token_text: TokenText) -> str:
     bonus = _code(shown(token_text, step.bonus_token))
     if step.tree_size == 0:
         return f"**Step {step.number}** drafts nothing (AR): the target produced {bonus}."
@@ -253,11 +268,33 @@ def economics_figure(traces: list[Trace]) -> go.Figure:
 
 
 def economics_text(traces: list[Trace]) -> str:
-    """One plain sentence per drafting method (Markdown)."""
+    """One plain sentence per drafting method, and one per run that shared its steps with others (Markdown)."""
     entries = trace_economics(traces)
     labels = [Label.parse(label) for label in entries]
     lines = [explain(label.heading, entries[label.text]) for label in labels if not label.is_baseline]
+    lines += [sentence for trace in traces if (sentence := batch_cost(trace)) is not None]
     return "\n".join(f"- {line}" for line in lines)
+
+
+def batch_cost(trace: Trace) -> str | None:
+    """What sharing its steps cost a served request: its steps' time beside what its trees alone would take by the
+    machine's step costs, and how many requests advanced with it; None for a run that ran alone."""
+    shared = [step for step in trace.steps if step.batch is not None]
+    if not shared:
+        return None
+    sizes = [step.batch.size for step in shared]
+    took = sum(step.t_end - step.t_start for step in shared) / len(shared)
+    alone = sum(step.batch.alone_s for step in shared) / len(shared)
+    nodes = sum(step.batch.budget for step in shared) / len(shared)
+    spread = f"{min(sizes)}–{max(sizes)}" if min(sizes) != max(sizes) else f"{sizes[0]}"
+    sentence = (f"{trace.config.heading()} shared its {len(shared)} steps with others: batches of "
+                f"{sum(sizes) / len(sizes):.1f} requests ({spread}), its own trees {nodes:.1f} nodes. A step took "
+                f"{1000 * took:.0f} ms")
+    if alone > 0:
+        return (sentence + f", where its trees alone would take {1000 * alone:.0f} ms by this machine's step costs: "
+                f"sharing made its steps {took / alone:.1f}× longer while {sum(sizes) / len(sizes) - 1:.1f} other "
+                "requests advanced in the same passes.")
+    return sentence + "."
 
 
 @dataclass(frozen=True)

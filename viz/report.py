@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.measure.projection import projection_report
-from engine.methods import BASELINE, DFLASH, METHODS, TREE, Label
+from engine.methods import AUTO, BASELINE, DFLASH, METHODS, TREE, Label
 from engine.models.target import BUNDLED_MODEL
 from engine.trace import (
     NATIVE_AR,
@@ -150,9 +150,10 @@ def run_label(run: dict) -> str:
 
 
 def display_label(label: str) -> str:
-    parsed, budget = Label.parse(label), label_budget(label)
+    parsed = Label.parse(label)
     name = parsed.method.title if parsed.method is not None else NATIVE_NAMES.get(label, label)
-    name = f"{name} (budget {budget})" if budget is not None else name
+    if parsed.budget is not None:
+        name = f"{name} ({'auto budget' if parsed.budget == AUTO else f'budget {parsed.budget}'})"
     return f"{name}, tokens-only trace" if label.endswith(TOKENS_ONLY) else name
 
 
@@ -550,7 +551,7 @@ def asset_names(settings: list[Setting]) -> list[str]:
 
 
 def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, command: str,
-                 appendices: list[Path] = ()) -> str:
+                 appendices: list[Path] = (), served: list[Path] = ()) -> str:
     plt = _pyplot()
     parts = [
         "# Benchmarks",
@@ -572,6 +573,8 @@ def build_report(settings: list[Setting], out_path: Path, assets_dir: Path, comm
         parts.append("_Plots were skipped: matplotlib is not installed (`pip install matplotlib`)._")
     for setting, name in zip(settings, asset_names(settings)):
         parts += _setting_section(setting, plt, assets_dir / name, out_path.parent)
+    for path in served:
+        parts += serve_section(path, plt, assets_dir / path.stem, out_path.parent)
     parts += [path.read_text().strip() for path in appendices]
     return "\n\n".join(parts) + "\n"
 
@@ -622,6 +625,68 @@ def _setting_section(setting: Setting, plt, asset_stem: Path, markdown_dir: Path
     return parts
 
 
+# ---------------------------------------------------------------- serving under concurrency
+
+def serve_section(path: Path, plt, asset_stem: Path, markdown_dir: Path) -> list[str]:
+    """An ``engine.tools.serve_bench`` results file: its table, and aggregate tokens/s against concurrency per method
+    and mode (batched: solid, one at a time: dashed)."""
+    results = json.loads(path.read_text())
+    if results.get("kind") != "serve":
+        raise ReportError(f"{path} is not a serve_bench results file (no \"kind\": \"serve\")")
+    config, runs = results["config"], results["runs"]
+    parts = [f"## Serving under concurrency: {path.stem}",
+             f"`{results['command']}`: {config['count']} prompts of `{config['prompts']}`, {config['max_tokens']} new "
+             "tokens each, greedy, streamed through the official `openai` client against the real server; each "
+             "concurrency sends every prompt once, that many clients at a time. Tokens/s: every completion token "
+             "over the set's wall time. TTFT: from a request's send to its first text; TPOT: the rest of its time "
+             "over the rest of its tokens. Identical: texts equal to the prompt's alone through AR.",
+             serve_table(runs)]
+    if plt is not None:
+        png = plot_concurrency(plt, runs, path.stem, _suffixed(asset_stem, "-concurrency.png"))
+        parts.append(f"![Aggregate tokens/s against concurrency — {path.stem}]({_relative(png, markdown_dir)})")
+    return parts
+
+
+def serve_table(runs: list[dict]) -> str:
+    lines = ["| mode | method | concurrency | tokens/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | τ | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        tpot = (f"{1000 * run['tpot_p50_s']:.0f} / {1000 * run['tpot_p99_s']:.0f}"
+                if run["tpot_p50_s"] is not None else "–")
+        lines.append(f"| {run['mode']} | {display_label(run['label'])} | {run['concurrency']} | "
+                     f"{run['tokens_per_s']:.1f} | {run['ttft_p50_s']:.2f} / {run['ttft_p99_s']:.2f} | {tpot} | "
+                     f"{run['tau']:.2f} | {run['identical']} |")
+    return "\n".join(lines)
+
+
+def plot_concurrency(plt, runs: list[dict], title: str, path: Path) -> Path:
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for (mode, label), points in _grouped(runs).items():
+        row = Label.parse(label).method
+        concurrency = [run["concurrency"] for run in points]
+        axis.plot(concurrency, [run["tokens_per_s"] for run in points], "o-" if mode == "batched" else "s--",
+                  color=row.print_colour if row is not None else OTHER_COLOUR,
+                  label=f"{display_label(label)}, {mode}")
+    axis.set_xscale("log", base=2)
+    ticks = sorted({run["concurrency"] for run in runs})
+    axis.set_xticks(ticks, [str(c) for c in ticks])
+    axis.minorticks_off()
+    axis.set_xlabel("clients at once")
+    axis.set_ylabel("aggregate output tokens/s")
+    axis.set_ylim(0, axis.get_ylim()[1] * 1.12)
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
+    axis.set_title(f"Serving under concurrency — {title}", fontsize=10)
+    axis.grid(alpha=0.3)
+    return _save(plt, figure, path)
+
+
+def _grouped(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["mode"], run["label"]), []).append(run)
+    return {key: sorted(points, key=lambda run: run["concurrency"]) for key, points in groups.items()}
+
+
 def _suffixed(stem: Path, suffix: str) -> Path:
     return stem.with_name(stem.name + suffix)
 
@@ -637,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="BENCHMARKS.md")
     parser.add_argument("--assets", default="assets/bench", help="folder for the PNG plots")
     parser.add_argument("--headline", action="store_true", help="print only the headline markdown table")
+    parser.add_argument("--serve", nargs="*", default=[], metavar="JSON",
+                        help="engine.tools.serve_bench results files (globs allowed): a section each")
     parser.add_argument("--append", nargs="*", default=[], metavar="MARKDOWN",
                         help="markdown sections other tools wrote (globs allowed), appended as they are: e.g. "
                              "engine.tools.gdn_bench --table's")
@@ -648,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out = Path(args.out)
         command = "python -m viz.report " + " ".join(sys.argv[1:] if argv is None else argv)
-        report = build_report(settings, out, Path(args.assets), command, expand_paths(args.append))
+        report = build_report(settings, out, Path(args.assets), command, expand_paths(args.append),
+                              expand_paths(args.serve))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report)
     except (ReportError, OSError) as exc:

@@ -1,8 +1,10 @@
 """Token text for display, kept apart from any tokenizer.
 
 Figure builders take a ``TokenText`` (token id -> raw text) so they stay pure: the
-app passes the tokenizer's decode when a model is loaded, and ``pieces_token_text``
-when it only has traces (an upload), which knows just the tokens a run committed.
+app passes ``traces_token_text``, which reads the texts a trace carries
+(``Trace.token_texts``), then the loaded model's tokenizer where the traces are its
+own, then the pieces the runs committed (an older trace, uploaded to a page
+without its model), and shows ``#<id>`` for what none of them knows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ def visible(text: str) -> str:
 
 def shown(token_text: TokenText, token: int) -> str:
     return visible(token_text(token))
+
+
+def traces_token_text(traces: Iterable[Trace], tokenizer: TokenText | None = None) -> TokenText:
+    """The texts the traces carry, else ``tokenizer``'s, else the committed pieces (``pieces_token_text``)."""
+    traces = list(traces)
+    carried = {token: text for trace in traces for token, text in trace.token_texts.items()}
+    fallback = tokenizer or pieces_token_text(traces)
+    return lambda token: carried[token] if token in carried else fallback(token)
 
 
 def pieces_token_text(traces: Iterable[Trace]) -> TokenText:

@@ -1,13 +1,13 @@
-"""DDTree's fixed-shape tree build (``ddtree.fixed.beam_tree``) as one Triton program per tree.
+"""DDTree's fixed-shape tree build (``ddtree.fixed.build_tree``, a beam per depth) as one Triton program per tree.
 
-The readable ``beam_tree`` runs its per-depth recurrence as a few dozen small kernels (a top-k
+``ddtree.fixed.build_tree`` runs its per-depth recurrence as a few dozen small kernels (a top-k
 per depth, then two sorts and the gathers of the global cut); inside the step's CUDA graph each
 costs a launch. Here, after one top-k over the vocabulary, a single program per tree keeps the
 beam in registers: per depth it scores (beam entry, token) pairs and keeps the best ``budget``
 with one sort of packed keys (the path log-probability's bits above the pair's index, so a sort
 of integers orders by probability and breaks ties by index); then the global cut and the
 parents-first order are two more sorts, and the parents are looked up through a small table in
-memory. Same nodes as ``beam_tree`` (ties aside, which either may break its own way).
+memory. Same nodes as ``ddtree.fixed.build_tree`` (ties aside, which either may break its own way).
 
 Only the pairs that can be kept are sorted. Entries and token ranks both come best first, so
 the pair (e, t) is beaten by the (e+1)(t+1) - 1 pairs (e' <= e, t' <= t) other than itself, on
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.fixed import FixedTree, beam_tree
+import ddtree.fixed
+from ddtree.fixed import FixedTree
 from engine.gpu.triton_support import tl, triton, triton_runs_on
 
 MAX_PAIRS = 1024  # keys one program sorts per depth (budget 128)
@@ -165,7 +166,7 @@ def fused_fits(device: torch.device, budget: int) -> bool:
 
 
 def fused_beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:  # log_probs [..., depth, vocab]
-    """``beam_tree`` as one top-k and one Triton launch (where ``fused_fits``)."""
+    """``ddtree.fixed.build_tree`` as one top-k and one Triton launch (where ``fused_fits``)."""
     *batch, depth, vocab = log_probs.shape
     width = min(budget, vocab)
     top_lp, top_tokens = torch.topk(log_probs.float(), width, dim=-1)
@@ -195,7 +196,7 @@ def fused_beam_tree(log_probs: torch.Tensor, budget: int) -> FixedTree:  # log_p
 
 def fused_tree_program(builder, device: torch.device, nodes: int):
     """The fast program that replaces a fixed-shape tree builder here (``fused_beam_tree`` for
-    ``ddtree.fixed.beam_tree`` where it ``fused_fits``), or None where the builder runs as written."""
-    if builder is beam_tree and fused_fits(device, nodes):
+    ``ddtree.fixed.build_tree`` where it ``fused_fits``), or None where the builder runs as written."""
+    if builder is ddtree.fixed.build_tree and fused_fits(device, nodes):
         return fused_beam_tree
     return None

@@ -31,14 +31,16 @@ from ddtree.allocate import Allocation, Offer, allocate, plan_drafts
 from ddtree.batch import BatchLayout, pack_trees
 from engine.errors import EngineError
 from engine.loop.budgeting import Budgeting, first_nodes
+from engine.loop.decode import READABLE_SAMPLING
 from engine.loop.draft_pass import draft_log_probs
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import method
 from engine.models.batched import BatchDraftContext, BatchKV, packed_pass, padded_pass
-from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace, summarize
+from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace
 
 PREFILL_TOKENS = 128  # prompt tokens a round prefills at most, so the running requests wait at most that long
+DEPTH_MARGIN = 2  # depths an "auto" request drafts past the nodes it is expected to get
 INITIAL_ROWS = 4
 KEPT_SHAPES = 256
 INITIAL_COLUMNS = 512
@@ -54,7 +56,6 @@ class BatchRequest(Run):
         self.row = -1
         self.prefilled = 0  # prompt tokens in the cache so far
         self.start = 0  # the root's position, once the prompt is in
-        self.trace: Trace | None = None
         self.finished: str | None = None  # the stop reason, once it has one
         self.pending_context: list[torch.Tensor] = []  # committed rows' features the drafter has not read yet
         self.pending_positions: list[torch.Tensor] = []
@@ -82,11 +83,7 @@ class BatchRequest(Run):
 
     def finish(self) -> Trace | None:
         """Its trace, summarized (None: it left before its first token)."""
-        if self.trace is None:
-            return None
-        self.trace.summary = summarize(self.config, self.trace.prefill, self.trace.steps, self.elapsed(),
-                                       self.finished)
-        return self.trace
+        return None if self.trace is None else self.conclude(self.finished)
 
 
 @dataclass(frozen=True)
@@ -140,13 +137,19 @@ class Batch:
               should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
         """A request joins: checked against the models now (an ``EngineError`` refuses it alone), prefilled
         over the next rounds, then stepped with the others."""
-        decoder = self.decoder
-        settings, notes = decoder.prepare(settings, len(prompt_ids))
-        if settings.temperature == 0 and decoder.fixed_step:
-            notes = [note for note in notes if "readable step" not in note]
-        config = decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + self.verify_kind)
+        settings, notes = self.decoder.prepare(settings, len(prompt_ids))
+        return self.admit_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop,
+                                   name=name)
+
+    def admit_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                       on_step: Callable[[Trace, Step], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
+        """``admit`` for settings ``Decoder.prepare`` already checked for this prompt (with its notes)."""
+        notes = [note for note in notes if note != READABLE_SAMPLING]  # every batched step samples as it must
+        config = self.decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + self.verify_kind)
         self._names += 1
-        request = BatchRequest(decoder, settings, config, on_step, should_stop, name or f"request-{self._names}")
+        request = BatchRequest(self.decoder, settings, config, on_step, should_stop,
+                               name or f"request-{self._names}")
         request.row = len(self.requests) + len(self.waiting)
         self.kv.reserve(request.row + 1, 0)
         if self.context is not None:
@@ -186,25 +189,28 @@ class Batch:
                 finished.append(request)
                 self.release(request)
         budget = PREFILL_TOKENS
-        for request in list(self.waiting):
-            if budget <= 0:
+        for request in sorted(self.waiting, key=lambda r: len(r.prompt_ids) - r.prefilled):  # the shortest first:
+            if budget <= 0:  # the most requests start soonest
                 break
             budget -= self.prefill(request, budget)
             if request.trace is not None:
                 self.waiting.remove(request)
                 self.requests.append(request)
                 self.requests.sort(key=lambda r: r.row)
-        for request in self.requests:
-            request.finished = request.finished or request.stop_reason()
-        if any(r.finished is None for r in self.requests):
+        self.settle(finished)
+        if self.requests:
             self.step()
+        self.settle(finished)
+        return finished
+
+    def settle(self, finished: list[BatchRequest]) -> None:
+        """Every decoding request with a stop reason leaves, its trace summarized; added to ``finished``."""
         for request in list(self.requests):
             request.finished = request.finished or request.stop_reason()
             if request.finished is not None:
                 request.finish()
                 finished.append(request)
                 self.release(request)
-        return finished
 
     def run(self, jobs: list[tuple[list[int], DecodeSettings]]) -> list[Trace]:
         """Every job to its end, all joined at once: their traces, in order (tests and the bench)."""
@@ -262,14 +268,15 @@ class Batch:
     def step(self) -> None:
         """One batched step for every decoding request: plan who drafts, draft, size and build the trees,
         pack them, verify them in one pass, walk and commit each, record each request's step."""
-        active = [r for r in self.requests if r.finished is None]
+        active = list(self.requests)
         t_start = self.clock.now()
         with self.clock.stage("draft"):
             drafts = self.draft(active, self.plan(active))
         with self.clock.stage("tree_build"):
             planned, allocation = self.build(active, drafts)
         with self.clock.stage("tree_compile"):
-            layout = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active])
+            layout = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active],
+                                [r.row for r in active])
             layout = layout.to(self.target.device)
         with self.clock.stage("verify"):
             logits, hidden = self.verify(layout, any(r.drafts for r in active))
@@ -281,22 +288,33 @@ class Batch:
         for p, outcome in zip(planned, outcomes):
             self.record(p, outcome, layout, allocation, active, t_start, stage_s)
 
-    def plan(self, active: list[BatchRequest]) -> list[bool]:
-        """Which requests draft this step: those with a fixed budget always, "auto" ones by their last
-        draft's worth (one that never drafted does), AR never."""
-        offers = []
+    def plan(self, active: list[BatchRequest]) -> list[int]:
+        """How deep each request drafts this step (0: not at all). A fixed budget drafts its whole block, as it
+        does alone; an "auto" one by its last draft's worth (one that never drafted drafts its whole block): as
+        deep as the nodes the batch is expected to give it, and a little deeper, since the drafter's lm_head
+        costs per depth; AR never."""
+        offers: list[Offer | None] = []
         for request in active:
             if not request.row_method.drafts:
                 offers.append(None)
-            elif not request.settings.auto_budget:
-                offers.append(Offer((1.0,), 1, fixed=True))
+            elif request.settings.auto_budget and request.offer is not None:
+                offers.append(request.offer)
             else:
-                offers.append(request.offer or Offer((1.0,), 1, fixed=True))
-        return plan_drafts(offers, self.budgeting.cost, len(active))
+                offers.append(Offer((1.0,), 1, fixed=True))
+        drafting = plan_drafts(offers, self.budgeting.cost, len(active))
+        chosen = [offer for offer, draft in zip(offers, drafting) if draft]
+        expected = iter(allocate(chosen, self.budgeting.cost, len(active), len(chosen)).nodes)
+        depths = []
+        for request, offer, draft in zip(active, offers, drafting):
+            nodes = next(expected) if draft else 0
+            full = request.settings.block_size - 1
+            depths.append(0 if not draft else full if offer.fixed else min(full, nodes + DEPTH_MARGIN))
+        return depths
 
-    def draft(self, active: list[BatchRequest], drafting: list[bool]) -> dict[BatchRequest, torch.Tensor]:
-        """One drafter pass over the drafting requests' blocks: log-probabilities ``[D, vocab]`` each."""
-        chosen = [r for r, draft in zip(active, drafting) if draft]
+    def draft(self, active: list[BatchRequest], depths: list[int]) -> dict[BatchRequest, torch.Tensor]:
+        """One drafter pass over the drafting requests' blocks (those with a depth): log-probabilities
+        ``[depth, vocab]`` each, to the deepest any of them drafts."""
+        chosen = [r for r, depth in zip(active, depths) if depth]
         if not chosen:
             return {}
         block_size = chosen[0].settings.block_size
@@ -319,7 +337,7 @@ class Batch:
         embedding, lm_head = self.decoder.draft_weights
         context = self.context.rows_view([r.row for r in chosen], new)
         log_probs = draft_log_probs(self.drafter, embedding, lm_head, block, block_positions, padded, positions,
-                                    context, added)
+                                    context, added, depth=max(depths))
         for request in chosen:
             request.read_context()
         return dict(zip(chosen, log_probs))
@@ -398,8 +416,10 @@ class Batch:
         step = request.record(len(request.trace.steps), t_start - request.t0, planned.root,
                               draft_top(planned.log_probs, request.settings.record_top_k) if full else ([], []),
                               outcome, dict(stage_s))
+        alone = self.budgeting.cost.seconds(1, planned.tree.size, int(planned.log_probs is not None))
         step.batch = StepBatch(size=len(active), nodes=layout.tokens - len(active), budget=planned.tree.size,
-                               reason=planned.reason, neighbours=[r.name for r in active if r is not request])
+                               reason=planned.reason, neighbours=[r.name for r in active if r is not request],
+                               alone_s=alone)
         request.trace.steps.append(step)
         if request.on_step is not None:
             request.on_step(request.trace, step)

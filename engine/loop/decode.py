@@ -24,13 +24,15 @@ from engine.gpu.profiling import profile_kernels
 from engine.loop.budgeting import Budgeting
 from engine.loop.draft_pass import EagerDraft, GraphedDraft
 from engine.loop.fixed_step import FixedProgram, FixedRun
+from engine.loop.race import TURN_S, Race, check_apart, one_after_another, take_turns
 from engine.loop.run import Outcome, Run, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
-from engine.methods import method
+from engine.methods import BASELINE, method
 from engine.models.drafter import DFlashDrafter
-from engine.models.protocols import TargetModel
+from engine.models.protocols import FixedKV, TargetModel
 from engine.trace import RunConfig, Step, Trace
 
+READABLE_SAMPLING = "sampling runs the readable step: the fixed-shape step walks greedily"
 FIXED_CAPACITY_STEP = 512  # fixed-step KV buffers come in multiples of this many rows
 
 
@@ -65,8 +67,12 @@ class Decoder:
         self.timing_only = timing_only  # random weights at a real shape: traces say so
         self.budgeting = Budgeting()  # how "auto" trees are sized here (``engine.loop.budgeting``); start-up may
         # put this machine's recorded step costs in its place
-        self._graphed_drafts: dict[int, GraphedDraft] = {}
-        self._programs: dict[tuple, object] = {}
+        self._graphed_drafts: dict[tuple, GraphedDraft] = {}
+        self._programs: dict[tuple, FixedProgram] = {}
+        # one KV cache for all the fixed-step programs, grown (never shrunk) when a run needs more rows: a budget
+        # sweep holds one cache at its longest run's size, not one per budget
+        self._fixed_kv: FixedKV | None = None
+        self._fixed_capacity = 0
         if drafter is not None:
             check_drafter_fits(drafter.config, target.config)
 
@@ -96,13 +102,16 @@ class Decoder:
         tied = target.lm_head.data_ptr() == target.embedding.data_ptr()
         return embedding, embedding if tied else target.lm_head.to(dtype)
 
-    def draft_pass(self, block_size: int) -> EagerDraft | GraphedDraft:
+    def draft_pass(self, block_size: int, owner: tuple = ()) -> EagerDraft | GraphedDraft:
+        """The drafter's pass for a run; a graphed one is kept for the next run of the same ``owner``
+        (``DecodeSettings.apart``: the runs of a race never share one)."""
         if not (self.cuda_graphs and self.drafter.graphable):
             return EagerDraft(self.drafter, *self.draft_weights, block_size)
-        if block_size not in self._graphed_drafts:
-            self._graphed_drafts[block_size] = GraphedDraft(self.drafter, *self.draft_weights, block_size,
-                                                            self.target.context_length)
-        graphed = self._graphed_drafts[block_size]
+        key = (block_size, *owner)
+        if key not in self._graphed_drafts:
+            self._graphed_drafts[key] = GraphedDraft(self.drafter, *self.draft_weights, block_size,
+                                                     self.target.context_length)
+        graphed = self._graphed_drafts[key]
         graphed.reset()
         return graphed
 
@@ -123,7 +132,7 @@ class Decoder:
                 raise EngineError(f"block size {block_size} is not supported by this drafter: "
                                   f"choose 2..{native} (it was trained with blocks of {native})", field="block_size")
         if self.fixed_step and settings.temperature > 0:
-            notes.append("sampling runs the readable step: the fixed-shape step walks greedily")
+            notes.append(READABLE_SAMPLING)
         limit = self.target.context_length
         needed = prompt_length + settings.max_new_tokens + block_size
         if needed > limit:
@@ -133,21 +142,59 @@ class Decoder:
         return replace(settings, block_size=block_size), notes
 
     @torch.inference_mode()
-    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
+    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings(BASELINE.name), *,
             prompt_ids: list[int] | None = None,
             on_step: Callable[[Trace, Step], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Trace:
+        return self.start(prompt, settings, prompt_ids=prompt_ids, on_step=on_step, should_stop=should_stop).execute()
+
+    def start(self, prompt: str = "", settings: DecodeSettings = DecodeSettings(BASELINE.name), *,
+              prompt_ids: list[int] | None = None,
+              on_step: Callable[[Trace, Step], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> Run:
+        """The run of these settings, checked and ready, not begun: ``run`` takes it through, ``race`` gives it
+        turns among others."""
         if prompt_ids is None:
             if not prompt.strip():
                 raise EngineError("the prompt is empty: type a message for the model to answer")
             prompt_ids = self.target.chat_ids(prompt)
         settings, notes = self.prepare(settings, len(prompt_ids))
+        return self.start_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop)
+
+    @torch.inference_mode()
+    def run_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                     on_step: Callable[[Trace, Step], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> Trace:
+        """``run`` on settings ``prepare`` already checked against these models for this prompt (with its notes):
+        nothing is checked again. The vLLM engine's workers run what its driver prepared, the API what it prepared
+        when the request came."""
+        return self.start_prepared(prompt, prompt_ids, settings, notes, on_step=on_step,
+                                   should_stop=should_stop).execute()
+
+    @torch.inference_mode()
+    def start_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                       on_step: Callable[[Trace, Step], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> Run:
+        """``start`` on settings ``prepare`` already checked (``run_prepared``)."""
         fixed = self.uses_fixed_step(settings)
-        config = self.run_config(prompt, prompt_ids, settings, notes, step_kind(fixed, self.compile_step))
+        config = self.run_config(prompt, prompt_ids, settings, list(notes), step_kind(fixed, self.compile_step))
         if fixed:
             program = self.fixed_program(settings, len(prompt_ids))
-            return FixedRun(self, settings, config, on_step, should_stop, program).execute()
-        return ReadableRun(self, settings, config, on_step, should_stop).execute()
+            return FixedRun(self, settings, config, on_step, should_stop, program)
+        return ReadableRun(self, settings, config, on_step, should_stop)
+
+    def race(self, prompt: str, settings: list[DecodeSettings], *, prompt_ids: list[int] | None = None,
+             on_step: Callable[[Trace, Step], None] | None = None, should_stop: Callable[[], bool] | None = None,
+             turn_s: float = TURN_S) -> Race:
+        """The runs of ``settings`` on one prompt in turns (``engine.loop.race``), so that a load falls on all
+        alike; where they cannot take turns (``takes_turns``), whole, one after another."""
+        return race([(self, setting) for setting in settings], prompt, prompt_ids=prompt_ids, on_step=on_step,
+                    should_stop=should_stop, turn_s=turn_s)
+
+    def takes_turns(self, settings: list[DecodeSettings]) -> bool:
+        """Whether runs of these settings can take turns: not on the fixed step, whose programs share one KV cache
+        (``fixed_kv``), each run writing it from the prompt on."""
+        return not any(map(self.uses_fixed_step, settings))
 
     def run_config(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str],
                    step: str) -> RunConfig:
@@ -175,25 +222,58 @@ class Decoder:
             return False
         return not method(settings.method).drafts or self.drafter.graphable or not self.cuda_graphs
 
-    def fixed_program(self, settings: DecodeSettings, prompt_length: int):
-        """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA)."""
+    def fixed_program(self, settings: DecodeSettings, prompt_length: int) -> FixedProgram:
+        """The fixed-shape program for these settings, made once (buffers, and graphs on CUDA), on the decoder's
+        KV cache grown to this run's rows."""
         nodes = method(settings.method).nodes(settings.tree_budget, settings.block_size - 1)
         # the last step may pass max_new_tokens by a block, and its tree's rows sit after that; one scratch row
         needed = prompt_length + settings.max_new_tokens + settings.block_size + nodes + 2
         capacity = -(-needed // FIXED_CAPACITY_STEP) * FIXED_CAPACITY_STEP
-        key = (settings.method, nodes, settings.block_size, capacity, settings.record_top_k)
+        kv = self.fixed_kv(capacity)
+        key = (settings.method, nodes, settings.block_size, settings.record_top_k)
         if key not in self._programs:
-            self._programs[key] = FixedProgram(self, method(settings.method), nodes, settings.block_size, capacity,
+            self._programs[key] = FixedProgram(self, method(settings.method), nodes, settings.block_size,
                                                settings.record_top_k,
                                                graphs=self.cuda_graphs and self.target.device.type == "cuda",
                                                compile_step=self.compile_step)
-        return self._programs[key]
+        program = self._programs[key]
+        program.use(kv, capacity)
+        return program
+
+    def fixed_kv(self, capacity: int) -> FixedKV:
+        """The fixed step's one KV cache, with room for ``capacity`` rows: where it has fewer, the programs let go
+        of it and of their graphs (``FixedProgram.release``) and a cache of ``capacity`` rows takes its place (each
+        program takes it up at its next run, ``FixedProgram.use``)."""
+        if capacity > self._fixed_capacity:
+            for program in self._programs.values():
+                program.release()
+            self._fixed_kv = None  # the smaller cache goes before the larger one is allocated
+            self._fixed_capacity = capacity
+            self._fixed_kv = self.target.fixed_kv(capacity, compiled=self.compile_step)
+        return self._fixed_kv
 
     def close(self) -> None:
-        """Give back the device memory the step's graphs and programs hold before another engine
+        """Give back the device memory the step's graphs, programs and KV cache hold before another engine
         (vLLM's own, in the bench) starts; they are rebuilt if this decoder runs again."""
         self._graphed_drafts.clear()
         self._programs.clear()
+        self._fixed_kv, self._fixed_capacity = None, 0
+
+
+def race(entries: list[tuple[Decoder, DecodeSettings]], prompt: str, *, prompt_ids: list[int] | None = None,
+         on_step: Callable[[Trace, Step], None] | None = None, should_stop: Callable[[], bool] | None = None,
+         turn_s: float = TURN_S) -> Race:
+    """Runs of one prompt, each a decoder and its settings (two drafters' decoders on one target among them), in
+    turns (``engine.loop.race``); where any cannot take turns (``Decoder.takes_turns``), whole, one after another.
+    A decoder keeps its runs' buffers apart by their settings (``DecodeSettings.apart``): no two of its runs share
+    them, while two decoders' runs never do."""
+    for decoder in {id(decoder): decoder for decoder, _ in entries}.values():
+        check_apart([setting for owner, setting in entries if owner is decoder])
+    if not all(decoder.takes_turns([setting]) for decoder, setting in entries):
+        return one_after_another([decoder.run(prompt, setting, prompt_ids=prompt_ids, on_step=on_step,
+                                              should_stop=should_stop) for decoder, setting in entries])
+    return take_turns([decoder.start(prompt, setting, prompt_ids=prompt_ids, on_step=on_step, should_stop=should_stop)
+                       for decoder, setting in entries], turn_s)
 
 
 def recorded_budget(settings: DecodeSettings):
@@ -220,7 +300,7 @@ class ReadableRun(Run):
 
     def __init__(self, decoder: Decoder, settings: DecodeSettings, config: RunConfig, on_step, should_stop):
         super().__init__(decoder, settings, config, on_step, should_stop)
-        self.draft_pass = decoder.draft_pass(settings.block_size) if self.drafts else None
+        self.draft_pass = decoder.draft_pass(settings.block_size, settings.apart) if self.drafts else None
         self.budgeting = decoder.budgeting
 
     def steps(self) -> Iterator[Step]:

@@ -2,8 +2,8 @@
 
 ``EagerDraft`` runs it as plain PyTorch with a context cache that grows as tokens commit.
 ``GraphedDraft`` keeps the context in fixed buffers and replays the pass as a CUDA graph:
-on a GPU a small drafter is launch-bound, and its ~400 kernel launches cost more than the
-target's verify pass.
+on a GPU a small drafter is launch-bound: its many small kernels' launches cost more than the
+target's verify pass (kernels per stage: BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -103,10 +103,13 @@ class GraphedDraft:
         return self.buffers.log_probs(self.drafter, self.embedding, self.lm_head, features, feature_positions, added)
 
 
-def draft_log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None):
-    """The drafter's log-probabilities ``[b, block-1, vocab]`` for the slots after each block's root (``block``,
-    ``positions [b, block]``): the pass every step runs (the fixed step through its own buffers, the batched
-    step for many requests at once)."""
+def draft_log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None,
+                    depth: int | None = None):
+    """The drafter's log-probabilities ``[b, depth, vocab]`` for the first ``depth`` slots after each block's root
+    (``block``, ``positions [b, block]``; all ``block-1`` by default): the pass every step runs (the fixed step
+    through its own buffers, the batched step for many requests at once, as deep as their trees can use, since
+    the lm_head is most of the pass)."""
     hidden = drafter(drafter.embed(block, embedding), features.to(embedding.dtype), block_positions=positions,
                      context_positions=feature_positions, cache=context, context_count=added)
-    return torch.log_softmax(drafter.logits(hidden[:, 1:], lm_head).float(), dim=-1)
+    slots = hidden[:, 1:] if depth is None else hidden[:, 1:1 + depth]
+    return torch.log_softmax(drafter.logits(slots, lm_head).float(), dim=-1)

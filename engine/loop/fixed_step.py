@@ -5,15 +5,16 @@ A step is two programs over buffers that never change shape:
 
 - ``draft`` (DFlash, DDTree): the drafter's pass over ``StaticDraftContext``, fed the previous
   step's accepted rows (padded to the block) and their count;
-- ``advance``: the tree (``ddtree.fixed``: beam tree, chain, or none for AR; on a GPU the beam
-  tree is one Triton program, ``engine.gpu.beam_kernel``, for budgets up to 64), the ancestor
-  closure, one verify pass of the target over a KV cache whose write cursor is a device tensor,
+- ``advance``: the tree (``ddtree.fixed``: the best-first tree, the chain, or none for AR; on a GPU
+  the tree is one Triton program, ``engine.gpu.beam_kernel``, for budgets up to 64), the ancestor
+  mask, one verify pass of the target over a KV cache whose write cursor is a device tensor,
   the pointer-jumping walk, the KV compaction of the accepted path and the drafter's next
   context, all in place; it ends by packing what the step decided into one tensor
   (``StepLayout``), so the host reads once.
 
 The KV cache is the target's (``engine.models.protocols.FixedKV``): ``StaticKV`` (a Hugging Face model,
-``engine.models.target``) or the vLLM engine's ``PagedKV`` (``engine.on_vllm.vllm_worker``).
+``engine.models.target``) or the vLLM engine's ``PagedKV`` (``engine.on_vllm.vllm_worker``), one a decoder,
+shared by all its programs (``engine.loop.decode.Decoder.fixed_kv``).
 Nothing in the programs depends on a host value, so on CUDA each is captured once and replayed
 as a CUDA graph (``graphs=True``); on the CPU they run as written. ``FixedRun`` is
 ``engine.loop.run``'s loop with this step (greedy only: a sampled walk needs per-node draws, which
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 import ddtree
-from ddtree.fixed import FixedTree, accepted_path, ancestor_closure
+import ddtree.fixed
+from ddtree.fixed import FixedTree
 from engine.gpu.beam_kernel import fused_tree_program
 from engine.gpu.graphs import GraphedCall
 from engine.gpu.profiling import STAGE_MARK
@@ -91,10 +93,12 @@ class StepLayout:
 
 
 class FixedProgram:
-    """The buffers and the two programs of one (method, budget, block size, capacity) for one decoder."""
+    """The buffers and the two programs of one (method, budget, block size, top-k) for one decoder. The KV cache
+    is the decoder's, shared with its other programs (``use``); the drafter's context buffers are the program's
+    own, grown with it when a run needs more rows."""
 
-    def __init__(self, decoder, method: Method, nodes: int, block_size: int, capacity: int, top_k: int,
-                 graphs: bool = False, compile_step: bool = False):
+    def __init__(self, decoder, method: Method, nodes: int, block_size: int, top_k: int, graphs: bool = False,
+                 compile_step: bool = False):
         target = decoder.target
         device = target.device
         self.target, self.method, self.nodes, self.graphs = target, method, nodes, graphs
@@ -102,16 +106,16 @@ class FixedProgram:
         self.depth = block_size - 1
         top_k = min(top_k, target.config.vocab_size) if self.drafter is not None else 0
         self.layout = StepLayout(self.depth, nodes, top_k)
-        self.kv: FixedKV = target.fixed_kv(capacity, compiled=compile_step)
+        self.kv: FixedKV | None = None  # the decoder's, from ``use``
         long = dict(dtype=torch.long, device=device)
         self.root = torch.zeros(1, **long)
         self.past = torch.zeros((), **long)
         self.slots = torch.arange(self.depth + 1, **long)
         if self.drafter is not None:
             self.embedding, self.lm_head = decoder.draft_weights
-            self.buffers = DraftBuffers.allocate(self.drafter, block_size, capacity, device, self.drafter.dtype)
+            self.buffers: DraftBuffers | None = None  # from ``use``, for this program's longest run so far
+            self.prompt_rows = 0  # the context holds a padded prompt and a block after it
             self.log_probs = torch.zeros(self.depth, self.drafter.config.vocab_size, device=device)  # for advance
-            self.prompt_rows = capacity  # the context holds a padded prompt and a block after it
             self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by bucket
         else:
             self.log_probs = torch.zeros(0, 1, device=device)  # AR drafts nothing: its tree is the root alone
@@ -121,6 +125,26 @@ class FixedProgram:
             compiled(self._decide_step)
         self._tree = fused_tree_program(method.fixed, device, nodes) or compiled(method.fixed)
         self._graphs: dict[str, GraphedCall] = {}
+
+    def use(self, kv: FixedKV, capacity: int) -> None:
+        """Before a run of up to ``capacity`` rows: the decoder's KV cache (of at least as many), and the drafter's
+        context grown to as many where it holds fewer. A CUDA graph replays the addresses it was captured over:
+        where either is new, every graph is dropped and the next calls capture again."""
+        if kv is not self.kv:
+            self._graphs.clear()
+            self.kv = kv
+        if self.drafter is not None and self.prompt_rows < capacity:
+            self._graphs.clear()
+            self.buffers = None  # the shorter context goes before the longer one is allocated
+            self.buffers = DraftBuffers.allocate(self.drafter, self.depth + 1, capacity, self.target.device,
+                                                 self.drafter.dtype)
+            self.prompt_rows = capacity
+
+    def release(self) -> None:
+        """Before the decoder's KV cache grows: let go of it and of every graph captured over it, so that its
+        memory is free for the larger one (``use`` takes that one)."""
+        self._graphs.clear()
+        self.kv = None
 
     def prefill_cache(self):
         """Before a run's prefill: the target cache to write the prompt into; the drafter's emptied."""
@@ -195,12 +219,12 @@ class FixedProgram:
         """The verify pass's ids, positions and ancestor mask for the tree below the root."""
         ids = torch.cat([self.root, tree.tokens])
         positions = self.past + torch.cat([torch.zeros_like(self.root), tree.depths])
-        return ids, positions, ancestor_closure(tree.parents, self.depth)
+        return ids, positions, ddtree.fixed.ancestor_mask(tree.parents, self.depth)
 
     def _decide_step(self, tree: FixedTree, ids, visible, logits):
         """The walk along the target's choices, what it commits, and the step's packed record."""
         target_tokens = logits.argmax(dim=-1)
-        path, length, bonus = accepted_path(tree, target_tokens, visible, self.depth)
+        path, length, bonus = ddtree.fixed.follow_tree(tree, target_tokens, visible, self.depth)
         along = ids.index_select(0, torch.cat([path[1:], path[-1:]]))
         committed = torch.where(self.slots < length - 1, along, bonus)
         top2 = logits.index_select(0, path).float().topk(2, dim=-1).values

@@ -107,8 +107,8 @@ def drafter_folders(*given: str | None) -> list[str]:
 def draft_dtype_for(target, choice: str = AUTO) -> torch.dtype:
     """The dtype the drafter runs in: ``auto`` is bfloat16 beside a float32 target on a CPU with
     native bf16 matrix units (the drafter's 15-row lm_head reads a vocabulary-sized matrix every
-    step: bf16 halves that and runs about 3x faster there), else the target's own dtype. Only the
-    proposals change: the target verifies every token in its own dtype."""
+    step: bf16 halves that and runs faster there; BENCHMARKS.md has the CPU settings with bf16 drafts), else
+    the target's own dtype. Only the proposals change: the target verifies every token in its own dtype."""
     if choice != AUTO:
         return resolve_dtype(choice)
     cpu_bf16 = target.device.type == "cpu" and cpu_has_bf16()

@@ -83,21 +83,48 @@ class Run:
         self.cache = self.target.new_cache()
         self.output_ids: list[int] = []
         self.text = TextStream(self.target.decode)
+        self.trace: Trace | None = None  # made by the prefill, whole once the run ends
+        self.left_at: float | None = None  # when its last turn among others' ended (``turn``)
 
-    def execute(self) -> Trace:
+    def __iter__(self) -> Iterator[Step]:
+        """The generation a step at a time: the prefill comes with the first step, and once the last is taken
+        ``trace`` is whole. ``execute`` runs it through; ``engine.loop.race`` gives several runs turns."""
         self.t0 = self.clock.now()
-        trace = Trace(config=self.config, prefill=self.prefill())
+        self.trace = Trace(config=self.config, prefill=self.prefill())
         stop_reason = self.stop_reason()
         steps = self.steps()
         while stop_reason is None:
             step = next(steps)
-            trace.steps.append(step)
+            self.trace.steps.append(step)
             if self.on_step is not None:
-                self.on_step(trace, step)
+                self.on_step(self.trace, step)
+            yield step
             stop_reason = self.stop_reason()
         self.settle()
-        trace.summary = summarize(self.config, trace.prefill, trace.steps, self.elapsed(), stop_reason)
-        return trace
+        self.conclude(stop_reason)
+
+    def execute(self) -> Trace:
+        for _ in self:
+            pass
+        return self.trace
+
+    @contextmanager
+    def turn(self):
+        """One turn of this run among others' (``engine.loop.race``): its clock runs during its own turns only,
+        so its trace's times count its own steps alone."""
+        if self.left_at is not None:
+            self.t0 += self.clock.now() - self.left_at
+        try:
+            yield
+        finally:
+            self.settle()  # a step launched ahead is this run's work, not the next run's
+            self.left_at = self.clock.now()
+
+    def conclude(self, stop_reason: str) -> Trace:
+        """The trace summarized as the clock stops, then given the text of every token it shows."""
+        self.trace.summary = summarize(self.config, self.trace.prefill, self.trace.steps, self.elapsed(), stop_reason)
+        self.trace.carry_token_texts(self.target.token_text)
+        return self.trace
 
     def steps(self) -> Iterator[Step]:
         """The generation's steps, in order (a step kind's own)."""

@@ -67,6 +67,11 @@ class DecodeSettings:
         """``ar``, ``dflash``, ``ddtree@32``, ``ddtree@auto``: the run's label (``engine.methods``)."""
         return method(self.method).label(self.tree_budget)
 
+    @property
+    def apart(self) -> tuple[str, str]:
+        """What tells runs apart where they take turns (``engine.loop.race``): each keeps buffers of its own."""
+        return self.label, self.trace_detail
+
     def warm_up(self) -> DecodeSettings:
         """The same run cut short, past two steps that each accept a whole block of 16: it builds (compiles,
         captures) every program this run will use, so that a timed run after it pays for none of them."""

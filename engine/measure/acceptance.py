@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import ddtree
+from engine.methods import Method
 
 # bands of the target's own confidence in its next token, for first-slot hit rates
 CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)
@@ -29,12 +30,13 @@ class Proposals:
         return list(zip(hits, self.confidence.tolist()))
 
 
-def replay(proposals: Proposals, method: str, tree_budget: int) -> list[int]:
-    """The acceptance length of every step (tokens committed) of greedy ``method`` along the output."""
+def replay(proposals: Proposals, method: Method, tree_budget: int) -> list[int]:
+    """The acceptance length of every step (tokens committed) of greedy ``method`` along the output, its trees
+    built on the top-k columns (``method.readable``, as the readable step builds them)."""
     output, lengths, j = proposals.output_ids, [], 0
     while j < len(output) - 1:
         log_probs, tokens = proposals.log_probs[j], proposals.tokens[j]
-        tree = ddtree.chain_tree(log_probs) if method == "dflash" else ddtree.build_tree(log_probs, tree_budget)
+        tree = method.readable(log_probs, method.nodes(tree_budget, log_probs.shape[0]))
         depths = tree.depths.tolist()
         # AR's choice after every node: nodes off AR's path are never reached, whatever they hold
         after = [output[j + 1 + d] if j + 1 + d < len(output) else -1 for d in [0] + depths]

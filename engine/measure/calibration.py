@@ -7,8 +7,9 @@ Otherwise ``StartupTiming`` times the budgets on this machine, one at a time, in
 (the page shows its progress), and keeps every timing in a cache (``~/.cache/ddtree-studio``), so a
 second start times only what is still missing.
 
-Which budget: a visitor comes to see a tree, and the fastest budget on a CPU drafts a chain of four.
-So the page opens at the largest budget within ``NEAR_FASTEST`` of the fastest one's speed-up.
+Which budget: a visitor comes to see a tree, and on a CPU the fastest budget drafts little more than a chain
+(README, "The first start"). So the page opens at the largest budget within ``NEAR_FASTEST`` of the fastest
+one's speed-up.
 
 Speed-up = τ ÷ step cost. τ at each budget is the drafter's: its measured acceptance curve
 (``acceptance`` in the drafter's config.json, written from a bench run on prompts it never
@@ -32,18 +33,21 @@ import torch
 from engine.loop.decode import Decoder, step_kind
 from engine.loop.settings import DecodeSettings
 from engine.measure.economics import Economics, Timing, economics
+from engine.measure.fairness import ArReference
+from engine.methods import BASELINE, DFLASH, TREE, budget_sweep
 
 CANDIDATE_BUDGETS = (4, 8, 16, 32, 64)
 CALIBRATION_PROMPT = "Explain briefly how a refrigerator keeps food cold."
 CALIBRATION_TOKENS = 16
 FALLBACK_BUDGET = 32  # no drafter to time
-PROVISIONAL_BUDGET = 16  # while the timing runs: a tree that branches, within 5% of the CPU's fastest in the bench
+PROVISIONAL_BUDGET = 16  # while the timing runs: a tree that branches, the CPU bench's (README, "The first start")
 NEAR_FASTEST = 0.95  # a budget at 95% of the fastest budget's speed-up still counts as fast
 MEASURED_BUDGETS = Path(__file__).resolve().parent.parent.parent / "assets" / "budgets.json"
 
 
 def cache_dir() -> Path:
-    """Where the app keeps what it measured or compiled between starts (``DDTREE_STUDIO_CACHE`` moves it)."""
+    """The Studio's one cache folder, read at each call (``DDTREE_STUDIO_CACHE`` moves it): what the app keeps
+    between starts (timings, compiled code) and the vLLM engine's converted model folders."""
     return Path(os.environ.get("DDTREE_STUDIO_CACHE") or Path.home() / ".cache" / "ddtree-studio")
 
 
@@ -60,6 +64,7 @@ class BudgetChoice:
     tau_source: str
     measured: dict | None = None  # the bench's record for this kind of machine, when it decided
     machine: str = ""
+    ar: ArReference | None = None  # AR's speed here, as the record or the timing found it (``engine.measure.fairness``)
 
     def sentence(self) -> str:
         if self.measured is not None:
@@ -92,7 +97,7 @@ class BudgetChoice:
 def acceptance_curve(decoder: Decoder) -> dict[int, float]:
     """The drafter's measured τ per DDTree budget, if its checkpoint records one."""
     recorded = decoder.drafter.config.acceptance if decoder.drafter is not None else {}
-    return {int(budget): float(tau) for budget, tau in recorded.get("ddtree", {}).items()}
+    return {int(budget): float(tau) for budget, tau in recorded.get(TREE.name, {}).items()}
 
 
 def recorded_choice(decoder: Decoder) -> BudgetChoice | None:
@@ -102,13 +107,15 @@ def recorded_choice(decoder: Decoder) -> BudgetChoice | None:
     if entry is None or entry.get("drafter_revision") != decoder.drafter_info.revision or "budgets" not in entry:
         return None
     speedups = {int(budget): row["speedup_vs_ar"] for budget, row in entry["budgets"].items()}
-    return BudgetChoice(pick_budget(speedups), {}, "the bench", entry, key)
+    ar = entry.get("ar_decode_tokens_per_s")
+    reference = ArReference(ar, "the bench recorded", f"on this kind of machine ({key})") if ar else None
+    return BudgetChoice(pick_budget(speedups), {}, "the bench", entry, key, reference)
 
 
 @dataclass
 class StartupTiming:
-    """Step costs timed on this machine, label by label ("ar", then each budget), each kept in ``path``
-    as soon as it is measured: a start that is cut short loses nothing it had timed."""
+    """Step costs timed on this machine, label by label (AR's run label, then each DDTree budget as a number),
+    each kept in ``path`` as soon as it is measured: a start that is cut short loses nothing it had timed."""
 
     decoder: Decoder
     budgets: tuple[int, ...] = CANDIDATE_BUDGETS
@@ -128,7 +135,7 @@ class StartupTiming:
 
     @property
     def labels(self) -> list[str]:
-        return ["ar", *map(str, self.budgets)]
+        return [BASELINE.label(), *map(str, self.budgets)]
 
     def missing(self) -> list[str]:
         return [label for label in self.labels if label not in self.timings]
@@ -141,11 +148,11 @@ class StartupTiming:
         """One label's warm-up and timed run; the first of a start also warms DFlash up, so the page's
         first runs do not pay one-time costs (allocation; on a GPU, CUDA graph capture)."""
         ids = self.decoder.target.chat_ids(self.prompt)
-        setting = (DecodeSettings("ar", max_new_tokens=self.tokens) if label == "ar" else
-                   DecodeSettings("ddtree", max_new_tokens=self.tokens, tree_budget=int(label)))
+        setting = (DecodeSettings(BASELINE.name, max_new_tokens=self.tokens) if label == BASELINE.label() else
+                   DecodeSettings(TREE.name, max_new_tokens=self.tokens, tree_budget=int(label)))
         warm_tokens = self.tokens if self.decoder.target.device.type == "cuda" else 4
         if label == self.missing()[0]:
-            self.decoder.run(prompt_ids=ids, settings=DecodeSettings("dflash", max_new_tokens=warm_tokens))
+            self.decoder.run(prompt_ids=ids, settings=DecodeSettings(DFLASH.name, max_new_tokens=warm_tokens))
         self.decoder.run(prompt_ids=ids, settings=replace(setting, max_new_tokens=warm_tokens))
         self.timings[label] = Timing.of([self.decoder.run(prompt_ids=ids, settings=setting).summary])
         self._save()
@@ -161,7 +168,9 @@ class StartupTiming:
                                       entry.speedup_vs_ar)
         source = "the drafter's acceptance curve" if all(b in curve for b in self.budgets) else "the timing runs"
         best = pick_budget({budget: entry.predicted_speedup or 0.0 for budget, entry in table.items()})
-        return BudgetChoice(best, table, source, machine=machine_key(self.decoder))
+        ar_step_s = self.timings[BASELINE.label()].step_s
+        reference = ArReference(1 / ar_step_s, "the start-up timing measured", "on this machine") if ar_step_s else None
+        return BudgetChoice(best, table, source, machine=machine_key(self.decoder), ar=reference)
 
     def _cache(self) -> dict:
         try:
@@ -175,20 +184,6 @@ class StartupTiming:
         kept = self._cache() | {self.key: {label: asdict(timing) for label, timing in self.timings.items()}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(kept, indent=1) + "\n")
-
-
-def choose_budget(decoder: Decoder, budgets: tuple[int, ...] = CANDIDATE_BUDGETS, prompt: str = CALIBRATION_PROMPT,
-                  tokens: int = CALIBRATION_TOKENS, cache: Path | None = None) -> BudgetChoice:
-    """The page's budget in one call: the bench's record if it fits, else every missing label timed now."""
-    if decoder.drafter is None:
-        return BudgetChoice(FALLBACK_BUDGET, {}, "no drafter to time")
-    recorded = recorded_choice(decoder)
-    if recorded is not None:
-        return recorded
-    timing = StartupTiming(decoder, budgets, prompt, tokens, cache)
-    for label in timing.missing():
-        timing.time(label)
-    return timing.choice()
 
 
 def machine_key(decoder: Decoder) -> str:
@@ -213,17 +208,20 @@ def record_best(results_path: str, path: Path = MEASURED_BUDGETS) -> tuple[str, 
     opens at ``pick_budget`` of them."""
     results = json.loads(Path(results_path).read_text())
     config, summary = results["config"], results.get("summary") or {}
-    budgets = {int(label.split("@")[1]): row for label, row in summary.items()
-               if label.startswith("ddtree@") and ":" not in label}
+    budgets = {budget: summary[label] for budget, label in budget_sweep(summary).items()}
     if not budgets:
         raise ValueError(f"{results_path} has no best DDTree budget: bench DDTree at one budget or more")
     gpu = config["host"].get("gpu") if str(config["device"]).startswith("cuda") else None
     # results from before --step ran the readable loop
     step = step_kind(config.get("step") == "fixed", bool(config.get("compile_step")))
     key = _key(gpu, config["host"]["threads"], config["engine"], config["dtype"], step, config.get("draft_dtype"))
+    ar = [run for run in results["runs"] if run["label"] == BASELINE.label()]
+    ar_decoding_s = sum(run["wall_s"] - run["prefill_s"] for run in ar)
     entry = {"budgets": {str(budget): {"tokens_per_s": round(row["tokens_per_s"], 1),
                                        "speedup_vs_ar": round(row["speedup_vs_ar"], 3), "tau": round(row["tau"], 3)}
                          for budget, row in sorted(budgets.items())},
+             # the yardstick of a disturbed page (``engine.measure.fairness``): AR's tokens a second, no prompt pass
+             "ar_decode_tokens_per_s": round(sum(run["verify_steps"] for run in ar) / ar_decoding_s, 1),
              "drafter_revision": config["drafter_revision"], "prompts": config["prompts"],
              "results": str(results_path)}
     table = measured_budgets(path) | {key: entry}

@@ -39,6 +39,7 @@ from engine.measure.doctor_checks import (
     static_checks,
     variant_wirings,
 )
+from engine.methods import BASELINE, DFLASH, TREE
 from engine.models import hybrid
 from engine.models.drafter import ScriptedDrafter, block_inputs, block_visibility
 
@@ -53,13 +54,13 @@ DEFAULT_PROMPTS = (
 DEFAULT_BUDGETS = (4, 16, 64)
 CHANCE = 0.05  # first-slot hits below this, with no wiring doing better: the drafter has learned nothing here
 FAR_GAIN, FAR_RATIO = 0.15, 1.5  # "far higher": at least this many points more and this many times as many hits
-# a small drafter shrugs a one-layer shift off at its first slot (the shipped one: 62% against 60-61%) and shows
-# it in its chains (2.55 draft tokens kept against 1.8-2.1) and the likelihood of the right tokens
+# a small drafter shrugs a one-layer shift off at its first slot and shows it in its chains and the likelihood of the
+# right tokens (the shipped drafter's figures: docs/HISTORY.md, "Lab notes moved out of the code")
 LONGER, LIKELIER = 1.15, 0.05  # chains this many times as long (and 0.05 tokens more), 0.05 nats a slot likelier
 ROOTS_PER_PASS = 32  # blocks in one drafter pass: a [32*15, vocab] logits chunk stays small
 CALIBRATION_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-# Judged roots: below this many the wiring probes' differences are noise (one prompt of 8 tokens once named the
-# shipped drafter's wiring a fault). A first-slot rate on n roots has a standard error of at most 0.5 / sqrt(n)
+# Judged roots: below this many the wiring probes' differences are noise (a short probe can name a healthy wiring a
+# fault). A first-slot rate on n roots has a standard error of at most 0.5 / sqrt(n)
 # (binomial, at p = 1/2), the difference of two rates at most sqrt(2) times that; "far more hits" (FAR_GAIN) must
 # be at least two standard errors of that difference: n >= 2 * (2 * 0.5 / FAR_GAIN) ** 2, 89 roots.
 MIN_JUDGED_ROOTS = math.ceil(2 * (2 * 0.5 / FAR_GAIN) ** 2)
@@ -195,7 +196,7 @@ class DoctorReport:
     positions: list[PositionStats] = field(default_factory=list)
     confidence_bands: list[ConfidenceBand] = field(default_factory=list)
     calibration: list[CalibrationBin] = field(default_factory=list)
-    tau: dict[str, float] = field(default_factory=dict)  # "dflash", "ddtree@B"
+    tau: dict[str, float] = field(default_factory=dict)  # by run label: DFlash's, DDTree's at each budget
     wirings: list[WiringResult] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -288,7 +289,7 @@ def greedy_outputs(decoder: Decoder, prompt_ids: list[list[int]], max_new_tokens
     recurrent layers would run through the padding: it decodes each prompt alone, as AR."""
     target, pacer = decoder.target, pacer or Pacer()
     if hybrid.is_hybrid(target.config) or len(prompt_ids) == 1:
-        settings = DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens")
+        settings = DecodeSettings(BASELINE.name, max_new_tokens=max_new_tokens, trace_detail="tokens")
         pacer.stage(GREEDY_STAGE, len(prompt_ids) * max_new_tokens, after=None)
         outputs = []
         for ids in prompt_ids:
@@ -435,12 +436,12 @@ def calibration(scores: list[BlockScores]) -> list[CalibrationBin]:
 
 def replayed_tau(scores: list[BlockScores], runs: list[PromptPass], budgets: tuple[int, ...]) -> dict[str, float]:
     """DFlash and DDTree τ, their greedy steps replayed along each output (``engine.measure.acceptance``)."""
-    lengths: dict[str, list[int]] = {"dflash": []} | {f"ddtree@{b}": [] for b in budgets}
+    replayed = [(DFLASH, 0)] + [(TREE, budget) for budget in budgets]
+    lengths: dict[str, list[int]] = {method.label(budget): [] for method, budget in replayed}
     for score, run in zip(scores, runs):
         proposals = Proposals(run.ids[run.prompt_length:].tolist(), score.log_probs, score.tokens, run.confidence)
-        for name in lengths:
-            method, _, budget = name.partition("@")
-            lengths[name] += replay(proposals, method, int(budget or 0))
+        for method, budget in replayed:
+            lengths[method.label(budget)] += replay(proposals, method, budget)
     return {name: sum(values) / len(values) if values else 0.0 for name, values in lengths.items()}
 
 

@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from engine.methods import BASELINE
 from engine.trace import Summary
 
 
@@ -64,8 +65,8 @@ class Economics:
         return asdict(self)
 
 
-def economics(timings: dict[str, Timing], baseline: str = "ar") -> dict[str, Economics]:
-    """Each method's τ, step cost in ``baseline`` steps, predicted and measured speed-up over it."""
+def economics(timings: dict[str, Timing], baseline: str = BASELINE.label()) -> dict[str, Economics]:
+    """Each run label's τ, step cost in ``baseline`` steps, predicted and measured speed-up over it."""
     reference = timings.get(baseline)
     ar_step = reference.step_s if reference else None
     result = {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import EngineError
+from engine.methods import BASELINE, DFLASH, TREE, budget_sweep
 from engine.trace import NATIVE_AR, NATIVE_MTP
 
 # DDTree paper (arXiv 2604.12989), Qwen3-8B, MATH-500, T=0, 8×H200: τ and measured speed-up vs AR per
@@ -26,7 +27,7 @@ PAPER_QWEN3_8B = {
     "source": "Ringel & Romano 2026 (DDTree), Qwen3-8B, MATH-500, greedy, Figure 3",
     "tau": {16: 8.61, 32: 9.27, 64: 9.75, 128: 10.20, 256: 10.43, 512: 10.73, 1024: 10.98},
     "speedup": {16: 6.09, 32: 6.60, 64: 6.97, 128: 7.33, 256: 7.43, 512: 7.52, 1024: 6.82},
-    "dflash": {"tau": 7.79, "speedup": 5.56},
+    DFLASH.name: {"tau": 7.79, "speedup": 5.56},
     # liranringel/ddtree's benchmark.py times AR as dflash_generate(block_size=1): transformers, sdpa, bf16, eager
     "baseline": "the reference code's own AR (transformers, eager, sdpa: benchmark.py's block-size-1 run), a slower "
                 "baseline than vLLM's CUDA-graph AR, so there a tree costs fewer AR steps than here",
@@ -48,7 +49,7 @@ ASSUMPTIONS = (
 
 @dataclass(frozen=True)
 class Projection:
-    label: str  # "dflash" or "ddtree@B"
+    label: str  # DFlash's run label, or DDTree's at a budget
     budget: int | None
     step_ms: float
     cost: float  # step cost in baseline AR steps
@@ -70,24 +71,27 @@ def baseline_ms(results: dict) -> tuple[str, float]:
     native = [run for run in results["runs"] if run["label"] == NATIVE_AR]
     if native:
         return "vLLM's own AR", 1000 * sum(run["wall_s"] for run in native) / sum(run["new_tokens"] for run in native)
-    if "ar" in results["summary"] and results["summary"]["ar"].get("step_ms"):
-        return "the Studio's AR", results["summary"]["ar"]["step_ms"]
+    studio_ar = results["summary"].get(BASELINE.label(), {})
+    if studio_ar.get("step_ms"):
+        return "the Studio's AR", studio_ar["step_ms"]
     raise EngineError("the results hold no AR baseline: bench with --methods ar (and --native ar on the vLLM engine)")
 
 
 def project(results: dict, curve: dict) -> tuple[str, float, list[Projection]]:
     """Per DFlash and DDTree budget in ``results``: its step cost in baseline AR steps and the projected
-    speed-ups with τ from ``curve`` (``{"dflash": τ, "ddtree": {budget: τ}}``) and from the paper."""
+    speed-ups with τ from ``curve`` (a drafter's ``acceptance``: DFlash's τ, and DDTree's per budget) and from
+    the paper."""
     name, ar_ms = baseline_ms(results)
-    ours = {int(budget): tau for budget, tau in curve.get("ddtree", {}).items()}
+    ours = {int(budget): tau for budget, tau in curve.get(TREE.name, {}).items()}
+    budgets = {label: budget for budget, label in budget_sweep(results["summary"]).items()}
+    paper_chain = PAPER_QWEN3_8B[DFLASH.name]
     rows = []
     for label, entry in results["summary"].items():
-        if not entry.get("step_ms") or not (label == "dflash" or label.startswith("ddtree@")) or ":" in label:
+        if not entry.get("step_ms") or not (label == DFLASH.label() or label in budgets):
             continue
-        budget = int(label.removeprefix("ddtree@")) if label != "dflash" else None
+        budget = budgets.get(label)
         if budget is None:
-            tau_ours, tau_paper, reported = curve.get("dflash"), PAPER_QWEN3_8B["dflash"]["tau"], \
-                PAPER_QWEN3_8B["dflash"]["speedup"]
+            tau_ours, tau_paper, reported = curve.get(DFLASH.name), paper_chain["tau"], paper_chain["speedup"]
         else:
             tau_ours, tau_paper = ours.get(budget), PAPER_QWEN3_8B["tau"].get(budget)
             reported = PAPER_QWEN3_8B["speedup"].get(budget)

@@ -87,61 +87,69 @@ class BatchKV(_Rows):
         super().__init__(text.num_hidden_layers, heads, head_dim, rows, capacity, dtype, device)
 
     def packed(self, layout: BatchLayout) -> _PackedWrite:
-        """The cache a packed pass over ``layout`` writes into and reads (rows 0..B-1)."""
-        self.reserve(layout.requests, layout.width)
-        return _PackedWrite(self, layout.kv_rows, layout.kv_columns, 0, layout.requests, layout.width)
+        """The cache a packed pass over ``layout`` writes into and reads (its requests' rows)."""
+        self.reserve(int(layout.rows.max()) + 1, layout.width)
+        return _PackedWrite(self, layout.kv_rows, layout.kv_columns, rows_read(layout.rows), layout.width)
 
     def padded(self, layout: BatchLayout) -> _PaddedWrite:
         """The cache a padded pass (``[B, T_max]`` tokens, padding rows and all) writes into and reads."""
         past = layout.kv_columns[layout.query_start_loc[:-1]]  # [B]: each request's root column
         columns = past[:, None] + torch.arange(layout.padded.shape[1], device=past.device)  # [B, T_max]
         width = int(columns.max()) + 1
-        self.reserve(layout.requests, width)
-        return _PaddedWrite(self, columns, width)
+        self.reserve(int(layout.rows.max()) + 1, width)
+        return _PaddedWrite(self, layout.rows, columns, rows_read(layout.rows), width)
 
     def prompt(self, row: int, start: int, length: int) -> _PackedWrite:
         """The cache a prompt's chunk writes into: ``length`` tokens of request ``row`` from column ``start``."""
         self.reserve(row + 1, start + length)
         columns = torch.arange(start, start + length, device=self.device)
-        return _PackedWrite(self, torch.full_like(columns, row), columns, row, 1, start + length)
+        return _PackedWrite(self, torch.full_like(columns, row), columns, slice(row, row + 1), start + length)
+
+
+def rows_read(rows: torch.Tensor) -> slice | torch.Tensor:
+    """How a pass reads its requests' rows: a view where they are consecutive (the usual case), else gathered."""
+    first = int(rows[0])
+    if torch.equal(rows, torch.arange(first, first + rows.numel(), device=rows.device)):
+        return slice(first, first + rows.numel())
+    return rows
 
 
 @dataclass
 class _PackedWrite:
     """``update`` as transformers' attention layers call it: the pass's keys and values ``[1, heads, T, dim]``
-    written token by token at (``kv_rows``, ``kv_columns``); returns rows ``first..first+count-1``,
-    ``[count, heads, width, dim]``: the batch's rows for a packed pass, one request's for a prompt chunk."""
+    written token by token at (``kv_rows``, ``kv_columns``); returns the rows ``read``, ``[B, heads, width, dim]``:
+    the batch's requests for a packed pass, one request for a prompt chunk."""
 
     kv: BatchKV
     kv_rows: torch.Tensor  # [T]
     kv_columns: torch.Tensor  # [T]
-    first: int
-    count: int
+    read: slice | torch.Tensor
     width: int
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = self.kv.keys[layer_idx], self.kv.values[layer_idx]
         keys[self.kv_rows, :, self.kv_columns] = key_states[0].transpose(0, 1)  # [T, heads, dim]
         values[self.kv_rows, :, self.kv_columns] = value_states[0].transpose(0, 1)
-        rows = slice(self.first, self.first + self.count)
-        return keys[rows, :, : self.width], values[rows, :, : self.width]
+        return keys[self.read][:, :, : self.width], values[self.read][:, :, : self.width]
 
 
 @dataclass
 class _PaddedWrite:
-    """``update`` for a padded pass: keys ``[B, heads, T_max, dim]``, row b's token i at column ``columns[b, i]``."""
+    """``update`` for a padded pass: keys ``[B, heads, T_max, dim]``, request b's token i at row ``rows[b]``,
+    column ``columns[b, i]``."""
 
     kv: BatchKV
+    rows: torch.Tensor  # [B]
     columns: torch.Tensor  # [B, T_max]
+    read: slice | torch.Tensor
     width: int
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = self.kv.keys[layer_idx], self.kv.values[layer_idx]
-        requests = self.columns.shape[0]
-        rows = torch.arange(requests, device=self.columns.device)[:, None].expand_as(self.columns)
+        rows = self.rows[:, None].expand_as(self.columns)
         keys[rows, :, self.columns] = key_states.transpose(1, 2)  # [B, T_max, heads, dim]
         values[rows, :, self.columns] = value_states.transpose(1, 2)
-        return keys[:requests, :, : self.width], values[:requests, :, : self.width]
+        return keys[self.read][:, :, : self.width], values[self.read][:, :, : self.width]
 
 
 # ---------------------------------------------------------------- the packed pass's attention
@@ -234,8 +242,7 @@ class BatchDraftContext(_Rows):
         self.reserve(max(rows) + 1, 0)
         width = int(self.lengths[index].max()) + new
         self.reserve(0, width)
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        return _DraftRows(self, index, slice(rows[0], rows[0] + len(rows)) if contiguous else index, width)
+        return _DraftRows(self, index, rows_read(index), width)
 
 
 @dataclass

@@ -58,6 +58,8 @@ class TargetModel(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_text(self, token: int) -> str: ...  # one token alone, special tokens written out (a trace's text)
+
     def new_cache(self): ...  # the readable step's cache, passed back into ``forward`` and ``commit``
 
     def tree_bias(self, visible: torch.Tensor, past_length: int) -> torch.Tensor: ...
@@ -75,7 +77,9 @@ class TargetModel(Protocol):
 @runtime_checkable
 class FixedKV(Protocol):
     """The fixed-shape step's KV cache: buffers that never change shape, a write cursor held in a
-    device tensor, so that a step's programs replay as CUDA graphs."""
+    device tensor, so that a step's programs replay as CUDA graphs. A decoder keeps one, shared by all its
+    programs (each run rewrites it from its prompt on), and asks ``TargetModel.fixed_kv`` for a larger one
+    when a run needs more rows (``engine.loop.decode.Decoder.fixed_kv``)."""
 
     forks_states: bool  # linear-attention states fork per tree node: even AR's one token commits
 

@@ -95,7 +95,7 @@ class Target:
         if self.tokenizer.chat_template is None:
             if [message["role"] for message in messages] != ["user"]:
                 raise EngineError(f"{self.name} has no chat template to mark the turns of a conversation: send one "
-                                  "user message, or the text itself as a completion")
+                                  "user message, or the text itself as a completion", field="prompt")
             return self.text_ids(messages[0]["content"])
         encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
@@ -106,6 +106,10 @@ class Target:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """One token's own text, a special token's too (``<|im_end|>``): how a trace shows the token."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def new_cache(self):
         from transformers import DynamicCache

@@ -27,6 +27,7 @@ from engine.gpu.profiling import KernelProfile
 from engine.loop.decode import Decoder, DrafterInfo, check_drafter_fits
 from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
 from engine.loop.settings import DecodeSettings
+from engine.measure.calibration import cache_dir
 from engine.models.convert import convert, tensor_parallel_copy
 from engine.models.drafter import DFlashDrafter, drafter_shape
 from engine.models.hybrid import is_hybrid
@@ -40,16 +41,15 @@ from engine.models.target import (
     shape_tokenizer,
     stop_token_ids,
 )
-from engine.trace import Step, Trace
+from engine.trace import NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP, Step, Trace
 
 VLLM_VERSION = "0.23.0"  # requirements-gpu.txt pins it; the worker extension reads its internals
 REPO = Path(__file__).resolve().parent.parent.parent
-CONVERTED = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree-studio"))
 # vLLM's own runs (the baseline) serve one request at a time with room for 8: its AR on the bundled model runs
-# faster at 8 than at its shipped default (1,024 here), each output first leaving the Studio's AR at the same token
-# at both (`gpu_session.sh baseline`: benchmarks/baseline/gpu-vllm-baseline-8.json against
-# gpu-vllm-baseline-default.json); and a hybrid's state blocks (one per sequence) for that default do not fit
-# beside the Studio's engine at 27B (159 at 0.45).
+# faster at 8 than at its shipped default, each output first leaving the Studio's AR at the same token at both
+# (`gpu_session.sh baseline`: benchmarks/baseline/gpu-vllm-baseline-8.json against gpu-vllm-baseline-default.json);
+# and at that default a hybrid's state blocks (one per sequence) do not fit beside the Studio's engine at 27B
+# (the figures: docs/HISTORY.md, "Lab notes moved out of the code").
 NATIVE_MAX_SEQS = 8
 
 
@@ -92,15 +92,15 @@ def require_vllm():
 
 def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
     """An HF folder or id vLLM can load. The bundled GGUF (or any .gguf) is converted once, in
-    float32, and given attention heads that split over ``tensor_parallel_size`` GPUs if its own
-    do not (``split_heads_folder``)."""
+    float32, into the Studio's cache (``cache_dir``), and given attention heads that split over
+    ``tensor_parallel_size`` GPUs if its own do not (``split_heads_folder``)."""
     name = name or BUNDLED_MODEL
     if name != BUNDLED_MODEL and not name.endswith(".gguf"):
         return name
     gguf = bundled_gguf() if name == BUNDLED_MODEL else Path(name)
     if not gguf.is_file():
         raise EngineError(f"GGUF file {name!r} does not exist")
-    folder = CONVERTED / f"{gguf.stem}-float32"
+    folder = cache_dir() / f"{gguf.stem}-float32"
     _write_once(folder, lambda out: convert(gguf, out, torch.float32))
     return split_heads_folder(folder, tensor_parallel_size)
 
@@ -116,7 +116,7 @@ def split_heads_folder(folder: str | Path, tensor_parallel_size: int) -> str:
         return str(folder)
     weights = sorted(folder.glob("*.safetensors"))
     source = f"{folder.resolve()}|" + "|".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
-    split = CONVERTED / f"{folder.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}-tp{tensor_parallel_size}"
+    split = cache_dir() / f"{folder.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}-tp{tensor_parallel_size}"
     _write_once(split, lambda out: tensor_parallel_copy(folder, out, tensor_parallel_size))
     return str(split)
 
@@ -275,19 +275,15 @@ class VllmDecoder(Decoder):
         super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step,
                          compile_step=options.compile_step, timing_only=options.random_weights)
 
-    def run(self, prompt: str = "", settings: DecodeSettings = DecodeSettings("ar"), *,
-            prompt_ids: list[int] | None = None, on_step: Callable[[Trace, Step], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> Trace:
-        """The whole generation runs in the workers: ``on_step`` sees the steps once it is over,
-        and ``should_stop`` is read only before it starts."""
-        if prompt_ids is None:
-            if not prompt.strip():
-                raise EngineError("the prompt is empty: type a message for the model to answer")
-            prompt_ids = self.target.chat_ids(prompt)
-        self.prepare(settings, len(prompt_ids))  # bad settings fail here, before any worker is busy
+    def run_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                     on_step: Callable[[Trace, Step], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> Trace:
+        """The whole generation runs in the workers, on the settings prepared here (``Decoder.run`` prepares them:
+        bad settings fail before any worker is busy; the workers run them as they are): ``on_step`` sees the
+        steps once it is over, and ``should_stop`` is read only before it starts."""
         if should_stop is not None and should_stop():
             raise EngineError("stopped before the run started")
-        raw = self.llm.collective_rpc("studio_run", args=(prompt, list(prompt_ids), asdict(settings)))[0]
+        raw = self.llm.collective_rpc("studio_run", args=(prompt, list(prompt_ids), asdict(settings), list(notes)))[0]
         trace = Trace.from_json(raw)
         trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
                                   f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}, "
@@ -298,9 +294,17 @@ class VllmDecoder(Decoder):
                 on_step(trace, step)
         return trace
 
+    def start(self, *args, **kwargs):
+        raise EngineError("the vLLM engine runs each generation whole in its workers: it has no run to hand out "
+                          "step by step; call run, or race (which runs the methods one after another)")
+
+    def takes_turns(self, settings: list[DecodeSettings]) -> bool:
+        return False  # the loop runs in the workers, a generation at a time
+
     def kernel_profile(self, prompt_ids: list[int], settings: DecodeSettings) -> KernelProfile:
-        self.prepare(settings, len(prompt_ids))
-        return KernelProfile(**self.llm.collective_rpc("studio_kernels", args=(list(prompt_ids), asdict(settings)))[0])
+        settings, notes = self.prepare(settings, len(prompt_ids))
+        return KernelProfile(**self.llm.collective_rpc("studio_kernels",
+                                                       args=(list(prompt_ids), asdict(settings), notes))[0])
 
     def close(self) -> None:
         """Stop the workers, whose engine holds its share of the GPU until then; nothing runs here after."""
@@ -318,6 +322,29 @@ def load_vllm_decoder(model: str | None, drafter: str | None, dtype: str = "bflo
         drafter = str(shipped_drafter())
     info = drafter_info(drafter, timing_only=options.random_weights) if drafter else DrafterInfo("none", trained=False)
     return VllmDecoder(model, drafter, info, dtype=dtype, seed=seed, options=options)
+
+
+@dataclass(frozen=True)
+class NativeDecoder:
+    """One of vLLM's own decoders, a baseline the bench times beside the Studio's (``--native``): vLLM's AR, or
+    its speculative decoding with the Studio's drafter (vLLM's DFlash) or with the target's own
+    multi-token-prediction layers (MTP). Its own table: these are vLLM's modes, none of them a Studio method."""
+
+    option: str  # what ``--native`` calls it
+    label: str  # its runs' label in a results file (``engine.trace``)
+    our_drafter: bool = False  # drafts with the Studio's drafter (vLLM's DFlash)
+    mtp: bool = False  # drafts with the target's own multi-token-prediction layers
+    cuda_graphs: bool = True  # vLLM's own CUDA graphs (off: compiled without them, as ``--vllm-compile`` runs ours)
+
+    @property
+    def drafts(self) -> bool:
+        return self.our_drafter or self.mtp
+
+
+NATIVE_DECODERS = (NativeDecoder("ar", NATIVE_AR),
+                   NativeDecoder("ar-graphless", NATIVE_AR_GRAPHLESS, cuda_graphs=False),
+                   NativeDecoder("dflash", NATIVE_DFLASH, our_drafter=True),
+                   NativeDecoder("mtp", NATIVE_MTP, mtp=True))
 
 
 @dataclass

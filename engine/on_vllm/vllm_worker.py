@@ -46,6 +46,7 @@ from ddtree.forks import depths, path_table
 from engine.errors import EngineError
 from engine.gpu.graphs import GraphedCall, record
 from engine.gpu.kv_moves import RowMover
+from engine.gpu.profiling import profile_kernels
 from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.fixed_step import padded_prompt, prefill_bucket
 from engine.loop.settings import DecodeSettings
@@ -481,10 +482,11 @@ class StudioWorker:
                               compile_step=compile_step, timing_only=random_weights)
         return {"context_length": target.context_length}
 
-    def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict) -> str:
-        """One generation; returns the trace as JSON (rank 0's is the one the driver reads)."""
+    def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict, notes: list[str]) -> str:
+        """One generation on the settings the driver prepared (``Decoder.prepare``), run as they are; returns the
+        trace as JSON (rank 0's is the one the driver reads)."""
         decoder: Decoder = self.studio
-        trace = decoder.run(prompt, DecodeSettings(**settings), prompt_ids=prompt_ids)
+        trace = decoder.run_prepared(prompt, prompt_ids, DecodeSettings(**settings), notes)
         decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on
         return trace.to_json()
 
@@ -497,7 +499,9 @@ class StudioWorker:
         with torch.inference_mode():
             return [asdict(found) for prompt_id, ids in prompts for found in row_check(target, prompt_id, ids, rows)]
 
-    def studio_kernels(self, prompt_ids: list[int], settings: dict) -> dict:
-        """Kernels per step by stage for one generation, and the slowest (``engine.gpu.profiling.KernelProfile``'s
-        fields: the reply crosses vLLM's process boundary as plain data, like every other one here)."""
-        return asdict(self.studio.kernel_profile(prompt_ids, DecodeSettings(**settings)))
+    def studio_kernels(self, prompt_ids: list[int], settings: dict, notes: list[str]) -> dict:
+        """Kernels per step by stage for one generation on the settings the driver prepared, and the slowest
+        (``engine.gpu.profiling.KernelProfile``'s fields: the reply crosses vLLM's process boundary as plain data,
+        like every other one here)."""
+        prepared = DecodeSettings(**settings)
+        return asdict(profile_kernels(lambda: self.studio.run_prepared("", prompt_ids, prepared, notes)))

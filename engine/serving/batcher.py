@@ -38,7 +38,8 @@ class Arrival:
     name: str
     prompt: str
     prompt_ids: list[int]
-    settings: DecodeSettings
+    settings: DecodeSettings  # as ``Decoder.prepare`` returned them
+    notes: list[str]
     on_step: Callable[[Trace, Step], None] | None
     should_stop: Callable[[], bool] | None
     future: Future
@@ -56,15 +57,16 @@ class Batcher:
         self._lock = threading.Lock()  # guards the inbox and ``_scheduled``; never held while waiting
         self._scheduled = False
 
-    def submit(self, name: str, prompt: str, prompt_ids: list[int], settings: DecodeSettings, *,
+    def submit(self, name: str, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
                on_step: Callable[[Trace, Step], None] | None = None,
                should_stop: Callable[[], bool] | None = None) -> Future:
-        """A request joins at the next round; its future holds its finished trace (or the ``EngineError`` that
-        refused it alone, or ``RequestCancelled`` if its client left before its first token)."""
+        """A request joins at the next round, its settings as ``Decoder.prepare`` returned them (with their notes);
+        its future holds its finished trace (or the ``EngineError`` that refused it alone, or ``RequestCancelled``
+        if its client left before its first token)."""
         future: Future = Future()
         future.set_running_or_notify_cancel()
         with self._lock:
-            self._inbox.append(Arrival(name, prompt, prompt_ids, settings, on_step, should_stop, future))
+            self._inbox.append(Arrival(name, prompt, prompt_ids, settings, notes, on_step, should_stop, future))
         self._schedule()
         return future
 
@@ -106,8 +108,8 @@ class Batcher:
             try:
                 if self.batch is None:
                     self.batch = Batch(self.decoder, self.budgeting)
-                self.batch.admit(arrival.prompt_ids, arrival.settings, arrival.prompt, on_step=arrival.on_step,
-                                 should_stop=arrival.should_stop, name=arrival.name)
+                self.batch.admit_prepared(arrival.prompt, arrival.prompt_ids, arrival.settings, arrival.notes,
+                                          on_step=arrival.on_step, should_stop=arrival.should_stop, name=arrival.name)
             except EngineError as exc:  # this request alone is refused; the batch goes on
                 arrival.future.set_exception(exc)
                 continue
@@ -117,8 +119,10 @@ class Batcher:
         batch = self.batch
         try:
             finished = batch.advance()
-        except Exception as exc:  # a failure inside a shared step: every request in it gets the error
-            log.exception("a batched step failed; its %d requests are answered with the error", len(self._futures))
+        except Exception as exc:  # a failure inside a shared step: every request in it gets the error (each
+            # request's handler logs it with its traceback)
+            log.error("a batched step failed (%s: %s); its %d requests get the error and the batch starts afresh",
+                      type(exc).__name__, exc, len(self._futures))
             for future in self._futures.values():
                 future.set_exception(exc)
             self._futures.clear()

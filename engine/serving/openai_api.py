@@ -173,7 +173,8 @@ class Job:
     endpoint: str  # "chat.completions" or "completions"
     prompt: str  # the prompt as the trace keeps it
     prompt_ids: list[int]
-    settings: DecodeSettings
+    settings: DecodeSettings  # checked against the models when the request came (``Decoder.prepare``)
+    notes: tuple[str, ...]  # how that check adjusted them
     stops: tuple[str, ...]
     created: int  # unix seconds, when the request came
 
@@ -238,8 +239,8 @@ class Generation:
     def run(self, decoder: Decoder) -> Trace:
         """The request alone, as a job on the model's thread (a server that does not batch)."""
         job = self.job
-        return decoder.run(job.prompt, job.settings, prompt_ids=job.prompt_ids, on_step=self.on_step,
-                           should_stop=self.should_stop)
+        return decoder.run_prepared(job.prompt, job.prompt_ids, job.settings, list(job.notes), on_step=self.on_step,
+                                    should_stop=self.should_stop)
 
     def on_step(self, trace: Trace, step) -> None:
         text, end = cut_at_stop(trace.text, self.job.stops)
@@ -326,10 +327,11 @@ class Server:
                                       seed=fresh_seed() if body.seed is None else body.seed,
                                       tree_budget=self.options.tree_budget if body.tree_budget is None else
                                       body.tree_budget)
-            self.decoder.prepare(settings, len(prompt_ids))
+            settings, notes = self.decoder.prepare(settings, len(prompt_ids))
         except EngineError as exc:
             raise ApiError(400, str(exc), request_param(exc.field, body, prompt_param)) from None
-        return Job(f"trace-{uuid.uuid4().hex}", endpoint, prompt, prompt_ids, settings, body.stops, int(time.time()))
+        return Job(f"trace-{uuid.uuid4().hex}", endpoint, prompt, prompt_ids, settings, tuple(notes), body.stops,
+                   int(time.time()))
 
     def max_tokens(self, body: Body, prompt_length: int, prompt_param: str) -> int:
         """The request's token limit, within what the context leaves; unset, all of that (a chat, as OpenAI)
@@ -352,17 +354,20 @@ class Server:
         return value
 
     def start(self, generation: Generation) -> Future:
-        """The request's run, batched with the others or queued alone: a future of its trace."""
+        """The request's run, batched with the others or queued alone: a future of its trace, kept in the book
+        once it ends, whether its client waited for it or left."""
         job = generation.job
         if self.batcher is None:
-            return self.queue.submit(generation.run, self.decoder)
-        return self.batcher.submit(job.trace_id, job.prompt, job.prompt_ids, job.settings,
-                                   on_step=generation.on_step, should_stop=generation.should_stop)
+            future = self.queue.submit(generation.run, self.decoder)
+        else:
+            future = self.batcher.submit(job.trace_id, job.prompt, job.prompt_ids, job.settings, list(job.notes),
+                                         on_step=generation.on_step, should_stop=generation.should_stop)
+        future.add_done_callback(lambda done: self.keep(job, done))
+        return future
 
-    def finished(self, job: Job, trace: Trace) -> Completion:
-        completion = finish(trace, job.stops)
-        self.book.add(job, completion)
-        return completion
+    def keep(self, job: Job, done: Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.book.add(job, finish(done.result(), job.stops))
 
     async def complete(self, job: Job, request: Request) -> Completion:
         """The run's answer, once it is done; a client that leaves first stops it at its next step."""
@@ -374,7 +379,7 @@ class Server:
             if not future.done() and await request.is_disconnected():
                 self.leave(generation, future)
                 raise ApiError(400, "the client left before its answer")  # said to no one: the connection is gone
-        return self.finished(job, await answer)
+        return finish(await answer, job.stops)
 
     def leave(self, generation: Generation, future: Future) -> None:
         """The client left: stop its run at the next step, or drop it from the queue if it has not started."""
@@ -399,7 +404,7 @@ class Server:
                 if len(shown) > sent:
                     yield event(chunk(shown[sent:]))
                     sent = len(shown)
-            completion = self.finished(job, future.result())
+            completion = finish(future.result(), job.stops)
             if len(completion.text) > sent:
                 yield event(chunk(completion.text[sent:]))
             ddtree = completion.ddtree(job.trace_id)

@@ -43,8 +43,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "~/.cache/ddtree-studio (DDTREE_STUDIO_CACHE) for the next start")
     parser.add_argument("--vllm-compile", action=argparse.BooleanOptionalAction, default=None,
                         help="vllm engine: vLLM compiles the target itself (its fused layers), replayed in the "
-                             "Studio's CUDA graphs: the default for hybrid targets (on the Qwen3.6-27B shape AR "
-                             "then costs 0.98 of vLLM's own AR steps, not 1.27); --no-vllm-compile runs them eagerly")
+                             "Studio's CUDA graphs: the default for hybrid targets, whose steps it makes cheaper "
+                             "(the step costs with and without it: README, \"Results\"); --no-vllm-compile runs them "
+                             "eagerly")
 
 
 def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

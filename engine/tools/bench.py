@@ -4,21 +4,24 @@
         --max-new-tokens 64 --device cpu --out results.json
 
 Each method runs warm (one untimed warm-up per method first, long enough for a second step, and
-every prompt's first step once) and alone, prompt by prompt. Speedup is the method's tokens per
-second over AR's, measured in this run.
+every prompt's first step once) and alone, prompt by prompt, or with ``--interleave`` in turns
+(``engine.loop.race``), so that a load on the machine falls on every method alike. Speedup is the
+method's tokens per second over AR's, measured in this run. The results' ``disturbance`` says when
+the timings were not this machine's own (``engine.measure.fairness``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,17 +31,24 @@ from engine.errors import EngineError, run_command
 from engine.gpu.profiling import KernelProfile
 from engine.loop.decode import Decoder
 from engine.loop.loading import AUTO, DRAFT_DTYPE_HELP, RANDOM, load_decoder, shipped_drafter
+from engine.loop.race import TURN_S
 from engine.loop.settings import DecodeSettings
+from engine.measure.calibration import recorded_choice
 from engine.measure.economics import Timing, economics
-from engine.methods import NAMES
+from engine.measure.fairness import ArReference, slow_ar, uneven_pace
+from engine.methods import BASELINE, NAMES, budget_sweep, method
 from engine.models.drafter import weights_digest
 from engine.models.target import BUNDLED_MODEL
-from engine.on_vllm.vllm_engine import NATIVE_MAX_SEQS, VllmOptions, check_mtp_layers, load_vllm_decoder
+from engine.on_vllm.vllm_engine import (
+    NATIVE_DECODERS,
+    NATIVE_MAX_SEQS,
+    NativeDecoder,
+    VllmOptions,
+    check_mtp_layers,
+    load_vllm_decoder,
+)
 from engine.trace import (
     NATIVE_AR,
-    NATIVE_AR_GRAPHLESS,
-    NATIVE_DFLASH,
-    NATIVE_MTP,
     NEAR_TIE,
     STAGES,
     TOKENS_ONLY,
@@ -53,16 +63,21 @@ NUMERICS_ENVIRONMENT = ("TRITON_F32_DEFAULT",)  # recorded in front of the comma
 @dataclass(frozen=True)
 class Job:
     label: str
-    method: str
+    method: str  # a Studio method's name; for one of vLLM's own decoders, what ``--native`` calls it
     tree_budget: int | None
     trace_detail: str = "full"
+    native: NativeDecoder | None = None  # vLLM's own decoder this job times, if it is one
+
+    @property
+    def drafts(self) -> bool:
+        return self.native.drafts if self.native is not None else method(self.method).drafts
 
 
 def with_reduced_traces(jobs: list[Job]) -> list[Job]:
     """Every job twice: with the full per-step trace (what the app shows), then with a trace of
     the committed tokens only, so the bench shows what recording costs."""
     return [twin for job in jobs
-            for twin in (job, Job(job.label + TOKENS_ONLY, job.method, job.tree_budget, trace_detail="tokens"))]
+            for twin in (job, replace(job, label=job.label + TOKENS_ONLY, trace_detail="tokens"))]
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -99,13 +114,9 @@ def plan_jobs(methods: str, budgets: str) -> list[Job]:
         raise EngineError(f"--tree-budget takes whole numbers separated by commas, got {budgets!r}") from exc
     if any(b < 1 for b in budget_values):
         raise EngineError(f"--tree-budget must be at least 1 (the number of drafted nodes per step), got {budgets!r}")
-    jobs = []
-    for name in names:
-        if name == "ddtree":
-            jobs += [Job(f"ddtree@{b}", "ddtree", b) for b in budget_values]
-        else:
-            jobs.append(Job(name, name, None))
-    return jobs
+    rows = [method(name) for name in names]
+    return [Job(row.label(budget), row.name, budget) for row in rows
+            for budget in (budget_values if row.budgeted else [None])]
 
 
 def divergence_record(trace: Trace, reference: Trace) -> dict | None:
@@ -145,17 +156,17 @@ def summarize_runs(runs: list[dict], jobs: list[Job]) -> dict:
     """Per method: τ, tokens/s, and speed-ups as throughput ratios (outputs of different lengths,
     e.g. bf16 near-ties, would make wall-time ratios lie)."""
     timings = {job.label: run_timing([r for r in runs if r["label"] == job.label]) for job in jobs}
-    ar_speed = timings["ar"].tokens_per_s if "ar" in timings else None
+    ar_speed = timings[BASELINE.label()].tokens_per_s if BASELINE.label() in timings else None
     vllm_ar_speed = timings[NATIVE_AR].tokens_per_s if NATIVE_AR in timings else None
     steps = economics({label: timing for label, timing in timings.items()
-                       if label not in (NATIVE_AR, NATIVE_AR_GRAPHLESS, NATIVE_DFLASH, NATIVE_MTP)})
+                       if label not in {native.label for native in NATIVE_DECODERS}})
     summary = {}
     for job in jobs:
         mine = [r for r in runs if r["label"] == job.label]
         speed = timings[job.label].tokens_per_s
         lengths = [n for r in mine for n in r["acceptance_lengths"]]
         entry = {
-            "tau": sum(lengths) / len(lengths) if lengths else float(job.method == "ar"),
+            "tau": sum(lengths) / len(lengths) if lengths else float(not job.drafts),
             "tokens_per_s": speed or 0.0,
             "speedup_vs_ar": speed / ar_speed if speed is not None and ar_speed else None,
         }
@@ -197,12 +208,11 @@ def _tau(runs: list[dict]) -> float:
 
 def best_budget(summary: dict) -> dict | None:
     """The DDTree budget with the most tokens/s in this run (what the machine favours)."""
-    ddtree = {label: entry for label, entry in summary.items()
-              if label.startswith("ddtree@") and not label.endswith(TOKENS_ONLY)}
-    if not ddtree:
+    sweep = budget_sweep(summary)
+    if not sweep:
         return None
-    label = max(ddtree, key=lambda name: ddtree[name]["tokens_per_s"])
-    return {"label": label, "tree_budget": int(label.removeprefix("ddtree@")), **ddtree[label]}
+    budget = max(sweep, key=lambda at: summary[sweep[at]]["tokens_per_s"])
+    return {"label": sweep[budget], "tree_budget": budget, **summary[sweep[budget]]}
 
 
 def prompt_tokens(decoder, prompt: dict) -> list[int]:
@@ -211,16 +221,21 @@ def prompt_tokens(decoder, prompt: dict) -> list[int]:
 
 
 def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: DecodeSettings,
-              traces_dir: Path | None = None, progress: bool = True) -> tuple[list[dict], list[str]]:
-    """Run every job on every prompt; returns run records and human-readable notes."""
+              traces_dir: Path | None = None, progress: bool = True, interleave: bool = False,
+              reference: ArReference | None = None) -> tuple[list[dict], list[str], list[str]]:
+    """Run every job on every prompt, each whole one after another or (``interleave``) in turns; returns run
+    records, human-readable notes and what disturbed the timings (``engine.measure.fairness``: AR against
+    ``reference``, and each run's pace over its stretches)."""
     notes: list[str] = []
+    disturbed: list[str] = []
+    ar_traces: list[Trace] = []
     for job in tqdm(jobs, desc="warm-up", disable=not progress, leave=False):
         decoder.run(prompts[0]["prompt"], _settings(base, job).warm_up(), prompt_ids=prompt_tokens(decoder, prompts[0]))
     # every prompt's first step once: on a GPU each fixed program captures a graph per padded prompt
     # length, for the target's pass and the drafter's first one (on the CPU nothing is captured)
-    first_steps = [Job("ar", "ar", None)]
+    first_steps = [Job(BASELINE.label(), BASELINE.name, None)]
     if decoder.target.device.type == "cuda":
-        first_steps += list({(job.method, job.tree_budget): job for job in jobs if job.method != "ar"}.values())
+        first_steps += list({(job.method, job.tree_budget): job for job in jobs if job.drafts}.values())
     for prompt in prompts[1:]:
         for job in first_steps:
             decoder.run(prompt["prompt"], _settings(base, job, max_new_tokens=1),
@@ -228,12 +243,16 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
     runs: list[dict] = []
     bar = tqdm(total=len(prompts) * len(jobs), desc="bench", disable=not progress)
     for prompt in prompts:
+        bar.set_postfix_str(prompt["id"])
+        # in turns (``--interleave``) or each whole, one after another (a turn that never ends)
+        race = decoder.race(prompt["prompt"], [_settings(base, job) for job in jobs],
+                            prompt_ids=prompt_tokens(decoder, prompt), turn_s=TURN_S if interleave else math.inf)
         ar_trace = None
-        for job in jobs:
-            bar.set_postfix_str(f"{prompt['id']} {job.label}")
-            trace = decoder.run(prompt["prompt"], _settings(base, job), prompt_ids=prompt_tokens(decoder, prompt))
+        for job, trace, turns in zip(jobs, race.traces, race.turns):
             record = run_record(prompt, job, trace)
-            if job.label == "ar":
+            if interleave:
+                record["turns"] = turns
+            if job.label == BASELINE.label():
                 ar_trace = trace
             elif ar_trace is not None:
                 record["divergence"] = divergence_record(trace, ar_trace)
@@ -244,20 +263,21 @@ def benchmark(decoder: Decoder, prompts: list[dict], jobs: list[Job], base: Deco
             if traces_dir is not None:
                 trace.save(traces_dir / f"{prompt['id']}.{job.label}.json")
             bar.update()
+        disturbed += [f"{prompt['id']}: {finding}" for finding in filter(None, map(uneven_pace, race.traces))]
+        ar_traces += [ar_trace] if ar_trace is not None else []
     bar.close()
-    return runs, notes
-
-
-NATIVE_METHODS = ((NATIVE_AR, "ar"), (NATIVE_AR_GRAPHLESS, "ar-graphless"), (NATIVE_DFLASH, "dflash"),
-                  (NATIVE_MTP, "mtp"))
+    slow = slow_ar(ar_traces, reference)
+    return runs, notes, ([slow] if slow else []) + disturbed
 
 
 def plan_native_jobs(spec: str) -> list[Job]:
     """``--native ar,ar-graphless,dflash,mtp``: which of vLLM's own decoders to time beside ours."""
     wanted = {m.strip() for m in spec.split(",") if m.strip()}
-    if wanted - {method for _, method in NATIVE_METHODS}:
-        raise EngineError(f"--native takes ar, ar-graphless, dflash and/or mtp, got {spec!r}")
-    return [Job(label, method, None) for label, method in NATIVE_METHODS if method in wanted]
+    options = [native.option for native in NATIVE_DECODERS]
+    if wanted - set(options):
+        raise EngineError(f"--native takes {', '.join(options[:-1])} and/or {options[-1]}, got {spec!r}")
+    return [Job(native.label, native.option, None, native=native) for native in NATIVE_DECODERS
+            if native.option in wanted]
 
 
 def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argparse.Namespace, dtype: str,
@@ -276,11 +296,12 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
     if args.native_max_seqs is not None:
         options = replace(options, native_max_seqs=args.native_max_seqs)
     for job in jobs:
-        drafter = str(_drafter_folder(args)) if job.method == "dflash" else None
-        drafted = (decoder.drafter.block_size - 1 if drafter else args.native_mtp_tokens if job.method == "mtp" else 0)
+        native = job.native
+        drafter = str(_drafter_folder(args)) if native.our_drafter else None
+        drafted = decoder.drafter.block_size - 1 if drafter else args.native_mtp_tokens if native.mtp else 0
         try:
-            llm = native_llm(args.model, dtype, drafter, drafted, seed=args.seed, options=options,
-                             mtp=job.method == "mtp", cuda_graphs=job.method != "ar-graphless")
+            llm = native_llm(args.model, dtype, drafter, drafted, seed=args.seed, options=options, mtp=native.mtp,
+                             cuda_graphs=native.cuda_graphs)
         except Exception as exc:  # vLLM's own checks raise pydantic, value and runtime errors alike
             notes.append(f"{job.label} not timed: vLLM did not start it: {' '.join(str(exc).split())}")
             continue
@@ -293,9 +314,9 @@ def benchmark_native(decoder, prompts: list[dict], jobs: list[Job], args: argpar
                       "output_ids": run.output_ids, "text": decoder.target.decode(run.output_ids),
                       "new_tokens": len(run.output_ids), "verify_steps": None, "acceptance_lengths": [],
                       "wall_s": run.wall_s, "tokens_per_s": len(run.output_ids) / run.wall_s, "stage_s": {}}
-            if job.method in ("dflash", "mtp"):
+            if native.drafts:
                 record["drafts"], record["accepted"] = after[0] - before[0], after[1] - before[1]
-            if job.method == "ar":  # where a run leaves vLLM's output, how close was vLLM to a tie?
+            if job.label == NATIVE_AR:  # where a run leaves vLLM's output, how close was vLLM to a tie?
                 record["margins"] = native_generate(llm, ids, args.max_new_tokens, decoder.target.stop_ids,
                                                     margins=True).margins
             runs.append(record)
@@ -348,7 +369,7 @@ def recorded_runs(path: str, label: str | None = None) -> tuple[str, dict[str, d
     """A bench result's runs of one label, by prompt id: ``label``, or where none is given vLLM's own
     AR if that run timed it, else the Studio's AR. Returns the label too."""
     runs = read_results(path)["runs"]
-    label = label or (NATIVE_AR if any(run.get("label") == NATIVE_AR for run in runs) else "ar")
+    label = label or (NATIVE_AR if any(run.get("label") == NATIVE_AR for run in runs) else BASELINE.label())
     # a run without a label (an older file) is named by its method
     return label, {run["prompt_id"]: run for run in runs if (run.get("label") or run.get("method")) == label}
 
@@ -429,7 +450,7 @@ def _times(ratio: float | None) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m engine.tools.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", required=True, help="JSONL file, one {\"id\", \"prompt\"} per line")
-    parser.add_argument("--methods", default="ar,dflash,ddtree")
+    parser.add_argument("--methods", default=",".join(NAMES))
     parser.add_argument("--tree-budget", default="32", help="DDTree node budget; a comma list sweeps")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--model", default=None, help="HF folder or id, or a .gguf file (default: bundled SmolLM2)")
@@ -462,6 +483,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vllm engine: vLLM compiles the target itself (its inductor graph, one for every pass "
                              "size) instead of running it eagerly; the Studio's CUDA graphs replay it as before "
                              "(default for hybrid targets; --no-vllm-compile runs them eagerly)")
+    parser.add_argument("--interleave", action="store_true",
+                        help=f"give each prompt's runs turns of {TURN_S:g} s, round after round, each on its own "
+                             "clock, instead of running each whole one after another: a load on the machine falls on "
+                             "every method alike (the results' disturbance says when AR ran far below this machine "
+                             "kind's record, or a run's pace changed)")
     parser.add_argument("--reduced-traces", action="store_true",
                         help="also time every method with traces kept to the committed tokens (label suffix :tokens)")
     parser.add_argument("--count-kernels", action="store_true",
@@ -512,30 +538,35 @@ def _main(args: argparse.Namespace) -> int:
     if args.native_max_seqs is not None and (not args.native or args.native_max_seqs < 0):
         raise EngineError(f"--native-max-seqs sets vLLM's own runs: it needs --native and a count (0: vLLM's "
                           f"default), got {args.native_max_seqs}" + ("" if args.native else " without --native"))
+    if args.interleave and args.engine == "vllm":
+        raise EngineError("--interleave gives the methods turns on one thread; the vLLM engine runs each generation "
+                          "whole in its workers: bench it without --interleave")
     if args.count_kernels and not gpu:
         raise EngineError("--count-kernels counts CUDA kernels: it needs --engine vllm or --device cuda")
     native_jobs = plan_native_jobs(args.native)  # a typo fails here, not after the whole bench
-    if any(job.method == "mtp" for job in native_jobs):
+    if any(job.native.mtp for job in native_jobs):
         check_mtp_layers(args.model)
     reference = reference_outputs(args.compare_to, prompts) if args.compare_to else {}
     args.step = args.step or ("fixed" if gpu else "readable")
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     started = time.perf_counter()
     decoder = _load(args, dtype)
-    if any(job.method == "dflash" for job in native_jobs) and decoder.drafter is None:
+    if any(job.native.our_drafter for job in native_jobs) and decoder.drafter is None:
         raise EngineError("--native dflash needs a drafter: pass --drafter")
     tokenized = tokenize_prompts(decoder.target, prompts, args.compare_to)
-    base = DecodeSettings("ar", max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                          block_size=args.block_size, tree_budget=32)
+    base = DecodeSettings(BASELINE.name, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          seed=args.seed, block_size=args.block_size, tree_budget=32)
     traces_dir = Path(args.traces) if args.traces else Path(tempfile.mkdtemp()) if args.trace_file else None
     if traces_dir is not None:
         traces_dir.mkdir(parents=True, exist_ok=True)
-    runs, notes = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress)
+    recorded = recorded_choice(decoder)
+    runs, notes, disturbance = benchmark(decoder, prompts, jobs, base, traces_dir, progress=not args.no_progress,
+                                         interleave=args.interleave, reference=recorded.ar if recorded else None)
     if args.trace_file:
         write_trace_file(args.trace_file, [Trace.load(traces_dir / f"{prompts[0]['id']}.{job.label}.json")
                                            for job in jobs])
     notes = tokenized + notes
-    measured = Measured(jobs, runs, notes, {})
+    measured = Measured(jobs, runs, notes, {}, disturbance)
     config = run_config(args, decoder, dtype, prompts, jobs, runs)
     # What follows can take minutes at real shapes (kernel counts profile every method once more; vLLM's own
     # decoding starts a second engine and compiles its graphs): whatever stops the run there (a device call's
@@ -566,6 +597,7 @@ class Measured:
     runs: list[dict]
     notes: list[str]
     kernels: dict[str, KernelProfile]
+    disturbance: list[str] = field(default_factory=list)  # what disturbed the timings (``engine.measure.fairness``)
 
 
 def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict], jobs: list[Job],
@@ -573,7 +605,8 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
     """How the run was made: the results file's ``config``."""
     gpu = on_gpu(args)
     # the step the drafting methods ran (AR's may differ: a scripted drafter's never runs as a graph)
-    steps = Counter(run["step"] for run in runs if run["method"] != "ar") or Counter(run["step"] for run in runs)
+    steps = (Counter(run["step"] for run in runs if method(run["method"]).drafts)
+             or Counter(run["step"] for run in runs))
     step = steps.most_common(1)[0][0]
     return {
         "command": _command(),
@@ -587,9 +620,10 @@ def run_config(args: argparse.Namespace, decoder, dtype: str, prompts: list[dict
         "step": "readable" if step == "readable" else "fixed", "compile_step": step == "compiled fixed",
         "vllm_compile": decoder.options.vllm_compile if args.engine == "vllm" else None,
         "vllm_ar_settings": native_ar_settings(args.native_max_seqs) if args.native else None,
-        "vllm_mtp_tokens": args.native_mtp_tokens if "mtp" in args.native else None,
+        "vllm_mtp_tokens": args.native_mtp_tokens if any(job.native.mtp for job in plan_native_jobs(args.native))
+        else None,
         "block_size": args.block_size or decoder.drafter.block_size, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "seed": args.seed,
+        "temperature": args.temperature, "seed": args.seed, "interleave": args.interleave,
         "tree_budgets": sorted({j.tree_budget for j in jobs if j.tree_budget}),
         "prompts": args.prompts, "num_prompts": len(prompts), "compared_to": args.compare_to, "host": _host(),
         "prompt_ids": {prompt["id"]: prompt_tokens(decoder, prompt) for prompt in prompts},  # for --compare-to
@@ -610,13 +644,15 @@ def report(out: str | None, config: dict, started: float, measured: Measured, pe
         config = config | {"native_pending": "native" in pending, "kernels_pending": "kernels" in pending,
                            "total_s": time.perf_counter() - started}
         Path(out).write_text(json.dumps({"config": config, "runs": measured.runs, "summary": summary, "best": best,
-                                         "notes": measured.notes}, indent=1))
+                                         "notes": measured.notes, "disturbance": measured.disturbance}, indent=1))
     if pending:
         follows = " and ".join({"kernels": "the kernel counts", "native": "vLLM's own decoding"}[p] for p in pending)
         print(f"the Studio's runs are in {out or '(no --out)'}; {follows} follow", flush=True)
         return
     for note in measured.notes:
         print(note)
+    for finding in measured.disturbance:
+        print(f"the timings were disturbed: {finding}")
     print(format_summary(summary, best))
     if measured.kernels:
         print(format_kernels(measured.kernels))

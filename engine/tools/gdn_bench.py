@@ -22,6 +22,7 @@ import argparse
 import importlib
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -31,6 +32,7 @@ import ddtree
 from engine.errors import EngineError, run_command
 from engine.gpu.graphs import record
 from engine.gpu.triton_support import triton
+from engine.methods import BASELINE, TREE
 from engine.models.target import shape_config
 from engine.on_vllm.gdn_tree import AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
 
@@ -88,24 +90,45 @@ def make_layer(shape: dict, q: int, dtype: torch.dtype, device: torch.device) ->
                  torch.zeros(q, shape["heads"], shape["head_v"], dtype=dtype, device=device))
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """A tree ``--trees`` names: a shape alone (``chain``), or with a budget (``ddtree@64``)."""
+
+    name: str
+    budgeted: bool
+    mask: Callable[[int | None, torch.Generator], torch.Tensor]  # (budget, generator) -> ancestors-and-self mask
+
+
+def drafted_tree(sureness: float, budget: int, generator: torch.Generator) -> torch.Tensor:
+    """The best-first tree of ``budget`` nodes from random distributions whose first token's logit is raised by
+    ``sureness``."""
+    logits = torch.randn(BLOCK - 1, 4096, generator=generator)
+    logits[:, 0] += sureness
+    return ddtree.ancestor_mask(ddtree.build_tree(torch.log_softmax(logits, dim=-1), budget).parents)
+
+
+TREE_SHAPES = (
+    TreeShape(BASELINE.name, False, lambda budget, generator: torch.ones(1, 1, dtype=torch.bool)),  # the root
+    TreeShape("chain", False, lambda budget, generator: torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril()),
+    # a drafter sure of ~3 tokens in 4, as a trained one is: trees 15 deep
+    TreeShape(TREE.name, True, partial(drafted_tree, 10.0)),
+    # a drafter sure of nothing, as random weights are: the root's children, all leaves
+    TreeShape("flat", True, partial(drafted_tree, 0.0)),
+)
+
+
 def trees(names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-    """Each tree's ancestors-and-self mask."""
+    """Each named tree's ancestors-and-self mask (``TREE_SHAPES``; the random trees drawn in the order named)."""
     generator = torch.Generator().manual_seed(0)
+    shapes = {shape.name: shape for shape in TREE_SHAPES}
     masks = {}
     for name in names:
-        if name == "ar":
-            masks[name] = torch.ones(1, 1, dtype=torch.bool)
-        elif name == "chain":
-            masks[name] = torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril()
-        elif name.partition("@")[0] in ("ddtree", "flat") and name.partition("@")[2].isdigit():
-            logits = torch.randn(BLOCK - 1, 4096, generator=generator)
-            if name.startswith("ddtree@"):
-                logits[:, 0] += 10  # a drafter sure of ~3 tokens in 4, as a trained one is: trees 15 deep
-            # flat: a drafter sure of nothing, as random weights are: the root's children, all leaves
-            log_probs = torch.log_softmax(logits, dim=-1)
-            masks[name] = ddtree.ancestor_mask(ddtree.build_tree(log_probs, int(name.split("@")[1])).parents)
-        else:
-            raise EngineError(f"unknown tree {name!r}: ar, chain, ddtree@BUDGET or flat@BUDGET")
+        kind, at, budget = name.partition("@")
+        shape = shapes.get(kind)
+        if shape is None or shape.budgeted != bool(at) or at and not budget.isdigit():
+            known = [shape.name + ("@BUDGET" if shape.budgeted else "") for shape in TREE_SHAPES]
+            raise EngineError(f"unknown tree {name!r}: {', '.join(known[:-1])} or {known[-1]}")
+        masks[name] = shape.mask(int(budget) if at else None, generator)
     return {name: mask.to(device) for name, mask in masks.items()}
 
 

@@ -2,77 +2,69 @@
 # One device call per phase, each within the 10-minute cap, every result in a file under $OUT
 # (vLLM's shutdown logging floods a piped tail). Run through engine/tools/vllm_device.sh after staging:
 #   bash engine/tools/vllm_device.sh 'bash engine/tools/gpu_session.sh PHASE'
-# Seen on the H200 (2026-12-01): each vLLM engine a bench starts (native AR, native DFlash, the
-# Studio's) takes 1-2 minutes to start the first time (compilation, graphs), ~10 s once its
-# compile cache in /tmp/vcache is warm; the minutes below are for a cold machine.
+# Each vLLM engine a bench starts (native AR, native DFlash, the Studio's) takes a minute or two to start the first
+# time (compilation, graphs) and seconds once its compile cache in /tmp/vcache is warm; the minutes below are a
+# phase's call on a cold machine, what to plan its calls by (what each phase measured, and when: docs/HISTORY.md,
+# "Lab notes moved out of the code").
 #   check      kernels + tests + float32 (~8 min)
 #   kernels    the Triton fast paths against their references (the tree attention against vLLM's own kernel),
-#              natively (~1 min warm; on a cold machine each tested budget compiles the beam kernel anew: 2.1 min
-#              on 2026-12-02)
+#              natively (~1 min warm; cold, each tested budget compiles the beam kernel anew: ~2 min)
 #   gdn        the Gated DeltaNet programs' tests natively, and their cost per step at the 27B hybrid's shape
-#              (engine.tools.gdn_bench; carry .whl for vLLM's kernels' imports) (2.1 min on 2026-12-04, cold)
+#              (engine.tools.gdn_bench; carry .whl for vLLM's kernels' imports) (~2 min cold)
 #   gdn-profile  Nsight Compute on one verify of the Gated DeltaNet program at a flat 64-node tree (TREE=...): registers,
-#              occupancy, stalls (gdn and gdn-profile together 2.3 min on 2026-12-04, cold, staging's install included)
-#   tests      the GPU tests of the fixed step and the vLLM engine (6.6 min on 2026-12-04, warm: a call of its own)
+#              occupancy, stalls (with gdn, ~2.5 min cold, staging's install included)
+#   tests      the GPU tests of the fixed step and the vLLM engine (~7 min warm: a call of its own)
 #   float32    float32 exactness against vLLM's AR, budgets 32 and 128 (~3 min)
 #   fresh      bf16 speed on fresh vs vLLM's AR and DFlash, its best budget recorded (assets/budgets.json,
 #              brought back) (~7 min)
 #   baseline   vLLM's own AR at the baseline's max_num_seqs (8), at vLLM's shipped default, then at 8 again (drift),
 #              same prompts and machine: at 135M vLLM's AR is host-bound, and a setting of the baseline must not
-#              pass for a machine's pace (2026-12-03: 494 tokens/s at 8, 416 at the default; the first bench of
-#              a cold machine compiles for ~3 min, so it gets the longest cap) (~7.5 min)
+#              pass for a machine's pace (the first bench of a cold machine compiles for minutes, so it gets the
+#              longest cap) (~7.5 min)
 #   app        the app on the vLLM engine through its API (carry [".whl-app"]: gradio's wheels) (~4 min)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
 #              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
 #              the engine's own AR in HYBRID_DTYPE (deep acceptance) (carry [".whl"] with compressed-tensors and loguru, which
-#              vLLM's Qwen3.5 module imports and the trimmed bundle lacks) (3.7 min on 2026-12-02, float32)
+#              vLLM's Qwen3.5 module imports and the trimmed bundle lacks) (~4 min, float32)
 #   hybrid-exact  after hybrid: AR, DFlash, DDTree@16/@64 against vLLM's AR, with CUDA graphs (the scripted drafter's
 #              trees: readable step) and without (-eager: the fixed step), float32 (vLLM 0.23's chunked
 #              GDN prefill refuses float32: engine.on_vllm.vllm_gdn runs it through vLLM's recurrent kernel, in
-#              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (2.1 min each;
-#              hybrid then hybrid-exact: 6.8 min in session 53)
-#   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (3.0 min)
+#              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (~2 min each;
+#              hybrid then hybrid-exact: ~7 min)
+#   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (~3 min)
 #   hybrid-kernels  after hybrid: CUDA kernels per step on the tiny hybrid (3 Gated DeltaNet layers, 1 attention; random
 #              weights, so the fixed step's graphs run), the Gated DeltaNet programs against vLLM's own kernels run per
-#              path (DDTREE_GDN=vllm-kernels, the verify before #41): the difference over 3 is a layer's (session 53: 24-30
-#              kernels a layer; with STEP=--no-vllm-compile TAG=-eager-target after hybrid-exact, both 5.3 min)
+#              path (DDTREE_GDN=vllm-kernels, the verify before #41): the difference over 3 is a layer's (with
+#              STEP=--no-vllm-compile TAG=-eager-target after hybrid-exact, both ~5.5 min)
 #   hybrid-modules  after hybrid: which module of vLLM's float32 prompt pass leaves float64 (engine.tools.module_check: every
 #              decoder module's inputs and outputs captured in vLLM, replayed in float64 by transformers there), the
-#              tiny Qwen3.5 and its all-attention twin, exact dots; the captures (~30 MB each) stay there (~3 min)
+#              tiny Qwen3.5 and its all-attention twin, exact dots; the captures (tens of MB each) stay there (~3 min)
 #   hybrid-margins  after hybrid: how far vLLM's float32 strays from float64 (engine.tools.margin_check), by prompt
 #              length: the tiny Qwen3.5 with Triton's float32 dots as TF32 (their default) and as IEEE, and its
 #              all-attention twin (~5 min)
-#   shape      a real-size shape with random weights + projection: Qwen3-8B by default (4.6 min at TOKENS=64; with
-#              STEP=--compile-step LIMIT=2 BUDGETS=16,64,256 8.8 min on 2026-12-02: give it a call of its own. The bench
-#              saves the Studio's results before its kernel counts and vLLM's own AR, so a cut-off run keeps them). The 27B shapes:
+#   shape      a real-size shape with random weights + projection: Qwen3-8B by default (~5 min at TOKENS=64; with
+#              STEP=--compile-step LIMIT=2 BUDGETS=16,64,256 ~9 min: give it a call of its own. The bench saves the
+#              Studio's results before its kernel counts and vLLM's own AR, so a cut-off run keeps them). The 27B shapes:
 #              SHAPE=dense-27b or SHAPE=qwen3.6-27b (a hybrid: carry .whl), UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64.
-#              The hybrid with KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32 took 3.5 min on 2026-12-03 (vLLM's own AR
-#              included; 5.4 min in its readable step), BUDGETS=16 TOKENS=128 6.3 min; with kernel counts and 3
-#              prompts it did not finish in one call. On a cold machine (2026-12-04, the fused GDN programs) the
-#              Studio's engine took 2.7 min to start, its four methods 1.7 min, and vLLM's own AR 1.8 min to compile
-#              before it timed anything: LIMIT=2 BUDGETS=16,64 TOKENS=64 needs the whole 560 s. NATIVE=ar,mtp adds
-#              vLLM's own MTP (~2 min more): run it in the next call while the compile caches are warm (BUDGETS=16
-#              with NATIVE=ar,mtp took 4.8 min there; NATIVE= times the Studio's methods alone). Session 49 (2026-12-04),
-#              warm after the gdn phase: LIMIT=2 BUDGETS=16,64 TOKENS=64 NATIVE=ar 5.7 min; then with STEP=--vllm-compile
-#              3.3 min, and LIMIT=3 NATIVE=ar,mtp 4.8 min. NATIVE=ar,dflash times vLLM's own DFlash with the random
-#              drafter too: whether vLLM's target compiled with a drafter's taps still decodes as its AR (it did, 3/3, on
-#              2026-12-04, while the Studio's --vllm-compile AR left it at token 0). NATIVE=ar,ar-graphless adds vLLM's AR
-#              compiled without its CUDA graphs, as the Studio runs it: whether vLLM's graphs change its own numbers.
-#              Session 51 (2026-12-04), after the gdn phase: LIMIT=3 BUDGETS=16,64 TOKENS=64 NATIVE=ar STEP=--vllm-compile
-#              6.6 min. Session 52, after gdn and gdn-profile: the same 7.9 min. Session 53, after the hybrid
-#              phases: LIMIT=3 BUDGETS=16,64 TOKENS=64 NATIVE=ar,mtp (vLLM compiling the target by default) 8.9 min.
+#              On the hybrid, KERNELS=0 LIMIT=2 BUDGETS=16,64 TOKENS=32 fits a call with vLLM's own AR; with kernel
+#              counts and 3 prompts it does not. On a cold machine the Studio's engine start, its methods and vLLM's
+#              own AR's compilation take the whole call at LIMIT=2 BUDGETS=16,64 TOKENS=64. NATIVE=ar,mtp adds vLLM's
+#              own MTP (a couple of minutes more): run it in the next call while the compile caches are warm; NATIVE=
+#              times the Studio's methods alone. Warm after another phase, LIMIT=3 BUDGETS=16,64 TOKENS=64 NATIVE=ar
+#              (or NATIVE=ar,mtp) with STEP=--vllm-compile fits one call. NATIVE=ar,dflash times vLLM's own DFlash
+#              with the random drafter too: whether vLLM's target compiled with a drafter's taps still decodes as its
+#              AR. NATIVE=ar,ar-graphless adds vLLM's AR compiled without its CUDA graphs, as the Studio runs it:
+#              whether vLLM's graphs change its own numbers.
 #              Tensor parallel 2 (kind nvidia-h200-x2; not run yet):
 #              SHAPE=dense-27b UTIL=0.45 LIMIT=3 BUDGETS=16,64,256 TOKENS=64 STEP="--tensor-parallel-size 2" TAG=-tp2
 #   rows       which op makes a verified row's numbers depend on the pass's row count (engine.tools.row_invariance:
 #              1, 17, 65 and 129 rows, chain and tree, against AR's steps, bit for bit; the torch engine's kernels in bf16,
-#              Qwen3-1.7B's shape with random weights; the CPU found float32 q_proj leaving AR at 17 rows) (~2 min)
+#              Qwen3-1.7B's shape with random weights) (~2 min)
 #   rows-vllm  the same in vLLM's worker (engine.tools.row_invariance --engine vllm), trees through the path attention,
-#              then through vLLM's kernel with a query bias (DDTREE_ATTENTION=bias), Qwen3-1.7B's shape, bf16 (2.8 min on
-#              2026-12-04; session 51: every row of chains and trees of 1-129 rows equal to AR's steps bit for bit, both
-#              attentions and the bundled SmolLM2)
+#              then through vLLM's kernel with a query bias (DDTREE_ATTENTION=bias), Qwen3-1.7B's shape, bf16 (~3 min)
 #   exact      float32 exactness at Qwen3-1.7B's shape, a drafter scripted with the first run's own
-#              outputs (engine.tools.scripted) so trees go deep (4.0 min at LIMIT=3)
+#              outputs (engine.tools.scripted) so trees go deep (~4 min at LIMIT=3)
 # PER_CATEGORY (fresh prompts per category), LIMIT (prompts of humaneval, hybrid, hybrid-exact, shape, exact), TOKENS and BUDGETS
 # (fresh, humaneval, float32, shape) override the defaults; STEP adds flags to those benches (and hybrid-exact's) and TAG to their results' names
 # (STEP=--compile-step TAG=-compiled: the compiled step; STEP=--vllm-compile: vLLM compiles a dense target itself, as it
@@ -150,8 +142,8 @@ gdn-profile)  # Nsight Compute on one Gated DeltaNet verify of TREE (default fla
 shape)  # SHAPE: a target folder of assets/shapes with its -dflash-b16 drafter; UTIL: the GPU share of each of the two
   # engines (the Studio's, then vLLM's own AR once the Studio's has closed). LAYERS=8: the shape cut to its first
   # 8 layers (the drafter tapping layers within them): for kernel profiles (DDTREE_SLOWEST_KERNELS=40 names 40
-  # kernels a stage), not for the headline numbers. It still took 8 min on a cold machine with STEP=--compile-step
-  # KERNELS=1 LIMIT=1 BUDGETS=16,64 TOKENS=32 (2026-12-04): vLLM's start and compilation, not the layers, take the time.
+  # kernels a stage), not for the headline numbers. It still takes most of a call on a cold machine: vLLM's start and
+  # compilation, not the layers, take the time.
   # Its log shows what --compile-step does to vLLM's model: dynamo breaks the graph at each decoder layer and hits its
   # recompile limit (8) on the layers' frames, so most target layers stay eager (TORCH_LOGS=graph_breaks names why)
   shape=${SHAPE:-qwen3-8b}
@@ -187,7 +179,7 @@ hybrid)  # the folders, the kernels under trees, and a drafter scripted with the
       tests/test_vllm_prefill_kernels.py > "$OUT/pytest-prefill.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed|^/.*assert' "$OUT/pytest-prefill.txt" | tail -n 24; }
   # the script is the vLLM engine's own AR in the dtype hybrid-exact runs, for trees accepted levels deep
-  # (a random tiny model's logits are nearly flat: 16% of its bf16 steps are within 2 bf16 steps of a tie)
+  # (a random tiny model's logits are nearly flat: many of its bf16 steps are near-ties)
   timeout 240 python3 -m engine.tools.bench --engine vllm --no-progress --model "$HYBRID" --drafter "$HYBRID-shape" \
       --dtype "$HYBRID_DTYPE" --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-12}" --methods ar --max-new-tokens 64 \
       --out "$OUT/gpu-vllm-hybrid-ar.json" > "$OUT/bench-hybrid-ar.txt" 2>&1

@@ -31,6 +31,7 @@ from engine.loop.decode import Decoder
 from engine.loop.loading import AUTO, load_decoder
 from engine.loop.settings import DecodeSettings
 from engine.measure.acceptance import CONFIDENCE_EDGES, Proposals, replay
+from engine.methods import BASELINE, NAMES, method
 from engine.tools.bench import (
     Job,
     per_category,
@@ -78,7 +79,8 @@ def estimate(decoder: Decoder, prompts: list[dict], outputs: dict[str, list[int]
         proposals = proposals_along(decoder, prompt_tokens(decoder, prompt), outputs[prompt["id"]], top_k)
         first_slot.setdefault(category, []).extend(proposals.first_slot_hits())
         for job in jobs:
-            lengths[job.label].setdefault(category, []).extend(replay(proposals, job.method, job.tree_budget or 0))
+            replayed = replay(proposals, method(job.method), job.tree_budget or 0)
+            lengths[job.label].setdefault(category, []).extend(replayed)
 
     def tau(values: list[int]) -> float:
         return sum(values) / len(values) if values else 0.0
@@ -109,7 +111,7 @@ def first_slot_table(first_slot: dict[str, list[tuple[bool, float]]]) -> list[st
 
 def recorded_outputs(prompts: list[dict], results: str) -> dict[str, list[int]]:
     """Every prompt's greedy AR output, from an earlier bench's results."""
-    _, runs = recorded_runs(results, "ar")
+    _, runs = recorded_runs(results, BASELINE.label())
     missing = [p["id"] for p in prompts if p["id"] not in runs]
     if missing:
         raise EngineError(f"{results} has no AR run for {missing[0]} ({len(missing)} prompts missing)")
@@ -117,7 +119,7 @@ def recorded_outputs(prompts: list[dict], results: str) -> dict[str, list[int]]:
 
 
 def decoded_outputs(decoder: Decoder, prompts: list[dict], max_new_tokens: int) -> dict[str, list[int]]:
-    settings = DecodeSettings("ar", max_new_tokens=max_new_tokens, trace_detail="tokens")
+    settings = DecodeSettings(BASELINE.name, max_new_tokens=max_new_tokens, trace_detail="tokens")
     return {p["id"]: decoder.run(p["prompt"], settings, prompt_ids=prompt_tokens(decoder, p)).output_ids
             for p in prompts}
 
@@ -130,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None)
     parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
     parser.add_argument("--draft-dtype", default=AUTO)
-    parser.add_argument("--methods", default="dflash,ddtree")
+    parser.add_argument("--methods", default=",".join(name for name in NAMES if method(name).drafts))
     parser.add_argument("--tree-budget", default="4,8,16,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ar-outputs", default=None, help="a bench results JSON whose AR runs give the outputs")
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     prompts = per_category(read_prompts(args.prompts), args.per_category)[: args.limit]
-    jobs = [job for job in plan_jobs(args.methods, args.tree_budget) if job.method != "ar"]
+    jobs = [job for job in plan_jobs(args.methods, args.tree_budget) if job.drafts]
     outputs = recorded_outputs(prompts, args.ar_outputs) if args.ar_outputs else None  # before the slow load
     decoder = load_decoder(args.model, args.drafter, draft_dtype=args.draft_dtype)
     for note in tokenize_prompts(decoder.target, prompts, args.ar_outputs):  # the tokens the outputs followed

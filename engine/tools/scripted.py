@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import EngineError
+from engine.methods import BASELINE
 from engine.models.drafter import read_drafter_config, write_scripted_drafter
 from engine.models.target import Target, shape_tokenizer
 from engine.tools.bench import read_prompts
@@ -27,7 +28,7 @@ from engine.trace import NATIVE_AR
 def sequences_from(results: dict, label: str | None = None) -> tuple[str, list[list[int]]]:
     """The label used and, per run with it, the chat-encoded prompt followed by the run's output."""
     labels = {run["label"] for run in results["runs"]}
-    label = label or (NATIVE_AR if NATIVE_AR in labels else "ar")
+    label = label or (NATIVE_AR if NATIVE_AR in labels else BASELINE.label())
     if label not in labels:
         raise EngineError(f"the results hold no runs labelled {label!r} (they hold {', '.join(sorted(labels))})")
     config = results["config"]

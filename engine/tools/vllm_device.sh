@@ -44,7 +44,7 @@ STAGE=${STAGE:-/tmp/stage}
 export SITE=${SITE:-/tmp/site}
 export PYTHONPATH=$SITE:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
        VLLM_NO_USAGE_STATS=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 HOME=/tmp/home VLLM_CACHE_ROOT=/tmp/vcache \
-       TRITON_CACHE_DIR=/tmp/tcache DDTREE_CACHE=/tmp/ddtree-cache PYTHONUNBUFFERED=1
+       TRITON_CACHE_DIR=/tmp/tcache DDTREE_STUDIO_CACHE=/tmp/ddtree-cache PYTHONUNBUFFERED=1
 SHIPPED=assets/drafters/smollm2-135m-dflash-b16
 mkdir -p "$HOME"
 

@@ -60,8 +60,8 @@ prepare() {
 } 2>&1 | tee -a "$log"
 
 # Whatever happened, bring back what exists (at most 8 files of 16 MiB each come back). DRAFTER_BACK=0 leaves
-# the ~39 MB of weights on the machine for a call that a resumed one follows (whether bringing them back cost
-# sessions 10 and 11 their call B is unsettled: session 12's call brought them and the machine stayed warm).
+# the weights on the machine for a call that a resumed one follows (whether bringing them back costs a call:
+# docs/HISTORY.md, "Lab notes moved out of the code").
 if [ "${DRAFTER_BACK:-1}" = 1 ]; then
   mkdir -p "$OUT/drafter"
   cp "$WORK"/train/drafter/* "$OUT/drafter/" 2>/dev/null || echo "no drafter exported yet" | tee -a "$log"

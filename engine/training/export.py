@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from engine.methods import DFLASH, TREE, budget_sweep
 from engine.models.drafter import ARCHITECTURE, DFlashDrafter, load_drafter, save_drafter
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -90,14 +91,13 @@ def main(argv=None) -> None:
 def acceptance_record(results: dict) -> dict:
     """τ per method from an ``engine.tools.bench`` results file, as ``DrafterConfig.acceptance`` holds it."""
     summary, config = results["summary"], results["config"]
-    ddtree = {label.split("@")[1]: round(entry["tau"], 3) for label, entry in summary.items()
-              if label.startswith("ddtree@")}
+    curve = {str(budget): round(summary[label]["tau"], 3) for budget, label in budget_sweep(summary).items()}
     record = {"prompts": config.get("prompts"), "max_new_tokens": config.get("max_new_tokens"),
-              "dtype": config.get("dtype"), "ddtree": ddtree}
+              "dtype": config.get("dtype"), TREE.name: curve}
     if config.get("draft_dtype"):  # the bench names it only where the drafter ran in another dtype
         record["draft_dtype"] = config["draft_dtype"]
-    if "dflash" in summary:
-        record["dflash"] = round(summary["dflash"]["tau"], 3)
+    if DFLASH.label() in summary:
+        record[DFLASH.name] = round(summary[DFLASH.label()]["tau"], 3)
     return record
 
 

@@ -1,5 +1,6 @@
 """The Run view: the prompt, the settings and a live column a method (and a second drafter's beside the first's),
-each run alone one after another, with the step economics under them."""
+the runs taking turns on the model (each on its own clock, so that a load falls on all alike), with the step economics
+under them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import gradio as gr
 
 from engine.errors import EngineError
 from engine.loop.loading import display_name
+from engine.loop.race import Race
 from engine.loop.settings import DecodeSettings
 from engine.methods import AUTO, BASELINE, MAX_TREE_BUDGET, NAMES, TREE, check_budget
 from engine.trace import Trace
@@ -17,13 +19,16 @@ from viz.figures import economics_figure, economics_text
 from viz.page.state import (
     LANES,
     LANE_KEYS,
-    LiveRun,
+    LiveRace,
     PlannedRun,
     RunControl,
     Session,
+    by_lane,
     checked,
     common_settings,
+    disturbed,
     encode_prompt,
+    lane_of,
     method_choices,
     ordered,
     problem,
@@ -63,8 +68,8 @@ class RunView:
                 self.prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLE_PROMPTS[0], elem_id="prompt")
                 gr.Examples(EXAMPLE_PROMPTS, inputs=self.prompt, label="Example prompts")
             with gr.Column(scale=2):
-                self.methods = gr.CheckboxGroup(method_choices(NAMES), value=list(NAMES),
-                                                label="Methods (each runs alone, one after another)", elem_id="methods")
+                self.methods = gr.CheckboxGroup(method_choices(NAMES), value=list(NAMES), elem_id="methods",
+                                                label="Methods (they take turns, each on its own clock)")
                 with gr.Row():
                     # no precision: a rounding box would quietly run 2.5 tokens as 2; ``whole`` refuses it
                     self.max_new_tokens = gr.Number(64, label="Max new tokens", step=1, elem_id="max-new-tokens")
@@ -107,8 +112,9 @@ class RunView:
 
     def run(self, prompt, max_new_tokens, temperature, seed, budget, methods, second_drafter, control: RunControl,
             present: Callable[[dict[str, Trace], str], dict]):
-        """Run the chosen methods one after another (a drafting one with the second drafter too, where one is
-        picked), streaming each column, then show everything about the finished traces."""
+        """Run the chosen methods (a drafting one with the second drafter too, where one is picked) in turns on the
+        model (``engine.loop.race``), streaming every column, then show everything about the finished traces and
+        whether anything disturbed their timings."""
         control.stop = False
         try:
             if not methods:
@@ -119,29 +125,26 @@ class RunView:
             checked(prompt_ids, runs)
         except EngineError as exc:
             raise refusal(exc) from None
-        finished: dict[str, Trace] = {}
         planned = {run.lane.key for run in runs}
         yield {self.columns[lane.key]: column_html(lane.caption, None, absent="waiting" if lane.key in planned
                                                    else "not selected") for lane in LANES}
-        for number, run in enumerate(runs, start=1):
-            heading = f"**Running {run.lane.caption}** ({number} of {len(runs)})"
-            live = None
-            try:
-                for live in run_live(self.studio, prompt, prompt_ids, run.settings, control, run.decoder):
-                    if live.waiting_behind:
-                        yield {self.status: f"{heading}: waiting for the model, behind {live.waiting_behind} "
-                                            "other run(s) (other visitors', the doctor's or the start-up timing "
-                                            "of the budgets)…"}
-                    else:
-                        yield self._live_update(run, live, finished, heading)
-            except Exception as exc:
-                yield present(finished, problem(exc))
-                return
-            if live is not None and live.trace is not None:
-                finished[run.lane.key] = live.trace
-            if control.stop:
-                break
-        yield present(finished, self._run_status(finished, control.stop))
+        heading = f"**Running {', '.join(run.lane.caption for run in runs)}**"
+        live = None
+        try:
+            for live in run_live(self.studio, prompt, prompt_ids, runs, control):
+                if live.waiting_behind:
+                    yield {self.status: f"{heading}: waiting for the model, behind {live.waiting_behind} other "
+                                        "run(s) (other visitors', the doctor's or the start-up timing of the "
+                                        "budgets)…"}
+                else:
+                    yield self._live_update(runs, live, heading)
+        except Exception as exc:
+            ended = [trace for trace in live.traces.values() if trace.summary is not None] if live else []
+            yield present(by_lane(ended), problem(exc))
+            return
+        race = live.race
+        finished = by_lane(race.traces if race is not None else [])
+        yield present(finished, self._run_status(finished, control.stop, race) + disturbed(self.studio, race))
 
     def planned(self, common: DecodeSettings, budget, methods: list[str],
                 second_drafter: str | None) -> list[PlannedRun]:
@@ -153,22 +156,28 @@ class RunView:
                                    tree_budget=budget if lane.method.budgeted else common.tree_budget))
                 for lane in LANES if lane.method.name in methods and decoders[lane.second] is not None]
 
-    def _live_update(self, run: PlannedRun, live: LiveRun, finished: dict[str, Trace], heading: str) -> dict:
-        if live.trace is None:
-            return {self.status: f"{heading}: {self.studio.first_use(run.settings, run.decoder) or 'prefill'}…"}
-        stats = run_stats(live.trace)
-        return {self.status: f"{heading}: {stats.tokens} tokens, {stats.elapsed_s:.1f} s",
-                self.columns[run.lane.key]: column_html(run.lane.caption, live.trace, finished.get(BASELINE.name))}
+    def _live_update(self, runs: list[PlannedRun], live: LiveRace, heading: str) -> dict:
+        if not live.traces:
+            first_use = next(filter(None, (self.studio.first_use(run.settings, run.decoder) for run in runs)), None)
+            return {self.status: f"{heading}: {first_use or 'prefill'}…"}
+        traces = by_lane(live.traces.values())
+        ar = traces.get(BASELINE.name)
+        progress = ", ".join(f"{trace.config.heading()} {run_stats(trace).tokens} tokens" for trace in ordered(traces))
+        return {self.status: f"{heading}: {progress}",
+                **{self.columns[key]: column_html(lane_of(trace).caption, trace, ar) for key, trace in traces.items()}}
 
     @staticmethod
-    def _run_status(traces: dict[str, Trace], stopped: bool) -> str:
+    def _run_status(traces: dict[str, Trace], stopped: bool, race: Race | None) -> str:
         # each run keeps the notes on its settings: one temperature warning per method is one warning
         notes = list(dict.fromkeys(note for trace in traces.values() for note in trace.config.notes))
         for note in notes:
             gr.Info(note)
         done = "Stopped" if stopped else "Done"
+        how = ("" if race is None or len(traces) < 2 else
+               " (in turns, each on its own clock: a load falls on all alike)" if race.in_turns else
+               " (one after another: the fixed step and the vLLM engine run each generation whole)")
         ran = ", ".join(lane.caption for lane in LANES if lane.key in traces) or "nothing ran"
-        return " · ".join([f"**{done}**: {ran}.", *notes])
+        return " · ".join([f"**{done}**: {ran}{how}.", *notes])
 
     def shown(self, traces: dict[str, Trace]) -> dict:
         ar = traces.get(BASELINE.name)

@@ -18,21 +18,23 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gradio as gr
 
 from engine.errors import EngineError
-from engine.loop.decode import Decoder
+from engine.loop.decode import Decoder, race
 from engine.loop.loading import second_decoder, takes_second_drafter
+from engine.loop.race import Race
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import BudgetChoice, StartupTiming, cache_dir
+from engine.measure.fairness import disturbance
 from engine.methods import AUTO, BASELINE, DFLASH, METHODS, TREE, Budget, Method, method
 from engine.serving.model_queue import ModelQueue
 from engine.serving.startup import batch_budgeting
 from engine.trace import Trace, TraceError, write_trace_file
-from viz.tokens import TokenText, pieces_token_text
+from viz.tokens import TokenText, traces_token_text
 from viz.video import VideoError
 
 log = logging.getLogger("ddtree-studio")
@@ -136,15 +138,13 @@ class Studio:
 
     @functools.cached_property
     def decode_token(self) -> TokenText:
-        tokenizer = self.decoder.target.tokenizer
-        return functools.lru_cache(maxsize=None)(lambda token: tokenizer.decode([token], skip_special_tokens=False))
+        return functools.lru_cache(maxsize=None)(self.decoder.target.token_text)
 
     def token_text_for(self, traces: list[Trace]) -> TokenText:
-        """The tokenizer for traces of the loaded model; otherwise (an upload from
-        another model) the text pieces the traces themselves carry."""
-        if self.has_model and traces and all(trace.config.model == self.decoder.target.name for trace in traces):
-            return self.decode_token
-        return pieces_token_text(traces)
+        """The texts the traces carry; for what they lack, the tokenizer where the traces are the loaded model's,
+        else the pieces they committed (``viz.tokens.traces_token_text``)."""
+        own = self.has_model and traces and all(trace.config.model == self.decoder.target.name for trace in traces)
+        return traces_token_text(traces, self.decode_token if own else None)
 
 
 # ---------------------------------------------------------------- per-session state
@@ -260,60 +260,63 @@ class Session:
 
 # ---------------------------------------------------------------- running the model
 
-class LiveRun:
-    """One decoder run on the model thread; the handler polls ``trace`` as it grows. ``warm_up``: a compiled
-    step's first run of its method and budget; a short untimed run builds its programs first, so the run shown
-    (and its speed) pays for no compilation."""
+class LiveRace:
+    """The runs of one click, a job on the model thread: in turns where the engine can (``engine.loop.race``), so
+    that what else the machine does lands on every run alike. The handler polls ``traces`` (by label) as they grow;
+    ``race`` is whole once the job ends. A compiled step's first run of its method and budget is warmed up first by
+    a short untimed run, so the run shown (and its speed) pays for no compilation."""
 
-    def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-                 control: RunControl, warm_up: bool = False, decoder: Decoder | None = None):
-        self.trace: Trace | None = None
+    def __init__(self, studio: Studio, prompt: str, prompt_ids: list[int], runs: list[PlannedRun],
+                 control: RunControl):
+        self.traces: dict[str, Trace] = {}
+        self.race: Race | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
         self.queue = studio.queue
-        self.job = studio.queue.submit(self._work, decoder or studio.decoder, prompt, prompt_ids, settings, control,
-                                       warm_up)
+        warm_ups = [replace(run, settings=run.settings.warm_up()) for run in runs
+                    if studio.first_use(run.settings, run.decoder) is not None]
+        self.job = studio.queue.submit(self._work, prompt, prompt_ids, runs, warm_ups, control)
 
     @property
     def waiting_behind(self) -> int:
-        """How many jobs (the running one included) this run waits behind in the model's queue; 0 once it runs."""
+        """How many jobs (the running one included) this race waits behind in the model's queue; 0 once it runs."""
         return 0 if self.job.running() or self.job.done() else self.queue.ahead_of(self.job) + 1
 
-    def _work(self, decoder: Decoder, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-              control: RunControl, warm_up: bool) -> None:
+    def _work(self, prompt: str, prompt_ids: list[int], runs: list[PlannedRun], warm_ups: list[PlannedRun],
+              control: RunControl) -> None:
         try:
             if control.stop:  # stopped (or the page left) while it queued
                 return
-            if warm_up:
-                decoder.run(prompt, settings.warm_up(), prompt_ids=prompt_ids, should_stop=lambda: control.stop)
-            self.trace = decoder.run(prompt, settings, prompt_ids=prompt_ids, on_step=self._on_step,
-                                     should_stop=lambda: control.stop)
+            if warm_ups:
+                race([(run.decoder, run.settings) for run in warm_ups], prompt, prompt_ids=prompt_ids,
+                     should_stop=lambda: control.stop)
+            self.race = race([(run.decoder, run.settings) for run in runs], prompt, prompt_ids=prompt_ids,
+                             on_step=self._on_step, should_stop=lambda: control.stop)
         except Exception as exc:  # handed to the UI thread, which reports it
             self.error = exc
         finally:
             self.done.set()
 
     def _on_step(self, trace: Trace, step) -> None:
-        self.trace = trace
+        self.traces[trace.config.label] = trace
 
 
-def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: DecodeSettings,
-             control: RunControl, decoder: Decoder | None = None) -> Iterator[LiveRun]:
-    """Yield the live run every ``POLL_S`` until it ends (yielding once more at the end); while it waits in
+def run_live(studio: Studio, prompt: str, prompt_ids: list[int], runs: list[PlannedRun],
+             control: RunControl) -> Iterator[LiveRace]:
+    """Yield the live race every ``POLL_S`` until it ends (yielding once more at the end); while it waits in
     the model's queue its ``waiting_behind`` says so. Nothing here holds the model: the queue runs one job
-    at a time. ``decoder``: a second drafter's, else the loaded one."""
-    live = LiveRun(studio, prompt, prompt_ids, settings, control,
-                   warm_up=studio.first_use(settings, decoder) is not None, decoder=decoder)
+    at a time."""
+    live = LiveRace(studio, prompt, prompt_ids, runs, control)
     try:
         while not live.done.wait(POLL_S):
             yield live
         if live.error is not None:
             raise live.error
-        studio.started.add(compiled_label(settings, decoder or studio.decoder))
+        studio.started.update(compiled_label(run.settings, run.decoder) for run in runs)
         yield live
     finally:
         if not live.done.is_set():
-            control.stop = True  # the page went away mid-run: let the run stop at its next step
+            control.stop = True  # the page went away mid-run: let the runs stop at their next step
             if not studio.queue.cancel(live.job):
                 live.done.wait()
 
@@ -321,6 +324,16 @@ def run_live(studio: Studio, prompt: str, prompt_ids: list[int], settings: Decod
 def compiled_label(settings: DecodeSettings, decoder: Decoder) -> str:
     """What a compiled step is compiled for: the run's label, with its drafter's tag where it is a second one."""
     return method(settings.method).label(settings.tree_budget, decoder.drafter_info.tag)
+
+
+def disturbed(studio: Studio, race: Race | None) -> str:
+    """What disturbed a race's timings (``engine.measure.fairness``), as the status line says it; "" if nothing."""
+    findings = disturbance(race.traces, studio.budget.ar) if race is not None else []
+    if not findings:
+        return ""
+    for finding in findings:
+        gr.Warning(f"The timings were disturbed: {finding}.")
+    return " ⚠️ **The timings were disturbed**: " + "; ".join(findings) + "."
 
 
 def encode_prompt(studio: Studio, prompt: str) -> list[int]:

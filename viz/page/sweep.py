@@ -1,6 +1,6 @@
 """The Budget sweep: DDTree at several tree budgets on the Run tab's prompt and settings (and with its second drafter
-too, where one is picked), against one AR run, the plot and the table growing as the runs finish; the best budget is
-the one measured fastest, said with how noisy one pass is."""
+too, where one is picked), against one AR run, the runs taking turns on the model (each on its own clock, so that a
+load falls on all alike); the best budget is the one measured fastest, said with how noisy one pass is."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from viz.page.state import (
     Session,
     checked,
     common_settings,
+    disturbed,
     encode_prompt,
     problem,
     refusal,
@@ -55,7 +56,7 @@ class SweepView:
                                   column_widths=["7%", "6%", "12%", "12%", "11%", "11%", "8%", "7%", "6%", "20%"])
 
     def sweep(self, prompt, max_new_tokens, temperature, seed, budgets_text, second_drafter, control: RunControl):
-        """AR once, then DDTree at each budget (with each drafter); the plot and table grow as runs finish."""
+        """AR and DDTree at each budget (with each drafter) in turns; the plot and the table once they end."""
         control.stop = False
         try:
             budgets = parse_budgets(budgets_text)
@@ -72,36 +73,28 @@ class SweepView:
         said = "".join(f" · {note}" for note in notes)
         for note in notes:
             gr.Info(note)
-        baseline, runs = None, []
-        for number, run in enumerate(planned):
-            setting = run.settings
-            baseline_run = run.lane.method is BASELINE
-            name = (f"{BASELINE.title} baseline" if baseline_run else
-                    f"{TREE.title} budget {setting.tree_budget}" + (" (second drafter)" if run.lane.second else ""))
-            bar = progress_bar(number, len(planned))
-            live = None
-            try:
-                compiling = self.studio.first_use(setting, run.decoder)
-                for live in run_live(self.studio, prompt, prompt_ids, setting, control, run.decoder):
-                    tokens = run_stats(live.trace).tokens if live.trace else 0
-                    doing = (f"waiting for the model, behind {live.waiting_behind} other run(s)" if live.waiting_behind
-                             else f"{compiling}…" if compiling and not tokens else f"{tokens} tokens")
-                    yield {self.status: f"{bar} run {number + 1} of {len(planned)}: {name}, {doing}{said}"}
-            except Exception as exc:
-                yield {self.status: problem(exc), **self._results(runs, baseline)}
-                return
-            if control.stop or live is None or live.trace is None:
-                break
-            if baseline_run:
-                baseline = live.trace
-            else:
-                runs.append(live.trace)
-                yield self._results(runs, baseline)
+        heading = f"{BASELINE.title} and {TREE.title} at {len(budgets)} budget(s) in turns, each on its own clock"
+        compiling = next(filter(None, (self.studio.first_use(run.settings, run.decoder) for run in planned)), None)
+        live = None
+        try:
+            for live in run_live(self.studio, prompt, prompt_ids, planned, control):
+                tokens = sum(run_stats(trace).tokens for trace in live.traces.values())
+                bar = progress_bar(tokens, len(planned) * common.max_new_tokens)
+                doing = (f"waiting for the model, behind {live.waiting_behind} other run(s)" if live.waiting_behind
+                         else f"{compiling}…" if compiling and not tokens else f"{tokens} tokens")
+                yield {self.status: f"{bar} {heading}: {doing}{said}"}
+        except Exception as exc:
+            yield {self.status: problem(exc)}
+            return
+        race = live.race
+        traces = race.traces if race is not None else []
+        baseline = next((trace for trace in traces if trace.config.method_row is BASELINE), None)
+        runs = [trace for trace in traces if trace is not baseline]
         done = "Sweep stopped." if control.stop else "Sweep finished."
         verdict = sweep_verdict(runs, baseline)
         # the last message carries everything: API clients only see the final one
-        yield {self.status: " ".join(filter(None, [f"{progress_bar(len(runs) + 1, len(planned))} {done}", verdict]))
-               + said, **self._results(runs, baseline)}
+        yield {self.status: " ".join(filter(None, [f"{progress_bar(1, 1)} {done}", verdict])) + said
+               + disturbed(self.studio, race), **self._results(runs, baseline)}
 
     def _results(self, runs: list[Trace], baseline: Trace | None) -> dict:
         return {self.plot: sweep_figure(runs, baseline), self.table: sweep_rows(runs, baseline)}

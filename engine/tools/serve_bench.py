@@ -1,0 +1,213 @@
+"""The server under concurrency, through the official ``openai`` client: aggregate output tokens per second,
+time per output token and time to first token, per method and concurrency, batched or one request at a time.
+
+    python -m engine.tools.serve_bench --prompts assets/prompts/fresh.jsonl --limit 16 --max-tokens 64 \\
+        --concurrency 1,2,4,8 --methods ar,dflash,ddtree@auto --modes batched,one-at-a-time \\
+        --out benchmarks/serve/cpu-serve.json
+
+For each mode it starts ``python -m engine.tools.serve`` (``--one-at-a-time`` for that mode) on a free port, warms
+every method up, then for each method and concurrency C sends every prompt once, C clients at a time, each
+streamed and greedy. A request's time to first token is from its send to its first text; its time per output
+token is the rest of its time over the rest of its tokens; the aggregate rate is every completion token over
+the wall time of the whole set. Every text is held to the prompt's text alone through AR (the one-at-a-time
+server's AR at concurrency 1, or the batched AR at 1 if that mode is not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import openai
+
+from engine.errors import EngineError, run_command
+from engine.methods import AUTO, BASELINE, Label
+from engine.tools.bench import read_prompts
+
+MODES = {"batched": [], "one-at-a-time": ["--one-at-a-time"]}
+START_S = 300
+MODEL = "smollm2"
+
+
+@dataclass(frozen=True)
+class Answer:
+    prompt_id: str
+    text: str
+    tokens: int
+    sent: float  # seconds, this machine's monotonic clock
+    first: float | None  # when its first text arrived
+    done: float
+    tau: float
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.first or self.done) - self.sent
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first is None or self.tokens < 2:
+            return None
+        return (self.done - self.first) / (self.tokens - 1)
+
+
+def percentile(values: list[float], share: float) -> float | None:
+    """The ``share`` quantile (nearest rank), None of nothing."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(share * len(ordered) + 0.5) - 1))]
+
+
+def ask(url: str, prompt: dict, label: Label, max_tokens: int) -> Answer:
+    api = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    extra = {"method": label.method.name} | ({"tree_budget": label.budget} if label.budget is not None else {})
+    sent, first, pieces, usage, ddtree = time.monotonic(), None, [], None, {}
+    stream = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt["prompt"]}],
+                                         max_tokens=max_tokens, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body=extra)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.monotonic()
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+        ddtree = (chunk.model_extra or {}).get("ddtree") or ddtree
+    return Answer(prompt["id"], "".join(pieces), usage.completion_tokens, sent, first, time.monotonic(),
+                  ddtree.get("tau", 0.0))
+
+
+@dataclass(frozen=True)
+class Run:
+    mode: str
+    label: str
+    concurrency: int
+    tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float | None
+    tpot_p99_s: float | None
+    tau: float
+    identical: str  # "16/16": texts equal to the prompt's alone through AR
+    answers: list[dict]
+
+
+def measure(url: str, prompts: list[dict], label: Label, concurrency: int, max_tokens: int, mode: str,
+            reference: dict[str, str] | None) -> Run:
+    began = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as clients:
+        answers = list(clients.map(lambda prompt: ask(url, prompt, label, max_tokens), prompts))
+    wall = time.monotonic() - began
+    ttft = [a.ttft_s for a in answers]
+    tpot = [a.tpot_s for a in answers if a.tpot_s is not None]
+    same = sum(reference is not None and a.text == reference[a.prompt_id] for a in answers)
+    return Run(mode, label.text, concurrency, sum(a.tokens for a in answers) / wall, percentile(ttft, 0.5),
+               percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99),
+               statistics.mean(a.tau for a in answers), f"{same}/{len(answers)}" if reference is not None else "-",
+               [asdict(a) for a in answers])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Served:
+    """``python -m engine.tools.serve`` in a process of its own, for one mode."""
+
+    def __init__(self, mode: str, extra: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        command = [sys.executable, "-m", "engine.tools.serve", "--port", str(self.port), *MODES[mode], *extra]
+        self.process = subprocess.Popen(command, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + START_S
+        while True:
+            if self.process.poll() is not None:
+                raise EngineError(f"the server ({' '.join(command)}) exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise EngineError(f"the server did not answer within {START_S} s")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def table(runs: list[Run]) -> str:
+    lines = ["| mode | method | concurrency | tokens/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | τ "
+             "| identical to AR |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        tpot = (f"{1000 * run.tpot_p50_s:.0f} / {1000 * run.tpot_p99_s:.0f}" if run.tpot_p50_s is not None else "–")
+        lines.append(f"| {run.mode} | {run.label} | {run.concurrency} | {run.tokens_per_s:.1f} | "
+                     f"{run.ttft_p50_s:.2f} / {run.ttft_p99_s:.2f} | {tpot} | {run.tau:.2f} | {run.identical} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.serve_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", default="assets/prompts/fresh.jsonl")
+    parser.add_argument("--limit", type=int, default=16, help="prompts, spread evenly over the file")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,2,4,8")
+    parser.add_argument("--methods", default=f"ar,dflash,ddtree@{AUTO}", help="labels: ar, dflash, ddtree@auto, ...")
+    parser.add_argument("--modes", default="batched,one-at-a-time", help=f"of {', '.join(MODES)}")
+    parser.add_argument("--server-args", default="", help="more flags for the server (its model flags)")
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = read_prompts(args.prompts)
+    prompts = rows[:: max(1, len(rows) // args.limit)][: args.limit]
+    labels = [Label.parse(text) for text in args.methods.split(",")]
+    unknown = [label.text for label in labels if label.method is None]
+    modes = args.modes.split(",")
+    if unknown or set(modes) - set(MODES):
+        raise EngineError(f"unknown method labels {unknown} or modes {modes}: methods ar, dflash, ddtree@N, "
+                          f"ddtree@auto; modes {', '.join(MODES)}")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    runs: list[Run] = []
+    reference: dict[str, str] | None = None
+    for mode in sorted(modes, key=lambda m: m != "one-at-a-time"):  # the AR reference first, where it is run
+        served = Served(mode, args.server_args.split())
+        try:
+            for label in labels:  # warm-up: the first run of each method pays for what it builds
+                ask(served.url, prompts[0], label, 8)
+            for label in labels:
+                for concurrency in concurrencies:
+                    run = measure(served.url, prompts, label, concurrency, args.max_tokens, mode, reference)
+                    if reference is None and label.is_baseline and concurrency == 1:
+                        reference = {a["prompt_id"]: a["text"] for a in run.answers}
+                        run = Run(**(asdict(run) | {"identical": f"{len(prompts)}/{len(prompts)} (the reference)"}))
+                    runs.append(run)
+                    print(table([run]).splitlines()[-1], flush=True)
+        finally:
+            served.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"kind": "serve", "command": " ".join(sys.argv),
+                                    "config": {"prompts": args.prompts, "count": len(prompts),
+                                               "max_tokens": args.max_tokens, "cpu_threads": os.cpu_count(),
+                                               "baseline": BASELINE.name},
+                                    "runs": [asdict(run) for run in runs]}, indent=1))
+    print(table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main, parse_args()))

@@ -1,0 +1,123 @@
+"""Tree nodes for the batch (``ddtree.allocate``) and the batch's verify layout (``ddtree.batch``): the allocation
+is the best the cost model allows (against brute force), never past a request's cap, and shrinks from trees to
+chains to roots as the batch grows; on drafts the shipped drafter recorded, a batch of one gets the budget the
+bench found fastest on this kind of machine."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.allocate import Calibration, Offer, StepCost, allocate, plan_drafts
+from ddtree.batch import pack_trees
+from engine.loop.budgeting import AUTO_NODES, RECORDED, Budgeting
+from engine.methods import DDTREE
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDED_TRACE = ROOT / "assets" / "traces" / "cpu-python-reverse.json"
+CPU_BF16_DRAFTS = "CPU, 2 threads | torch | float32 (bfloat16 drafts) | batched step"
+
+
+def brute_force(offers: list[Offer], cost: StepCost, requests: int, drafts: int) -> float:
+    """The best tokens per second over every count per free offer (fixed ones take their cap)."""
+    ranges = [range(o.available, o.available + 1) if o.fixed else range(o.available + 1) for o in offers]
+    best = 0.0
+    for counts in itertools.product(*ranges):
+        tokens = requests + sum(sum(o.worth[:c]) for o, c in zip(offers, counts))
+        best = max(best, tokens / cost.seconds(requests, sum(counts), drafts))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_allocation_is_the_best_the_cost_model_allows(seed):
+    generator = torch.Generator().manual_seed(seed)
+    offers = []
+    for index in range(3):
+        worth = torch.rand(5, generator=generator).sort(descending=True).values.tolist()
+        offers.append(Offer(tuple(worth), cap=int(torch.randint(1, 6, (1,), generator=generator)),
+                            fixed=index == 2 and seed % 2 == 0))
+    cost = StepCost(*torch.rand(4, generator=generator).mul(0.01).tolist())
+    allocation = allocate(offers, cost, requests=4, drafts=3)
+    assert allocation.tokens_per_s == pytest.approx(brute_force(offers, cost, 4, 3))
+    for offer, nodes in zip(offers, allocation.nodes):
+        assert nodes <= offer.available
+        assert not offer.fixed or nodes == offer.available
+
+
+def test_trees_shrink_to_chains_and_roots_as_the_batch_grows():
+    worth = (0.9, 0.8, 0.6, 0.5, 0.3, 0.25, 0.2, 0.1, 0.05)
+    cost = StepCost(fixed_s=0.030, per_request_s=0.004, per_node_s=0.004, per_draft_s=0.003)  # compute-bound
+    nodes = {}
+    for batch in (1, 4, 16, 64):
+        allocation = allocate([Offer(worth, 9)] * batch, cost, batch, batch)
+        nodes[batch] = max(allocation.nodes)
+    assert nodes[1] >= nodes[4] >= nodes[16] >= nodes[64]
+    assert nodes[1] >= 5 and nodes[64] <= 2  # a tree for one, a short chain for 64
+
+
+def test_drafting_stops_where_it_does_not_pay():
+    good, poor = Offer((0.9, 0.8, 0.7), 3), Offer((0.02, 0.01), 2)
+    cost = StepCost(fixed_s=0.01, per_request_s=0.002, per_node_s=0.001, per_draft_s=0.004)
+    assert plan_drafts([good, poor, None], cost, 3) == [True, False, False]
+    dear = StepCost(fixed_s=0.001, per_request_s=0.01, per_node_s=0.01, per_draft_s=0.2)
+    assert plan_drafts([good, poor, None], dear, 3) == [False, False, False]
+    assert plan_drafts([Offer((0.0,), 1, fixed=True)], dear, 1) == [True]  # a fixed budget drafts whatever it costs
+
+
+def test_calibration_learns_acceptance_and_stays_monotone():
+    calibration = Calibration()
+    probs = torch.tensor([0.95] * 200 + [0.15] * 200)
+    calibration.observe(probs, torch.cat([torch.rand(200) < 0.5, torch.rand(200) < 0.9]))
+    low, high = calibration.worth(torch.tensor([0.15, 0.95])).tolist()
+    assert low == pytest.approx(high, abs=0.1)  # an over-confident top bin is pulled down to what it earned
+    rates = calibration.rates()
+    assert torch.all(rates[1:] >= rates[:-1])
+    assert Calibration.from_dict(json.loads(json.dumps(calibration.to_dict()))).rates().equal(rates)
+
+
+def recorded_drafts() -> list[torch.Tensor]:
+    """The shipped drafter's per-depth distributions as its DDTree run recorded them (top-8 per depth, the rest of
+    each depth's mass left off)."""
+    data = json.loads(RECORDED_TRACE.read_text())
+    trace = next(t for t in data["traces"] if t["config"]["method"] == DDTREE.name)
+    drafts = []
+    for step in trace["steps"]:
+        tokens, probs = torch.tensor(step["draft_top_tokens"]), torch.tensor(step["draft_top_probs"])
+        log_probs = torch.full((tokens.shape[0], 49152), float("-inf"))
+        drafts.append(log_probs.scatter_(1, tokens, probs.log()))
+    return drafts
+
+
+def recorded_budgeting() -> Budgeting:
+    entry = json.loads(RECORDED.read_text())["costs"][CPU_BF16_DRAFTS]
+    return Budgeting(StepCost(**entry["step_cost"]))
+
+
+def test_on_recorded_drafts_a_batch_of_one_gets_the_bench_s_best_budget_and_a_large_batch_chains_or_roots():
+    budgeting, drafts = recorded_budgeting(), recorded_drafts()
+    alone = [budgeting.alone(DDTREE, log_probs).size for log_probs in drafts]
+    assert 4 <= sorted(alone)[len(alone) // 2] <= 16  # the bench's fastest budgets here: 4 to 8 (assets/budgets.json)
+    for batch in (8, 16):
+        offers = [budgeting.candidates(DDTREE, log_probs, None, auto=True)[1] for log_probs in drafts[:batch]]
+        allocation = allocate(offers, budgeting.cost, len(offers), len(offers))
+        assert max(allocation.nodes) <= 4 and all(n <= AUTO_NODES for n in allocation.nodes)
+
+
+def test_the_layout_of_the_worked_example():
+    """ddtree/batch.py's docstring: a root with two children after 5 tokens, and AR's root after 2."""
+    two_children = ddtree.DraftTree(torch.tensor([7, 8]), torch.tensor([0, 0]), torch.tensor([1, 1]),
+                                    torch.zeros(2), torch.zeros(2), torch.tensor([0, 1]))
+    layout = pack_trees([two_children, ddtree.DraftTree.empty()], roots=[5, 9], pasts=[5, 2])
+    assert layout.query_start_loc.tolist() == [0, 3, 4]
+    assert layout.input_ids.tolist() == [5, 7, 8, 9]
+    assert layout.position_ids.tolist() == [5, 6, 6, 2]
+    assert layout.kv_rows.tolist() == [0, 0, 0, 1] and layout.kv_columns.tolist() == [5, 6, 7, 2]
+    assert layout.padded.tolist() == [[0, 1, 2], [3, 3, 3]] and layout.unpadded.tolist() == [0, 1, 2, 3]
+    assert layout.visible[0].long().tolist() == [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0],
+                                                 [1, 1, 1, 1, 1, 1, 0, 1]]
+    assert layout.visible[1].long().tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]] * 3

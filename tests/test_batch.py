@@ -1,0 +1,203 @@
+"""The batched step (``engine.loop.batch``): many requests advanced together give, token for token, what each
+gives alone; requests join and leave between steps; requests of every method share a step; one request's bad
+input never takes its batch down. On the tiny models (``tests/tiny.py``), float64 and float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.allocate import StepCost
+from ddtree.batch import pack_trees
+from engine.errors import EngineError
+from engine.loop.batch import PREFILL_TOKENS, Batch
+from engine.loop.budgeting import Budgeting
+from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.settings import DecodeSettings
+from engine.models.drafter import ScriptedDrafter, fresh_config
+from tests.tiny import tiny_drafter, tiny_target
+
+VOCAB = 48
+TOKENS = 40
+CHEAP_NODES = StepCost(fixed_s=0.05, per_request_s=0.001, per_node_s=0.0005, per_draft_s=0.002)  # trees pay
+DEAR_NODES = StepCost(fixed_s=0.001, per_request_s=0.01, per_node_s=0.01, per_draft_s=0.05)  # nothing pays
+
+
+def prompts(count: int, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB - 1, (int(length),), generator=generator).tolist()
+            for length in torch.randint(3, 18, (count,), generator=generator)]
+
+
+def oracle_decoder(dtype=torch.float64, count: int = 5) -> tuple[Decoder, list[list[int]]]:
+    """A decoder whose drafter knows the prompts' AR answers (deep acceptance, real branching)."""
+    target = tiny_target(0, vocab=VOCAB, dtype=dtype)
+    plain = Decoder(target, tiny_drafter(target, 0), DrafterInfo("random", trained=False))
+    asked = prompts(count)
+    answers = [ids + plain.run(prompt_ids=ids, settings=DecodeSettings("ar", max_new_tokens=TOKENS + 20)).output_ids
+               for ids in asked]
+    config = fresh_config(target.config, num_layers=1, mask_token_id=VOCAB - 1, num_taps=2)
+    oracle = ScriptedDrafter(config, answers).initialize(0).to(dtype).eval()
+    return Decoder(target, oracle, DrafterInfo("oracle", trained=False)), asked
+
+
+@pytest.fixture(scope="module")
+def oracle64():
+    return oracle_decoder(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def oracle32():
+    return oracle_decoder(torch.float32)
+
+
+MIXED = [DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=16),
+         DecodeSettings("dflash", max_new_tokens=TOKENS), DecodeSettings("ar", max_new_tokens=TOKENS),
+         DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=5),
+         DecodeSettings("ddtree", max_new_tokens=TOKENS - 9, tree_budget=40)]
+
+
+def alone(decoder: Decoder, ids: list[int], settings: DecodeSettings):
+    return decoder.run(prompt_ids=ids, settings=settings)
+
+
+@pytest.mark.parametrize("verify", ["packed", "padded"])
+@pytest.mark.parametrize("precision", ["oracle64", "oracle32"])
+def test_a_batch_of_three_methods_gives_each_request_what_it_gives_alone(request, precision, verify):
+    decoder, asked = request.getfixturevalue(precision)
+    batch = Batch(decoder, Budgeting(CHEAP_NODES), verify=verify)
+    traces = batch.run(list(zip(asked, MIXED)))
+    for ids, settings, trace in zip(asked, MIXED, traces):
+        single = alone(decoder, ids, settings)
+        assert trace.output_ids == single.output_ids, settings.label
+        assert [s.acceptance_length for s in trace.steps] == [s.acceptance_length for s in single.steps]
+        assert [s.tree_tokens for s in trace.steps] == [s.tree_tokens for s in single.steps]
+    first = traces[0].steps[0].batch
+    assert first.size == len(MIXED) and len(first.neighbours) == len(MIXED) - 1
+    assert first.nodes == 16 + 15 + 0 + 5 + 40  # every request's own budget (DFlash: its chain of 15)
+    assert traces[0].summary.tau > traces[1].summary.tau > 1.0 == traces[2].summary.tau
+    assert traces[4].summary.new_tokens == TOKENS - 9
+
+
+def test_the_packed_pass_scores_every_row_as_the_padded_one_does(oracle64):
+    decoder, asked = oracle64
+    packed, padded = Batch(decoder, Budgeting(CHEAP_NODES)), Batch(decoder, Budgeting(CHEAP_NODES), verify="padded")
+    for batch in (packed, padded):
+        for ids, settings in zip(asked, MIXED):
+            batch.admit(ids, settings)
+        while batch.waiting:
+            batch.advance()
+    trees = [ddtree.build_tree(torch.randn(15, VOCAB).log_softmax(-1), nodes) for nodes in (0, 7, 15, 1, 30)]
+    layout = pack_trees(trees, [r.root for r in packed.requests], [r.start for r in packed.requests])
+    with torch.inference_mode():
+        logits, hidden = packed.verify(layout, True)
+        logits_padded, hidden_padded = padded.verify(layout, True)
+    torch.testing.assert_close(logits, logits_padded, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(hidden[-1], hidden_padded[-1], rtol=1e-10, atol=1e-10)
+
+
+def test_seeded_sampling_in_a_batch_draws_what_the_request_draws_alone(oracle64):
+    decoder, asked = oracle64
+    sampled = [DecodeSettings(method, max_new_tokens=TOKENS, temperature=0.9, seed=seed, tree_budget=12)
+               for method, seed in (("ddtree", 3), ("dflash", 4), ("ar", 5), ("ddtree", 6))]
+    traces = Batch(decoder, Budgeting(CHEAP_NODES)).run(list(zip(asked, sampled)))
+    for ids, settings, trace in zip(asked, sampled, traces):
+        assert trace.output_ids == alone(decoder, ids, settings).output_ids, settings.label
+
+
+def test_requests_join_mid_batch_and_leave_done_stopped_or_abandoned(oracle64):
+    decoder, asked = oracle64
+    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    stop_flags = {"stopped": False, "left": False}
+    long_one = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=16))
+    short = batch.admit(asked[1], DecodeSettings("dflash", max_new_tokens=6))
+    stopped = batch.admit(asked[2], DecodeSettings("ar", max_new_tokens=TOKENS),
+                          should_stop=lambda: stop_flags["stopped"])
+    finished = []
+    for _ in range(3):
+        finished += batch.advance()
+    late = batch.admit(asked[3], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8))
+    left = batch.admit(asked[4], DecodeSettings("ar", max_new_tokens=TOKENS), should_stop=lambda: stop_flags["left"])
+    stop_flags["left"] = True  # its client is gone before its first token
+    finished += batch.advance()
+    assert left in finished and left.trace is None and left.finished == "cancelled"
+    stop_flags["stopped"] = True
+    while not batch.idle:
+        finished += batch.advance()
+    assert {r.name for r in finished} == {r.name for r in (long_one, short, stopped, late, left)}
+    assert short.trace.summary.stop_reason == "max_new_tokens" and short.trace.summary.new_tokens == 6
+    assert stopped.trace.summary.stop_reason == "cancelled"
+    for request, ids in ((long_one, asked[0]), (short, asked[1]), (late, asked[3])):
+        assert request.trace.output_ids == alone(decoder, ids, request.settings).output_ids
+    joined = {step.batch.size for step in late.trace.steps}
+    assert max(joined) >= 3 and min(joined) == 1  # it ran beside others, and alone at the end
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_stepping(oracle64):
+    decoder, asked = oracle64
+    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    running = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8))
+    long_prompt = (asked[1] * 40)[: 2 * PREFILL_TOKENS + 17]
+    late = batch.admit(long_prompt, DecodeSettings("ar", max_new_tokens=8))
+    after = batch.admit(asked[2], DecodeSettings("dflash", max_new_tokens=TOKENS))  # a row past the prefilling one
+    rounds = 0
+    while late.trace is None:
+        batch.advance()
+        rounds += 1
+    assert rounds == 3  # 273 prompt tokens, 128 a round, the short prompts' first
+    # they stepped while the prompt went in, ``after`` in a row past the prefilling one's
+    assert after.row > late.row and len(running.trace.steps) >= 2 and len(after.trace.steps) >= 2
+    while not batch.idle:
+        batch.advance()
+    for request, ids in ((running, asked[0]), (late, long_prompt), (after, asked[2])):
+        assert request.trace.output_ids == alone(decoder, ids, request.settings).output_ids
+
+
+def test_a_request_that_cannot_run_is_refused_alone(oracle64):
+    decoder, asked = oracle64
+    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    fine = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8))
+    with pytest.raises(EngineError, match="exceeds the model's context of 512 tokens"):
+        batch.admit([3] * 500, DecodeSettings("ar", max_new_tokens=TOKENS))
+    while not batch.idle:
+        batch.advance()
+    assert fine.trace.output_ids == alone(decoder, asked[0], fine.settings).output_ids
+
+
+def test_auto_trees_grow_where_nodes_are_cheap_and_fall_to_ar_where_they_are_not(oracle64):
+    decoder, asked = oracle64
+    auto = [DecodeSettings(method, max_new_tokens=TOKENS, tree_budget="auto") for method in ("ddtree", "dflash")]
+    cheap = Batch(decoder, Budgeting(CHEAP_NODES)).run(list(zip(asked, auto)))
+    dear = Batch(decoder, Budgeting(DEAR_NODES)).run(list(zip(asked, auto)))
+    for ids, settings, grown, shrunk in zip(asked, auto, cheap, dear):
+        reference = alone(decoder, ids, DecodeSettings("ar", max_new_tokens=TOKENS)).output_ids
+        assert grown.output_ids == shrunk.output_ids == reference
+        assert grown.config.label == f"{settings.method}@auto"
+        assert grown.summary.tau > 2.0 and shrunk.summary.tau < 1.2
+        assert all(step.batch.budget == 0 for step in shrunk.steps[1:])
+        assert all(step.batch.reason.startswith("auto: not drafted") for step in shrunk.steps[1:])
+    assert max(step.batch.budget for step in cheap[0].steps) > 15  # a tree, wider than DFlash's chain
+    assert max(step.batch.budget for step in cheap[1].steps) <= 15  # a chain never exceeds its block
+
+
+def test_a_hybrid_target_is_refused_a_batch():
+    from tests.hybrid_models import hybrid_decoder
+
+    with pytest.raises(EngineError, match="cannot verify a batch of trees in one pass"):
+        Batch(hybrid_decoder(), Budgeting())
+
+
+def test_the_page_says_what_batch_a_step_ran_in_and_what_sharing_cost_the_request(oracle64):
+    from viz.figures import economics_text, explain_stop
+
+    decoder, asked = oracle64
+    traces = Batch(decoder, Budgeting(CHEAP_NODES)).run(list(zip(asked, MIXED)))
+    step = traces[0].steps[0]
+    said = explain_stop(step, lambda token: f"t{token}")
+    assert said.endswith(f"In a batch of **5** requests ({step.batch.nodes} draft nodes verified in all), its tree "
+                         "had **16** nodes: its own budget: 16 nodes. Beside it: `request-2`, `request-3`, "
+                         "`request-4`, `request-5`.")
+    alone_ms = 1000 * CHEAP_NODES.seconds(1, 16, 1)
+    assert f"where its trees alone would take {alone_ms:.0f} ms by this machine's step costs" in economics_text(traces[:1])
+    assert "shared its" not in economics_text([alone(decoder, asked[0], MIXED[0])])
