@@ -199,6 +199,6 @@ def test_the_page_says_what_batch_a_step_ran_in_and_what_sharing_cost_the_reques
                          "had **16** nodes: its own budget: 16 nodes. Beside it: `request-2`, `request-3`, "
                          "`request-4`, `request-5`.")
     alone_ms = 1000 * CHEAP_NODES.seconds(1, 16, 1)
-    said = economics_text(traces[:1])
-    assert f"where its trees alone would take {alone_ms:.0f} ms by this machine's step costs" in said
+    sharing = economics_text(traces[:1])
+    assert f"where its trees alone would take {alone_ms:.0f} ms by this machine's step costs" in sharing
     assert "shared its" not in economics_text([alone(decoder, asked[0], MIXED[0])])
