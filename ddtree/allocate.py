@@ -4,7 +4,7 @@ Every request of a batched step verifies a tree: AR's is its root alone, DFlash'
 best-first tree. A node's worth is the tokens it is expected to add: the probability that the target
 accepts it, which is the drafter's path probability to it as calibrated against what the target really
 accepted (``Calibration``). A step's time follows ``StepCost``: a fixed part, each request's root row,
-each node, each request the drafter drafts for. The batch's tokens per second is therefore
+each node, each request the drafter drafts for, and the drafter's pass itself where any request drafts. The batch's tokens per second is therefore
 
     (requests + the worth of every node verified) / StepCost.seconds(requests, nodes, drafts)
 
@@ -33,9 +33,11 @@ class StepCost:
     per_request_s: float  # each request's root row through the target, its walk and commit
     per_node_s: float  # each draft node verified
     per_draft_s: float  # each request the drafter drafts a block for
+    draft_pass_s: float = 0.0  # a step that drafts at all: the drafter's weights and lm_head read once a pass
 
     def seconds(self, requests: int, nodes: int, drafts: int) -> float:
-        return self.fixed_s + self.per_request_s * requests + self.per_node_s * nodes + self.per_draft_s * drafts
+        return (self.fixed_s + self.per_request_s * requests + self.per_node_s * nodes + self.per_draft_s * drafts
+                + (self.draft_pass_s if drafts else 0.0))
 
 
 CALIBRATION_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

@@ -202,3 +202,18 @@ def test_the_page_says_what_batch_a_step_ran_in_and_what_sharing_cost_the_reques
     sharing = economics_text(traces[:1])
     assert f"where its trees alone would take {alone_ms:.0f} ms by this machine's step costs" in sharing
     assert "shared its" not in economics_text([alone(decoder, asked[0], MIXED[0])])
+
+
+def test_a_request_in_a_row_another_left_reads_only_its_own_context(oracle64):
+    """One request at a time through the same batch: each joins the row the one before left, and drafts as it does
+    alone (the drafter's context of the row's last request is not its own)."""
+    decoder, asked = oracle64
+    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    settings = DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=16)
+    for ids in asked[:3]:
+        request = batch.admit(ids, settings)
+        while not batch.idle:
+            batch.advance()
+        single = alone(decoder, ids, settings)
+        assert request.row == 0 and request.trace.output_ids == single.output_ids
+        assert [s.acceptance_length for s in request.trace.steps] == [s.acceptance_length for s in single.steps]

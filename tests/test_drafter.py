@@ -151,16 +151,40 @@ def test_a_scripted_drafter_loads_from_its_folder_and_never_runs_as_a_graph(tmp_
     assert proposals == [7, 8, 9]
 
 
-def test_the_drafter_runs_in_bf16_beside_a_float32_target_only_where_the_cpu_has_bf16(monkeypatch):
+def test_the_drafter_runs_in_bf16_beside_a_float32_target_only_where_the_cpu_runs_it_faster(monkeypatch):
     import engine.loop.loading as models
     from engine.errors import EngineError
 
     target = tiny_target(0, dtype=torch.float32)
-    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+    drafter = tiny_drafter(target).float()
+    for native, faster, expected in ((True, True, torch.bfloat16), (True, False, torch.float32),
+                                     (False, True, torch.float32)):
         monkeypatch.setattr(models, "cpu_has_bf16", lambda native=native: native)
-        assert models.draft_dtype_for(target) == expected
+        monkeypatch.setattr(models, "bf16_drafts_pay", lambda *args, faster=faster: faster)
+        assert models.draft_dtype_for(target, drafter) == expected
     monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
-    assert models.draft_dtype_for(tiny_target(0, dtype=torch.float64)) == torch.float64, "only beside float32"
-    assert models.draft_dtype_for(target, "float32") == torch.float32
+    assert models.draft_dtype_for(tiny_target(0, dtype=torch.float64), drafter) == torch.float64, "only beside float32"
+    assert models.draft_dtype_for(target, drafter, "float32") == torch.float32
     with pytest.raises(EngineError, match="dtype 'half' is not supported"):
-        models.draft_dtype_for(target, "half")
+        models.draft_dtype_for(target, drafter, "half")
+
+
+@pytest.mark.parametrize("bf16_share, pays", [(0.5, True), (0.9, False), (1.5, False)])
+def test_whether_bf16_drafts_pay_is_timed_on_the_drafter_s_own_pass(monkeypatch, bf16_share, pays):
+    """The drafter's pass runs in each dtype (its lm_head the target's, cast); a clock that a float32 pass moves by
+    1 and a bf16 pass by ``bf16_share`` decides."""
+    import engine.loop.loading as models
+
+    clock, passes = [0.0], []
+    pass_of = models.draft_log_probs
+
+    def timed_pass(drafter, embedding, *args):
+        passes.append((drafter.dtype, embedding.dtype))
+        clock[0] += 1.0 if embedding.dtype == torch.float32 else bf16_share
+        return pass_of(drafter, embedding, *args)
+
+    monkeypatch.setattr(models, "draft_log_probs", timed_pass)
+    monkeypatch.setattr(models.time, "perf_counter", lambda: clock[0])
+    target = tiny_target(0, dtype=torch.float32)
+    assert models.bf16_drafts_pay(target, tiny_drafter(target).float()) is pays
+    assert set(passes) == {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)}

@@ -141,6 +141,7 @@ class Batch:
         return self.admit_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop,
                                    name=name)
 
+    @torch.inference_mode()
     def admit_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
                        on_step: Callable[[Trace, Step], None] | None = None,
                        should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
@@ -154,6 +155,7 @@ class Batch:
         self.kv.reserve(request.row + 1, 0)
         if self.context is not None:
             self.context.reserve(request.row + 1, 0)
+            self.context.lengths[request.row] = 0  # the row's last request's context is no longer read
         self.waiting.append(request)
         return request
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +12,8 @@ import torch
 
 from engine.errors import EngineError
 from engine.loop.decode import Decoder, DrafterInfo
-from engine.models.drafter import SCRIPT, DFlashDrafter, fresh_config, load_drafter, weights_digest
+from engine.loop.draft_pass import draft_log_probs
+from engine.models.drafter import SCRIPT, DFlashDrafter, DraftContext, fresh_config, load_drafter, weights_digest
 from engine.models.target import BUNDLED_MODEL, load_target, resolve_dtype
 from engine.trace import SCRIPTED, TIMING_ONLY
 
@@ -22,6 +25,8 @@ RANDOM = "random"
 BUNDLED_MASK_TOKEN = 16
 RANDOM_DRAFTER_LAYERS = 3
 AUTO = "auto"
+TIMED_CONTEXT, TIMED_PASSES = 32, 4  # the drafter's pass timed in each dtype: after this many context rows, the best
+BF16_MARGIN = 0.8  # of a few; bf16 drafts where they take under this share of float32's time
 DRAFT_DTYPE_HELP = ("torch engine: the drafter's dtype (auto: bfloat16 beside a float32 target on a CPU with "
                     "native bf16, else the target's); the target verifies in its own")
 
@@ -62,7 +67,8 @@ def load_decoder(model: str | None = None, drafter: str | None = None, device: s
         draft_model, info = random_drafter(target, seed), DrafterInfo(f"random (untrained, seed {seed})", trained=False)
     else:
         draft_model, info = checkpoint, drafter_info(drafter)
-    draft_model = draft_model.to(device=target.device, dtype=draft_dtype_for(target, draft_dtype)).eval()
+    draft_model = draft_model.to(device=target.device).eval()
+    draft_model = draft_model.to(dtype=draft_dtype_for(target, draft_model, draft_dtype))
     return Decoder(target, draft_model, info, fixed_step=fixed_step, cuda_graphs=cuda_graphs, compile_step=compile_step)
 
 
@@ -104,15 +110,39 @@ def drafter_folders(*given: str | None) -> list[str]:
     return list(offered.values())
 
 
-def draft_dtype_for(target, choice: str = AUTO) -> torch.dtype:
-    """The dtype the drafter runs in: ``auto`` is bfloat16 beside a float32 target on a CPU with
-    native bf16 matrix units (the drafter's 15-row lm_head reads a vocabulary-sized matrix every
-    step: bf16 halves that and runs faster there; BENCHMARKS.md has the CPU settings with bf16 drafts), else
-    the target's own dtype. Only the proposals change: the target verifies every token in its own dtype."""
+def draft_dtype_for(target, drafter: DFlashDrafter, choice: str = AUTO) -> torch.dtype:
+    """The dtype the drafter runs in: ``auto`` is bfloat16 beside a float32 target on a CPU where the drafter's pass
+    runs clearly faster in it (its block's rows read a vocabulary-sized lm_head every step: bf16 halves that where
+    the CPU multiplies bf16 natively; BENCHMARKS.md has the CPU settings with bf16 drafts), else the target's own
+    dtype. Only the proposals change: the target verifies every token in its own dtype."""
     if choice != AUTO:
         return resolve_dtype(choice)
-    cpu_bf16 = target.device.type == "cpu" and cpu_has_bf16()
-    return torch.bfloat16 if cpu_bf16 and target.dtype == torch.float32 else target.dtype
+    if target.device.type != "cpu" or target.dtype != torch.float32 or not cpu_has_bf16():
+        return target.dtype
+    return torch.bfloat16 if bf16_drafts_pay(target, drafter) else target.dtype
+
+
+@torch.inference_mode()
+def bf16_drafts_pay(target, drafter: DFlashDrafter) -> bool:
+    """Whether the drafter's pass (a block after a few context rows) runs in under ``BF16_MARGIN`` of its float32
+    time in bfloat16 here: timed, the best of a few passes each, since a CPU can report native bf16 (as oneDNN
+    sees it) and still run parts of the pass slower."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = copy.deepcopy(drafter).to(dtype=dtype).eval()
+        embedding, lm_head = target.embedding.to(dtype), target.lm_head.to(dtype)
+        block = torch.full((1, model.block_size), model.mask_token_id)
+        positions = torch.arange(TIMED_CONTEXT, TIMED_CONTEXT + model.block_size)[None]
+        features = torch.randn(1, TIMED_CONTEXT, model.fc.in_features, dtype=dtype)
+        context_positions = torch.arange(TIMED_CONTEXT)[None]
+        times = []
+        for _ in range(TIMED_PASSES):
+            start = time.perf_counter()
+            draft_log_probs(model, embedding, lm_head, block, positions, features, context_positions,
+                            DraftContext.empty(len(model.layers)))
+            times.append(time.perf_counter() - start)
+        best[dtype] = min(times)
+    return best[torch.bfloat16] < BF16_MARGIN * best[torch.float32]
 
 
 def cpu_has_bf16() -> bool:

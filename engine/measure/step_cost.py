@@ -26,7 +26,7 @@ from engine.measure.calibration import _key
 GRID_REQUESTS = (1, 2, 4, 8)
 GRID_NODES = (0, 4, 16, 32)  # per request; 0: AR, else DDTree at that budget
 QUICK_REQUESTS, QUICK_NODES = (1, 4), (0, 16)  # what a start-up with no record times
-MEASURED_STEPS = 6
+MEASURED_STEPS = 10
 WARM_UP_STEPS = 2
 
 
@@ -45,16 +45,19 @@ class CostTiming:
 
 
 def fit(shapes: list[StepShape]) -> StepCost:
-    """Least squares of seconds on (1, requests, nodes, drafts); a term that comes out negative (noise, or a
-    grid that cannot tell it apart) is dropped and the rest fitted again."""
-    names = ["fixed_s", "per_request_s", "per_node_s", "per_draft_s"]
+    """Least squares of seconds on (1, requests, nodes, drafts, whether it drafts), each step weighed by one over its time so that a
+    small batch's step is fitted as closely as a large one's (the allocation's choices turn on ratios); a term
+    that comes out negative (noise, or a grid that cannot tell it apart) is dropped and the rest fitted again."""
+    names = ["fixed_s", "per_request_s", "per_node_s", "per_draft_s", "draft_pass_s"]
     columns = {"fixed_s": [1.0] * len(shapes), "per_request_s": [s.requests for s in shapes],
-               "per_node_s": [s.nodes for s in shapes], "per_draft_s": [s.drafts for s in shapes]}
+               "per_node_s": [s.nodes for s in shapes], "per_draft_s": [s.drafts for s in shapes],
+               "draft_pass_s": [float(s.drafts > 0) for s in shapes]}
     seconds = torch.tensor([[s.seconds] for s in shapes], dtype=torch.float64)
+    weight = 1 / seconds
     kept = list(names)
     while True:
         design = torch.tensor([columns[name] for name in kept], dtype=torch.float64).T
-        solution = torch.linalg.lstsq(design, seconds).solution[:, 0].tolist()
+        solution = torch.linalg.lstsq(design * weight, seconds * weight).solution[:, 0].tolist()
         fitted = dict(zip(kept, solution))
         negative = [name for name in kept if fitted[name] < 0]
         if not negative:

@@ -75,8 +75,8 @@ def _main(args: argparse.Namespace) -> int:
     findings = static_checks(target.config, target.tokenizer, config, args.engine, raw)  # another target: exit 2
     if not probe_can_run(findings):
         return finish(static_report(target.name, name, args.engine, findings), args.out)
-    drafter = load_drafter(args.drafter).to(device=target.device,
-                                            dtype=draft_dtype_for(target, args.draft_dtype)).eval()
+    drafter = load_drafter(args.drafter).to(device=target.device).eval()
+    drafter = drafter.to(dtype=draft_dtype_for(target, drafter, args.draft_dtype))
     decoder = Decoder(target, drafter, drafter_info(args.drafter))
     print(f"loaded in {time.perf_counter() - started:.1f} s; probing {len(prompts)} prompts", file=sys.stderr)
     report = diagnose(decoder, prompts, settings, raw, pacer=Pacer(say_stage))
