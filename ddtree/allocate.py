@@ -4,7 +4,8 @@ Every request of a batched step verifies a tree: AR's is its root alone, DFlash'
 best-first tree. A node's worth is the tokens it is expected to add: the probability that the target
 accepts it, which is the drafter's path probability to it as calibrated against what the target really
 accepted (``Calibration``). A step's time follows ``StepCost``: a fixed part, each request's root row,
-each node, each request the drafter drafts for, and the drafter's pass itself where any request drafts. The batch's tokens per second is therefore
+each node, each request the drafter drafts for, and the drafter's pass itself where any request drafts.
+The batch's tokens per second is therefore
 
     (requests + the worth of every node verified) / StepCost.seconds(requests, nodes, drafts)
 

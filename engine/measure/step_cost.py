@@ -45,9 +45,10 @@ class CostTiming:
 
 
 def fit(shapes: list[StepShape]) -> StepCost:
-    """Least squares of seconds on (1, requests, nodes, drafts, whether it drafts), each step weighed by one over its time so that a
-    small batch's step is fitted as closely as a large one's (the allocation's choices turn on ratios); a term
-    that comes out negative (noise, or a grid that cannot tell it apart) is dropped and the rest fitted again."""
+    """Least squares of seconds on (1, requests, nodes, drafts, whether it drafts), each step weighed by one over
+    its time so that a small batch's step is fitted as closely as a large one's (the allocation's choices turn on
+    ratios); a term that comes out negative (noise, or a grid that cannot tell it apart) is dropped and the rest
+    fitted again."""
     names = ["fixed_s", "per_request_s", "per_node_s", "per_draft_s", "draft_pass_s"]
     columns = {"fixed_s": [1.0] * len(shapes), "per_request_s": [s.requests for s in shapes],
                "per_node_s": [s.nodes for s in shapes], "per_draft_s": [s.drafts for s in shapes],
