@@ -30,7 +30,7 @@ import ddtree
 from ddtree.allocate import Allocation, Offer, allocate, plan_drafts
 from ddtree.batch import BatchLayout, pack_trees
 from engine.errors import EngineError
-from engine.loop.budgeting import Budgeting, first_nodes
+from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth, first_nodes
 from engine.loop.decode import READABLE_SAMPLING
 from engine.loop.draft_pass import draft_log_probs
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
@@ -59,7 +59,7 @@ class BatchRequest(Run):
         self.finished: str | None = None  # the stop reason, once it has one
         self.pending_context: list[torch.Tensor] = []  # committed rows' features the drafter has not read yet
         self.pending_positions: list[torch.Tensor] = []
-        self.offer: Offer | None = None  # its worth at its last draft, for the next plan
+        self.expected: torch.Tensor | None = None  # what its next draft is expected to be worth, node by node
         self.row_method = method(settings.method)
         self.t0 = self.clock.now()
 
@@ -118,6 +118,8 @@ class Batch:
         if verify not in ("packed", "padded"):
             raise EngineError(f"verify must be packed or padded, got {verify!r}")
         self.decoder, self.budgeting, self.verify_kind = decoder, budgeting, verify
+        if budgeting.typical is None and decoder.drafter is not None:
+            budgeting.typical = expected_worth(decoder.drafter.config.acceptance)
         target = decoder.target
         self.target, self.drafter = target, decoder.drafter
         self.clock = StageClock(target.device)
@@ -292,15 +294,16 @@ class Batch:
 
     def plan(self, active: list[BatchRequest]) -> list[int]:
         """How deep each request drafts this step (0: not at all). A fixed budget drafts its whole block, as it
-        does alone; an "auto" one by its last draft's worth (one that never drafted drafts its whole block): as
-        deep as the nodes the batch is expected to give it, and a little deeper, since the drafter's lm_head
-        costs per depth; AR never."""
+        does alone; an "auto" one by what its draft is expected to be worth (``Budgeting.learn``; before its
+        first, the typical draft's, and with neither it drafts its whole block): as deep as the nodes the batch
+        is expected to give it, and a little deeper, since the drafter's lm_head costs per depth; AR never."""
         offers: list[Offer | None] = []
         for request in active:
+            expected = request.expected if request.expected is not None else self.budgeting.typical
             if not request.row_method.drafts:
                 offers.append(None)
-            elif request.settings.auto_budget and request.offer is not None:
-                offers.append(request.offer)
+            elif request.settings.auto_budget and expected is not None:
+                offers.append(Offer(tuple(expected.tolist()), AUTO_NODES))
             else:
                 offers.append(Offer((1.0,), 1, fixed=True))
         drafting = plan_drafts(offers, self.budgeting.cost, len(active))
@@ -350,14 +353,16 @@ class Batch:
         budget's), then as many nodes as the allocation gives it."""
         candidates, offers = [], []
         for request in active:
-            log_probs = drafts.get(request)
+            log_probs, settings = drafts.get(request), request.settings
             if log_probs is None:
                 tree, offer = ddtree.DraftTree.empty(), Offer((), 0, fixed=True)
+                if settings.auto_budget and request.expected is not None:
+                    request.expected = self.budgeting.relax(request.expected)
             else:
-                settings = request.settings
                 tree, offer = self.budgeting.candidates(request.row_method, log_probs, settings.tree_budget,
                                                         settings.auto_budget)
-                request.offer = offer if settings.auto_budget else None
+                if settings.auto_budget:
+                    request.expected = self.budgeting.learn(request.expected, offer)
             candidates.append(tree)
             offers.append(offer)
         allocation = allocate(offers, self.budgeting.cost, len(active), len(drafts))
@@ -374,7 +379,7 @@ class Batch:
         if not request.settings.auto_budget:
             return f"its own budget: {offer.cap} nodes"
         if request not in drafts:
-            return "auto: not drafted, its last draft's nodes were worth less than drafting costs at this batch size"
+            return "auto: not drafted, the nodes it is expected to offer are worth less than drafting costs here"
         if nodes == offer.available:
             return f"auto: every node of its draft paid ({nodes})"
         return (f"auto: nodes worth at least {allocation.cutoff:.2f} tokens each, what the batch earns in a node's "

@@ -20,6 +20,9 @@ from ddtree.allocate import Calibration, Offer, StepCost, allocate
 from engine.methods import Method
 
 AUTO_NODES = 64  # the most nodes an "auto" tree drafts: the candidates the allocation chooses among
+LEARN = 0.2  # how much a request's new draft moves what its next one is expected to be worth
+TYPICAL_LEARN = 0.05  # ... and what any request's draft is expected to be worth
+RELAX = 0.25  # how far, each step it does not draft, a request's expectation returns to the typical one
 RECORDED = Path(__file__).resolve().parent.parent.parent / "assets" / "batching.json"
 # Until this machine's step costs are timed or recorded: a step's fixed part and a request's row dominate,
 # a node costs a tenth of a row, a draft half of one (orders of magnitude, not a measurement).
@@ -28,12 +31,27 @@ PROVISIONAL_COST = StepCost(fixed_s=0.02, per_request_s=0.02, per_node_s=0.002, 
 
 @dataclass
 class Budgeting:
-    """How trees are sized: the step's cost model on this machine and the drafter's calibration (every
-    verified node updates it)."""
+    """How trees are sized: the step's cost model on this machine, the drafter's calibration (every verified node
+    updates it), and what a draft is typically worth, node by node in heap order (every "auto" draft updates it;
+    None until the first, or from the drafter's recorded acceptance, ``expected_worth``)."""
 
     cost: StepCost = PROVISIONAL_COST
     calibration: Calibration = field(default_factory=Calibration)
     source: str = "provisional: no step costs recorded or timed for this machine"
+    typical: torch.Tensor | None = None  # [AUTO_NODES] worth per node, best first
+
+    def learn(self, expected: torch.Tensor | None, offer: Offer) -> torch.Tensor:
+        """A request drafted and offered ``offer``: what its next draft is now expected to be worth (its last
+        expectation moved towards this draft's), and the typical draft's likewise."""
+        worth = torch.zeros(AUTO_NODES, dtype=torch.float64)
+        worth[: len(offer.worth)] = torch.tensor(offer.worth, dtype=torch.float64)
+        self.typical = worth.clone() if self.typical is None else torch.lerp(self.typical, worth, TYPICAL_LEARN)
+        return worth if expected is None else torch.lerp(expected, worth, LEARN)
+
+    def relax(self, expected: torch.Tensor) -> torch.Tensor:
+        """A request that did not draft this step: its expectation a step nearer the typical draft's, so that one
+        poor draft does not keep it from drafting for the rest of its run."""
+        return expected if self.typical is None else torch.lerp(expected, self.typical, RELAX)
 
     def candidates(self, row: Method, log_probs: torch.Tensor, budget, auto: bool) -> tuple[ddtree.DraftTree, Offer]:
         """The tree a request drafts from ``log_probs [D, V]`` (an "auto" one's ``AUTO_NODES`` candidates, else
@@ -75,3 +93,20 @@ def recorded_budgeting(machine: str, drafter_revision: str | None, path: Path = 
     return Budgeting(StepCost(**costs["step_cost"]),
                      Calibration.from_dict(calibration) if calibration else Calibration(),
                      f"step costs recorded for this kind of machine ({machine}) by {costs['command']}")
+
+
+def expected_worth(acceptance: dict) -> torch.Tensor | None:
+    """What a draft is worth node by node (``[AUTO_NODES]``, best first), from a drafter's recorded acceptance (its
+    config's ``acceptance``: τ per DDTree budget): between two recorded budgets each node adds an equal share of
+    the τ they differ by; None without a record."""
+    taus = {int(budget): float(tau) for budget, tau in acceptance.get("ddtree", {}).items()}
+    if not taus:
+        return None
+    worth = torch.zeros(AUTO_NODES, dtype=torch.float64)
+    below, tau_below = 0, 1.0
+    for budget in sorted(taus):
+        end = min(budget, AUTO_NODES)
+        if end > below:
+            worth[below:end] = max(taus[budget] - tau_below, 0.0) / (budget - below)
+        below, tau_below = end, taus[budget]
+    return torch.cummin(worth, dim=0).values  # best first: never rising
