@@ -73,16 +73,16 @@ def handler_calls(page: app.StudioApp, tmp_path) -> dict:
     studio = page.studio
 
     def run():
-        updates = drained(page.run_view.run(PROMPT, 6, 0.0, 0, 4, ["ar", "dflash", "ddtree"], RunControl(),
+        updates = drained(page.run_view.run(PROMPT, 6, 0.0, 0, 4, ["ar", "dflash", "ddtree"], "", RunControl(),
                                             present=page.present))
         return updates[-1][page.session.status]
 
     def sweep():
-        updates = drained(page.sweep_view.sweep(PROMPT, 6, 0.0, 0, "2, 4", RunControl()))
+        updates = drained(page.sweep_view.sweep(PROMPT, 6, 0.0, 0, "2, 4", "", RunControl()))
         return updates[-1][page.sweep_view.status]
 
     def doctor():
-        return page.doctor_view.examine(PROMPT, 4, False)[page.doctor_view.verdict]
+        return list(page.doctor_view.examine(PROMPT, 4, False, RunControl()))[-1][page.doctor_view.verdict]
 
     def timing():
         studio.timing = StartupTiming(studio.decoder, budgets=(2,), prompt=PROMPT, tokens=4,
