@@ -61,14 +61,6 @@ class BatchLayout:
         """Cache columns the pass reads: up to the end of the longest request's tree."""
         return self.visible.shape[-1]
 
-    def sizes(self) -> list[int]:
-        """Tokens per request (its root and nodes)."""
-        return (self.query_start_loc[1:] - self.query_start_loc[:-1]).tolist()
-
-    def segments(self, values: torch.Tensor) -> list[torch.Tensor]:
-        """``values [T, ...]`` cut into each request's rows."""
-        return list(values.split(self.sizes()))
-
     def to(self, device: torch.device) -> BatchLayout:
         return BatchLayout(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
 

@@ -64,10 +64,6 @@ class BatchRequest(Run):
         self.t0 = self.clock.now()
 
     @property
-    def decoding(self) -> bool:
-        return self.trace is not None and self.finished is None
-
-    @property
     def prompt_ids(self) -> list[int]:
         return self.config.prompt_ids
 

@@ -186,12 +186,12 @@ class StartupTiming:
         self.path.write_text(json.dumps(kept, indent=1) + "\n")
 
 
-def machine_key(decoder: Decoder) -> str:
-    """What a measured budget holds for: the device (GPU model, or CPU and its threads), engine,
-    dtype (and the drafter's, where it differs) and step."""
+def machine_key(decoder: Decoder, step: str | None = None) -> str:
+    """What a measurement holds for: the device (GPU model, or CPU and its threads), engine, dtype (and the
+    drafter's, where it differs) and step (the decoder's own, or ``step``: "batched" for a batch's step costs)."""
     return _key(torch.cuda.get_device_name(0) if decoder.target.device.type == "cuda" else None,
                 torch.get_num_threads(), decoder.engine, str(decoder.target.dtype).removeprefix("torch."),
-                decoder.step_kind, decoder.draft_dtype)
+                step or decoder.step_kind, decoder.draft_dtype)
 
 
 def _key(gpu: str | None, threads: int, engine: str, dtype: str, step: str, draft_dtype: str | None = None) -> str:

@@ -21,20 +21,19 @@ from engine.loop.batch import Batch, StepShape
 from engine.loop.budgeting import RECORDED, Budgeting
 from engine.loop.decode import Decoder
 from engine.loop.settings import DecodeSettings
-from engine.measure.calibration import _key
+from engine.measure.calibration import machine_key
 
 GRID_REQUESTS = (1, 2, 4, 8)
 GRID_NODES = (0, 4, 16, 32)  # per request; 0: AR, else DDTree at that budget
 QUICK_REQUESTS, QUICK_NODES = (1, 4), (0, 16)  # what a start-up with no record times
 MEASURED_STEPS = 10
 WARM_UP_STEPS = 2
+BATCHED = "batched"  # the step kind step costs are recorded under
 
 
 def batch_key(decoder: Decoder) -> str:
-    """The machine kind a step cost holds for (``engine.measure.calibration``'s key, for the batched step)."""
-    return _key(torch.cuda.get_device_name(0) if decoder.target.device.type == "cuda" else None,
-                torch.get_num_threads(), decoder.engine, str(decoder.target.dtype).removeprefix("torch."),
-                "batched", decoder.draft_dtype)
+    """The machine kind a step cost holds for: ``machine_key``'s, for the batched step."""
+    return machine_key(decoder, BATCHED)
 
 
 @dataclass(frozen=True)
