@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.allocate import StepCost
+from ddtree.allocate import Offer, StepCost, plan_drafts
 from ddtree.batch import pack_trees
 from engine.errors import EngineError
 from engine.loop.batch import PREFILL_TOKENS, Batch
-from engine.loop.budgeting import Budgeting
+from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth
 from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.settings import DecodeSettings
+from engine.methods import DDTREE, DFLASH
 from engine.models.drafter import ScriptedDrafter, fresh_config
 from tests.tiny import tiny_drafter, tiny_target
 
@@ -221,3 +222,36 @@ def test_a_request_in_a_row_another_left_reads_only_its_own_context():
         for batched, solo_step in zip(request.trace.steps, single.steps, strict=True):
             torch.testing.assert_close(torch.tensor(batched.draft_top_probs), torch.tensor(solo_step.draft_top_probs),
                                        rtol=1e-6, atol=1e-12)
+
+
+def test_a_drafters_record_becomes_what_each_methods_draft_is_worth_before_any_is_seen():
+    recorded = {"ddtree": {"4": 2.6, "8": 3.0}, "dflash": 2.62}
+    tree = expected_worth(recorded, DDTREE, 15)
+    assert tree[:4].tolist() == pytest.approx([0.4] * 4) and tree[4:8].tolist() == pytest.approx([0.1] * 4)
+    assert float(tree[8:].abs().sum()) == 0.0
+    chain = expected_worth(recorded, DFLASH, 15)
+    assert float(chain.sum()) == pytest.approx(1.62) and float(chain[15:].abs().sum()) == 0.0
+    assert bool((chain[1:15] < chain[:14]).all())  # each depth is reached less often than the one above it
+    assert expected_worth({"dflash": 2.62}, DDTREE, 15) is None
+
+
+def test_drafts_that_stop_paying_are_tried_again_and_never_stop_another_methods_drafts():
+    """A request whose drafts turned out poor stops drafting; each step without a draft brings its expectation,
+    and its method's typical draft, back towards the drafter's record, so it drafts again; a chain's poor drafts
+    never lower what a tree's draft is expected to be worth."""
+    cost = StepCost(fixed_s=0.05, per_request_s=0.005, per_node_s=0.002, per_draft_s=0.01, draft_pass_s=0.02)
+    recorded = {"ddtree": {"4": 2.6, "16": 3.4}, "dflash": 2.62}
+    budgeting = Budgeting(cost, prior={row.name: expected_worth(recorded, row, 15) for row in (DDTREE, DFLASH)})
+
+    def drafts(expected) -> bool:
+        return plan_drafts([Offer(tuple(expected.tolist()), AUTO_NODES)], cost, 1)[0]
+
+    poor = Offer((0.05,) * 15, 15)
+    expected = None
+    for _ in range(30):
+        expected = budgeting.learn(DFLASH, expected, poor)
+    assert drafts(budgeting.prior["dflash"]) and not drafts(expected)
+    assert not drafts(budgeting.expectation(DFLASH))
+    assert torch.equal(budgeting.expectation(DDTREE), budgeting.prior["ddtree"]) and drafts(budgeting.prior["ddtree"])
+    waited = [drafts(expected := budgeting.relax(DFLASH, expected)) for _ in range(100)]
+    assert not waited[0] and any(waited)  # not at once: the evidence against it counts for a while

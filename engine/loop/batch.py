@@ -35,7 +35,7 @@ from engine.loop.decode import READABLE_SAMPLING
 from engine.loop.draft_pass import draft_log_probs
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
-from engine.methods import method
+from engine.methods import METHODS, method
 from engine.models.batched import BatchDraftContext, BatchKV, packed_pass, padded_pass
 from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace
 
@@ -114,8 +114,10 @@ class Batch:
         if verify not in ("packed", "padded"):
             raise EngineError(f"verify must be packed or padded, got {verify!r}")
         self.decoder, self.budgeting, self.verify_kind = decoder, budgeting, verify
-        if budgeting.typical is None and decoder.drafter is not None:
-            budgeting.typical = expected_worth(decoder.drafter.config.acceptance)
+        if not budgeting.prior and decoder.drafter is not None:
+            config = decoder.drafter.config
+            budgeting.prior = {row.name: worth for row in METHODS.values() if row.drafts
+                               if (worth := expected_worth(config.acceptance, row, config.block_size - 1)) is not None}
         target = decoder.target
         self.target, self.drafter = target, decoder.drafter
         self.clock = StageClock(target.device)
@@ -291,11 +293,12 @@ class Batch:
     def plan(self, active: list[BatchRequest]) -> list[int]:
         """How deep each request drafts this step (0: not at all). A fixed budget drafts its whole block, as it
         does alone; an "auto" one by what its draft is expected to be worth (``Budgeting.learn``; before its
-        first, the typical draft's, and with neither it drafts its whole block): as deep as the nodes the batch
+        first, its method's typical draft, and with neither it drafts its whole block): as deep as the nodes the batch
         is expected to give it, and a little deeper, since the drafter's lm_head costs per depth; AR never."""
         offers: list[Offer | None] = []
         for request in active:
-            expected = request.expected if request.expected is not None else self.budgeting.typical
+            expected = (request.expected if request.expected is not None else
+                        self.budgeting.expectation(request.row_method))
             if not request.row_method.drafts:
                 offers.append(None)
             elif request.settings.auto_budget and expected is not None:
@@ -352,13 +355,13 @@ class Batch:
             log_probs, settings = drafts.get(request), request.settings
             if log_probs is None:
                 tree, offer = ddtree.DraftTree.empty(), Offer((), 0, fixed=True)
-                if settings.auto_budget and request.expected is not None:
-                    request.expected = self.budgeting.relax(request.expected)
+                if settings.auto_budget:
+                    request.expected = self.budgeting.relax(request.row_method, request.expected)
             else:
                 tree, offer = self.budgeting.candidates(request.row_method, log_probs, settings.tree_budget,
                                                         settings.auto_budget)
                 if settings.auto_budget:
-                    request.expected = self.budgeting.learn(request.expected, offer)
+                    request.expected = self.budgeting.learn(request.row_method, request.expected, offer)
             candidates.append(tree)
             offers.append(offer)
         allocation = allocate(offers, self.budgeting.cost, len(active), len(drafts))

@@ -32,26 +32,38 @@ PROVISIONAL_COST = StepCost(fixed_s=0.02, per_request_s=0.02, per_node_s=0.002, 
 @dataclass
 class Budgeting:
     """How trees are sized: the step's cost model on this machine, the drafter's calibration (every verified node
-    updates it), and what a draft is typically worth, node by node in heap order (every "auto" draft updates it;
-    None until the first, or from the drafter's recorded acceptance, ``expected_worth``)."""
+    updates it), and what a method's draft is worth, node by node in heap order, before a request has drafted:
+    its ``prior`` (the drafter's recorded acceptance, ``expected_worth``) and its ``typical`` draft (every "auto"
+    draft of the method moves it; every request-step that does not draft moves it back towards the prior, so that
+    drafts which stopped being taken are tried again once the evidence against them is old)."""
 
     cost: StepCost = PROVISIONAL_COST
     calibration: Calibration = field(default_factory=Calibration)
     source: str = "provisional: no step costs recorded or timed for this machine"
-    typical: torch.Tensor | None = None  # [AUTO_NODES] worth per node, best first
+    prior: dict[str, torch.Tensor] = field(default_factory=dict)  # method name -> [AUTO_NODES] worth, best first
+    typical: dict[str, torch.Tensor] = field(default_factory=dict)  # likewise, learned
 
-    def learn(self, expected: torch.Tensor | None, offer: Offer) -> torch.Tensor:
+    def expectation(self, row: Method) -> torch.Tensor | None:
+        """What a draft of this method is expected to be worth before the request's own drafts say."""
+        return self.typical.get(row.name, self.prior.get(row.name))
+
+    def learn(self, row: Method, expected: torch.Tensor | None, offer: Offer) -> torch.Tensor:
         """A request drafted and offered ``offer``: what its next draft is now expected to be worth (its last
-        expectation moved towards this draft's), and the typical draft's likewise."""
+        expectation moved towards this draft's), and its method's typical draft likewise."""
         worth = torch.zeros(AUTO_NODES, dtype=torch.float64)
-        worth[: len(offer.worth)] = torch.tensor(offer.worth, dtype=torch.float64)
-        self.typical = worth.clone() if self.typical is None else torch.lerp(self.typical, worth, TYPICAL_LEARN)
+        worth[: len(offer.worth)] = torch.tensor(offer.worth[:AUTO_NODES], dtype=torch.float64)
+        typical = self.expectation(row)
+        self.typical[row.name] = worth.clone() if typical is None else torch.lerp(typical, worth, TYPICAL_LEARN)
         return worth if expected is None else torch.lerp(expected, worth, LEARN)
 
-    def relax(self, expected: torch.Tensor) -> torch.Tensor:
-        """A request that did not draft this step: its expectation a step nearer the typical draft's, so that one
-        poor draft does not keep it from drafting for the rest of its run."""
-        return expected if self.typical is None else torch.lerp(expected, self.typical, RELAX)
+    def relax(self, row: Method, expected: torch.Tensor | None) -> torch.Tensor | None:
+        """A request that did not draft this step: its expectation a step nearer its method's typical draft, and
+        that a step nearer the prior, so that poor drafts do not keep a request, or a method, from drafting for
+        good."""
+        if row.name in self.typical and row.name in self.prior:
+            self.typical[row.name] = torch.lerp(self.typical[row.name], self.prior[row.name], TYPICAL_LEARN)
+        typical = self.expectation(row)
+        return expected if expected is None or typical is None else torch.lerp(expected, typical, RELAX)
 
     def candidates(self, row: Method, log_probs: torch.Tensor, budget, auto: bool) -> tuple[ddtree.DraftTree, Offer]:
         """The tree a request drafts from ``log_probs [D, V]`` (an "auto" one's ``AUTO_NODES`` candidates, else
@@ -95,18 +107,34 @@ def recorded_budgeting(machine: str, drafter_revision: str | None, path: Path = 
                      f"step costs recorded for this kind of machine ({machine}) by {costs['command']}")
 
 
-def expected_worth(acceptance: dict) -> torch.Tensor | None:
-    """What a draft is worth node by node (``[AUTO_NODES]``, best first), from a drafter's recorded acceptance (its
-    config's ``acceptance``: τ per DDTree budget): between two recorded budgets each node adds an equal share of
-    the τ they differ by; None without a record."""
-    taus = {int(budget): float(tau) for budget, tau in acceptance.get("ddtree", {}).items()}
-    if not taus:
+def expected_worth(acceptance: dict, row: Method, depths: int) -> torch.Tensor | None:
+    """What a draft of method ``row`` is worth node by node (``[AUTO_NODES]``, best first), from a drafter's
+    recorded acceptance (its config's ``acceptance``: τ per budget, or one τ for the whole block of ``depths``
+    nodes); None without a record. Between two recorded budgets each node adds an equal share of the τ they
+    differ by; a single τ is a chain's, whose depth k is reached with probability a**k."""
+    record = acceptance.get(row.name)
+    if record is None:
         return None
     worth = torch.zeros(AUTO_NODES, dtype=torch.float64)
+    if not isinstance(record, dict):
+        span = min(depths, AUTO_NODES)
+        worth[:span] = chain_worth(float(record) - 1.0, span)
+        return worth
     below, tau_below = 0, 1.0
-    for budget in sorted(taus):
+    for budget, tau in sorted((int(budget), float(tau)) for budget, tau in record.items()):
         end = min(budget, AUTO_NODES)
         if end > below:
-            worth[below:end] = max(taus[budget] - tau_below, 0.0) / (budget - below)
-        below, tau_below = end, taus[budget]
+            worth[below:end] = max(tau - tau_below, 0.0) / (budget - below)
+        below, tau_below = end, tau
     return torch.cummin(worth, dim=0).values  # best first: never rising
+
+
+def chain_worth(accepted: float, depths: int) -> torch.Tensor:
+    """``[depths]`` a**1 .. a**depths, with ``a`` such that they sum to ``accepted`` (the nodes a chain of that
+    many depths is expected to have accepted): each depth taken with one probability, found by bisection."""
+    powers = torch.arange(1, depths + 1, dtype=torch.float64)
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if float((middle ** powers).sum()) < accepted else (low, middle)
+    return low ** powers
