@@ -17,6 +17,7 @@ from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.settings import DecodeSettings
 from engine.methods import DDTREE, DFLASH
 from engine.models.drafter import ScriptedDrafter, fresh_config
+from engine.models.rows import linear_rows, run_rows
 from tests.tiny import tiny_drafter, tiny_target
 
 VOCAB = 48
@@ -81,7 +82,11 @@ def test_a_batch_of_three_methods_gives_each_request_what_it_gives_alone(request
     assert traces[4].summary.new_tokens == TOKENS - 9
 
 
-def test_the_packed_pass_scores_every_row_as_the_padded_one_does(oracle64):
+@pytest.mark.parametrize("nodes", [(0, 7, 15, 1, 30), (1, 0, 0, 0, 0), (0, 2, 0, 0, 0), (3, 0, 2, 0, 0)],
+                         ids=["58 tokens", "6 run as 8", "7 run as 8", "10 run as 12"])
+def test_the_packed_pass_scores_every_row_as_the_padded_one_does(oracle64, nodes):
+    """Every row's logits and hidden states as the padded reference gives them, with the filler tokens a CPU pass
+    of a few tokens runs with (``run_rows``) writing nothing into the cache columns any request owns."""
     decoder, asked = oracle64
     packed, padded = Batch(decoder, Budgeting(CHEAP_NODES)), Batch(decoder, Budgeting(CHEAP_NODES), verify="padded")
     for batch in (packed, padded):
@@ -89,13 +94,27 @@ def test_the_packed_pass_scores_every_row_as_the_padded_one_does(oracle64):
             batch.admit(ids, settings)
         while batch.waiting:
             batch.advance()
-    trees = [ddtree.build_tree(torch.randn(15, VOCAB).log_softmax(-1), nodes) for nodes in (0, 7, 15, 1, 30)]
+    trees = [ddtree.build_tree(torch.randn(15, VOCAB).log_softmax(-1), count) for count in nodes]
     layout = pack_trees(trees, [r.root for r in packed.requests], [r.start for r in packed.requests])
+    assert layout.tokens == len(nodes) + sum(nodes)
     with torch.inference_mode():
         logits, hidden = packed.verify(layout, True)
         logits_padded, hidden_padded = padded.verify(layout, True)
+    assert logits.shape[0] == hidden[-1].shape[1] == layout.tokens
     torch.testing.assert_close(logits, logits_padded, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(hidden[-1], hidden_padded[-1], rtol=1e-10, atol=1e-10)
+    for row, (request, count) in enumerate(zip(packed.requests, nodes)):
+        owned = request.start + count + 1  # its past, its root and its tree
+        for cache, reference in zip(packed.kv.keys + packed.kv.values, padded.kv.keys + padded.kv.values):
+            torch.testing.assert_close(cache[row, :, :owned], reference[row, :, :owned], rtol=1e-10, atol=1e-10)
+
+
+def test_a_few_rows_run_as_the_next_multiple_of_four_on_a_cpu_only_where_that_is_faster():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert [run_rows(rows, cpu) for rows in range(1, 14)] == [1, 4, 4, 4, 5, 8, 8, 8, 9, 12, 12, 12, 13]
+    assert [run_rows(rows, gpu) for rows in range(1, 14)] == list(range(1, 14))
+    weight, inputs = torch.randn(50, 8, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64)
+    torch.testing.assert_close(linear_rows(inputs, weight), inputs @ weight.T, rtol=1e-12, atol=1e-12)
 
 
 def test_seeded_sampling_in_a_batch_draws_what_the_request_draws_alone(oracle64):

@@ -11,11 +11,14 @@
   function with the layout's mask, then unpadded.
 - ``BatchDraftContext``: the drafter's committed context for every request, likewise one row each, so one
   drafter pass drafts every request's block.
+
+A packed pass of a few tokens runs as ``engine.models.rows.run_rows`` tokens, filler tokens added (``filled``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +27,29 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.batch import BatchLayout, layout_bias
 from engine.models.drafter import DrafterConfig, narrowed
+from engine.models.rows import run_rows
 
 GROWTH = 512  # cache columns come in multiples of this many
+
+def filled(layout: BatchLayout, tokens: int) -> BatchLayout:
+    """``layout`` run as ``tokens`` tokens: filler tokens after the batch's own, each a copy of the last token
+    whose keys and values land past every column the pass reads and whose output rows repeat the last one's
+    (the caller keeps the first ``layout.tokens`` rows). Worked example, 3 tokens filled to 4, width 8::
+
+        input_ids  = [r0, a, r1] + [r1]     kv_columns = [5, 6, 2] + [8]     unpadded = [0, 1, 3] + [3]
+    """
+    extra = tokens - layout.tokens
+    if extra <= 0:
+        return layout
+
+    def repeat_last(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values, values[-1:].expand(extra)])
+
+    past_read = torch.arange(layout.width, layout.width + extra, device=layout.kv_columns.device)
+    return dataclasses.replace(layout, input_ids=repeat_last(layout.input_ids),
+                               position_ids=repeat_last(layout.position_ids), kv_rows=repeat_last(layout.kv_rows),
+                               kv_columns=torch.cat([layout.kv_columns, past_read]),
+                               unpadded=repeat_last(layout.unpadded))
 PACKED = "ddtree_packed"  # the attention implementation a packed pass runs under
 
 
@@ -88,7 +112,7 @@ class BatchKV(_Rows):
 
     def packed(self, layout: BatchLayout) -> _PackedWrite:
         """The cache a packed pass over ``layout`` writes into and reads (its requests' rows)."""
-        self.reserve(int(layout.rows.max()) + 1, layout.width)
+        self.reserve(int(layout.rows.max()) + 1, max(layout.width, int(layout.kv_columns.max()) + 1))
         return _PackedWrite(self, layout.kv_rows, layout.kv_columns, rows_read(layout.rows), layout.width)
 
     def padded(self, layout: BatchLayout) -> _PaddedWrite:
@@ -191,13 +215,16 @@ def attention_implementation(model, name: str):
 
 def packed_pass(model, cache_argument: str, kv: BatchKV, layout: BatchLayout, dtype: torch.dtype,
                 hidden_states: bool):
-    """One pass of ``model`` over ``layout`` (on the model's device): logits ``[T, vocab]`` and, if asked,
-    the hidden states (HF's tuple, each ``[1, T, hidden]``)."""
+    """One pass of ``model`` over ``layout`` (on the model's device), run as ``run_rows`` tokens: logits
+    ``[T, vocab]`` and, if asked, the hidden states (HF's tuple, each ``[1, T, hidden]``)."""
+    tokens = layout.tokens
+    run = filled(layout, run_rows(tokens, layout.input_ids.device))
     with attention_implementation(model, PACKED) as own:
-        packed = PackedAttention(layout.padded, layout.unpadded, layout_bias(layout.visible, dtype), own)
-        out = model(input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], use_cache=True,
-                    output_hidden_states=hidden_states, packed=packed, **{cache_argument: kv.packed(layout)})
-    return out.logits[0], (out.hidden_states if hidden_states else None)
+        packed = PackedAttention(run.padded, run.unpadded, layout_bias(run.visible, dtype), own)
+        out = model(input_ids=run.input_ids[None], position_ids=run.position_ids[None], use_cache=True,
+                    output_hidden_states=hidden_states, packed=packed, **{cache_argument: kv.packed(run)})
+    hidden = tuple(states[:, :tokens] for states in out.hidden_states) if hidden_states else None
+    return out.logits[0, :tokens], hidden
 
 
 def padded_pass(model, cache_argument: str, kv: BatchKV, layout: BatchLayout, dtype: torch.dtype,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import EngineError
+from engine.models.rows import linear_rows
 
 ARCHITECTURE = "DFlashDraftModel"
 SCRIPT = "script.json"  # beside a drafter config: the known continuations of a ``ScriptedDrafter``
@@ -449,7 +450,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, lm_head) * self.config.output_multiplier
+        logits = linear_rows(hidden, lm_head) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
