@@ -25,20 +25,33 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.batch import grouped_rows
+
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds a batched step takes, as a line through timings measured on the machine."""
+    """Seconds a batched step takes, as a line through timings measured on the machine. Where the machine runs a
+    pass of fewer than ``few_rows`` rows as a multiple of ``row_group`` (2 or 3 past one: the next), its rows
+    (requests' roots and nodes) are counted as it runs them, so a node that fills such a row costs nothing."""
 
     fixed_s: float  # a step whatever it holds
     per_request_s: float  # each request's root row through the target, its walk and commit
     per_node_s: float  # each draft node verified
     per_draft_s: float  # each request the drafter drafts a block for
     draft_pass_s: float = 0.0  # a step that drafts at all: the drafter's weights and lm_head read once a pass
+    row_group: int = 1
+    few_rows: int = 0
 
-    def seconds(self, requests: int, nodes: int, drafts: int) -> float:
-        return (self.fixed_s + self.per_request_s * requests + self.per_node_s * nodes + self.per_draft_s * drafts
-                + (self.draft_pass_s if drafts else 0.0))
+    def run_nodes(self, requests: int, nodes: torch.Tensor) -> torch.Tensor:
+        """The nodes a step of ``requests`` roots and ``nodes`` nodes (any shape) is run with, fillers counted."""
+        return grouped_rows(requests + nodes, self.row_group, self.few_rows) - requests
+
+    def seconds(self, requests: int, nodes, drafts: int):
+        """Seconds of a step; ``nodes`` an int, or a tensor of alternatives (the seconds of each)."""
+        run = self.run_nodes(requests, torch.as_tensor(nodes, dtype=torch.float64))
+        seconds = (self.fixed_s + self.per_request_s * requests + self.per_node_s * run + self.per_draft_s * drafts
+                   + (self.draft_pass_s if drafts else 0.0))
+        return seconds if isinstance(nodes, torch.Tensor) else float(seconds)
 
 
 CALIBRATION_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -114,9 +127,10 @@ class Allocation:
 
 
 def allocate(offers: list[Offer], cost: StepCost, requests: int, drafts: int) -> Allocation:
-    """How many nodes each offer gets: every fixed offer its cap, then the best remaining nodes of all the
-    others while the next node earns more than the batch's current tokens per second would lose by its
-    time (``worth / cost.per_node_s > tokens / seconds``). ``requests``: every request in the step (those
+    """How many nodes each offer gets: every fixed offer its cap, then as many of the best remaining nodes of all
+    the others as give the step the most tokens per second: past a point each node's worth is less than the
+    batch's tokens per second earn in its time (``worth / cost.per_node_s < tokens / seconds``), except nodes
+    that fill rows the pass runs anyway, which cost nothing. ``requests``: every request in the step (those
     without an offer verify their root alone)."""
     fixed = [offer.available if offer.fixed else 0 for offer in offers]
     tokens = requests + sum(sum(offer.worth[:count]) for offer, count in zip(offers, fixed))
@@ -130,7 +144,7 @@ def allocate(offers: list[Offer], cost: StepCost, requests: int, drafts: int) ->
     order = torch.sort(worth_t, descending=True, stable=True).indices
     gains = torch.cat([torch.zeros(1, dtype=torch.float64), worth_t[order].cumsum(0)])  # [M+1]: taking k nodes
     taken = torch.arange(len(worth) + 1, dtype=torch.float64)
-    seconds = cost.seconds(requests, sum(fixed), drafts) + cost.per_node_s * taken
+    seconds = cost.seconds(requests, sum(fixed) + taken, drafts)
     rate = (tokens + gains) / seconds
     best = int(torch.argmax(rate))  # the first maximum: a tie is won by the smaller tree
     counts = list(fixed)

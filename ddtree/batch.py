@@ -107,3 +107,11 @@ def layout_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     elsewhere (as ``attention_bias``)."""
     bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     return bias.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+def grouped_rows(rows: torch.Tensor, group: int, few: int) -> torch.Tensor:
+    """The rows a pass of ``rows`` rows runs as, where a machine runs fewer than ``few`` rows as a multiple of
+    ``group``: 2 or 3 (and so on, up to ``group - 1``) past a multiple become the next one; 0 or 1 past it stay.
+    E.g. group 4, few 12: 1, 2, 3, 5, 6, 10, 12 rows run as 1, 4, 4, 5, 8, 12, 12."""
+    short = rows % group
+    return torch.where((rows < few) & (short >= 2), rows + group - short, rows)

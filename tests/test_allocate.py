@@ -41,12 +41,24 @@ def test_the_allocation_is_the_best_the_cost_model_allows(seed):
         worth = torch.rand(5, generator=generator).sort(descending=True).values.tolist()
         offers.append(Offer(tuple(worth), cap=int(torch.randint(1, 6, (1,), generator=generator)),
                             fixed=index == 2 and seed % 2 == 0))
-    cost = StepCost(*torch.rand(4, generator=generator).mul(0.01).tolist())
+    grouping = {"row_group": 4, "few_rows": 12} if seed % 3 == 0 else {}  # a CPU's filler rows, or none
+    cost = StepCost(*torch.rand(4, generator=generator).mul(0.01).tolist(), **grouping)
     allocation = allocate(offers, cost, requests=4, drafts=3)
     assert allocation.tokens_per_s == pytest.approx(brute_force(offers, cost, 4, 3))
     for offer, nodes in zip(offers, allocation.nodes):
         assert nodes <= offer.available
         assert not offer.fixed or nodes == offer.available
+
+
+def test_nodes_that_fill_rows_the_pass_runs_anyway_are_taken_however_little_they_are_worth():
+    offers = [Offer((0.01, 0.01, 0.01), 3), Offer((0.01,), 1)]
+    plain = StepCost(fixed_s=0.05, per_request_s=0.005, per_node_s=0.002, per_draft_s=0.01)
+    grouped = StepCost(fixed_s=0.05, per_request_s=0.005, per_node_s=0.002, per_draft_s=0.01, row_group=4, few_rows=12)
+    assert allocate(offers, plain, requests=2, drafts=2).nodes == (0, 0)
+    taken = allocate(offers, grouped, requests=2, drafts=2)
+    assert sum(taken.nodes) == 2  # two roots and two nodes: the four rows a pass of two runs as
+    assert taken.seconds == pytest.approx(plain.seconds(2, 2, 2)) == pytest.approx(grouped.seconds(2, 0, 2))
+    assert [grouped.seconds(13, 0, 0), grouped.seconds(1, 2, 0)] == [plain.seconds(13, 0, 0), plain.seconds(1, 3, 0)]
 
 
 def test_trees_shrink_to_chains_and_roots_as_the_batch_grows():
@@ -135,3 +147,22 @@ def test_the_layout_of_the_worked_example():
     assert layout.visible[0].long().tolist() == [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0],
                                                  [1, 1, 1, 1, 1, 1, 0, 1]]
     assert layout.visible[1].long().tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]] * 3
+
+
+def test_the_step_cost_fit_finds_the_line_through_each_shapes_median_step_and_counts_filler_rows():
+    from engine.loop.batch import StepShape
+    from engine.measure.step_cost import fit
+
+    truth = StepCost(fixed_s=0.06, per_request_s=0.005, per_node_s=0.002, per_draft_s=0.007, draft_pass_s=0.02,
+                     row_group=4, few_rows=12)
+    shapes = []
+    for requests, per in itertools.product((1, 2, 4, 8), (0, 4, 16, 32)):
+        drafts = requests if per else 0
+        seconds = truth.seconds(requests, requests * per, drafts)
+        shapes += [StepShape(requests, requests * per, drafts, seconds * (1 + 0.01 * (step % 3 - 1)))
+                   for step in range(9)]
+        shapes.append(StepShape(requests, requests * per, drafts, seconds * 4))  # the machine stalled once
+    fitted = fit(shapes, (4, 12))
+    assert (fitted.row_group, fitted.few_rows) == (4, 12)
+    for name in ("fixed_s", "per_request_s", "per_node_s", "per_draft_s", "draft_pass_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02, abs=2e-4), name

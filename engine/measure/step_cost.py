@@ -11,6 +11,7 @@ for the page and the server to size "auto" trees without timing anything.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from engine.loop.budgeting import RECORDED, Budgeting
 from engine.loop.decode import Decoder
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import machine_key
+from engine.models.rows import row_grouping
 
 GRID_REQUESTS = (1, 2, 4, 8)
 GRID_NODES = (0, 4, 16, 32)  # per request; 0: AR, else DDTree at that budget
@@ -43,16 +45,23 @@ class CostTiming:
     calibration: Calibration  # what the timed DDTree steps accepted
 
 
-def fit(shapes: list[StepShape]) -> StepCost:
-    """Least squares of seconds on (1, requests, nodes, drafts, whether it drafts), each step weighed by one over
-    its time so that a small batch's step is fitted as closely as a large one's (the allocation's choices turn on
-    ratios); a term that comes out negative (noise, or a grid that cannot tell it apart) is dropped and the rest
-    fitted again."""
+def fit(shapes: list[StepShape], grouping: tuple[int, int] = (1, 0)) -> StepCost:
+    """Least squares of seconds on (1, requests, nodes as the pass runs them (``grouping``: the device's
+    ``row_grouping``), drafts, whether it drafts), through the median step of each shape (a step the machine
+    stalled does not tilt the line), each weighed by one over its time so that a small batch's step is fitted as
+    closely as a large one's (the allocation's choices turn on ratios); a term that comes out negative (noise, or
+    a grid that cannot tell it apart) is dropped and the rest fitted again."""
     names = ["fixed_s", "per_request_s", "per_node_s", "per_draft_s", "draft_pass_s"]
-    columns = {"fixed_s": [1.0] * len(shapes), "per_request_s": [s.requests for s in shapes],
-               "per_node_s": [s.nodes for s in shapes], "per_draft_s": [s.drafts for s in shapes],
-               "draft_pass_s": [float(s.drafts > 0) for s in shapes]}
-    seconds = torch.tensor([[s.seconds] for s in shapes], dtype=torch.float64)
+    grouped = StepCost(0.0, 0.0, 0.0, 0.0, row_group=grouping[0], few_rows=grouping[1])
+    timed: dict[tuple[int, int, int], list[float]] = {}
+    for shape in shapes:
+        timed.setdefault((shape.requests, shape.nodes, shape.drafts), []).append(shape.seconds)
+    kinds = sorted(timed)
+    columns = {"fixed_s": [1.0] * len(kinds), "per_request_s": [requests for requests, _, _ in kinds],
+               "per_node_s": [float(grouped.run_nodes(requests, torch.tensor(nodes))) for requests, nodes, _ in kinds],
+               "per_draft_s": [drafts for _, _, drafts in kinds],
+               "draft_pass_s": [float(drafts > 0) for _, _, drafts in kinds]}
+    seconds = torch.tensor([[statistics.median(timed[kind])] for kind in kinds], dtype=torch.float64)
     weight = 1 / seconds
     kept = list(names)
     while True:
@@ -61,7 +70,8 @@ def fit(shapes: list[StepShape]) -> StepCost:
         fitted = dict(zip(kept, solution))
         negative = [name for name in kept if fitted[name] < 0]
         if not negative:
-            return StepCost(**{name: fitted.get(name, 0.0) for name in names})
+            return StepCost(**{name: fitted.get(name, 0.0) for name in names}, row_group=grouping[0],
+                            few_rows=grouping[1])
         kept.remove(min(negative, key=fitted.get))
 
 
@@ -87,7 +97,7 @@ def time_step_costs(decoder: Decoder, prompts: list[list[int]], requests: tuple[
         shapes.extend(list(batch.shapes)[start + WARM_UP_STEPS:])
         if progress is not None:
             progress(done + 1, len(grid))
-    return CostTiming(shapes, fit(shapes), budgeting.calibration)
+    return CostTiming(shapes, fit(shapes, row_grouping(decoder.target.device)), budgeting.calibration)
 
 
 def record(decoder: Decoder, timing: CostTiming, command: str, path: Path = RECORDED) -> str:

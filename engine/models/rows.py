@@ -10,15 +10,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ddtree.batch import grouped_rows
+
 ROW_GROUP, FEW_ROWS = 4, 12  # a CPU product of fewer than FEW_ROWS rows runs as a multiple of ROW_GROUP, or one more
 
 
+def row_grouping(device: torch.device) -> tuple[int, int]:
+    """``(group, few)`` for ``ddtree.batch.grouped_rows`` on this device: ``ROW_GROUP`` and ``FEW_ROWS`` on a
+    CPU; elsewhere none (every row count runs as itself)."""
+    return (ROW_GROUP, FEW_ROWS) if device.type == "cpu" else (1, 0)
+
+
 def run_rows(rows: int, device: torch.device) -> int:
-    """The rows a product of ``rows`` rows runs as: on a CPU, 2 or 3 past a multiple of ``ROW_GROUP`` (under
-    ``FEW_ROWS``) become the next multiple; elsewhere, and 0 or 1 past one, the rows themselves."""
-    if device.type != "cpu" or rows >= FEW_ROWS or rows % ROW_GROUP < 2:
-        return rows
-    return rows + ROW_GROUP - rows % ROW_GROUP
+    """The rows a product of ``rows`` rows runs as on ``device`` (``row_grouping``)."""
+    return int(grouped_rows(torch.tensor(rows), *row_grouping(device)))
 
 
 def linear_rows(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
