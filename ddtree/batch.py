@@ -109,9 +109,12 @@ def layout_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 
 
-def grouped_rows(rows: torch.Tensor, group: int, few: int) -> torch.Tensor:
-    """The rows a pass of ``rows`` rows runs as, where a machine runs fewer than ``few`` rows as a multiple of
-    ``group``: 2 or 3 (and so on, up to ``group - 1``) past a multiple become the next one; 0 or 1 past it stay.
-    E.g. group 4, few 12: 1, 2, 3, 5, 6, 10, 12 rows run as 1, 4, 4, 5, 8, 12, 12."""
+def grouped_rows(rows: int | torch.Tensor, group: int, few: int) -> int | torch.Tensor:
+    """The rows a pass of ``rows`` rows runs as (an int, or a tensor of counts), where a machine runs fewer than
+    ``few`` rows as a multiple of ``group``: 2 or 3 (and so on, up to ``group - 1``) past a multiple become the
+    next one; 0 or 1 past it stay. E.g. group 4, few 12: 1, 2, 3, 5, 6, 10, 12 rows run as 1, 4, 4, 5, 8, 12, 12.
+    An int stays an int (no device sync: a CUDA graph's program may ask)."""
     short = rows % group
-    return torch.where((rows < few) & (short >= 2), rows + group - short, rows)
+    if isinstance(rows, torch.Tensor):
+        return torch.where((rows < few) & (short >= 2), rows + group - short, rows)
+    return rows + group - short if rows < few and short >= 2 else rows

@@ -2,7 +2,7 @@
 
 On a CPU, MKL's float32 products of 2 or 3 rows past a multiple of 4 (up to about a dozen rows) run slower than
 those of the next multiple of 4, so a batched pass of a few tokens is run with filler rows up to it and their
-outputs dropped (docs/HISTORY.md, "Lab notes moved out of the code", has the timings).
+outputs dropped (docs/HISTORY.md, "Serving many requests at once", has the timings).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def row_grouping(device: torch.device) -> tuple[int, int]:
 
 def run_rows(rows: int, device: torch.device) -> int:
     """The rows a product of ``rows`` rows runs as on ``device`` (``row_grouping``)."""
-    return int(grouped_rows(torch.tensor(rows), *row_grouping(device)))
+    return grouped_rows(rows, *row_grouping(device))
 
 
 def linear_rows(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
