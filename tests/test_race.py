@@ -61,6 +61,30 @@ def test_fixed_step_runs_go_one_after_another(decoders):
         readable.run(prompt_ids=PROMPT, settings=setting).output_ids for setting in settings()]
 
 
+class WholeRuns(Decoder):
+    """A decoder that runs each generation whole elsewhere, as the vLLM engine's workers do: no run to hand out."""
+
+    def start_prepared(self, *args, **kwargs):
+        raise EngineError("no run to hand out step by step")
+
+    def run_prepared(self, prompt, prompt_ids, settings, notes, **kwargs):
+        return Decoder.start_prepared(self, prompt, prompt_ids, settings, notes, **kwargs).execute()
+
+    def takes_turns(self, settings) -> bool:
+        return False
+
+
+def test_a_decoder_that_runs_generations_whole_runs_and_races_without_handing_out_a_run(decoders):
+    readable = decoders[0]
+    whole = WholeRuns(readable.target, readable.drafter, readable.drafter_info)
+    with pytest.raises(EngineError, match="no run to hand out"):
+        whole.start(prompt_ids=PROMPT, settings=settings()[0])
+    expected = [readable.run(prompt_ids=PROMPT, settings=setting).output_ids for setting in settings()]
+    assert [whole.run(prompt_ids=PROMPT, settings=setting).output_ids for setting in settings()] == expected
+    race = whole.race("", settings(), prompt_ids=PROMPT, turn_s=TURN_S)
+    assert not race.in_turns and [trace.output_ids for trace in race.traces] == expected
+
+
 def test_sampled_runs_in_turns_draw_what_they_draw_alone(decoders):
     readable = decoders[0]
     sampled = settings(40, temperature=0.8, seed=7)

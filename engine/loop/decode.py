@@ -146,7 +146,8 @@ class Decoder:
             prompt_ids: list[int] | None = None,
             on_step: Callable[[Trace, Step], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Trace:
-        return self.start(prompt, settings, prompt_ids=prompt_ids, on_step=on_step, should_stop=should_stop).execute()
+        prompt_ids, settings, notes = self.checked(prompt, settings, prompt_ids)
+        return self.run_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop)
 
     def start(self, prompt: str = "", settings: DecodeSettings = DecodeSettings(BASELINE.name), *,
               prompt_ids: list[int] | None = None,
@@ -154,12 +155,18 @@ class Decoder:
               should_stop: Callable[[], bool] | None = None) -> Run:
         """The run of these settings, checked and ready, not begun: ``run`` takes it through, ``race`` gives it
         turns among others."""
+        prompt_ids, settings, notes = self.checked(prompt, settings, prompt_ids)
+        return self.start_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop)
+
+    def checked(self, prompt: str, settings: DecodeSettings, prompt_ids: list[int] | None
+                ) -> tuple[list[int], DecodeSettings, list[str]]:
+        """The prompt's ids (the chat template's, unless given) and the settings ``prepare`` makes of them."""
         if prompt_ids is None:
             if not prompt.strip():
                 raise EngineError("the prompt is empty: type a message for the model to answer")
             prompt_ids = self.target.chat_ids(prompt)
         settings, notes = self.prepare(settings, len(prompt_ids))
-        return self.start_prepared(prompt, prompt_ids, settings, notes, on_step=on_step, should_stop=should_stop)
+        return prompt_ids, settings, notes
 
     @torch.inference_mode()
     def run_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
