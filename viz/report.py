@@ -422,7 +422,7 @@ def measurement_lines(setting: Setting) -> list[str]:
     revision = config.get("drafter_revision")
     if config.get("drafter_trained"):
         drafter += (f" (weights {revision})" if revision
-                    else " (weights not fingerprinted: the 4-layer drafter of 2026-11-30 morning)")
+                    else " (weights not fingerprinted: the first trained 4-layer drafter, docs/HISTORY.md)")
     lines.append(f"Target model: {config.get('model', '?')}; drafter: {drafter}")
     prompts = f"`{config['prompts']}`" if config.get("prompts") else "?"
     count = config.get("num_prompts") or len({run.get("prompt_id") for run in setting.runs})
