@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ddtree.allocate import Calibration, StepCost
+from ddtree.batch import grouped_rows
 from engine.loop.batch import Batch, StepShape
 from engine.loop.budgeting import RECORDED, Budgeting
 from engine.loop.decode import Decoder
@@ -52,13 +53,12 @@ def fit(shapes: list[StepShape], grouping: tuple[int, int] = (1, 0)) -> StepCost
     closely as a large one's (the allocation's choices turn on ratios); a term that comes out negative (noise, or
     a grid that cannot tell it apart) is dropped and the rest fitted again."""
     names = ["fixed_s", "per_request_s", "per_node_s", "per_draft_s", "draft_pass_s"]
-    grouped = StepCost(0.0, 0.0, 0.0, 0.0, row_group=grouping[0], few_rows=grouping[1])
     timed: dict[tuple[int, int, int], list[float]] = {}
     for shape in shapes:
         timed.setdefault((shape.requests, shape.nodes, shape.drafts), []).append(shape.seconds)
     kinds = sorted(timed)
     columns = {"fixed_s": [1.0] * len(kinds), "per_request_s": [requests for requests, _, _ in kinds],
-               "per_node_s": [float(grouped.run_nodes(requests, torch.tensor(nodes))) for requests, nodes, _ in kinds],
+               "per_node_s": [grouped_rows(requests + nodes, *grouping) - requests for requests, nodes, _ in kinds],
                "per_draft_s": [drafts for _, _, drafts in kinds],
                "draft_pass_s": [float(drafts > 0) for _, _, drafts in kinds]}
     seconds = torch.tensor([[statistics.median(timed[kind])] for kind in kinds], dtype=torch.float64)
