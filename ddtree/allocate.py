@@ -4,10 +4,11 @@ Every request of a batched step verifies a tree: AR's is its root alone, DFlash'
 best-first tree. A node's worth is the tokens it is expected to add: the probability that the target
 accepts it, which is the drafter's path probability to it as calibrated against what the target really
 accepted (``Calibration``). A step's time follows ``StepCost``: a fixed part, each request's root row,
-each node, each request the drafter drafts for, and the drafter's pass itself where any request drafts.
+each node, each request the drafter drafts for and each slot it drafts (a row of its lm_head), and the
+drafter's pass itself where any request drafts.
 The batch's tokens per second is therefore
 
-    (requests + the worth of every node verified) / StepCost.seconds(requests, nodes, drafts)
+    (requests + the worth of every node verified) / StepCost.seconds(requests, nodes, drafts, draft_rows)
 
 and nodes are added best first, across requests, while the next one earns more per marginal second
 than the batch already does (``allocate``): past that point each node lowers the batch's rate. A
@@ -21,7 +22,7 @@ from each request's worth at its last draft.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,6 +40,7 @@ class StepCost:
     per_node_s: float  # each draft node verified
     per_draft_s: float  # each request the drafter drafts a block for
     draft_pass_s: float = 0.0  # a step that drafts at all: the drafter's weights and lm_head read once a pass
+    per_draft_row_s: float = 0.0  # each slot drafted (a request's block as deep as the pass goes): its lm_head row
     row_group: int = 1
     few_rows: int = 0
 
@@ -46,12 +48,19 @@ class StepCost:
         """The nodes a step of ``requests`` roots and ``nodes`` nodes (any shape) is run with, fillers counted."""
         return grouped_rows(requests + nodes, self.row_group, self.few_rows) - requests
 
-    def seconds(self, requests: int, nodes, drafts: int):
+    def seconds(self, requests: int, nodes, drafts: int, draft_rows: int = 0):
         """Seconds of a step; ``nodes`` an int, or a tensor of alternatives (the seconds of each)."""
         run = self.run_nodes(requests, torch.as_tensor(nodes, dtype=torch.float64))
         seconds = (self.fixed_s + self.per_request_s * requests + self.per_node_s * run + self.per_draft_s * drafts
-                   + (self.draft_pass_s if drafts else 0.0))
+                   + self.per_draft_row_s * draft_rows + (self.draft_pass_s if drafts else 0.0))
         return seconds if isinstance(nodes, torch.Tensor) else float(seconds)
+
+    def before_drafting(self, margin: int) -> StepCost:
+        """The cost as a step sees it before its drafts are sized: a request drafts as deep as its nodes and
+        ``margin`` slots more, so each node brings at most one drafted row and each draft ``margin`` rows (a chain
+        brings exactly one a node; a tree's nodes share depths, so it is a bound)."""
+        return replace(self, per_node_s=self.per_node_s + self.per_draft_row_s,
+                       per_draft_s=self.per_draft_s + margin * self.per_draft_row_s, per_draft_row_s=0.0)
 
 
 CALIBRATION_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -126,12 +135,12 @@ class Allocation:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
-def allocate(offers: list[Offer], cost: StepCost, requests: int, drafts: int) -> Allocation:
+def allocate(offers: list[Offer], cost: StepCost, requests: int, drafts: int, draft_rows: int = 0) -> Allocation:
     """How many nodes each offer gets: every fixed offer its cap, then as many of the best remaining nodes of all
     the others as give the step the most tokens per second: past a point each node's worth is less than the
     batch's tokens per second earn in its time (``worth / cost.per_node_s < tokens / seconds``), except nodes
     that fill rows the pass runs anyway, which cost nothing. ``requests``: every request in the step (those
-    without an offer verify their root alone)."""
+    without an offer verify their root alone); ``draft_rows``: the slots the step's drafter pass drafted."""
     fixed = [offer.available if offer.fixed else 0 for offer in offers]
     tokens = requests + sum(sum(offer.worth[:count]) for offer, count in zip(offers, fixed))
     # [M] every free node's worth and its request, best first (ties: the earlier request, then its order)
@@ -144,7 +153,7 @@ def allocate(offers: list[Offer], cost: StepCost, requests: int, drafts: int) ->
     order = torch.sort(worth_t, descending=True, stable=True).indices
     gains = torch.cat([torch.zeros(1, dtype=torch.float64), worth_t[order].cumsum(0)])  # [M+1]: taking k nodes
     taken = torch.arange(len(worth) + 1, dtype=torch.float64)
-    seconds = cost.seconds(requests, sum(fixed) + taken, drafts)
+    seconds = cost.seconds(requests, sum(fixed) + taken, drafts, draft_rows)
     rate = (tokens + gains) / seconds
     best = int(torch.argmax(rate))  # the first maximum: a tie is won by the smaller tree
     counts = list(fixed)
@@ -158,7 +167,8 @@ def plan_drafts(offers: list[Offer | None], cost: StepCost, requests: int) -> li
     """Which requests to draft for this step: ``offers[r]`` is request r's worth at its last draft (None:
     it cannot draft; a request never drafted offers what its prior says). Requests are taken in order of
     their best bundle's rate (their top k nodes' worth over the draft and k nodes' time), and the longest
-    prefix of that order whose allocation runs fastest drafts."""
+    prefix of that order whose allocation runs fastest drafts. ``cost`` counts drafted rows as the step will
+    draft them (``StepCost.before_drafting``)."""
     def density(offer: Offer) -> float:
         worth = torch.tensor(offer.worth[:offer.available], dtype=torch.float64)
         if offer.fixed:

@@ -151,18 +151,34 @@ def test_the_layout_of_the_worked_example():
 
 def test_the_step_cost_fit_finds_the_line_through_each_shapes_median_step_and_counts_filler_rows():
     from engine.loop.batch import StepShape
-    from engine.measure.step_cost import fit
+    from engine.measure.step_cost import GRID_NODES, fit
 
-    truth = StepCost(fixed_s=0.06, per_request_s=0.005, per_node_s=0.002, per_draft_s=0.007, draft_pass_s=0.02,
-                     row_group=4, few_rows=12)
+    truth = StepCost(fixed_s=0.06, per_request_s=0.005, per_node_s=0.002, per_draft_s=0.003, draft_pass_s=0.02,
+                     per_draft_row_s=0.0004, row_group=4, few_rows=12)
     shapes = []
-    for requests, per in itertools.product((1, 2, 4, 8), (0, 4, 16, 32)):
+    for requests, per in itertools.product((1, 2, 4, 8), GRID_NODES):
         drafts = requests if per else 0
-        seconds = truth.seconds(requests, requests * per, drafts)
-        shapes += [StepShape(requests, requests * per, drafts, seconds * (1 + 0.01 * (step % 3 - 1)))
-                   for step in range(9)]
-        shapes.append(StepShape(requests, requests * per, drafts, seconds * 4))  # the machine stalled once
+        rows = drafts * min(per, 15)  # the grid's trees draft as deep as they can reach, a block at most
+        seconds = truth.seconds(requests, requests * per, drafts, rows)
+        drafting = truth.seconds(requests, requests * per, drafts, rows) - truth.seconds(requests, requests * per, 0)
+        shapes += [StepShape(requests, requests * per, drafts, rows, seconds * (1 + 0.01 * (step % 3 - 1)),
+                             drafting * (1 + 0.01 * (step % 3 - 1))) for step in range(9)]
+        shapes.append(StepShape(requests, requests * per, drafts, rows, seconds * 4, drafting * 4))  # a stall
     fitted = fit(shapes, (4, 12))
     assert (fitted.row_group, fitted.few_rows) == (4, 12)
-    for name in ("fixed_s", "per_request_s", "per_node_s", "per_draft_s", "draft_pass_s"):
+    for name in ("fixed_s", "per_request_s", "per_node_s", "per_draft_s", "per_draft_row_s", "draft_pass_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02, abs=2e-4), name
+
+
+def test_before_drafting_a_node_brings_its_drafted_row_and_a_draft_its_margin():
+    cost = StepCost(fixed_s=0.05, per_request_s=0.003, per_node_s=0.002, per_draft_s=0.002, draft_pass_s=0.01,
+                    per_draft_row_s=0.0005)
+    planned = cost.before_drafting(2)
+    # a chain of 5 nodes drafted 5 + 2 slots deep costs what the step will cost once its rows are known
+    assert planned.seconds(3, 5, 1) == pytest.approx(cost.seconds(3, 5, 1, 7))
+    assert planned.per_draft_row_s == 0.0
+    # with drafted rows dear, fewer nodes pay
+    worth = (0.9, 0.6, 0.5, 0.45, 0.4, 0.35)
+    dear = StepCost(fixed_s=0.05, per_request_s=0.003, per_node_s=0.002, per_draft_s=0.002, per_draft_row_s=0.02)
+    cheap = allocate([Offer(worth, 6)], cost.before_drafting(2), 1, 1).nodes[0]
+    assert allocate([Offer(worth, 6)], dear.before_drafting(2), 1, 1).nodes[0] < cheap

@@ -82,6 +82,20 @@ def test_a_batch_of_three_methods_gives_each_request_what_it_gives_alone(request
     assert traces[4].summary.new_tokens == TOKENS - 9
 
 
+def test_a_fixed_budget_drafts_no_deeper_than_its_tree_can_reach(oracle64):
+    """A tree of n nodes reaches n depths at most, so the drafter's pass stops there: as deep as the deepest
+    request of the step needs, every drafted request's block to that depth."""
+    decoder, asked = oracle64
+    jobs = [(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=5)),
+            (asked[1], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=3))]
+    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    traces = batch.run(jobs)
+    assert [len(trace.steps[0].draft_top_tokens) for trace in traces] == [5, 5]
+    assert batch.shapes[0].draft_rows == 10
+    for (ids, settings), trace in zip(jobs, traces):
+        assert trace.output_ids == alone(decoder, ids, settings).output_ids
+
+
 @pytest.mark.parametrize("nodes", [(0, 7, 15, 1, 30), (1, 0, 0, 0, 0), (0, 2, 0, 0, 0), (3, 0, 2, 0, 0)],
                          ids=["58 tokens", "6 run as 8", "7 run as 8", "10 run as 12"])
 def test_the_packed_pass_scores_every_row_as_the_padded_one_does(oracle64, nodes):
@@ -231,7 +245,7 @@ def test_a_request_in_a_row_another_left_reads_only_its_own_context():
     target = tiny_target(0, vocab=VOCAB)
     decoder = Decoder(target, tiny_drafter(target, 0), DrafterInfo("random", trained=False))
     batch = Batch(decoder, Budgeting(CHEAP_NODES))
-    settings = DecodeSettings("ddtree", max_new_tokens=12, tree_budget=6)
+    settings = DecodeSettings("ddtree", max_new_tokens=12, tree_budget=16)  # drafts its whole block, as alone
     for ids in prompts(3):
         request = batch.admit(ids, settings)
         while not batch.idle:

@@ -638,7 +638,8 @@ def serve_section(path: Path, plt, asset_stem: Path, markdown_dir: Path) -> list
              f"`{results['command']}`: {config['count']} prompts of `{config['prompts']}`, {config['max_tokens']} new "
              "tokens each, greedy, streamed through the official `openai` client against the real server; each "
              "concurrency sends every prompt once, that many clients at a time. Tokens/s: every completion token "
-             "over the set's wall time. TTFT: from a request's send to its first text; TPOT: the rest of its time "
+             "over the set's wall time (over several rounds, the median round's, each round's in brackets). "
+             "TTFT: from a request's send to its first text; TPOT: the rest of its time "
              "over the rest of its tokens. Identical: texts equal to the prompt's alone through AR.",
              serve_table(runs)]
     if plt is not None:
@@ -653,8 +654,10 @@ def serve_table(runs: list[dict]) -> str:
     for run in runs:
         tpot = (f"{1000 * run['tpot_p50_s']:.0f} / {1000 * run['tpot_p99_s']:.0f}"
                 if run["tpot_p50_s"] is not None else "–")
+        rounds = run.get("round_tokens_per_s", [])
+        rate = f"{run['tokens_per_s']:.1f}" + (f" ({', '.join(f'{r:.1f}' for r in rounds)})" if len(rounds) > 1 else "")
         lines.append(f"| {run['mode']} | {display_label(run['label'])} | {run['concurrency']} | "
-                     f"{run['tokens_per_s']:.1f} | {run['ttft_p50_s']:.2f} / {run['ttft_p99_s']:.2f} | {tpot} | "
+                     f"{rate} | {run['ttft_p50_s']:.2f} / {run['ttft_p99_s']:.2f} | {tpot} | "
                      f"{run['tau']:.2f} | {run['identical']} |")
     return "\n".join(lines)
 

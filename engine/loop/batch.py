@@ -89,7 +89,9 @@ class StepShape:
     requests: int
     nodes: int
     drafts: int
+    draft_rows: int  # slots the drafter pass drafted: each drafted request's block, as deep as the pass went
     seconds: float
+    draft_seconds: float = 0.0  # of which planning and drafting
 
 
 @dataclass
@@ -285,14 +287,16 @@ class Batch:
         with self.clock.stage("commit"):
             outcomes = [self.commit(p, layout, index, logits, hidden) for index, p in enumerate(planned)]
         stage_s = self.clock.take()
-        self.shapes.append(StepShape(len(active), layout.tokens - len(active), len(drafts), self.clock.now() - t_start))
-        self.steps_taken += 1
         for p, outcome in zip(planned, outcomes):
             self.record(p, outcome, layout, allocation, active, t_start, stage_s)
+        # the step's time as a request waits it, its record and stream included: what the cost model is fitted to
+        self.shapes.append(StepShape(len(active), layout.tokens - len(active), len(drafts), drafted_rows(drafts),
+                                     self.clock.now() - t_start, stage_s["draft"]))
+        self.steps_taken += 1
 
     def plan(self, active: list[BatchRequest]) -> list[int]:
-        """How deep each request drafts this step (0: not at all). A fixed budget drafts its whole block, as it
-        does alone; an "auto" one by what its draft is expected to be worth (``Budgeting.learn``; before its
+        """How deep each request drafts this step (0: not at all). A fixed budget drafts as deep as its tree can
+        reach; an "auto" one by what its draft is expected to be worth (``Budgeting.learn``; before its
         first, its method's typical draft, and with neither it drafts its whole block): as deep as the nodes the batch
         is expected to give it, and a little deeper, since the drafter's lm_head costs per depth; AR never."""
         offers: list[Offer | None] = []
@@ -305,14 +309,22 @@ class Batch:
                 offers.append(Offer(tuple(expected.tolist()), AUTO_NODES))
             else:
                 offers.append(Offer((1.0,), 1, fixed=True))
-        drafting = plan_drafts(offers, self.budgeting.cost, len(active))
+        cost = self.budgeting.cost.before_drafting(DEPTH_MARGIN)
+        drafting = plan_drafts(offers, cost, len(active))
         chosen = [offer for offer, draft in zip(offers, drafting) if draft]
-        expected = iter(allocate(chosen, self.budgeting.cost, len(active), len(chosen)).nodes)
+        expected = iter(allocate(chosen, cost, len(active), len(chosen)).nodes)
         depths = []
         for request, offer, draft in zip(active, offers, drafting):
             nodes = next(expected) if draft else 0
             full = request.settings.block_size - 1
-            depths.append(0 if not draft else full if offer.fixed else min(full, nodes + DEPTH_MARGIN))
+            if not draft:
+                own = 0
+            elif not offer.fixed:
+                own = nodes + DEPTH_MARGIN
+            else:  # as deep as its tree can reach: a chain its block, a tree of n nodes n depths
+                own = full if request.settings.auto_budget else request.row_method.nodes(request.settings.tree_budget,
+                                                                                           full)
+            depths.append(min(full, own))
         return depths
 
     def draft(self, active: list[BatchRequest], depths: list[int]) -> dict[BatchRequest, torch.Tensor]:
@@ -364,7 +376,7 @@ class Batch:
                     request.expected = self.budgeting.learn(request.row_method, request.expected, offer)
             candidates.append(tree)
             offers.append(offer)
-        allocation = allocate(offers, self.budgeting.cost, len(active), len(drafts))
+        allocation = allocate(offers, self.budgeting.cost, len(active), len(drafts), drafted_rows(drafts))
         planned = []
         for request, tree, offer, nodes in zip(active, candidates, offers, allocation.nodes):
             planned.append(Planned(request, request.root, first_nodes(tree, nodes), drafts.get(request),
@@ -422,7 +434,8 @@ class Batch:
         step = request.record(len(request.trace.steps), t_start - request.t0, planned.root,
                               draft_top(planned.log_probs, request.settings.record_top_k) if full else ([], []),
                               outcome, dict(stage_s))
-        alone = self.budgeting.cost.seconds(1, planned.tree.size, int(planned.log_probs is not None))
+        rows = 0 if planned.log_probs is None else planned.log_probs.shape[0]
+        alone = self.budgeting.cost.seconds(1, planned.tree.size, int(planned.log_probs is not None), rows)
         step.batch = StepBatch(size=len(active), nodes=layout.tokens - len(active), budget=planned.tree.size,
                                reason=planned.reason, neighbours=[r.name for r in active if r is not request],
                                alone_s=alone)
@@ -430,3 +443,8 @@ class Batch:
         if request.on_step is not None:
             request.on_step(request.trace, step)
         request.finished = request.stop_reason()
+
+
+def drafted_rows(drafts: dict[BatchRequest, torch.Tensor]) -> int:
+    """The slots a step's drafter pass drafted (``drafts``: each request's ``[depth, vocab]``)."""
+    return sum(log_probs.shape[0] for log_probs in drafts.values())

@@ -75,7 +75,7 @@ class Budgeting:
     def alone(self, row: Method, log_probs: torch.Tensor) -> ddtree.DraftTree:
         """An "auto" tree for a request that runs alone: a batch of one, drafting."""
         tree, offer = self.candidates(row, log_probs, None, auto=True)
-        return first_nodes(tree, allocate([offer], self.cost, 1, 1).nodes[0])
+        return first_nodes(tree, allocate([offer], self.cost, 1, 1, log_probs.shape[0]).nodes[0])
 
     def observe(self, tree: ddtree.DraftTree, accepted: list[int]) -> None:
         """The verified tree's nodes and which the target accepted (node indices, root first)."""

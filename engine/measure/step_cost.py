@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,8 +28,10 @@ from engine.measure.calibration import machine_key
 from engine.models.rows import row_grouping
 
 GRID_REQUESTS = (1, 2, 4, 8)
-GRID_NODES = (0, 4, 16, 32)  # per request; 0: AR, else DDTree at that budget
-QUICK_REQUESTS, QUICK_NODES = (1, 4), (0, 16)  # what a start-up with no record times
+# per request; 0: AR, else DDTree at that budget, which drafts as deep as its tree can reach (2, 8, the block):
+# nodes and drafted rows vary apart, so the fit tells a verified node from a drafted slot
+GRID_NODES = (0, 2, 8, 32)
+QUICK_REQUESTS, QUICK_NODES = (1, 4), (0, 2, 16)  # what a start-up with no record times
 MEASURED_STEPS = 10
 WARM_UP_STEPS = 2
 BATCHED = "batched"  # the step kind step costs are recorded under
@@ -47,31 +50,42 @@ class CostTiming:
 
 
 def fit(shapes: list[StepShape], grouping: tuple[int, int] = (1, 0)) -> StepCost:
-    """Least squares of seconds on (1, requests, nodes as the pass runs them (``grouping``: the device's
-    ``row_grouping``), drafts, whether it drafts), through the median step of each shape (a step the machine
-    stalled does not tilt the line), each weighed by one over its time so that a small batch's step is fitted as
-    closely as a large one's (the allocation's choices turn on ratios); a term that comes out negative (noise, or
-    a grid that cannot tell it apart) is dropped and the rest fitted again."""
-    names = ["fixed_s", "per_request_s", "per_node_s", "per_draft_s", "draft_pass_s"]
-    timed: dict[tuple[int, int, int], list[float]] = {}
+    """The line through the timed steps, in two parts fitted apart, since the grid's drafted rows grow with its
+    nodes: the drafter's stage on (whether it drafts, drafts, drafted rows), over the steps that draft; the rest of
+    the step on (1, requests, nodes as the pass runs them: ``grouping``, the device's ``row_grouping``). Each is
+    least squares through the median step of each shape (a step the machine stalled does not tilt the line), each
+    weighed by one over its time so that a small batch's step is fitted as closely as a large one's (the
+    allocation's choices turn on ratios); a term that comes out negative (noise, or a grid that cannot tell it
+    apart) is dropped and the rest fitted again."""
+    drafting: dict[tuple[int, int, int], list[float]] = {}
+    rest: dict[tuple[int, int], list[float]] = {}
     for shape in shapes:
-        timed.setdefault((shape.requests, shape.nodes, shape.drafts), []).append(shape.seconds)
+        if shape.drafts:
+            drafting.setdefault((1, shape.drafts, shape.draft_rows), []).append(shape.draft_seconds)
+        rest.setdefault((shape.requests, shape.nodes), []).append(shape.seconds - shape.draft_seconds)
+    fitted = least_squares(drafting, {"draft_pass_s": lambda kind: kind[0], "per_draft_s": lambda kind: kind[1],
+                                      "per_draft_row_s": lambda kind: kind[2]})
+    fitted |= least_squares(rest, {"fixed_s": lambda kind: 1.0, "per_request_s": lambda kind: kind[0],
+                                   "per_node_s": lambda kind: grouped_rows(sum(kind), *grouping) - kind[0]})
+    return StepCost(**fitted, row_group=grouping[0], few_rows=grouping[1])
+
+
+def least_squares(timed: dict[tuple, list[float]], columns: dict[str, Callable[[tuple], float]]) -> dict[str, float]:
+    """Each column's seconds (none negative) from ``timed``: a shape's steps' seconds; zero for every column where
+    nothing was timed."""
+    if not timed:
+        return dict.fromkeys(columns, 0.0)
     kinds = sorted(timed)
-    columns = {"fixed_s": [1.0] * len(kinds), "per_request_s": [requests for requests, _, _ in kinds],
-               "per_node_s": [grouped_rows(requests + nodes, *grouping) - requests for requests, nodes, _ in kinds],
-               "per_draft_s": [drafts for _, _, drafts in kinds],
-               "draft_pass_s": [float(drafts > 0) for _, _, drafts in kinds]}
     seconds = torch.tensor([[statistics.median(timed[kind])] for kind in kinds], dtype=torch.float64)
-    weight = 1 / seconds
-    kept = list(names)
+    weight = 1 / seconds.clamp_min(1e-6)
+    kept = list(columns)
     while True:
-        design = torch.tensor([columns[name] for name in kept], dtype=torch.float64).T
+        design = torch.tensor([[columns[name](kind) for name in kept] for kind in kinds], dtype=torch.float64)
         solution = torch.linalg.lstsq(design * weight, seconds * weight).solution[:, 0].tolist()
         fitted = dict(zip(kept, solution))
         negative = [name for name in kept if fitted[name] < 0]
         if not negative:
-            return StepCost(**{name: fitted.get(name, 0.0) for name in names}, row_group=grouping[0],
-                            few_rows=grouping[1])
+            return {name: fitted.get(name, 0.0) for name in columns}
         kept.remove(min(negative, key=fitted.get))
 
 

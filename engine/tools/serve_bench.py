@@ -2,14 +2,17 @@
 time per output token and time to first token, per method and concurrency, batched or one request at a time.
 
     python -m engine.tools.serve_bench --prompts assets/prompts/fresh.jsonl --limit 16 --max-tokens 64 \\
-        --concurrency 1,2,4,8 --methods ar,dflash,ddtree@auto --modes batched,one-at-a-time \\
+        --concurrency 1,2,4,8 --methods ar,dflash,ddtree@auto --modes batched,one-at-a-time --rounds 2 \\
         --out benchmarks/serve/cpu-serve.json
 
 For each mode it starts ``python -m engine.tools.serve`` (``--one-at-a-time`` for that mode) on a free port, warms
-every method up, then for each method and concurrency C sends every prompt once, C clients at a time, each
-streamed and greedy. A request's time to first token is from its send to its first text; its time per output
-token is the rest of its time over the rest of its tokens; the aggregate rate is every completion token over
-the wall time of the whole set. Every text is held to the prompt's text alone through AR (the one-at-a-time
+every method up, then for each concurrency C and each method sends every prompt once, C clients at a time, each
+streamed and greedy. With ``--rounds N`` it does so N times, the methods in the opposite order every other round,
+so that a machine whose speed drifts during the run favours no method; a method's rate at C is the median of its
+rounds' (each round's is kept), its times to first token and per output token are over every round's requests.
+A request's time to first token is from its send to its first text; its time per output token is the rest of
+its time over the rest of its tokens; the aggregate rate is every completion token over the wall time of the
+whole set. Every text is held to the prompt's text alone through AR (the one-at-a-time
 server's AR at concurrency 1, or the batched AR at 1 if that mode is not run).
 """
 
@@ -24,7 +27,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -98,6 +101,24 @@ class Run:
     tau: float
     identical: str  # "16/16": texts equal to the prompt's alone through AR
     answers: list[dict]
+    round_tokens_per_s: list[float] = field(default_factory=list)  # each round's rate, in round order
+
+
+def merged(rounds: list[Run]) -> Run:
+    """One method's runs at one concurrency, a run each round, as one: the median round's rate, and the times of
+    every round's requests."""
+    answers = [answer for run in rounds for answer in run.answers]
+    ttft = [Answer(**a).ttft_s for a in answers]
+    tpot = [t for a in answers if (t := Answer(**a).tpot_s) is not None]
+    same = [run.identical.split(" ")[0].split("/") for run in rounds if run.identical != "-"]
+    identical = (f"{sum(int(a) for a, _ in same)}/{sum(int(b) for _, b in same)}" if same else "-")
+    if any("reference" in run.identical for run in rounds):
+        identical += " (the reference)"
+    first = rounds[0]
+    return Run(first.mode, first.label, first.concurrency, statistics.median(run.tokens_per_s for run in rounds),
+               percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99),
+               statistics.mean(run.tau for run in rounds), identical, answers,
+               [run.tokens_per_s for run in rounds])
 
 
 def measure(url: str, prompts: list[dict], label: Label, concurrency: int, max_tokens: int, mode: str,
@@ -168,6 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", default=f"ar,dflash,ddtree@{AUTO}", help="labels: ar, dflash, ddtree@auto, ...")
     parser.add_argument("--modes", default="batched,one-at-a-time", help=f"of {', '.join(MODES)}")
     parser.add_argument("--server-args", default="", help="more flags for the server (its model flags)")
+    parser.add_argument("--rounds", type=int, default=1, help="times every method runs at every concurrency")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
 
@@ -189,14 +211,17 @@ def main(args: argparse.Namespace) -> int:
         try:
             for label in labels:  # warm-up: the first run of each method pays for what it builds
                 ask(served.url, prompts[0], label, 8)
-            for label in labels:
+            measured: dict[tuple[str, int], list[Run]] = {}
+            for round_index in range(args.rounds):
                 for concurrency in concurrencies:
-                    run = measure(served.url, prompts, label, concurrency, args.max_tokens, mode, reference)
-                    if reference is None and label.is_baseline and concurrency == 1:
-                        reference = {a["prompt_id"]: a["text"] for a in run.answers}
-                        run = Run(**(asdict(run) | {"identical": f"{len(prompts)}/{len(prompts)} (the reference)"}))
-                    runs.append(run)
-                    print(table([run]).splitlines()[-1], flush=True)
+                    for label in labels if round_index % 2 == 0 else labels[::-1]:
+                        run = measure(served.url, prompts, label, concurrency, args.max_tokens, mode, reference)
+                        if reference is None and label.is_baseline and concurrency == 1:
+                            reference = {a["prompt_id"]: a["text"] for a in run.answers}
+                            run = Run(**(asdict(run) | {"identical": f"{len(prompts)}/{len(prompts)} (the reference)"}))
+                        measured.setdefault((label.text, concurrency), []).append(run)
+                        print(f"round {round_index + 1}: " + table([run]).splitlines()[-1], flush=True)
+            runs += [merged(measured[(label.text, concurrency)]) for label in labels for concurrency in concurrencies]
         finally:
             served.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)

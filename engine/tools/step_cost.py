@@ -2,7 +2,7 @@
 
     python -m engine.tools.step_cost [--record] [the app's model flags: --model, --drafter, --dtype, ...]
 
-Times a grid of batches (1, 2, 4, 8 requests; AR, and DDTree at 4, 16 and 32 nodes each), prints every
+Times a grid of batches (1, 2, 4, 8 requests; AR, and DDTree at 2, 8 and 32 nodes each), prints every
 measured step's mean per grid point and the fitted line (``StepCost``), and with ``--record`` keeps it in
 ``assets/batching.json`` under this kind of machine, with the calibration those runs observed under the drafter's
 weights: what the page and the server size "auto" trees with, without timing anything at start-up. Run it on a
@@ -41,13 +41,14 @@ def main(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         timing = time_step_costs(decoder, prompts, progress=lambda done, total: print(f"{done}/{total} batches",
                                                                                      file=sys.stderr))
-    points: dict[tuple[int, int, int], list[float]] = {}
+    points: dict[tuple[int, int, int, int], list[float]] = {}
     for shape in timing.shapes:
-        points.setdefault((shape.requests, shape.nodes, shape.drafts), []).append(shape.seconds)
-    print("| requests | nodes | drafts | ms a step (measured) | ms (fitted) |\n|---|---|---|---|---|")
-    for (requests, nodes, drafts), seconds in sorted(points.items()):
-        print(f"| {requests} | {nodes} | {drafts} | {1000 * statistics.mean(seconds):.1f} | "
-              f"{1000 * timing.cost.seconds(requests, nodes, drafts):.1f} |")
+        points.setdefault((shape.requests, shape.nodes, shape.drafts, shape.draft_rows), []).append(shape.seconds)
+    print("| requests | nodes | drafts | drafted rows | ms a step (measured) | ms (fitted) |")
+    print("|---|---|---|---|---|---|")
+    for (requests, nodes, drafts, rows), seconds in sorted(points.items()):
+        print(f"| {requests} | {nodes} | {drafts} | {rows} | {1000 * statistics.mean(seconds):.1f} | "
+              f"{1000 * timing.cost.seconds(requests, nodes, drafts, rows):.1f} |")
     print(json.dumps({"machine": batch_key(decoder), "step_cost": vars(timing.cost)}))
     if args.record:
         command = "python -m engine.tools.step_cost " + " ".join(sys.argv[1:])

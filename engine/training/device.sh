@@ -10,8 +10,9 @@
 #   run.log           everything printed: stage timings, data stats, training log lines
 # Needs in /tmp/stage (staged with ../shared/device/stage.sh): vllm-trim.tar.xz, INSTALL.sh and
 # the SmolLM2 GGUF. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training planned
-# for call B, read by call A only), NUM_PROMPTS (80000 candidates per engine), WORKERS (6 vLLM
-# engines side by side: 119k generated tokens/s in all on the H200's 16 cores, against 75k for 3),
+# for call B, read by call A only), NUM_PROMPTS (80000 candidates per engine), WORKERS (vLLM engines side
+# by side, each with a fixed 16 GiB KV cache: as many as fit in 18 GiB each, at most 6: 6 on an H200, where
+# they generate 119k tokens/s in all against 75k for 3; 4 on an H100, where a 5th and 6th run out of memory),
 # DATA_MIN (7: the data stage's budget), SEED (0: another seed writes other prompts), MORE_DATA_MIN
 # (0; in a resumed call: first this many minutes of new prompts and replies, into more-K/), DRAFTER_BACK
 # (1; 0 keeps the weights on the machine: see the end). Extra
@@ -34,6 +35,13 @@ log="$WORK/run.log"
 
 say() { echo "== device.sh: $* at $(( $(date +%s) - started )) s"; }
 
+engines_that_fit() {
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  local count=$(( ${mib:-0} / 1024 / 18 ))
+  echo $(( count < 1 ? 1 : count > 6 ? 6 : count ))
+}
+
 prepare() {
   if [ ! -d "$SITE/vllm" ]; then
     [ -f "$STAGE/vllm-trim.tar.xz" ] || { say "no $STAGE/vllm-trim.tar.xz: stage the bundle first"; return 1; }
@@ -52,7 +60,7 @@ prepare() {
   say "call started $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
   prepare && python3 -m engine.training.run --model "$MODEL" --out "$WORK" --started-at "$started" \
     --deadline-minutes "${DEADLINE_MIN:-9}" --later-minutes "${LATER_MIN:-8.3}" --num-prompts "${NUM_PROMPTS:-80000}" \
-    --data-workers "${WORKERS:-6}" --data-minutes "${DATA_MIN:-7}" --data-seed "${SEED:-0}" \
+    --data-workers "${WORKERS:-$(engines_that_fit)}" --data-minutes "${DATA_MIN:-7}" --data-seed "${SEED:-0}" \
     --more-data-minutes "${MORE_DATA_MIN:-0}" "$@"
   status=$?
   echo "$status" > "$WORK/status"

@@ -1,0 +1,30 @@
+"""The serve benchmark's rounds: a method's runs at one concurrency merged into one, and the report's table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from engine.tools.serve_bench import Answer, Run, merged
+from viz.report import serve_table
+
+
+def answer(prompt: str, sent: float, first: float, done: float, tokens: int = 5) -> dict:
+    return asdict(Answer(prompt, "text", tokens, sent, first, done, 2.0))
+
+
+def test_rounds_merge_to_the_median_rate_with_every_requests_times_and_identical_count():
+    rounds = [Run("batched", "ddtree@auto", 2, rate, 0, 0, 0, 0, tau, same, [answer("a", 0, first, first + 4)])
+              for rate, tau, same, first in ((30.0, 3.0, "16/16 (the reference)", 1.0), (10.0, 2.0, "15/16", 2.0),
+                                             (20.0, 1.0, "16/16", 3.0))]
+    run = merged(rounds)
+    assert run.tokens_per_s == 20.0 and run.round_tokens_per_s == [30.0, 10.0, 20.0]
+    assert run.identical == "47/48 (the reference)"
+    assert run.tau == 2.0 and len(run.answers) == 3
+    assert (run.ttft_p50_s, run.tpot_p50_s) == (2.0, 1.0)  # first texts at 1, 2, 3 s; 4 s over 4 more tokens each
+    assert "| batched | DDTree (auto budget) | 2 | 20.0 (30.0, 10.0, 20.0) |" in serve_table([asdict(run)])
+
+
+def test_a_single_round_reads_as_before():
+    run = merged([Run("one-at-a-time", "ar", 1, 12.5, 0, 0, 0, 0, 1.0, "-", [answer("a", 0, 0.5, 2.5)])])
+    assert run.identical == "-" and run.round_tokens_per_s == [12.5]
+    assert "| one-at-a-time | AR | 1 | 12.5 | 0.50 / 0.50 | 500 / 500 |" in serve_table([asdict(run)])
