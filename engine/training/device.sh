@@ -11,8 +11,8 @@
 # Needs in /tmp/stage (staged with ../shared/device/stage.sh): vllm-trim.tar.xz, INSTALL.sh and
 # the SmolLM2 GGUF. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training planned
 # for call B, read by call A only), NUM_PROMPTS (80000 candidates per engine), WORKERS (vLLM engines side
-# by side, each with a fixed 16 GiB KV cache: as many as fit in 18 GiB each, at most 6: 6 on an H200, where
-# they generate 119k tokens/s in all against 75k for 3; 4 on an H100, where a 5th and 6th run out of memory),
+# by side, each with a fixed 16 GiB KV cache: as many as fit in 18 GiB each, at most 6 (a 135M model leaves one
+# engine bound by its host-side scheduling, so more engines generate more; an H100 holds 4, an H200 6),
 # DATA_MIN (7: the data stage's budget), SEED (0: another seed writes other prompts), MORE_DATA_MIN
 # (0; in a resumed call: first this many minutes of new prompts and replies, into more-K/), DRAFTER_BACK
 # (1; 0 keeps the weights on the machine: see the end). Extra
