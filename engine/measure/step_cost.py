@@ -57,14 +57,14 @@ def fit(shapes: list[StepShape], grouping: tuple[int, int] = (1, 0)) -> StepCost
     weighed by one over its time so that a small batch's step is fitted as closely as a large one's (the
     allocation's choices turn on ratios); a term that comes out negative (noise, or a grid that cannot tell it
     apart) is dropped and the rest fitted again."""
-    drafting: dict[tuple[int, int, int], list[float]] = {}
+    drafting: dict[tuple[int, int], list[float]] = {}
     rest: dict[tuple[int, int], list[float]] = {}
     for shape in shapes:
         if shape.drafts:
-            drafting.setdefault((1, shape.drafts, shape.draft_rows), []).append(shape.draft_seconds)
+            drafting.setdefault((shape.drafts, shape.draft_rows), []).append(shape.draft_seconds)
         rest.setdefault((shape.requests, shape.nodes), []).append(shape.seconds - shape.draft_seconds)
-    fitted = least_squares(drafting, {"draft_pass_s": lambda kind: kind[0], "per_draft_s": lambda kind: kind[1],
-                                      "per_draft_row_s": lambda kind: kind[2]})
+    fitted = least_squares(drafting, {"draft_pass_s": lambda kind: 1.0, "per_draft_s": lambda kind: kind[0],
+                                      "per_draft_row_s": lambda kind: kind[1]})
     fitted |= least_squares(rest, {"fixed_s": lambda kind: 1.0, "per_request_s": lambda kind: kind[0],
                                    "per_node_s": lambda kind: grouped_rows(sum(kind), *grouping) - kind[0]})
     return StepCost(**fitted, row_group=grouping[0], few_rows=grouping[1])

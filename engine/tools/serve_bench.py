@@ -12,8 +12,8 @@ so that a machine whose speed drifts during the run favours no method; a method'
 rounds' (each round's is kept), its times to first token and per output token are over every round's requests.
 A request's time to first token is from its send to its first text; its time per output token is the rest of
 its time over the rest of its tokens; the aggregate rate is every completion token over the wall time of the
-whole set. Every text is held to the prompt's text alone through AR (the one-at-a-time
-server's AR at concurrency 1, or the batched AR at 1 if that mode is not run).
+whole set. Every text is held to the prompt's text alone through AR (the one-at-a-time server's AR at
+concurrency 1, or the batched AR at 1 if that mode is not run).
 """
 
 from __future__ import annotations
@@ -108,17 +108,14 @@ def merged(rounds: list[Run]) -> Run:
     """One method's runs at one concurrency, a run each round, as one: the median round's rate, and the times of
     every round's requests."""
     answers = [answer for run in rounds for answer in run.answers]
-    ttft = [Answer(**a).ttft_s for a in answers]
-    tpot = [t for a in answers if (t := Answer(**a).tpot_s) is not None]
     same = [run.identical.split(" ")[0].split("/") for run in rounds if run.identical != "-"]
     identical = (f"{sum(int(a) for a, _ in same)}/{sum(int(b) for _, b in same)}" if same else "-")
     if any("reference" in run.identical for run in rounds):
         identical += " (the reference)"
     first = rounds[0]
     return Run(first.mode, first.label, first.concurrency, statistics.median(run.tokens_per_s for run in rounds),
-               percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99),
-               statistics.mean(run.tau for run in rounds), identical, answers,
-               [run.tokens_per_s for run in rounds])
+               *latencies([Answer(**a) for a in answers]), statistics.mean(run.tau for run in rounds), identical,
+               answers, [run.tokens_per_s for run in rounds])
 
 
 def measure(url: str, prompts: list[dict], label: Label, concurrency: int, max_tokens: int, mode: str,
@@ -127,13 +124,17 @@ def measure(url: str, prompts: list[dict], label: Label, concurrency: int, max_t
     with ThreadPoolExecutor(concurrency) as clients:
         answers = list(clients.map(lambda prompt: ask(url, prompt, label, max_tokens), prompts))
     wall = time.monotonic() - began
-    ttft = [a.ttft_s for a in answers]
-    tpot = [a.tpot_s for a in answers if a.tpot_s is not None]
     same = sum(reference is not None and a.text == reference[a.prompt_id] for a in answers)
-    return Run(mode, label.text, concurrency, sum(a.tokens for a in answers) / wall, percentile(ttft, 0.5),
-               percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99),
+    return Run(mode, label.text, concurrency, sum(a.tokens for a in answers) / wall, *latencies(answers),
                statistics.mean(a.tau for a in answers), f"{same}/{len(answers)}" if reference is not None else "-",
                [asdict(a) for a in answers])
+
+
+def latencies(answers: list[Answer]) -> tuple[float, float, float | None, float | None]:
+    """p50 and p99 of the answers' times to first token, then of their times per output token."""
+    ttft = [a.ttft_s for a in answers]
+    tpot = [a.tpot_s for a in answers if a.tpot_s is not None]
+    return percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99)
 
 
 def free_port() -> int:
