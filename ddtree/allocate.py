@@ -3,9 +3,10 @@
 Every request of a batched step verifies a tree: AR's is its root alone, DFlash's a chain, DDTree's the
 best-first tree. A node's worth is the tokens it is expected to add: the probability that the target
 accepts it, which is the drafter's path probability to it as calibrated against what the target really
-accepted (``Calibration``). A step's time follows ``StepCost``: a fixed part, each request's root row,
-each node, each request the drafter drafts for and each slot it drafts (a row of its lm_head), and the
-drafter's pass itself where any request drafts.
+accepted, apart for the drafter's first-choice path and the rest of a tree (``Calibration``). A step's
+time follows ``StepCost``: a fixed part, each request's root row, each node, each request the drafter
+drafts for and each slot it drafts (a row of its lm_head), and the drafter's pass itself where any
+request drafts.
 The batch's tokens per second is therefore
 
     (requests + the worth of every node verified) / StepCost.seconds(requests, nodes, drafts, draft_rows)
@@ -65,47 +66,66 @@ class StepCost:
 
 CALIBRATION_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 PRIOR_WEIGHT = 20.0  # a bin's first observations are weighed against this many at its own path probability
+PATHS = ("first choices", "others")  # nodes on the drafter's first-choice path, and the rest of a tree
 
 
 @dataclass
 class Calibration:
-    """The target's acceptance rate of a node by the drafter's path probability to it, in bins: the counts
-    of nodes verified and accepted per bin, each bin's rate pulled towards its own mid probability while
-    it has few observations (``PRIOR_WEIGHT``), and made non-decreasing in the probability."""
+    """The target's acceptance rate of a node by the drafter's path probability to it, in bins, kept apart for
+    the nodes on the drafter's first-choice path and the others (``DraftTree.on_first_choices``: a tree's
+    alternatives, and what hangs below them, are accepted less often than their path probabilities say, the
+    first choices more often). Each bin counts the nodes verified and accepted; its rate is pulled towards its
+    own mid probability while it has few observations (``PRIOR_WEIGHT``), and made non-decreasing in the
+    probability."""
 
     edges: tuple[float, ...] = CALIBRATION_EDGES
-    verified: list[float] = field(default_factory=lambda: [0.0] * (len(CALIBRATION_EDGES) - 1))
-    accepted: list[float] = field(default_factory=lambda: [0.0] * (len(CALIBRATION_EDGES) - 1))
+    # [paths][bins]: the counts of the first-choice path's nodes, then the others'
+    verified: list[list[float]] = field(default_factory=lambda: [[0.0] * (len(CALIBRATION_EDGES) - 1)
+                                                                 for _ in PATHS])
+    accepted: list[list[float]] = field(default_factory=lambda: [[0.0] * (len(CALIBRATION_EDGES) - 1)
+                                                                 for _ in PATHS])
 
     def rates(self) -> torch.Tensor:
-        """``[bins]`` acceptance rate per bin, non-decreasing."""
+        """``[paths, bins]`` acceptance rate per bin, non-decreasing along each path's bins."""
         edges = torch.tensor(self.edges, dtype=torch.float64)
         middle = (edges[:-1] + edges[1:]) / 2
         verified, accepted = torch.tensor(self.verified), torch.tensor(self.accepted)
         raw = (accepted + PRIOR_WEIGHT * middle) / (verified + PRIOR_WEIGHT)
-        return torch.cummax(raw, dim=0).values
+        return torch.cummax(raw, dim=1).values
 
-    def worth(self, path_probs: torch.Tensor) -> torch.Tensor:
-        """Expected acceptance of nodes with these path probabilities."""
-        edges = torch.tensor(self.edges[1:-1], dtype=torch.float64)
-        return self.rates()[torch.bucketize(path_probs.double(), edges, right=True)]
+    def worth(self, path_probs: torch.Tensor, first_choices: torch.Tensor) -> torch.Tensor:
+        """Expected acceptance of nodes with these path probabilities, on the first-choice path or not
+        (``first_choices``: bool, the same shape)."""
+        return self.rates()[self._paths(first_choices), self._bins(path_probs)]
 
-    def observe(self, path_probs: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Count verified nodes (``path_probs [n]``) and which the target accepted (``accepted [n]`` bool)."""
-        edges = torch.tensor(self.edges[1:-1], dtype=torch.float64)
-        bins = torch.bucketize(path_probs.double(), edges, right=True)
-        size = len(self.verified)
-        verified = torch.bincount(bins, minlength=size)
-        taken = torch.bincount(bins, weights=accepted.double(), minlength=size)
-        self.verified = [a + float(b) for a, b in zip(self.verified, verified)]
-        self.accepted = [a + float(b) for a, b in zip(self.accepted, taken)]
+    def observe(self, path_probs: torch.Tensor, first_choices: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Count verified nodes (``path_probs [n]``, ``first_choices [n]`` bool) and which the target accepted
+        (``accepted [n]`` bool)."""
+        size = len(self.edges) - 1
+        cell = self._paths(first_choices) * size + self._bins(path_probs)
+        verified = torch.bincount(cell, minlength=len(PATHS) * size).view(len(PATHS), size)
+        taken = torch.bincount(cell, weights=accepted.double(), minlength=len(PATHS) * size).view(len(PATHS), size)
+        self.verified = [[a + float(b) for a, b in zip(mine, new)] for mine, new in zip(self.verified, verified)]
+        self.accepted = [[a + float(b) for a, b in zip(mine, new)] for mine, new in zip(self.accepted, taken)]
+
+    def _bins(self, path_probs: torch.Tensor) -> torch.Tensor:
+        return torch.bucketize(path_probs.double(), torch.tensor(self.edges[1:-1], dtype=torch.float64), right=True)
+
+    @staticmethod
+    def _paths(first_choices: torch.Tensor) -> torch.Tensor:
+        return (~first_choices.bool()).long()  # 0: on the first-choice path, 1: off it
 
     def to_dict(self) -> dict:
-        return {"edges": list(self.edges), "verified": self.verified, "accepted": self.accepted}
+        return {"edges": list(self.edges), "paths": list(PATHS), "verified": self.verified, "accepted": self.accepted}
 
     @staticmethod
     def from_dict(data: dict) -> Calibration:
-        return Calibration(tuple(data["edges"]), list(data["verified"]), list(data["accepted"]))
+        if data.get("paths") != list(PATHS):
+            raise ValueError(f"a calibration recorded per path ({', '.join(PATHS)}) was expected, got "
+                             f"{data.get('paths', 'one for every node')}: record it again "
+                             "(python -m engine.tools.step_cost --record)")
+        return Calibration(tuple(data["edges"]), [list(v) for v in data["verified"]],
+                           [list(v) for v in data["accepted"]])
 
 
 @dataclass(frozen=True)

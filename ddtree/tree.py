@@ -28,6 +28,16 @@ class DraftTree:
     def size(self) -> int:
         return int(self.tokens.numel())
 
+    def on_first_choices(self) -> torch.Tensor:
+        """``[n]`` bool: whether each node lies on the drafter's first-choice path, its depth's most probable token
+        below its depth's most probable token all the way from the root (the chain DFlash drafts). The drafter
+        drafts every depth as if that path were taken, so a node off it is accepted less often than its path
+        probability says. Parents come first, so one pass settles every node."""
+        on: list[bool] = []
+        for parent, rank in zip(self.parents.tolist(), self.ranks.tolist()):
+            on.append(rank == 0 and (parent == 0 or on[parent - 1]))
+        return torch.tensor(on, dtype=torch.bool)
+
     def child_maps(self) -> list[dict[int, int]]:
         """For every node (root included), its children keyed by token id."""
         children: list[dict[int, int]] = [{} for _ in range(self.size + 1)]

@@ -84,12 +84,38 @@ def test_drafting_stops_where_it_does_not_pay():
 def test_calibration_learns_acceptance_and_stays_monotone():
     calibration = Calibration()
     probs = torch.tensor([0.95] * 200 + [0.15] * 200)
-    calibration.observe(probs, torch.cat([torch.rand(200) < 0.5, torch.rand(200) < 0.9]))
-    low, high = calibration.worth(torch.tensor([0.15, 0.95])).tolist()
+    first = torch.ones(400, dtype=torch.bool)
+    calibration.observe(probs, first, torch.cat([torch.rand(200) < 0.5, torch.rand(200) < 0.9]))
+    low, high = calibration.worth(torch.tensor([0.15, 0.95]), first[:2]).tolist()
     assert low == pytest.approx(high, abs=0.1)  # an over-confident top bin is pulled down to what it earned
     rates = calibration.rates()
-    assert torch.all(rates[1:] >= rates[:-1])
+    assert torch.all(rates[:, 1:] >= rates[:, :-1])
     assert Calibration.from_dict(json.loads(json.dumps(calibration.to_dict()))).rates().equal(rates)
+
+
+def test_calibration_keeps_the_first_choice_path_apart_from_the_rest_of_a_tree():
+    calibration = Calibration()
+    probs = torch.full((400,), 0.35)
+    first = torch.arange(400) < 200
+    calibration.observe(probs, first, torch.cat([torch.arange(200) < 120, torch.arange(200) < 60]))
+    on_path, off_path = calibration.worth(torch.tensor([0.35, 0.35]), torch.tensor([True, False])).tolist()
+    assert on_path == pytest.approx((120 + 20 * 0.35) / 220) and off_path == pytest.approx((60 + 20 * 0.35) / 220)
+    with pytest.raises(ValueError, match="record it again"):  # a calibration of one kind for every node
+        Calibration.from_dict({"edges": [0.0, 1.0], "verified": [3.0], "accepted": [1.0]})
+
+
+def test_the_first_choice_path_is_the_chain_inside_a_tree():
+    # depth 1: a (rank 0), b (rank 1); depth 2: c below a (rank 0), d below b (rank 0), e below a (rank 1)
+    log_probs = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.7, 0.2, 0.1]]))
+    tree = ddtree.build_tree(log_probs, budget=5)
+    on = tree.on_first_choices()
+    assert on.tolist() == [rank == 0 and (parent == 0 or on[parent - 1].item())
+                           for parent, rank in zip(tree.parents.tolist(), tree.ranks.tolist())]
+    chain = ddtree.chain_tree(log_probs)
+    assert on.sum() == chain.size == 2 and tree.tokens[on].tolist() == chain.tokens.tolist()
+    assert not on[(tree.ranks > 0)].any() and (tree.ranks[~on] > 0).any() and not on.all()
+    off_below_alternative = (tree.ranks == 0) & (tree.parents > 0) & ~on
+    assert off_below_alternative.any()  # a first choice below an alternative is off the path
 
 
 def recorded_drafts() -> list[torch.Tensor]:

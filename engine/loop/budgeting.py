@@ -69,7 +69,7 @@ class Budgeting:
         """The tree a request drafts from ``log_probs [D, V]`` (an "auto" one's ``AUTO_NODES`` candidates, else
         its fixed budget's) and its offer to the allocation: every node's worth, best first."""
         tree = row.readable(log_probs, row.nodes(AUTO_NODES if auto else budget, log_probs.shape[0]))
-        worth = self.calibration.worth(tree.path_log_probs.exp())
+        worth = self.calibration.worth(tree.path_log_probs.exp(), tree.on_first_choices())
         return tree, Offer(tuple(worth.tolist()), tree.size, fixed=not auto)
 
     def alone(self, row: Method, log_probs: torch.Tensor) -> ddtree.DraftTree:
@@ -82,7 +82,7 @@ class Budgeting:
         if tree.size:
             taken = torch.zeros(tree.size, dtype=torch.bool)
             taken[torch.tensor(accepted[1:], dtype=torch.long) - 1] = True
-            self.calibration.observe(tree.path_log_probs.exp(), taken)
+            self.calibration.observe(tree.path_log_probs.exp(), tree.on_first_choices(), taken)
 
 
 def first_nodes(tree: ddtree.DraftTree, count: int) -> ddtree.DraftTree:
