@@ -39,16 +39,17 @@ class Pass:
         shape = (blocks, BLOCK_SIZE, kv_heads, HEAD_SIZE)
         self.k = torch.randn(shape, generator=generator).to(q.dtype).to(DEVICE)  # noise in every unused row
         self.v = torch.randn(shape, generator=generator).to(q.dtype).to(DEVICE)
-        self.block_table = torch.randperm(blocks, generator=generator).to(torch.int32).to(DEVICE)
+        self.block_table = torch.randperm(blocks, generator=generator).to(torch.int32).to(DEVICE)[None]
         for row in range(used):
-            block, offset = int(self.block_table[row // BLOCK_SIZE]), row % BLOCK_SIZE
+            block, offset = int(self.block_table[0, row // BLOCK_SIZE]), row % BLOCK_SIZE
             self.k[block, offset], self.v[block, offset] = rows[0, row], rows[1, row]
         self.seq_len = torch.tensor([used], dtype=torch.int32, device=DEVICE)
 
     def attend(self, visible: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(self.q, float("nan"))
         table = path_table(visible, visible.shape[0]).to(torch.int32).to(DEVICE)
-        path_attention(self.q, self.k, self.v, out, self.block_table, self.seq_len, table,
+        query_start = torch.tensor([0, self.q.shape[0]], dtype=torch.int32, device=DEVICE)
+        path_attention(self.q, self.k, self.v, out, self.block_table, self.seq_len, query_start, table,
                        depths(visible).to(torch.int32).to(DEVICE), HEAD_SIZE ** -0.5)
         return out
 
@@ -86,6 +87,41 @@ def test_every_node_attends_as_the_ar_step_of_its_path(dtype, query_heads, kv_he
         torch.testing.assert_close(tree[node].double(), expected, atol=tolerance, rtol=tolerance)
 
 
+def test_requests_packed_in_one_pass_attend_as_each_alone():
+    """Three requests' trees in one pass (vLLM's flat layout: each its own block table row, context and tree, their
+    blocks interleaved in one cache) give every row the bits of the request's pass alone."""
+    generator = torch.Generator().manual_seed(5)
+    query_heads, kv_heads = 4, 2
+    shapes = [(37, 5), (3, 1), (70, 9)]  # (context, nodes): a tree, AR's root alone, a deeper tree
+    passes, visibles = [], []
+    for index, (context, nodes) in enumerate(shapes):
+        visible = ddtree.ancestor_mask(random_tree(nodes, seed=index)) if nodes > 1 else torch.ones(1, 1, dtype=bool)
+        kv = torch.randn(2, context + nodes, kv_heads, HEAD_SIZE, generator=generator)
+        q = torch.randn(nodes, query_heads, HEAD_SIZE, generator=generator).to(DEVICE)
+        passes.append(Pass(kv, q, kv_heads, seed=index))
+        visibles.append(visible)
+    alone = [one.attend(visible) for one, visible in zip(passes, visibles)]
+    # one cache holding every request's blocks: request r's block b lands at block offset[r] + b
+    sizes = [one.k.shape[0] for one in passes]
+    offsets = torch.tensor([0, *sizes]).cumsum(0)[:-1].tolist()
+    k, v = torch.cat([one.k for one in passes]), torch.cat([one.v for one in passes])
+    widest = max(sizes)
+    block_table = torch.zeros(len(passes), widest, dtype=torch.int32, device=DEVICE)
+    for row, (one, offset) in enumerate(zip(passes, offsets)):
+        block_table[row, : one.k.shape[0]] = one.block_table[0] + offset
+    length = max(visible.shape[0] for visible in visibles)
+    table = torch.cat([torch.nn.functional.pad(path_table(visible, visible.shape[0]), (0, length - visible.shape[0]))
+                       for visible in visibles]).to(torch.int32).to(DEVICE)
+    depth = torch.cat([depths(visible) for visible in visibles]).to(torch.int32).to(DEVICE)
+    query_start = torch.tensor([0, *torch.tensor([n for _, n in shapes]).cumsum(0).tolist()], dtype=torch.int32,
+                               device=DEVICE)
+    seq_lens = torch.cat([one.seq_len for one in passes])
+    q = torch.cat([one.q for one in passes])
+    out = torch.full_like(q, float("nan"))
+    path_attention(q, k, v, out, block_table, seq_lens, query_start, table, depth, HEAD_SIZE ** -0.5)
+    assert torch.equal(out, torch.cat(alone)), "a packed request's row left its row alone"
+
+
 def vllm_unified_attention():
     try:
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention
@@ -110,7 +146,7 @@ def test_a_tree_node_gets_the_bits_vllms_kernel_gives_its_ar_step(context):
         unified_attention(q=step.q, k=step.k, v=step.v, out=out,
                           cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), max_seqlen_q=1,
                           seqused_k=step.seq_len, max_seqlen_k=int(step.seq_len), softmax_scale=HEAD_SIZE ** -0.5,
-                          causal=True, window_size=(-1, -1), block_table=step.block_table[None], softcap=0,
+                          causal=True, window_size=(-1, -1), block_table=step.block_table, softcap=0,
                           q_descale=None, k_descale=None, v_descale=None, seq_threshold_3D=16,
                           num_par_softmax_segments=segments,
                           softmax_segm_output=torch.empty(16, query_heads, segments, HEAD_SIZE, device=DEVICE),

@@ -726,6 +726,23 @@ def test_a_resumed_call_tops_the_data_up_with_new_prompts_that_training_reads(tm
     assert commands[2][commands[2].index("--out") + 1] == str(tmp_path / "more-2")
 
 
+def test_a_data_only_call_makes_its_data_with_every_minute_and_trains_nothing(tmp_path, monkeypatch):
+    import engine.training.run as run_module
+
+    commands = []
+
+    def fake_stage(name, command, timeout_minutes):
+        commands.append(command)
+        return 1.0
+
+    monkeypatch.setattr(run_module, "run_stage", fake_stage)
+    run_module.run_all(*run_module.parse_args(["--out", str(tmp_path), "--data-only", "--deadline-minutes", "9",
+                                               "--data-minutes", "8.7", "--backend", "transformers"]))
+    (data_stage,) = commands
+    assert "engine.training.data" in data_stage
+    assert float(data_stage[data_stage.index("--max-minutes") + 1]) == pytest.approx(8.7, abs=0.02)
+
+
 # ---- training works --------------------------------------------------------------------------------
 
 def mean_tau(target: Target, drafter, prompts: list[list[int]], method: str) -> float:

@@ -98,8 +98,9 @@ def _reads_paths(settings: dict) -> bool:
 def _unified_attention_with_tree(**settings):
     tree = _Tree.current
     if tree is not None and not BIAS_REFERENCE and _reads_paths(settings):
-        return path_attention(settings["q"], settings["k"], settings["v"], settings["out"], settings["block_table"][0],
-                              settings["seqused_k"], tree.table, tree.depth, settings["softmax_scale"])
+        return path_attention(settings["q"], settings["k"], settings["v"], settings["out"], settings["block_table"],
+                              settings["seqused_k"], settings["cu_seqlens_q"], tree.table, tree.depth,
+                              settings["softmax_scale"])
     if tree is not None:
         settings["qq_bias"] = tree.bias
     return _unified_attention(**settings)

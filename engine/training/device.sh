@@ -15,7 +15,8 @@
 # engine bound by its host-side scheduling, so more engines generate more; an H100 holds 4, an H200 6),
 # DATA_MIN (7: the data stage's budget), SEED (0: another seed writes other prompts), MORE_DATA_MIN
 # (0; in a resumed call: first this many minutes of new prompts and replies, into more-K/), DRAFTER_BACK
-# (1; 0 keeps the weights on the machine: see the end). Extra
+# (1; 0 keeps the weights on the machine: see the end), CORPUS_BACK (0; 1: a data-only call, whose corpus
+# comes back as corpus-SEED[-more-K].tar.xz.part-N, at most 4 parts of 15 MiB: see the end). Extra
 # arguments go to engine.training.run and from there to engine.training.train (e.g.
 # --init-from DRAFTER_FOLDER to continue a drafter brought back from an earlier session).
 #     bash engine/training/device.sh
@@ -61,7 +62,7 @@ prepare() {
   prepare && python3 -m engine.training.run --model "$MODEL" --out "$WORK" --started-at "$started" \
     --deadline-minutes "${DEADLINE_MIN:-9}" --later-minutes "${LATER_MIN:-8.3}" --num-prompts "${NUM_PROMPTS:-80000}" \
     --data-workers "${WORKERS:-$(engines_that_fit)}" --data-minutes "${DATA_MIN:-7}" --data-seed "${SEED:-0}" \
-    --more-data-minutes "${MORE_DATA_MIN:-0}" "$@"
+    --more-data-minutes "${MORE_DATA_MIN:-0}" $([ "${CORPUS_BACK:-0}" = 1 ] && echo --data-only) "$@"
   status=$?
   echo "$status" > "$WORK/status"
   say "pipeline exit status $status"
@@ -75,6 +76,23 @@ if [ "${DRAFTER_BACK:-1}" = 1 ]; then
   cp "$WORK"/train/drafter/* "$OUT/drafter/" 2>/dev/null || echo "no drafter exported yet" | tee -a "$log"
 fi
 cp "$WORK/data-stats.json" "$WORK/train/train-log.jsonl" "$OUT/" 2>/dev/null
+# CORPUS_BACK=1: the data this call made, to be unpacked into the data folder of a later session's call
+# (``tar -xJf`` in $WORK; training reads every shard there, top-ups included). A first call packs the folder's
+# data, a top-up its newest more-K/ folder.
+if [ "${CORPUS_BACK:-0}" = 1 ]; then
+  newest=$(ls -d "$WORK"/more-* 2>/dev/null | sort -t- -k2 -n | tail -n 1)
+  if [ "${MORE_DATA_MIN:-0}" != 0 ] && [ -n "$newest" ]; then
+    name="corpus-${SEED:-0}-$(basename "$newest")"; members=("$(basename "$newest")")
+  else
+    name="corpus-${SEED:-0}"
+    members=($(cd "$WORK" && ls -d prompts.jsonl heldout.jsonl data-stats.json responses-*.pt part-* 2>/dev/null))
+  fi
+  tar -C "$WORK" -cf - "${members[@]}" | xz -T0 -6 | split -b 15M -d -a 1 - "$OUT/$name.tar.xz.part-"
+  parts=$(ls "$OUT/$name".tar.xz.part-* | wc -l)
+  [ "$parts" -le 4 ] || say "the corpus needs $parts parts of 15 MiB: only 4 come back beside the logs; make less"
+  cp "$WORK/data-stats.json" "$OUT/" 2>/dev/null
+  [ -f "$newest/data-stats.json" ] && [ "${MORE_DATA_MIN:-0}" != 0 ] && cp "$newest/data-stats.json" "$OUT/more-stats.json"
+fi
 ls -lR "$OUT" | tee -a "$log"
 cp "$log" "$OUT/run.log"
 exit "$(cat "$WORK/status" 2>/dev/null || echo 1)"

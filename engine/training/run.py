@@ -167,6 +167,8 @@ def parse_args(argv=None):
                         help="in a call that finds the data made: generate this much more (new prompts) first")
     parser.add_argument("--data-flags", default="",
                         help='extra engine.training.data flags, e.g. "--chunk-prompts 4096"')
+    parser.add_argument("--data-only", action="store_true",
+                        help="make the data (or the top-up) and stop: a call whose corpus is carried back for later")
     parser.add_argument("--no-fallback", dest="fallback", action="store_false",
                         help="if vLLM fails, stop instead of generating with transformers")
     return parser.parse_known_args(argv)
@@ -182,7 +184,9 @@ def main(argv=None) -> None:
 
 def run_all(args, train_flags: list[str]) -> None:
     started_at = args.started_at or time.time()
-    plan = Plan(args.deadline_minutes, args.later_minutes, args.data_minutes, args.min_train_minutes)
+    # a data-only call keeps no minutes back for training
+    plan = Plan(args.deadline_minutes, args.later_minutes, args.data_minutes,
+                0.0 if args.data_only else args.min_train_minutes)
 
     def elapsed() -> float:
         return (time.time() - started_at) / 60
@@ -193,6 +197,9 @@ def run_all(args, train_flags: list[str]) -> None:
             more_data(args, plan, elapsed)
     else:
         make_data(args, plan, elapsed)
+    if args.data_only:
+        print(f"== data only: done at {elapsed():.2f} min, no training in this call", flush=True)
+        return
     minutes = plan.train_budget(elapsed())
     if minutes < 0.5:
         print(f"== train: skipped, only {minutes:.2f} min left before the deadline", flush=True)
