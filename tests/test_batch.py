@@ -11,7 +11,7 @@ import ddtree
 from ddtree.allocate import Offer, StepCost, plan_drafts
 from ddtree.batch import pack_trees
 from engine.errors import EngineError
-from engine.loop.batch import PREFILL_TOKENS, Batch
+from engine.loop.batch import DEPTH_MARGIN, PREFILL_TOKENS, Batch
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth
 from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.settings import DecodeSettings
@@ -213,6 +213,24 @@ def test_auto_trees_grow_where_nodes_are_cheap_and_fall_to_ar_where_they_are_not
         assert all(step.batch.reason.startswith("auto: not drafted") for step in shrunk.steps[1:])
     assert max(step.batch.budget for step in cheap[0].steps) > 15  # a tree, wider than DFlash's chain
     assert max(step.batch.budget for step in cheap[1].steps) <= 15  # a chain never exceeds its block
+
+
+def test_an_auto_tree_drafts_as_deep_as_its_expected_nodes_reach(oracle64):
+    """A best-first tree's first n nodes reach fewer than n depths: an "auto" request drafts as deep as its last
+    candidate tree's first n nodes reached, and DEPTH_MARGIN more, n the nodes it is expected to get."""
+    decoder, asked = oracle64
+    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    request = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto"))
+    while batch.waiting:
+        batch.advance()
+    # every depth: three tokens at 0.5, 0.3, 0.2; best first: a, b, aa, c, ab, ba, aaa, ... (depths 1 1 2 1 2 2 3)
+    log_probs = torch.full((6, 8), float("-inf"))
+    log_probs[:, :3] = torch.tensor([0.5, 0.3, 0.2]).log()
+    request.reach = ddtree.build_tree(log_probs, 7).depths.cummax(0).values
+    assert [request.depth_for(nodes) for nodes in (0, 1, 2, 3, 4, 6, 7, 8)] == [0, 1, 1, 2, 2, 2, 3, 8]
+    request.expected = torch.zeros(AUTO_NODES, dtype=torch.float64)
+    request.expected[:4] = 0.9  # four nodes the batch will give it, where nodes are this cheap
+    assert batch.plan([request]) == [request.depth_for(4) + DEPTH_MARGIN] == [2 + DEPTH_MARGIN]
 
 
 def test_a_hybrid_target_is_refused_a_batch():

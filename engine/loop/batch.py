@@ -60,6 +60,7 @@ class BatchRequest(Run):
         self.pending_context: list[torch.Tensor] = []  # committed rows' features the drafter has not read yet
         self.pending_positions: list[torch.Tensor] = []
         self.expected: torch.Tensor | None = None  # what its next draft is expected to be worth, node by node
+        self.reach: torch.Tensor | None = None  # [n] the depth its last candidate tree's first k + 1 nodes reach
         self.row_method = method(settings.method)
         self.t0 = self.clock.now()
 
@@ -73,6 +74,13 @@ class BatchRequest(Run):
         if not self.pending_context:
             return torch.zeros(0, width, device=self.device), torch.zeros(0, dtype=torch.long, device=self.device)
         return torch.cat(self.pending_context), torch.cat(self.pending_positions)
+
+    def depth_for(self, nodes: int) -> int:
+        """How deep a tree of its next ``nodes`` nodes is expected to reach: as deep as its last candidate tree's first
+        ``nodes`` did (a chain's n nodes reach depth n, a best-first tree's fewer), at most ``nodes``."""
+        if nodes == 0 or self.reach is None or nodes > self.reach.numel():
+            return nodes
+        return int(self.reach[nodes - 1])
 
     def read_context(self) -> None:
         self.pending_context, self.pending_positions = [], []
@@ -298,7 +306,8 @@ class Batch:
         """How deep each request drafts this step (0: not at all). A fixed budget drafts as deep as its tree can
         reach; an "auto" one by what its draft is expected to be worth (``Budgeting.learn``; before its
         first, its method's typical draft, and with neither it drafts its whole block): as deep as the nodes the batch
-        is expected to give it, and a little deeper, since the drafter's lm_head costs per depth; AR never."""
+        is expected to give it reach (``BatchRequest.depth_for``), and a little deeper, since the drafter's lm_head
+        costs per depth; AR never."""
         offers: list[Offer | None] = []
         for request in active:
             expected = (request.expected if request.expected is not None else
@@ -320,7 +329,7 @@ class Batch:
             if not draft:
                 own = 0
             elif not offer.fixed:
-                own = nodes + DEPTH_MARGIN
+                own = request.depth_for(nodes) + DEPTH_MARGIN
             else:  # as deep as its tree can reach: a chain its block, a tree of n nodes n depths
                 own = full if request.settings.auto_budget else request.row_method.nodes(request.settings.tree_budget,
                                                                                            full)
@@ -374,6 +383,7 @@ class Batch:
                                                         settings.auto_budget)
                 if settings.auto_budget:
                     request.expected = self.budgeting.learn(request.row_method, request.expected, offer)
+                    request.reach = tree.depths.cummax(0).values
             candidates.append(tree)
             offers.append(offer)
         allocation = allocate(offers, self.budgeting.cost, len(active), len(drafts), drafted_rows(drafts))
