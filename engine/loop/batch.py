@@ -60,7 +60,7 @@ class BatchRequest(Run):
         self.pending_context: list[torch.Tensor] = []  # committed rows' features the drafter has not read yet
         self.pending_positions: list[torch.Tensor] = []
         self.expected: torch.Tensor | None = None  # what its next draft is expected to be worth, node by node
-        self.reach: torch.Tensor | None = None  # [n] the depth its last candidate tree's first k + 1 nodes reach
+        self.reach: torch.Tensor | None = None  # [n]: at k, the depth its last candidate tree's first k + 1 nodes reach
         self.row_method = method(settings.method)
         self.t0 = self.clock.now()
 

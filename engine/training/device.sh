@@ -80,7 +80,7 @@ cp "$WORK/data-stats.json" "$WORK/train/train-log.jsonl" "$OUT/" 2>/dev/null
 # (``tar -xJf`` in $WORK; training reads every shard there, top-ups included). A first call packs the folder's
 # data, a top-up its newest more-K/ folder.
 if [ "${CORPUS_BACK:-0}" = 1 ]; then
-  newest=$(ls -d "$WORK"/more-* 2>/dev/null | sort -t- -k2 -n | tail -n 1)
+  newest=$(ls -d "$WORK"/more-* 2>/dev/null | sort -V | tail -n 1)
   if [ "${MORE_DATA_MIN:-0}" != 0 ] && [ -n "$newest" ]; then
     name="corpus-${SEED:-0}-$(basename "$newest")"; members=("$(basename "$newest")")
   else
