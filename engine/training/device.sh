@@ -83,6 +83,7 @@ if [ "${CORPUS_BACK:-0}" = 1 ]; then
   newest=$(ls -d "$WORK"/more-* 2>/dev/null | sort -V | tail -n 1)
   if [ "${MORE_DATA_MIN:-0}" != 0 ] && [ -n "$newest" ]; then
     name="corpus-${SEED:-0}-$(basename "$newest")"; members=("$(basename "$newest")")
+    cp "$newest/data-stats.json" "$OUT/more-stats.json" 2>/dev/null
   else
     name="corpus-${SEED:-0}"
     members=($(cd "$WORK" && ls -d prompts.jsonl heldout.jsonl data-stats.json responses-*.pt part-* 2>/dev/null))
@@ -90,8 +91,6 @@ if [ "${CORPUS_BACK:-0}" = 1 ]; then
   tar -C "$WORK" -cf - "${members[@]}" | xz -T0 -6 | split -b 15M -d -a 1 - "$OUT/$name.tar.xz.part-"
   parts=$(ls "$OUT/$name".tar.xz.part-* | wc -l)
   [ "$parts" -le 4 ] || say "the corpus needs $parts parts of 15 MiB: only 4 come back beside the logs; make less"
-  cp "$WORK/data-stats.json" "$OUT/" 2>/dev/null
-  [ -f "$newest/data-stats.json" ] && [ "${MORE_DATA_MIN:-0}" != 0 ] && cp "$newest/data-stats.json" "$OUT/more-stats.json"
 fi
 ls -lR "$OUT" | tee -a "$log"
 cp "$log" "$OUT/run.log"
