@@ -8,8 +8,10 @@
 #   data-stats.json   the corpus: prompts by family, replies, tokens, the evaluation-overlap report
 #   train-log.jsonl   one line per 50 training steps (loss, per-slot accuracy, tau~)
 #   run.log           everything printed: stage timings, data stats, training log lines
-# Needs in /tmp/stage (staged with ../shared/device/stage.sh): vllm-trim.tar.xz, INSTALL.sh and
-# the SmolLM2 GGUF. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training planned
+# Needs in /tmp/stage (staged with ../shared/device/stage.sh): the SmolLM2 GGUF, and vllm-trim.tar.xz and
+# INSTALL.sh when the call makes data. A corpus carried back by an earlier call travels whole as
+# corpus-SEED[-more-K].tar.xz: it is unpacked into the data folder, and a call that only trains on it needs no
+# vLLM, only a gguf wheel (gguf-*.whl) for the GGUF's conversion. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training planned
 # for call B, read by call A only), NUM_PROMPTS (80000 candidates per engine), WORKERS (vLLM engines side
 # by side, each with a fixed 16 GiB KV cache: as many as fit in 18 GiB each, at most 6 (a 135M model leaves one
 # engine bound by its host-side scheduling, so more engines generate more; an H100 holds 4, an H200 6),
@@ -33,6 +35,8 @@ export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORM
        VLLM_CACHE_ROOT=/tmp/vcache TRITON_CACHE_DIR=/tmp/tcache
 mkdir -p "$WORK" "$HOME"
 log="$WORK/run.log"
+began_mark="$WORK/call-began"
+touch "$began_mark"
 
 say() { echo "== device.sh: $* at $(( $(date +%s) - started )) s"; }
 
@@ -43,8 +47,17 @@ engines_that_fit() {
   echo $(( count < 1 ? 1 : count > 6 ? 6 : count ))
 }
 
+makes_data() {
+  [ ! -f "$WORK/data-stats.json" ] || [ "${MORE_DATA_MIN:-0}" != 0 ]
+}
+
 prepare() {
-  if [ ! -d "$SITE/vllm" ]; then
+  for archive in "$STAGE"/corpus-*.tar.xz; do
+    [ -f "$archive" ] || continue
+    tar -C "$WORK" -xJf "$archive" && rm "$archive" || return 1
+    say "corpus $(basename "$archive") unpacked into $WORK"
+  done
+  if makes_data && [ ! -d "$SITE/vllm" ]; then
     [ -f "$STAGE/vllm-trim.tar.xz" ] || { say "no $STAGE/vllm-trim.tar.xz: stage the bundle first"; return 1; }
     bash "$STAGE/INSTALL.sh" "$STAGE/vllm-trim.tar.xz" || return 1
     say "vLLM installed"
@@ -52,6 +65,11 @@ prepare() {
   if [ ! -f "$MODEL/config.json" ]; then
     gguf=$(ls "$STAGE"/*.gguf 2>/dev/null | head -n 1)
     [ -n "$gguf" ] || { say "no GGUF in $STAGE: stage SmolLM2-135M-Instruct.Q4_1.gguf first"; return 1; }
+    if ! python3 -c "import gguf" 2>/dev/null; then  # the vLLM bundle brings it; a training-only call, a wheel
+      wheel=$(ls "$STAGE"/gguf-*.whl 2>/dev/null | head -n 1)
+      [ -n "$wheel" ] || { say "no gguf: stage a gguf wheel (pip download --no-deps gguf) or the vLLM bundle"; return 1; }
+      python3 -m zipfile -e "$wheel" "$SITE" || return 1  # a pure-Python wheel: unpacking installs it
+    fi
     python3 -m engine.models.convert "$gguf" "$MODEL" || return 1
     say "target converted"
   fi
@@ -75,7 +93,9 @@ if [ "${DRAFTER_BACK:-1}" = 1 ]; then
   mkdir -p "$OUT/drafter"
   cp "$WORK"/train/drafter/* "$OUT/drafter/" 2>/dev/null || echo "no drafter exported yet" | tee -a "$log"
 fi
-cp "$WORK/data-stats.json" "$WORK/train/train-log.jsonl" "$OUT/" 2>/dev/null
+cp "$WORK/train/train-log.jsonl" "$OUT/" 2>/dev/null
+# the corpus's stats come back from the call that made them (one file fewer where a drafter fills the slots)
+[ "$WORK/data-stats.json" -nt "$began_mark" ] && cp "$WORK/data-stats.json" "$OUT/"
 # CORPUS_BACK=1: the data this call made, to be unpacked into the data folder of a later session's call
 # (``tar -xJf`` in $WORK; training reads every shard there, top-ups included). A first call packs the folder's
 # data, a top-up its newest more-K/ folder.
