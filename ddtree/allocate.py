@@ -13,8 +13,8 @@ The batch's tokens per second is therefore
 
 and nodes are added best first, across requests, while the next one earns more per marginal second
 than the batch already does (``allocate``): past that point each node lowers the batch's rate. A
-request's nodes come in its own best-first order (its tree's heap order, or its chain's depths), so any
-count is a tree of that size. As the batch grows its rate rises and fewer nodes clear it: the trees
+request's nodes come in its own order of worth, parents first (``in_worth_order``), so any count is a tree
+of that size. As the batch grows its rate rises and fewer nodes clear it: the trees
 shrink to chains and then to roots (AR), and the step never runs slower than AR's, by the cost model.
 
 Drafting itself costs, so which requests draft is decided before the drafter runs (``plan_drafts``),
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ddtree.batch import grouped_rows
+from ddtree.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -128,10 +129,28 @@ class Calibration:
                            [list(v) for v in data["accepted"]])
 
 
+def in_worth_order(tree: DraftTree, worth: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
+    """The tree's nodes most valuable first, and their worth in that order. Heap order is path probability's, and
+    the calibration prices a first choice above an alternative of the same probability, so a deep node of the
+    first-choice path can be worth more than a shallow alternative the heap put before it. A node is worth at
+    most its parent (it is accepted only where its parent is), so the order, stable for equal worth, keeps
+    every parent before its children and any first ``count`` nodes are a tree.
+
+    Worked example: heap order [a (first choice), b (alternative beside a), c (first choice below a)] with
+    worth [0.6, 0.15, 0.3] becomes [a, c, b]: the two best nodes are the chain a-c, not a and b."""
+    capped = worth.tolist()
+    for node, parent in enumerate(tree.parents.tolist()):
+        if parent:
+            capped[node] = min(capped[node], capped[parent - 1])
+    capped_t = torch.tensor(capped, dtype=torch.float64)
+    order = torch.sort(capped_t, descending=True, stable=True).indices
+    return tree.reordered(order), capped_t[order]
+
+
 @dataclass(frozen=True)
 class Offer:
     """What one request of the batch could verify: the worth of its nodes in the order they would be
-    added (non-increasing: its tree's heap order), at most ``cap`` of them; a ``fixed`` request verifies
+    added (non-increasing: ``in_worth_order``), at most ``cap`` of them; a ``fixed`` request verifies
     exactly ``cap`` (its own budget) whatever the batch."""
 
     worth: tuple[float, ...]

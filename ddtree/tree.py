@@ -45,6 +45,17 @@ class DraftTree:
             children[parent][token] = node
         return children
 
+    def reordered(self, order: torch.Tensor) -> DraftTree:
+        """The same tree with its nodes in ``order`` (``[n]``: old node indices, 0-based, parents before their
+        children), its parent indices renumbered to match."""
+        renumbered = torch.zeros(self.size + 1, dtype=torch.long)  # old node (root 0) -> new node
+        renumbered[order + 1] = torch.arange(1, self.size + 1)
+        parents = renumbered[self.parents[order]]
+        if bool((parents >= torch.arange(1, self.size + 1)).any()):
+            raise ValueError("a reordered tree must keep every parent before its children")
+        return DraftTree(self.tokens[order], parents, self.depths[order], self.log_probs[order],
+                         self.path_log_probs[order], self.ranks[order])
+
     @staticmethod
     def empty() -> DraftTree:
         long = torch.empty(0, dtype=torch.long)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.allocate import Calibration, Offer, StepCost, allocate, plan_drafts
+from ddtree.allocate import Calibration, Offer, StepCost, allocate, in_worth_order, plan_drafts
 from ddtree.batch import pack_trees
 from engine.loop.budgeting import AUTO_NODES, Budgeting
 from engine.methods import DDTREE
@@ -116,6 +116,38 @@ def test_the_first_choice_path_is_the_chain_inside_a_tree():
     assert not on[(tree.ranks > 0)].any() and (tree.ranks[~on] > 0).any() and not on.all()
     off_below_alternative = (tree.ranks == 0) & (tree.parents > 0) & ~on
     assert off_below_alternative.any()  # a first choice below an alternative is off the path
+
+
+def test_a_tree_in_worth_order_puts_a_deep_first_choice_before_a_shallow_alternative():
+    # heap order: a (0.6, first choice), b (0.35, beside a), c (0.3, below a), e (0.18, beside c), d (0.175, below b)
+    log_probs = torch.log(torch.tensor([[0.6, 0.35, 0.05], [0.5, 0.3, 0.2]]))
+    tree = ddtree.build_tree(log_probs, budget=5)
+    assert tree.tokens.tolist() == [0, 1, 0, 1, 0] and tree.parents.tolist() == [0, 0, 1, 1, 2]
+    # d's worth above its parent's is capped at it: a child is accepted only where its parent is
+    worth = torch.tensor([0.6, 0.2, 0.35, 0.1, 0.25], dtype=torch.float64)
+    ordered, ordered_worth = in_worth_order(tree, worth)
+    assert ordered.parents.tolist() == [0, 1, 0, 3, 1] and ordered.path_log_probs.exp().tolist() == pytest.approx(
+        [0.6, 0.3, 0.35, 0.175, 0.18])  # a, c, b, d, e: the chain a-c first
+    assert ordered_worth.tolist() == [0.6, 0.35, 0.2, 0.2, 0.1]  # d capped at b's 0.2, after b (stable)
+    assert ordered.on_first_choices().tolist() == [True, True, False, False, False]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_first_count_of_a_tree_in_worth_order_is_a_tree_of_its_best_nodes(seed):
+    generator = torch.Generator().manual_seed(seed)
+    log_probs = torch.log_softmax(3 * torch.randn(8, 12, generator=generator), dim=-1)
+    tree = ddtree.build_tree(log_probs, budget=40)
+    calibration = Calibration()
+    calibration.observe(torch.rand(500, generator=generator), torch.rand(500, generator=generator) < 0.5,
+                        torch.rand(500, generator=generator) < 0.4)
+    ordered, worth = in_worth_order(tree, calibration.worth(tree.path_log_probs.exp(), tree.on_first_choices()))
+    assert (ordered.parents < torch.arange(1, tree.size + 1)).all()  # parents first: every prefix is a tree
+    assert (worth[1:] <= worth[:-1]).all() and (worth[ordered.parents[ordered.parents > 0] - 1]
+                                                 >= worth[ordered.parents > 0]).all()
+    same = {(t, p) for t, p in zip(tree.tokens.tolist(), tree.path_log_probs.tolist())}
+    assert {(t, p) for t, p in zip(ordered.tokens.tolist(), ordered.path_log_probs.tolist())} == same
+    with pytest.raises(ValueError, match="parent before its children"):
+        tree.reordered(torch.arange(tree.size).flip(0))
 
 
 def recorded_drafts() -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import ddtree
-from ddtree.allocate import Calibration, Offer, StepCost, allocate
+from ddtree.allocate import Calibration, Offer, StepCost, allocate, in_worth_order
 from engine.methods import Method
 
 AUTO_NODES = 64  # the most nodes an "auto" tree drafts: the candidates the allocation chooses among
@@ -66,10 +66,13 @@ class Budgeting:
         return expected if expected is None or typical is None else torch.lerp(expected, typical, RELAX)
 
     def candidates(self, row: Method, log_probs: torch.Tensor, budget, auto: bool) -> tuple[ddtree.DraftTree, Offer]:
-        """The tree a request drafts from ``log_probs [D, V]`` (an "auto" one's ``AUTO_NODES`` candidates, else
-        its fixed budget's) and its offer to the allocation: every node's worth, best first."""
+        """The tree a request drafts from ``log_probs [D, V]`` and its offer to the allocation: every node's worth,
+        best first. An "auto" one's are its ``AUTO_NODES`` candidates in order of worth (``in_worth_order``), so
+        that the nodes the allocation gives it are its most valuable; a fixed budget's tree keeps its heap order."""
         tree = row.readable(log_probs, row.nodes(AUTO_NODES if auto else budget, log_probs.shape[0]))
         worth = self.calibration.worth(tree.path_log_probs.exp(), tree.on_first_choices())
+        if auto:
+            tree, worth = in_worth_order(tree, worth)
         return tree, Offer(tuple(worth.tolist()), tree.size, fixed=not auto)
 
     def alone(self, row: Method, log_probs: torch.Tensor) -> ddtree.DraftTree:
