@@ -6,7 +6,7 @@ which KV rows to keep. A DFlash chain is the width-1 tree.
 """
 
 from ddtree.cache import compact_rows, kept_rows
-from ddtree.paged import compaction_moves, move_rows, paged_slots, query_bias
+from ddtree.paged import compaction_moves, compaction_slots, move_rows, paged_slots, query_bias
 from ddtree.tree import DraftTree, build_tree, chain_tree
 from ddtree.verify import (
     TreeInputs,
@@ -26,6 +26,7 @@ __all__ = [
     "chain_tree",
     "compact_rows",
     "compaction_moves",
+    "compaction_slots",
     "compile_tree",
     "follow_tree",
     "kept_rows",

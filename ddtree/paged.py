@@ -32,6 +32,29 @@ def compaction_moves(past_length: int, accepted: list[int]) -> tuple[torch.Tenso
     return past_length + path[moved], past_length + target[moved]
 
 
+def compaction_slots(block_table: torch.Tensor, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor,
+                     block_size: int, scratch_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many requests' compactions as one list of moves between cache slots (vLLM's: block id * block_size +
+    offset), each request's rows through its own row of ``block_table [R, max blocks]``. Request r's accepted
+    node k (``path [R, P]``, root first, ``length [R]`` of them) moves from its row ``past[r] + path[r, k]``
+    to ``past[r] + k``; a padding move reads the request's root and writes ``scratch_slot``, which no request
+    reads. Requests own their blocks, so two requests' moves never meet. Returns ``(sources, targets)``,
+    ``[R * P]`` each; copy all sources before writing any target (``move_rows``, ``RowMover``).
+
+    Worked example (block_size 4): a request owning blocks [7, 2] with past 3 accepted its root and node 2.
+    The root stays in row 3 (block 7, offset 3: slot 31 onto itself); node 2, row 5 (block 2, offset 1: slot 9),
+    moves to row 4 (slot 8)."""
+    slots = torch.arange(path.shape[-1], device=path.device)  # [P]
+    kept = slots < length[:, None]  # [R, P]
+    sources = past[:, None] + torch.where(kept, path, 0)
+    targets = past[:, None] + torch.where(kept, slots, 0)
+
+    def slot_of(rows: torch.Tensor) -> torch.Tensor:  # [R, P] rows of each request -> cache slots
+        return block_table.gather(1, rows // block_size).long() * block_size + rows % block_size
+
+    return slot_of(sources).flatten(), torch.where(kept, slot_of(targets), scratch_slot).flatten()
+
+
 def paged_slots(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(block, offset)`` of each cache row when the block table is the identity (row r lives
     in block r // block_size); computed once for all layers of a compaction."""

@@ -73,6 +73,40 @@ def test_paged_compaction_equals_dense_compaction(accepted):
     assert torch.equal(paged[kept // block_size, :, kept % block_size].transpose(0, 1), expected)
 
 
+def batch_of_requests(seed: int, block_size: int = 4):
+    """Three requests whose blocks are interleaved in one cache of 12 (block 0 kept as scratch), each with a past,
+    a walk's accepted path (root first, padded with 0) and its length."""
+    generator = torch.Generator().manual_seed(seed)
+    owners = torch.randperm(11, generator=generator)[:9] + 1
+    block_table = owners.view(3, 3).int()  # [R, max blocks]
+    past = torch.tensor([2, 5, 0])
+    accepted = [[0, 2, 3, 6], [0, 1], [0, 4, 5, 7, 8]]
+    path = torch.zeros(3, 5, dtype=torch.long)
+    for r, nodes in enumerate(accepted):
+        path[r, : len(nodes)] = torch.tensor(nodes)
+    cache = torch.randn(12, 2, block_size, 2, 3, generator=generator)  # [blocks, K/V, block_size, heads, dim]
+    return block_table, past, path, torch.tensor([len(nodes) for nodes in accepted]), accepted, cache
+
+
+def test_compaction_slots_follow_each_request_s_own_block_table():
+    slots = ddtree.compaction_slots(torch.tensor([[7, 2]]), torch.tensor([3]), torch.tensor([[0, 2, 0]]),
+                                    torch.tensor([2]), block_size=4, scratch_slot=0)
+    assert [t.tolist() for t in slots] == [[31, 9, 31], [31, 8, 0]]  # the worked example, one padding move
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_batched_compaction_moves_every_request_s_rows_as_its_own_compaction_does(seed):
+    block_table, past, path, length, accepted, cache = batch_of_requests(seed)
+    expected = cache.clone()
+    for r, nodes in enumerate(accepted):  # the readable reference: one request at a time, its own rows
+        rows = ddtree.compaction_moves(int(past[r]), nodes)
+        slots = [block_table[r, moved // 4].long() * 4 + moved % 4 for moved in rows]
+        ddtree.move_rows(expected, *(ddtree.paged_slots(s, 4) for s in slots))
+    sources, targets = ddtree.compaction_slots(block_table, past, path, length, block_size=4, scratch_slot=0)
+    ddtree.move_rows(cache, ddtree.paged_slots(sources, 4), ddtree.paged_slots(targets, 4))
+    assert torch.equal(cache[1:], expected[1:]) and not torch.equal(cache[1:], batch_of_requests(seed)[-1][1:])
+
+
 def test_tapped_hidden_state_indices_are_the_tapped_layers_outputs():
     """z-lab's target_layer_ids name decoder layers; the drafter must read those layers' outputs
     (an off-by-one here is the "~1% acceptance" deployment bug), on either engine."""

@@ -57,7 +57,8 @@ class RowMover:
             self.row = first[0, 0, 0].numel()
 
     def __call__(self, sources: torch.Tensor, targets: torch.Tensor) -> None:  # [moves] each
-        """Copy rows ``sources[i]`` to ``targets[i]`` (cache row indices, block table the identity)."""
+        """Copy rows ``sources[i]`` to ``targets[i]``: cache rows where the block table is the identity, which are
+        vLLM's slots (block id * block_size + offset) whatever the block table (``ddtree.compaction_slots``)."""
         if not self.fused:
             paged_sources, paged_targets = (ddtree.paged_slots(sources, self.block_size),
                                             ddtree.paged_slots(targets, self.block_size))
