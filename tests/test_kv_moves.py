@@ -40,16 +40,13 @@ def test_a_cache_set_the_kernel_cannot_take_falls_back_to_the_reference():
 
 
 def test_many_requests_compactions_in_one_launch_are_each_request_s_own():
-    from tests.test_paged import batch_of_requests
+    from tests.test_paged import batch_of_requests, compact_each_alone
 
     block_table, past, path, length, accepted, cache = batch_of_requests(seed=5)
     caches = [cache.to(DEVICE), (cache * 2).to(DEVICE)]
     reference = [c.clone().cpu() for c in caches]
     sources, targets = ddtree.compaction_slots(block_table, past, path, length, block_size=4, scratch_slot=0)
     RowMover(caches, block_size=4)(sources.to(DEVICE), targets.to(DEVICE))
-    for r, nodes in enumerate(accepted):
-        rows = ddtree.compaction_moves(int(past[r]), nodes)
-        slots = [block_table[r, moved // 4].long() * 4 + moved % 4 for moved in rows]
-        for c in reference:
-            ddtree.move_rows(c, *(ddtree.paged_slots(s, 4) for s in slots))
+    for c in reference:
+        compact_each_alone(c, block_table, past, accepted)
     assert all(torch.equal(mine[1:].cpu(), theirs[1:]) for mine, theirs in zip(caches, reference))

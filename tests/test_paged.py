@@ -88,6 +88,15 @@ def batch_of_requests(seed: int, block_size: int = 4):
     return block_table, past, path, torch.tensor([len(nodes) for nodes in accepted]), accepted, cache
 
 
+def compact_each_alone(cache: torch.Tensor, block_table: torch.Tensor, past: torch.Tensor, accepted: list[list[int]],
+                       block_size: int = 4) -> None:
+    """The readable reference: each request's own compaction (``compaction_moves``), through its own block table."""
+    for r, nodes in enumerate(accepted):
+        rows = ddtree.compaction_moves(int(past[r]), nodes)
+        slots = [block_table[r, moved // block_size].long() * block_size + moved % block_size for moved in rows]
+        ddtree.move_rows(cache, *(ddtree.paged_slots(s, block_size) for s in slots))
+
+
 def test_compaction_slots_follow_each_request_s_own_block_table():
     slots = ddtree.compaction_slots(torch.tensor([[7, 2]]), torch.tensor([3]), torch.tensor([[0, 2, 0]]),
                                     torch.tensor([2]), block_size=4, scratch_slot=0)
@@ -98,10 +107,7 @@ def test_compaction_slots_follow_each_request_s_own_block_table():
 def test_one_batched_compaction_moves_every_request_s_rows_as_its_own_compaction_does(seed):
     block_table, past, path, length, accepted, cache = batch_of_requests(seed)
     expected = cache.clone()
-    for r, nodes in enumerate(accepted):  # the readable reference: one request at a time, its own rows
-        rows = ddtree.compaction_moves(int(past[r]), nodes)
-        slots = [block_table[r, moved // 4].long() * 4 + moved % 4 for moved in rows]
-        ddtree.move_rows(expected, *(ddtree.paged_slots(s, 4) for s in slots))
+    compact_each_alone(expected, block_table, past, accepted)
     sources, targets = ddtree.compaction_slots(block_table, past, path, length, block_size=4, scratch_slot=0)
     ddtree.move_rows(cache, ddtree.paged_slots(sources, 4), ddtree.paged_slots(targets, 4))
     assert torch.equal(cache[1:], expected[1:]) and not torch.equal(cache[1:], batch_of_requests(seed)[-1][1:])
