@@ -8,19 +8,19 @@
 #   data-stats.json   the corpus: prompts by family, replies, tokens, the evaluation-overlap report
 #   train-log.jsonl   one line per 50 training steps (loss, per-slot accuracy, tau~)
 #   run.log           everything printed: stage timings, data stats, training log lines
-# Needs in /tmp/stage (staged with ../shared/device/stage.sh): the SmolLM2 GGUF, and vllm-trim.tar.xz and
-# INSTALL.sh when the call makes data. A corpus carried back by an earlier call travels whole as
-# corpus-SEED[-more-K].tar.xz: it is unpacked into the data folder, and a call that only trains on it needs no
-# vLLM, only a gguf wheel (gguf-*.whl) for the GGUF's conversion. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training planned
-# for call B, read by call A only), NUM_PROMPTS (80000 candidates per engine), WORKERS (vLLM engines side
-# by side, each with a fixed 16 GiB KV cache: as many as fit in 18 GiB each, at most 6 (a 135M model leaves one
-# engine bound by its host-side scheduling, so more engines generate more; an H100 holds 4, an H200 6),
-# DATA_MIN (7: the data stage's budget), SEED (0: another seed writes other prompts), MORE_DATA_MIN
-# (0; in a resumed call: first this many minutes of new prompts and replies, into more-K/), DRAFTER_BACK
-# (1; 0 keeps the weights on the machine: see the end), CORPUS_BACK (0; 1: a data-only call, whose corpus
-# comes back as corpus-SEED[-more-K].tar.xz.part-N, at most 4 parts of 15 MiB: see the end). Extra
-# arguments go to engine.training.run and from there to engine.training.train (e.g.
-# --init-from DRAFTER_FOLDER to continue a drafter brought back from an earlier session).
+# Needs in /tmp/stage (staged with ../shared/device/stage.sh): the SmolLM2 GGUF, and vllm-trim.tar.xz and INSTALL.sh
+# when the call makes data. A corpus carried back by an earlier call travels whole as corpus-SEED[-more-K].tar.xz:
+# it is unpacked into the data folder, and a call that only trains on it needs no vLLM, only a gguf wheel
+# (gguf-*.whl) for the GGUF's conversion. Settings by environment: DEADLINE_MIN (9), LATER_MIN (8.3: training
+# planned for call B, read by call A only), NUM_PROMPTS (80000 candidates per engine), WORKERS (vLLM engines side by
+# side, each with a fixed 16 GiB KV cache: as many as fit in 18 GiB each, at most 6 (a 135M model leaves one engine
+# bound by its host-side scheduling, so more engines generate more; an H100 holds 4, an H200 6), DATA_MIN (7: the
+# data stage's budget), SEED (0: another seed writes other prompts), MORE_DATA_MIN (0; in a resumed call: first this
+# many minutes of new prompts and replies, into more-K/), DRAFTER_BACK (1; 0 keeps the weights on the machine: see
+# the end), CORPUS_BACK (0; 1: a data-only call, whose corpus comes back as corpus-SEED[-more-K].tar.xz.part-N, at
+# most 4 parts of 15 MiB: see the end). Extra arguments go to engine.training.run and from there to
+# engine.training.train (e.g. --init-from DRAFTER_FOLDER to continue a drafter brought back from an earlier
+# session).
 #     bash engine/training/device.sh
 set -uo pipefail
 started=$(date +%s)
