@@ -6,7 +6,15 @@ which KV rows to keep. A DFlash chain is the width-1 tree.
 """
 
 from ddtree.cache import compact_rows, kept_rows
-from ddtree.paged import compaction_moves, compaction_slots, move_rows, paged_slots, query_bias
+from ddtree.paged import (
+    compaction_moves,
+    compaction_slots,
+    move_rows,
+    paged_slots,
+    query_bias,
+    table_slots,
+    verify_slots,
+)
 from ddtree.tree import DraftTree, build_tree, chain_tree
 from ddtree.verify import (
     TreeInputs,
@@ -34,4 +42,6 @@ __all__ = [
     "paged_slots",
     "query_bias",
     "sample_tokens",
+    "table_slots",
+    "verify_slots",
 ]

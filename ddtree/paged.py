@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.batch import BatchLayout
+
 
 def query_bias(visible: torch.Tensor) -> torch.Tensor:
     """Additive ``[q, q]`` float32 bias among a verify block's queries: 0 where ``visible``
@@ -48,11 +50,31 @@ def compaction_slots(block_table: torch.Tensor, past: torch.Tensor, path: torch.
     kept = slots < length[:, None]  # [R, P]
     sources = past[:, None] + torch.where(kept, path, 0)
     targets = past[:, None] + torch.where(kept, slots, 0)
+    requests = torch.arange(path.shape[0], device=path.device)[:, None].expand_as(path)
+    return (table_slots(block_table, requests, sources, block_size).flatten(),
+            torch.where(kept, table_slots(block_table, requests, targets, block_size), scratch_slot).flatten())
 
-    def slot_of(rows: torch.Tensor) -> torch.Tensor:  # [R, P] rows of each request -> cache slots
-        return block_table.gather(1, rows // block_size).long() * block_size + rows % block_size
 
-    return slot_of(sources).flatten(), torch.where(kept, slot_of(targets), scratch_slot).flatten()
+def table_slots(block_table: torch.Tensor, requests: torch.Tensor, rows: torch.Tensor, block_size: int
+                ) -> torch.Tensor:
+    """vLLM's cache slots (block id * block_size + offset) of ``rows`` of ``requests`` (the same shape: each a
+    request's row of ``block_table [R, max blocks]``)."""
+    return block_table[requests, rows // block_size].long() * block_size + rows % block_size
+
+
+def verify_slots(layout: BatchLayout, block_table: torch.Tensor, block_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed verify pass (``pack_trees``) on a paged cache, request r through row r of ``block_table``: the
+    slot each token's keys and values are written to (``[T]``, vLLM's ``slot_mapping``) and each request's
+    sequence length once they are (``[R]``, its ``seq_lens``: its past, its root and its tree).
+
+    Worked example (block_size 4): a request owning blocks [7, 2] with past 3 verifies its root and two nodes.
+    They take rows 3, 4, 5: slots 31 (block 7, offset 3), 8 and 9 (block 2, offsets 0 and 1); its sequence
+    length is 6."""
+    sizes = layout.query_start_loc.diff()  # [R]
+    requests = torch.repeat_interleave(torch.arange(layout.requests, device=sizes.device), sizes)  # [T]
+    return (table_slots(block_table, requests, layout.kv_columns, block_size),
+            layout.kv_columns[layout.query_start_loc[1:] - 1] + 1)
 
 
 def paged_slots(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

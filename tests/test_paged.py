@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ddtree
+from ddtree.batch import pack_trees
 from tests.tiny import tiny_decoder
 
 
@@ -111,6 +112,29 @@ def test_one_batched_compaction_moves_every_request_s_rows_as_its_own_compaction
     sources, targets = ddtree.compaction_slots(block_table, past, path, length, block_size=4, scratch_slot=0)
     ddtree.move_rows(cache, ddtree.paged_slots(sources, 4), ddtree.paged_slots(targets, 4))
     assert torch.equal(cache[1:], expected[1:]) and not torch.equal(cache[1:], batch_of_requests(seed)[-1][1:])
+
+
+def test_verify_slots_of_the_worked_example():
+    layout = pack_trees([random_tree(0, budget=2)], roots=[3], pasts=[3])
+    slots, seq_lens = ddtree.verify_slots(layout, torch.tensor([[7, 2]]), block_size=4)
+    assert slots.tolist() == [31, 8, 9] and seq_lens.tolist() == [6]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_packed_verify_writes_each_request_s_tree_where_its_own_block_table_says(seed):
+    generator = torch.Generator().manual_seed(seed)
+    trees = [random_tree(seed, budget=12), random_tree(seed + 10, budget=0), random_tree(seed + 20, budget=7)]
+    pasts = [5, 0, 9]
+    block_table = torch.randperm(24, generator=generator)[:18].view(3, 6).int()  # interleaved, 6 blocks each
+    layout = pack_trees(trees, roots=[1, 2, 3], pasts=pasts)
+    slots, seq_lens = ddtree.verify_slots(layout, block_table, block_size=4)
+    for r, (tree, past) in enumerate(zip(trees, pasts)):
+        alone = pack_trees([tree], roots=[r + 1], pasts=[past])
+        own, own_length = ddtree.verify_slots(alone, block_table[r : r + 1], block_size=4)
+        assert torch.equal(slots[layout.query_start_loc[r] : layout.query_start_loc[r + 1]], own)
+        assert int(seq_lens[r]) == int(own_length[0]) == past + tree.size + 1
+        assert set((own // 4).tolist()) <= set(block_table[r].tolist())  # its own blocks only
+    assert slots.unique().numel() == slots.numel()  # no two tokens share a slot
 
 
 def test_tapped_hidden_state_indices_are_the_tapped_layers_outputs():
