@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.batch import BatchLayout
+from ddtree.fixed import compaction_rows
 
 
 def query_bias(visible: torch.Tensor) -> torch.Tensor:
@@ -46,10 +47,9 @@ def compaction_slots(block_table: torch.Tensor, past: torch.Tensor, path: torch.
     Worked example (block_size 4): a request owning blocks [7, 2] with past 3 accepted its root and node 2.
     The root stays in row 3 (block 7, offset 3: slot 31 onto itself); node 2, row 5 (block 2, offset 1: slot 9),
     moves to row 4 (slot 8)."""
-    slots = torch.arange(path.shape[-1], device=path.device)  # [P]
-    kept = slots < length[:, None]  # [R, P]
-    sources = past[:, None] + torch.where(kept, path, 0)
-    targets = past[:, None] + torch.where(kept, slots, 0)
+    kept = torch.arange(path.shape[-1], device=path.device) < length[:, None]  # [R, P]
+    # the rows each request's moves read and write (a padding move: its root onto row 0, which the slot replaces)
+    sources, targets = compaction_rows(past, torch.where(kept, path, 0), length, scratch=0)
     requests = torch.arange(path.shape[0], device=path.device)[:, None].expand_as(path)
     return (table_slots(block_table, requests, sources, block_size).flatten(),
             torch.where(kept, table_slots(block_table, requests, targets, block_size), scratch_slot).flatten())
