@@ -5,15 +5,16 @@ time per output token and time to first token, per method and concurrency, batch
         --concurrency 1,2,4,8 --methods ar,dflash,ddtree@auto --modes batched,one-at-a-time --rounds 2 \\
         --out benchmarks/serve/cpu-serve.json
 
-For each mode it starts ``python -m engine.tools.serve`` (``--one-at-a-time`` for that mode) on a free port, warms
-every method up, then for each concurrency C and each method sends every prompt once, C clients at a time, each
-streamed and greedy. With ``--rounds N`` it does so N times, the methods in the opposite order every other round,
-so that a machine whose speed drifts during the run favours no method; a method's rate at C is the median of its
-rounds' (each round's is kept), its times to first token and per output token are over every round's requests.
-A request's time to first token is from its send to its first text; its time per output token is the rest of
-its time over the rest of its tokens; the aggregate rate is every completion token over the wall time of the
-whole set. Every text is held to the prompt's text alone through AR (the one-at-a-time server's AR at
-concurrency 1, or the batched AR at 1 if that mode is not run).
+It starts ``python -m engine.tools.serve`` for each mode (``--one-at-a-time`` for that mode) on a free port, all at
+once (an idle server costs memory, not time), warms every method up, then for each concurrency C, each mode and each
+method sends every prompt once, C clients at a time, each streamed and greedy. With ``--rounds N`` it does so N
+times, the modes and methods in the opposite order every other round, so that a machine whose speed drifts during
+the run favours no method and no mode; a method's rate at C is the median of its rounds' (each round's is kept), its
+times to first token and per output token are over every round's requests. A request's time to first token is from
+its send to its first text; its time per output token is the rest of its time over the rest of its tokens; the
+aggregate rate is every completion token over the wall time of the whole set. Every text is held to the prompt's
+text alone through AR (the one-at-a-time server's AR at concurrency 1, or the batched AR at 1 if that mode is not
+run).
 """
 
 from __future__ import annotations
@@ -205,26 +206,31 @@ def main(args: argparse.Namespace) -> int:
         raise EngineError(f"unknown method labels {unknown} or modes {modes}: methods ar, dflash, ddtree@N, "
                           f"ddtree@auto; modes {', '.join(MODES)}")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    runs: list[Run] = []
+    modes = sorted(modes, key=lambda m: m != "one-at-a-time")  # the AR reference first, where it is run
+    served: dict[str, Served] = {}
+    measured: dict[tuple[str, str, int], list[Run]] = {}
     reference: dict[str, str] | None = None
-    for mode in sorted(modes, key=lambda m: m != "one-at-a-time"):  # the AR reference first, where it is run
-        served = Served(mode, args.server_args.split())
-        try:
+    try:
+        for mode in modes:
+            served[mode] = Served(mode, args.server_args.split())
             for label in labels:  # warm-up: the first run of each method pays for what it builds
-                ask(served.url, prompts[0], label, 8)
-            measured: dict[tuple[str, int], list[Run]] = {}
-            for round_index in range(args.rounds):
-                for concurrency in concurrencies:
-                    for label in labels if round_index % 2 == 0 else labels[::-1]:
-                        run = measure(served.url, prompts, label, concurrency, args.max_tokens, mode, reference)
+                ask(served[mode].url, prompts[0], label, 8)
+        for round_index in range(args.rounds):
+            flip = round_index % 2 == 1
+            for concurrency in concurrencies:
+                for mode in modes[::-1] if flip else modes:
+                    for label in labels[::-1] if flip else labels:
+                        run = measure(served[mode].url, prompts, label, concurrency, args.max_tokens, mode, reference)
                         if reference is None and label.is_baseline and concurrency == 1:
                             reference = {a["prompt_id"]: a["text"] for a in run.answers}
                             run = Run(**(asdict(run) | {"identical": f"{len(prompts)}/{len(prompts)} (the reference)"}))
-                        measured.setdefault((label.text, concurrency), []).append(run)
+                        measured.setdefault((mode, label.text, concurrency), []).append(run)
                         print(f"round {round_index + 1}: " + table([run]).splitlines()[-1], flush=True)
-            runs += [merged(measured[(label.text, concurrency)]) for label in labels for concurrency in concurrencies]
-        finally:
-            served.close()
+    finally:
+        for server in served.values():
+            server.close()
+    runs = [merged(measured[(mode, label.text, concurrency)])
+            for mode in modes for label in labels for concurrency in concurrencies]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"kind": "serve", "command": " ".join(sys.argv),
                                     "config": {"prompts": args.prompts, "count": len(prompts),
