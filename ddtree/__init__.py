@@ -13,6 +13,7 @@ from ddtree.paged import (
     paged_slots,
     query_bias,
     table_slots,
+    verify_paths,
     verify_slots,
 )
 from ddtree.tree import DraftTree, build_tree, chain_tree
@@ -43,5 +44,6 @@ __all__ = [
     "query_bias",
     "sample_tokens",
     "table_slots",
+    "verify_paths",
     "verify_slots",
 ]

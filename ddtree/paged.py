@@ -13,6 +13,7 @@ import torch
 
 from ddtree.batch import BatchLayout
 from ddtree.fixed import compaction_rows
+from ddtree.forks import depths, path_table
 
 
 def query_bias(visible: torch.Tensor) -> torch.Tensor:
@@ -75,6 +76,27 @@ def verify_slots(layout: BatchLayout, block_table: torch.Tensor, block_size: int
     requests = torch.repeat_interleave(torch.arange(layout.requests, device=sizes.device), sizes)  # [T]
     return (table_slots(block_table, requests, layout.kv_columns, block_size),
             layout.kv_columns[layout.query_start_loc[1:] - 1] + 1)
+
+
+def verify_paths(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed verify pass's trees as path attention reads them (``engine.on_vllm.path_attention``): each token's
+    ancestor at every depth, named by its index in its own request's tree (``ddtree.forks.path_table``; columns past
+    a token's depth repeat it), ``[T, longest tree]`` int32, and each token's depth, ``[T]`` int32.
+
+    Worked example: a request whose root has a child 1, and 1 a child 2; then a request of its root alone::
+
+        table = [[0, 0, 0], [0, 1, 1], [0, 1, 2],  [0, 0, 0]]    depth = [0, 1, 2,  0]
+    """
+    sizes = layout.query_start_loc.diff().tolist()  # [R]
+    longest = max(sizes)
+    tables, depth = [], []
+    for r, size in enumerate(sizes):
+        start = int(layout.kv_columns[layout.query_start_loc[r]])
+        visible = layout.visible[r, :size, start:start + size]  # [size, size]: ancestors and self
+        table = path_table(visible, size)
+        tables.append(torch.cat([table, table[:, -1:].expand(size, longest - size)], dim=1))
+        depth.append(depths(visible))
+    return torch.cat(tables).to(torch.int32), torch.cat(depth).to(torch.int32)
 
 
 def paged_slots(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

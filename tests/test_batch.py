@@ -17,6 +17,7 @@ from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.settings import DecodeSettings
 from engine.methods import DDTREE, DFLASH
 from engine.models.drafter import ScriptedDrafter, fresh_config
+from engine.models.paged import PagedBatchKV
 from engine.models.rows import linear_rows, run_rows
 from tests.tiny import tiny_drafter, tiny_target
 
@@ -64,11 +65,12 @@ def alone(decoder: Decoder, ids: list[int], settings: DecodeSettings):
     return decoder.run(prompt_ids=ids, settings=settings)
 
 
+@pytest.mark.parametrize("cache", ["rows", "paged"])
 @pytest.mark.parametrize("verify", ["packed", "padded"])
 @pytest.mark.parametrize("precision", ["oracle64", "oracle32"])
-def test_a_batch_of_three_methods_gives_each_request_what_it_gives_alone(request, precision, verify):
+def test_a_batch_of_three_methods_gives_each_request_what_it_gives_alone(request, precision, verify, cache):
     decoder, asked = request.getfixturevalue(precision)
-    batch = Batch(decoder, Budgeting(CHEAP_NODES), verify=verify)
+    batch = Batch(decoder, Budgeting(CHEAP_NODES), verify=verify, cache=cache)
     traces = batch.run(list(zip(asked, MIXED)))
     for ids, settings, trace in zip(asked, MIXED, traces):
         single = alone(decoder, ids, settings)
@@ -123,6 +125,59 @@ def test_the_packed_pass_scores_every_row_as_the_padded_one_does(oracle64, nodes
             torch.testing.assert_close(cache[row, :, :owned], reference[row, :, :owned], rtol=1e-10, atol=1e-10)
 
 
+def test_a_paged_cache_holds_what_the_rows_cache_holds_through_each_requests_own_blocks(oracle64):
+    """After a prefill and a verify pass of five requests, each request's rows read through its block table equal
+    its row of the rows cache; blocks are the request's own, never the scratch block."""
+    decoder, asked = oracle64
+    rows, paged = Batch(decoder, Budgeting(CHEAP_NODES)), Batch(decoder, Budgeting(CHEAP_NODES), cache="paged")
+    for batch in (rows, paged):
+        for ids, settings in zip(asked, MIXED):
+            batch.admit(ids, settings)
+        while batch.waiting:
+            batch.advance()
+    trees = [ddtree.build_tree(torch.randn(15, VOCAB).log_softmax(-1), count) for count in (3, 0, 9, 15, 1)]
+    layout = pack_trees(trees, [r.root for r in rows.requests], [r.start for r in rows.requests])
+    with torch.inference_mode():
+        logits_rows, _ = rows.verify(layout, False)
+        logits_paged, _ = paged.verify(layout, False)
+    torch.testing.assert_close(logits_paged, logits_rows, rtol=1e-10, atol=1e-10)
+    tables = paged.kv.tables
+    held = [block for blocks in tables.held for block in blocks]
+    assert len(held) == len(set(held)) and tables.scratch not in held
+    for row, (request, tree) in enumerate(zip(rows.requests, trees)):
+        owned = request.start + tree.size + 1
+        slots = tables.read_slots(torch.tensor([row]), owned)[0]
+        for layer, cache in enumerate(paged.kv.caches):
+            keys = cache[slots // tables.block_size, 0, slots % tables.block_size].transpose(0, 1)
+            values = cache[slots // tables.block_size, 1, slots % tables.block_size].transpose(0, 1)
+            torch.testing.assert_close(keys, rows.kv.keys[layer][row, :, :owned], rtol=0, atol=0)
+            torch.testing.assert_close(values, rows.kv.values[layer][row, :, :owned], rtol=0, atol=0)
+
+
+def test_block_tables_hand_blocks_out_take_them_back_and_grow_the_pool():
+    config = tiny_target(0, vocab=VOCAB).config
+    kv = PagedBatchKV.for_model(config, blocks=3, block_size=4, dtype=torch.float64, device=torch.device("cpu"))
+    tables = kv.tables
+    kv.reserve(2, 0)
+    kv.hold([0], 5)  # two blocks: the pool's two besides scratch
+    assert tables.held == [[0, 1], []] and tables.free == []
+    kv.caches[0][tables.held[0][1], 0, 0] = 7.0  # row 0's fifth cache row
+    kv.hold([1], 6)  # two more blocks: the pool doubles, the old scratch block is handed out
+    assert kv.blocks == 6 and tables.scratch == 5 and sorted(tables.held[1]) == [2, 3]
+    assert bool((kv.caches[0][1, 0, 0] == 7.0).all()), "what was cached stays where it was"
+    assert tables.table.tolist() == [[0, 1], [2, 3]]
+    kv.release(0, 1, 6)  # row 0 leaves; row 1's request takes row 0 with its own blocks
+    assert tables.held == [[2, 3], []] and tables.table.tolist() == [[2, 3], [5, 5]]
+    kv.hold([1], 4)  # a new request in row 1 gets a block row 0's request gave back
+    assert tables.held[1] == [0]
+    assert tables.read_slots(torch.tensor([1]), 9).tolist() == [[0, 1, 2, 3, 20, 21, 22, 23, 20]]
+    fixed = PagedBatchKV(kv.caches, block_size=4, grow=False)  # vLLM's pool: what it allocated, no more
+    fixed.reserve(1, 20)
+    with pytest.raises(EngineError, match="the KV cache.s 5 blocks of 4 tokens are held by the requests in flight, "
+                                          "1 more needed"):
+        fixed.reserve(2, 4)
+
+
 def test_a_few_rows_run_as_the_next_multiple_of_four_on_a_cpu_only_where_that_is_faster():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert [run_rows(rows, cpu) for rows in range(1, 14)] == [1, 4, 4, 4, 5, 8, 8, 8, 9, 12, 12, 12, 13]
@@ -140,9 +195,10 @@ def test_seeded_sampling_in_a_batch_draws_what_the_request_draws_alone(oracle64)
         assert trace.output_ids == alone(decoder, ids, settings).output_ids, settings.label
 
 
-def test_requests_join_mid_batch_and_leave_done_stopped_or_abandoned(oracle64):
+@pytest.mark.parametrize("cache", ["rows", "paged"])
+def test_requests_join_mid_batch_and_leave_done_stopped_or_abandoned(oracle64, cache):
     decoder, asked = oracle64
-    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    batch = Batch(decoder, Budgeting(CHEAP_NODES), cache=cache)
     stop_flags = {"stopped": False, "left": False}
     long_one = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=16))
     short = batch.admit(asked[1], DecodeSettings("dflash", max_new_tokens=6))
@@ -166,6 +222,10 @@ def test_requests_join_mid_batch_and_leave_done_stopped_or_abandoned(oracle64):
         assert request.trace.output_ids == alone(decoder, ids, request.settings).output_ids
     joined = {step.batch.size for step in late.trace.steps}
     assert max(joined) >= 3 and min(joined) == 1  # it ran beside others, and alone at the end
+    if cache == "paged":  # every block back in the pool, every table row empty
+        tables = batch.kv.tables
+        assert sorted(tables.free) == list(range(batch.kv.blocks - 1)) and not any(tables.held)
+        assert bool((tables.table == tables.scratch).all())
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_stepping(oracle64):

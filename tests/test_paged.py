@@ -204,3 +204,24 @@ def test_a_split_heads_drafter_drafts_the_same_block(tmp_path, monkeypatch):
         expected, got = (model(embeddings, features, torch.arange(6, 10)[None], torch.arange(6)[None])
                          for model in (drafter, split))
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+def test_a_packed_pass_names_each_tokens_ancestors_inside_its_own_requests_tree():
+    """``verify_paths``: column k of a token's row is its ancestor at depth k (node index in its own request's tree,
+    the root 0), found here by walking parent pointers; columns past its depth repeat it, out to the longest tree."""
+    trees = [random_tree(seed, budget) for seed, budget in ((1, 12), (2, 0), (3, 30), (4, 1))]
+    layout = pack_trees(trees, [5, 6, 7, 8], [40, 3, 17, 9])
+    table, depth = ddtree.verify_paths(layout)
+    longest = max(tree.size for tree in trees) + 1
+    assert table.shape == (layout.tokens, longest) and table.dtype == depth.dtype == torch.int32
+    token = 0
+    for tree in trees:
+        parents = [0, *tree.parents.tolist()]  # node i's parent (the root's: itself)
+        for node in range(tree.size + 1):
+            path = [node]
+            while path[-1] != 0:
+                path.append(parents[path[-1]])
+            path = path[::-1]  # the root first
+            assert int(depth[token]) == len(path) - 1
+            assert table[token].tolist() == path + [node] * (longest - len(path))
+            token += 1

@@ -202,6 +202,47 @@ def test_the_trace_carries_what_the_inspector_reads(studio, readable):
         assert trace.summary.new_tokens == len(trace.output_ids)
 
 
+def test_a_batch_in_the_workers_gives_every_request_its_solo_ar_output_in_float32(studio):
+    """The batched step in vLLM's workers (``engine.loop.remote_batch``): eight requests of every method on the
+    paged cache, each through its own blocks, two joining a few rounds late and one leaving mid-way; each request's
+    output is its own AR run's, its steps streamed round by round; a run of its own waits while the batch holds the
+    cache, and goes once the batch is done."""
+    texts = prompts(8)
+    ids = [studio.target.chat_ids(text) for text in texts]
+    solo = [studio.run(text, DecodeSettings("ar", NEW_TOKENS)).output_ids for text in texts]
+    kinds = [DecodeSettings("ar", NEW_TOKENS), DecodeSettings("dflash", NEW_TOKENS),
+             DecodeSettings("ddtree", NEW_TOKENS, tree_budget=16), DecodeSettings("ddtree", NEW_TOKENS, tree_budget=64),
+             DecodeSettings("ddtree", NEW_TOKENS, tree_budget="auto"), DecodeSettings("dflash", NEW_TOKENS,
+                                                                                      tree_budget="auto")]
+    batch = studio.remote_batch(studio.budgeting)
+    streamed: dict[str, int] = {}
+    left = {"gone": False}
+
+    def admit(index: int, **hooks):
+        settings, notes = studio.prepare(kinds[index % len(kinds)], len(ids[index]))
+        return batch.admit_prepared(texts[index], ids[index], settings, notes, name=f"r{index}", **hooks)
+
+    def count(trace, step):
+        streamed[trace.config.method] = streamed.get(trace.config.method, 0) + 1
+
+    requests = [admit(index, on_step=count) for index in range(5)]
+    requests.append(admit(5, should_stop=lambda: left["gone"]))
+    finished = batch.advance() + batch.advance()
+    with pytest.raises(Exception, match="the server's batch holds this worker's KV cache"):
+        studio.run(texts[0], DecodeSettings("ar", 4))
+    requests += [admit(6, on_step=count), admit(7, on_step=count)]
+    left["gone"] = True
+    while not batch.idle:
+        finished += batch.advance()
+    assert len(finished) == 8 and requests[5].trace.summary.stop_reason == "cancelled"
+    for index, request in enumerate(requests):
+        if index != 5:
+            assert request.trace.output_ids == solo[index], f"{request.trace.config.label} left its solo AR output"
+    assert sum(streamed.values()) == sum(len(r.trace.steps) for i, r in enumerate(requests) if i != 5)
+    assert max(step.batch.size for step in requests[0].trace.steps) >= 6
+    assert studio.run(texts[0], DecodeSettings("ar", 4)).summary.new_tokens == 4
+
+
 def test_bad_settings_fail_in_the_driver_and_the_engine_keeps_serving(studio):
     with pytest.raises(EngineError, match="block size 99"):
         studio.run(prompts(1)[0], DecodeSettings("dflash", 8, block_size=99))

@@ -36,7 +36,7 @@ from engine.loop.draft_pass import draft_log_probs
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import METHODS, method
-from engine.models.batched import BatchDraftContext, BatchKV, packed_pass, padded_pass
+from engine.models.batched import BatchDraftContext, packed_pass, padded_pass
 from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace
 
 PREFILL_TOKENS = 128  # prompt tokens a round prefills at most, so the running requests wait at most that long
@@ -117,12 +117,14 @@ class Batch:
     """The requests advancing together on one decoder (its target and drafter), and their caches."""
 
     @torch.inference_mode()
-    def __init__(self, decoder, budgeting: Budgeting, verify: str = "packed"):
+    def __init__(self, decoder, budgeting: Budgeting, verify: str = "packed", cache: str = "rows"):
         if not decoder.target.runs_batched:
             raise EngineError(f"{decoder.target.name} cannot verify a batch of trees in one pass (its linear "
                               "attention layers fork their state per node): serve it one request at a time")
         if verify not in ("packed", "padded"):
             raise EngineError(f"verify must be packed or padded, got {verify!r}")
+        if cache not in ("rows", "paged"):  # a target whose cache is paged (vLLM's) pages it either way
+            raise EngineError(f"cache must be rows or paged, got {cache!r}")
         self.decoder, self.budgeting, self.verify_kind = decoder, budgeting, verify
         if not budgeting.prior and decoder.drafter is not None:
             config = decoder.drafter.config
@@ -131,7 +133,7 @@ class Batch:
         target = decoder.target
         self.target, self.drafter = target, decoder.drafter
         self.clock = StageClock(target.device)
-        self.kv = BatchKV(target.config, INITIAL_ROWS, INITIAL_COLUMNS, target.dtype, target.device)
+        self.kv = target.batch_kv(INITIAL_ROWS, INITIAL_COLUMNS, paged=cache == "paged")
         self.context = (BatchDraftContext(self.drafter.config, INITIAL_ROWS, INITIAL_COLUMNS, target.device,
                                           self.drafter.dtype) if self.drafter is not None else None)
         self.waiting: list[BatchRequest] = []  # joined, prompt not yet all in the cache
@@ -174,8 +176,8 @@ class Batch:
         batch stays the rows' prefix."""
         everyone = self.requests + self.waiting
         last = max(everyone, key=lambda r: r.row)
+        self.kv.release(request.row, last.row, max(last.start, last.prefilled))
         if last is not request:
-            self.kv.move_row(last.row, request.row, max(last.start, last.prefilled))
             if self.context is not None:
                 self.context.move_row(last.row, request.row)
             last.row = request.row

@@ -76,6 +76,18 @@ class Decoder:
         if drafter is not None:
             check_drafter_fits(drafter.config, target.config)
 
+    def remote_batch(self, budgeting: Budgeting):
+        """Where the models live in other processes (the vLLM engine's workers), the batch lives there too: a
+        ``engine.loop.remote_batch.RemoteBatch`` on them. None here: the batch runs on these models
+        (``engine.loop.remote_batch.open_batch``)."""
+        return None
+
+    def remote_step_costs(self, prompts: list[list[int]], requests: tuple[int, ...], nodes: tuple[int, ...]
+                          ) -> dict | None:
+        """``engine.measure.step_cost.time_step_costs`` where the models live in other processes, as plain data
+        (``CostTiming.to_dict``); None here: it times these models."""
+        return None
+
     @property
     def step_kind(self) -> str:
         """How greedy steps run: "fixed" (device programs, ``engine.loop.fixed_step``), "compiled fixed"

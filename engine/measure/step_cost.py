@@ -48,6 +48,16 @@ class CostTiming:
     cost: StepCost  # the line through them
     calibration: Calibration  # what the timed DDTree steps accepted
 
+    def to_dict(self) -> dict:
+        """Plain data, as the vLLM engine's workers send it back."""
+        return {"shapes": [asdict(shape) for shape in self.shapes], "cost": asdict(self.cost),
+                "calibration": self.calibration.to_dict()}
+
+    @staticmethod
+    def from_dict(data: dict) -> CostTiming:
+        return CostTiming([StepShape(**shape) for shape in data["shapes"]], StepCost(**data["cost"]),
+                          Calibration.from_dict(data["calibration"]))
+
 
 def fit(shapes: list[StepShape], grouping: tuple[int, int] = (1, 0)) -> StepCost:
     """The line through the timed steps, in two parts fitted apart, since the grid's drafted rows grow with its
@@ -93,7 +103,11 @@ def time_step_costs(decoder: Decoder, prompts: list[list[int]], requests: tuple[
                     nodes: tuple[int, ...] = GRID_NODES, steps: int = MEASURED_STEPS,
                     progress=None) -> CostTiming:
     """Each (requests, nodes) of the grid timed over ``steps`` steps after ``WARM_UP_STEPS``: the prompts are
-    cycled; every request decodes greedily well past the steps timed."""
+    cycled; every request decodes greedily well past the steps timed. Where the models live in other processes
+    (``Decoder.remote_step_costs``), they time them there (``progress`` is not reported across)."""
+    remote = decoder.remote_step_costs(prompts, requests, nodes)
+    if remote is not None:
+        return CostTiming.from_dict(remote)
     budgeting = Budgeting()
     shapes: list[StepShape] = []
     grid = [(count, per) for count in requests for per in nodes if per == 0 or decoder.drafter is not None]

@@ -110,6 +110,12 @@ class BatchKV(_Rows):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         super().__init__(text.num_hidden_layers, heads, head_dim, rows, capacity, dtype, device)
 
+    def release(self, row: int, last: int, columns: int) -> None:
+        """Row ``row``'s request leaves and the request in row ``last`` (the last in use) moves into it with its
+        ``columns`` cache columns, so the batch stays the rows' prefix."""
+        if last != row:
+            self.move_row(last, row, columns)
+
     def packed(self, layout: BatchLayout) -> _PackedWrite:
         """The cache a packed pass over ``layout`` writes into and reads (its requests' rows)."""
         self.reserve(int(layout.rows.max()) + 1, max(layout.width, int(layout.kv_columns.max()) + 1))

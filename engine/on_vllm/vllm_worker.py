@@ -41,17 +41,23 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import ddtree
+from ddtree.allocate import Calibration, StepCost
 from ddtree.fixed import compaction_rows
 from ddtree.forks import depths, path_table
 from engine.errors import EngineError
 from engine.gpu.graphs import GraphedCall, record
 from engine.gpu.kv_moves import RowMover
 from engine.gpu.profiling import profile_kernels
+from engine.loop.batch import Batch
+from engine.loop.budgeting import Budgeting
 from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.fixed_step import padded_prompt, prefill_bucket
+from engine.loop.remote_batch import BatchHost
 from engine.loop.settings import DecodeSettings
 from engine.measure.row_check import check as row_check
+from engine.measure.step_cost import time_step_costs
 from engine.models.drafter import load_drafter
+from engine.models.paged import PagedBatchKV, PagedRows
 from engine.models.target import Target, stop_token_ids
 from engine.on_vllm.path_attention import path_attention
 from engine.on_vllm.vllm_engine import MAX_PATH
@@ -68,8 +74,8 @@ BIAS_REFERENCE = os.environ.get("DDTREE_ATTENTION") == "bias"
 class TreeQueries:
     """What the attention layers of one tree verify share: the query bias, and every node's path."""
 
-    bias: torch.Tensor  # [q, q]: 0 among a node's ancestors and itself, -inf elsewhere
-    visible: torch.Tensor  # [q, q] bool: where the bias is 0
+    bias: torch.Tensor | None  # [q, q]: 0 among a node's ancestors and itself, -inf elsewhere (None: many trees)
+    visible: torch.Tensor | None  # [q, q] bool: where the bias is 0
     table: torch.Tensor  # [q, q] int32: node i's ancestor at each depth (``ddtree.forks.path_table``)
     depth: torch.Tensor  # [q] int32
 
@@ -78,6 +84,13 @@ class TreeQueries:
         visible = bias == 0
         return TreeQueries(bias, visible, path_table(visible, bias.shape[0]).to(torch.int32),
                            depths(visible).to(torch.int32))
+
+    @staticmethod
+    def packed(layout) -> TreeQueries:
+        """Many requests' trees in one pass (``ddtree.batch.BatchLayout``): path attention reads them; no one query
+        bias can say them, so the bias reference does not run them."""
+        table, depth = ddtree.verify_paths(layout)
+        return TreeQueries(None, None, table.to(layout.input_ids.device), depth.to(layout.input_ids.device))
 
 
 class _Tree:
@@ -102,6 +115,9 @@ def _unified_attention_with_tree(**settings):
                               settings["seqused_k"], settings["cu_seqlens_q"], tree.table, tree.depth,
                               settings["softmax_scale"])
     if tree is not None:
+        if tree.bias is None:
+            raise EngineError("a batch of trees verifies through path attention only: not with "
+                              "DDTREE_ATTENTION=bias, nor with attention settings it leaves out")
         settings["qq_bias"] = tree.bias
     return _unified_attention(**settings)
 
@@ -244,7 +260,6 @@ class PagedTarget(Target):
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
     runs_fixed_step = True  # a hybrid's linear layers fork and commit their states inside the step's programs too
-    runs_batched = False  # its runs are one request at a time: the batched step runs on the torch engine
 
     @property
     def config(self):
@@ -291,26 +306,35 @@ class PagedTarget(Target):
         return layers
 
     def attention_metadata(self, size: int, slots: torch.Tensor, seq_lens: torch.Tensor):
-        query_start = torch.tensor([0, size], dtype=torch.int32)
+        return self.paged_metadata(torch.tensor([0, size], dtype=torch.int32), seq_lens, self.block_table, slots)
+
+    def paged_metadata(self, query_start: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                       slots: torch.Tensor):
+        """The attention layers' metadata for a pass of requests ``query_start`` ([R + 1] int32, on the CPU)
+        delimits, each ``seq_lens`` ([R] int32) long through its row of ``block_table`` ([R, max blocks] int32),
+        the pass's tokens written at ``slots`` ([T])."""
         common = CommonAttentionMetadata(
             query_start_loc=query_start.to(self.device), query_start_loc_cpu=query_start,
-            seq_lens=seq_lens, num_reqs=1, num_actual_tokens=size, max_query_len=size,
-            max_seq_len=self.context_length, block_table_tensor=self.block_table, slot_mapping=slots,
+            seq_lens=seq_lens, num_reqs=seq_lens.numel(), num_actual_tokens=int(query_start[-1]),
+            max_query_len=int(query_start.diff().max()), max_seq_len=self.context_length,
+            block_table_tensor=block_table, slot_mapping=slots,
         )
         return self.builder.build(0, common)
 
     def run_model(self, ids, positions, metadata: dict, slots, bias, prefill: bool = False, compiled: bool = False,
-                  last: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                  last: torch.Tensor | None = None, trees: TreeQueries | None = None
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One pass of vLLM's model; ``compiled``: through torch.compile at this fixed size, unless vLLM compiled
         the model itself. (Dynamo breaks vLLM's graph at each decoder layer and stops at its recompile limit, so
         past the first layers they run eagerly: on a hybrid most of the target stays eager.) ``last``: the logits
-        of that row alone, as vLLM's own prompt pass computes them (one row through the LM head)."""
+        of that row alone, as vLLM's own prompt pass computes them (one row through the LM head). ``trees``: a
+        batch's (``TreeQueries.packed``), in place of one tree's ``bias``."""
         model = self.text_model
         if compiled and not self.vllm_compiled:
             if self.compiled_model is None:
                 self.compiled_model = torch.compile(self.text_model, dynamic=False)
             model = self.compiled_model
-        tree = _Tree.current = TreeQueries.of(bias) if bias is not None else None
+        tree = _Tree.current = TreeQueries.of(bias) if bias is not None else trees
         if self.gdn is not None and not prefill:
             size = ids.numel()
             visible = tree.visible if tree is not None else torch.ones(size, size, dtype=torch.bool, device=ids.device)
@@ -327,8 +351,43 @@ class PagedTarget(Target):
             if self.gdn is not None:
                 self.gdn.end()
 
-    def forward(self, input_ids, position_ids, cache: PagedCache, attention_bias=None, hidden_states=False,
-                last_logits=False):
+    runs_batched = property(lambda self: self.gdn is None)  # a hybrid's linear layers: one request at a time
+
+    def batch_kv(self, rows: int, columns: int, paged: bool = True) -> PagedBatchKV:
+        """A batch's cache: vLLM's own pool, each request through its own blocks (the pool's last block is the
+        batch's scratch); it holds what vLLM allocated."""
+        return PagedBatchKV(self.kv_caches, self.block_size, grow=False)
+
+    def verify_batch(self, verify_pass, kv: PagedBatchKV, layout, hidden_states: bool):
+        """A batch's trees (``ddtree.batch.BatchLayout``, on the device) in one eager pass of vLLM's model, each
+        request's nodes written after its past through its own blocks and attending through path attention.
+        Logits ``[T, vocab]`` and, if asked, the tapped layers (each ``[1, T, hidden]``)."""
+        kv.hold_layout(layout)
+        table = kv.tables.table[layout.rows]  # [R, max blocks]
+        slots, seq_lens = ddtree.verify_slots(layout, table, self.block_size)
+        metadata = self.paged_metadata(layout.query_start_loc.to(torch.int32).cpu(), seq_lens.to(torch.int32),
+                                       table, slots)
+        layers = {name: metadata for name in self.attention_names}
+        logits, taps = self.run_model(layout.input_ids.to(torch.int32), layout.position_ids, layers, slots, None,
+                                      trees=TreeQueries.packed(layout))
+        return logits, self.tapped(taps) if hidden_states else None
+
+    def prompt_chunk(self, input_ids, position_ids, chunk: PagedRows, hidden_states: bool, last_logits: bool):
+        """A batch's prompt chunk (``PagedBatchKV.prompt``): one request's tokens, causal, through its blocks."""
+        size = input_ids.shape[1]
+        seen = torch.tensor([chunk.width], dtype=torch.int32, device=self.device)
+        metadata = self.paged_metadata(torch.tensor([0, size], dtype=torch.int32), seen,
+                                       chunk.kv.tables.table[chunk.rows], chunk.slots)
+        last = torch.tensor([size - 1], device=self.device) if last_logits else None
+        logits, taps = self.run_model(input_ids[0].to(torch.int32), position_ids[0],
+                                      {name: metadata for name in self.attention_names}, chunk.slots, None,
+                                      prefill=True, last=last)
+        return logits, self.tapped(taps) if hidden_states else None
+
+    def forward(self, input_ids, position_ids, cache: PagedCache | PagedRows, attention_bias=None,
+                hidden_states=False, last_logits=False):
+        if isinstance(cache, PagedRows):
+            return self.prompt_chunk(input_ids, position_ids, cache, hidden_states, last_logits)
         size = input_ids.shape[1]
         if cache.length + size > self.capacity:
             raise EngineError(f"the vLLM KV cache holds {self.capacity} tokens; this pass needs {cache.length + size}")
@@ -481,11 +540,40 @@ class StudioWorker:
         info = DrafterInfo(drafter_name, trained=drafter is not None and not random_weights)
         self.studio = Decoder(target, drafter, info, engine="vllm", cuda_graphs=use_cuda_graphs, fixed_step=fixed_step,
                               compile_step=compile_step, timing_only=random_weights)
-        return {"context_length": target.context_length}
+        self.batch_host: BatchHost | None = None
+        return {"context_length": target.context_length, "runs_batched": target.runs_batched}
+
+    def studio_batch_open(self, budgeting: dict) -> None:
+        """A fresh batch (the driver's ``RemoteBatch``), its trees sized by the driver's step costs and calibration."""
+        if self.batch_host is not None and not self.batch_host.batch.idle:
+            raise EngineError("a batch is in flight on this worker: one batch at a time")
+        sizing = Budgeting(StepCost(**budgeting["cost"]), Calibration.from_dict(budgeting["calibration"]),
+                           budgeting["source"])
+        self.batch_host = BatchHost(Batch(self.studio, sizing))
+
+    def studio_batch(self, method: str, *args):
+        """``BatchHost.admit`` or ``BatchHost.advance`` on this worker's batch."""
+        if method not in ("admit", "advance"):
+            raise EngineError(f"a batch answers admit and advance, not {method!r}")
+        with torch.inference_mode():
+            return getattr(self.batch_host, method)(*args)
+
+    def studio_step_costs(self, prompts: list[list[int]], requests: list[int], nodes: list[int]) -> dict:
+        """``engine.measure.step_cost.time_step_costs`` on this worker's models, as plain data."""
+        self.refuse_while_batching()
+        with torch.inference_mode():
+            return time_step_costs(self.studio, prompts, tuple(requests), tuple(nodes)).to_dict()
+
+    def refuse_while_batching(self) -> None:
+        """A run of its own writes the cache rows the batch's requests hold: not while they are in flight."""
+        if self.batch_host is not None and not self.batch_host.batch.idle:
+            raise EngineError("the server's batch holds this worker's KV cache: a run of its own waits until the "
+                              "batch is idle")
 
     def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict, notes: list[str]) -> str:
         """One generation on the settings the driver prepared (``Decoder.prepare``), run as they are; returns the
         trace as JSON (rank 0's is the one the driver reads)."""
+        self.refuse_while_batching()
         decoder: Decoder = self.studio
         trace = decoder.run_prepared(prompt, prompt_ids, DecodeSettings(**settings), notes)
         decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on

@@ -1,5 +1,6 @@
 """Continuous batching on the model's queue: requests join one ``engine.loop.batch.Batch`` between its
-steps and leave it when done, stopped or abandoned, each streaming its own steps.
+steps and leave it when done, stopped or abandoned, each streaming its own steps. (The vLLM engine's batch lives
+in its workers: ``engine.loop.remote_batch.open_batch`` gives a ``RemoteBatch`` there, with the same calls.)
 
 The batch advances in rounds, each round a job on the model's ``ModelQueue`` (prefill what fits of the
 joining prompts, then one step for everyone decoding); a round that leaves work queues the next one and
@@ -20,6 +21,7 @@ from engine.errors import EngineError
 from engine.loop.batch import Batch
 from engine.loop.budgeting import Budgeting
 from engine.loop.decode import Decoder
+from engine.loop.remote_batch import RemoteBatch, open_batch
 from engine.loop.settings import DecodeSettings
 from engine.serving.model_queue import ModelQueue
 from engine.trace import Step, Trace
@@ -51,7 +53,7 @@ class Batcher:
     def __init__(self, decoder: Decoder, queue: ModelQueue, budgeting: Budgeting | None = None):
         self.decoder, self.queue = decoder, queue
         self.budgeting = budgeting or decoder.budgeting
-        self.batch: Batch | None = None  # made on the model's thread, at the first round
+        self.batch: Batch | RemoteBatch | None = None  # made on the model's thread, at the first round
         self._inbox: list[Arrival] = []
         self._futures: dict[str, Future] = {}  # by request name, for those admitted
         self._lock = threading.Lock()  # guards the inbox and ``_scheduled``; never held while waiting
@@ -107,7 +109,7 @@ class Batcher:
                 continue
             try:
                 if self.batch is None:
-                    self.batch = Batch(self.decoder, self.budgeting)
+                    self.batch = open_batch(self.decoder, self.budgeting)
                 self.batch.admit_prepared(arrival.prompt, arrival.prompt_ids, arrival.settings, arrival.notes,
                                           on_step=arrival.on_step, should_stop=arrival.should_stop, name=arrival.name)
             except EngineError as exc:  # this request alone is refused; the batch goes on

@@ -1,0 +1,127 @@
+"""A batch that lives across a process boundary (vLLM's workers hold the models): ``BatchHost`` keeps the
+``engine.loop.batch.Batch`` where the models are and answers in plain data; ``RemoteBatch`` gives the server's
+``engine.serving.batcher.Batcher`` the ``Batch`` calls it makes (``admit_prepared``, ``advance``, ``idle``) over
+any ``call(method, *args)`` that reaches a host, so that a request's steps arrive each round, as they happen
+(``open_batch``: the one the server's decoder needs).
+
+A round's report names every request that moved: its trace whole the first time (config and prefill, steps so far),
+then only its new steps, and once it is done its summary. A request whose client left is named in the next
+round's call, and the host stops it at that round, as ``Batch`` stops a request whose ``should_stop`` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+
+from engine.loop.batch import Batch, BatchRequest
+from engine.loop.budgeting import Budgeting
+from engine.loop.settings import DecodeSettings
+from engine.trace import Step, Trace
+
+Call = Callable[..., object]  # call(method name, *arguments) on the host, plain data both ways
+
+
+def open_batch(decoder, budgeting: Budgeting) -> Batch | RemoteBatch:
+    """The server's batch: on the decoder's models here, or where they live (``Decoder.remote_batch``)."""
+    return decoder.remote_batch(budgeting) or Batch(decoder, budgeting)
+
+
+class BatchHost:
+    """The side with the models: requests by name, and what each round did to them."""
+
+    def __init__(self, batch: Batch):
+        self.batch = batch
+        self.leaving: set[str] = set()
+        self.sent: dict[str, int] = {}  # steps reported so far, by request
+
+    def admit(self, name: str, prompt: str, prompt_ids: list[int], settings: dict, notes: list[str]) -> None:
+        self.batch.admit_prepared(prompt, prompt_ids, DecodeSettings(**settings), notes, name=name,
+                                  should_stop=lambda: name in self.leaving)
+
+    def advance(self, leaving: list[str]) -> dict[str, dict]:
+        """One round (``Batch.advance``) after the requests ``leaving`` are told to stop: for each request that
+        moved, ``{"trace": ...}`` the first time, then ``{"steps": [...]}``, and ``"summary"`` once done (a
+        request that left before its first token: ``{"trace": None, "summary": None}``)."""
+        self.leaving.update(leaving)
+        finished = self.batch.advance()
+        report = {request.name: self.news(request) for request in [*self.batch.requests, *finished]}
+        for request in finished:
+            self.leaving.discard(request.name)
+            self.sent.pop(request.name, None)
+        return {name: news for name, news in report.items() if news}
+
+    def news(self, request: BatchRequest) -> dict:
+        trace = request.trace
+        if trace is None:
+            return {"trace": None, "summary": None} if request.finished else {}
+        seen = self.sent.get(request.name)
+        self.sent[request.name] = len(trace.steps)
+        news = ({"trace": trace.to_dict() | {"summary": None, "token_texts": {}}} if seen is None else
+                {"steps": [asdict(step) for step in trace.steps[seen:]]} if len(trace.steps) > seen else {})
+        if trace.summary is not None:
+            news |= {"summary": asdict(trace.summary), "token_texts": trace.token_texts}
+        return news
+
+
+class RemoteRequest:
+    """A request as the driver sees it: its name, its trace so far, and its client's hooks."""
+
+    def __init__(self, name: str, on_step: Callable[[Trace, Step], None] | None,
+                 should_stop: Callable[[], bool] | None):
+        self.name, self.on_step, self.should_stop = name, on_step, should_stop
+        self.trace: Trace | None = None
+        self.head: dict | None = None  # the trace's config and prefill as the host sent them
+
+    def take(self, news: dict) -> bool:
+        """A round's news of it; whether it is done."""
+        if "trace" in news:
+            self.head = news["trace"]
+            self.trace = None if self.head is None else Trace.from_dict(self.head)
+            fresh = [] if self.trace is None else self.trace.steps
+        else:
+            fresh = Trace.from_dict(self.head | {"steps": news.get("steps", [])}).steps
+            self.trace.steps.extend(fresh)
+        if self.trace is not None and news.get("summary") is not None:
+            done = Trace.from_dict(self.head | {"steps": [], "summary": news["summary"],
+                                                "token_texts": news["token_texts"]})
+            self.trace.summary, self.trace.token_texts = done.summary, done.token_texts
+        if self.on_step is not None:
+            for step in fresh:
+                self.on_step(self.trace, step)
+        return "summary" in news
+
+
+class RemoteBatch:
+    """``Batch``'s calls for the server's ``Batcher``, on a ``BatchHost`` reached through ``call``."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.requests: dict[str, RemoteRequest] = {}
+        self._names = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.requests
+
+    def admit_prepared(self, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
+                       on_step: Callable[[Trace, Step], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None, name: str | None = None) -> RemoteRequest:
+        self._names += 1
+        name = name or f"request-{self._names}"
+        self.call("admit", name, prompt, list(prompt_ids), asdict(settings), list(notes))
+        self.requests[name] = request = RemoteRequest(name, on_step, should_stop)
+        return request
+
+    def advance(self) -> list[RemoteRequest]:
+        """One round on the host; the requests done in it, each with its trace (None: it left before its first
+        token), its streamed steps handed to ``on_step`` on the way."""
+        leaving = [name for name, request in self.requests.items()
+                   if request.should_stop is not None and request.should_stop()]
+        report = self.call("advance", leaving)
+        finished = []
+        for name, news in report.items():
+            request = self.requests[name]
+            if request.take(news):
+                finished.append(self.requests.pop(name))
+        return finished
