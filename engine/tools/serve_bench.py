@@ -40,7 +40,6 @@ from engine.tools.bench import read_prompts
 
 MODES = {"batched": [], "one-at-a-time": ["--one-at-a-time"]}
 START_S = 300
-MODEL = "smollm2"
 
 
 @dataclass(frozen=True)
@@ -72,11 +71,11 @@ def percentile(values: list[float], share: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(share * len(ordered) + 0.5) - 1))]
 
 
-def ask(url: str, prompt: dict, label: Label, max_tokens: int) -> Answer:
-    api = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+def ask(served: Served, prompt: dict, label: Label, max_tokens: int) -> Answer:
+    api = openai.OpenAI(base_url=served.url, api_key="none", max_retries=0, timeout=600)
     extra = {"method": label.method.name} | ({"tree_budget": label.budget} if label.budget is not None else {})
     sent, first, pieces, usage, ddtree = time.monotonic(), None, [], None, {}
-    stream = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt["prompt"]}],
+    stream = api.chat.completions.create(model=served.model, messages=[{"role": "user", "content": prompt["prompt"]}],
                                          max_tokens=max_tokens, temperature=0, stream=True,
                                          stream_options={"include_usage": True}, extra_body=extra)
     for chunk in stream:
@@ -119,11 +118,11 @@ def merged(rounds: list[Run]) -> Run:
                answers, [run.tokens_per_s for run in rounds])
 
 
-def measure(url: str, prompts: list[dict], label: Label, concurrency: int, max_tokens: int, mode: str,
+def measure(served: Served, prompts: list[dict], label: Label, concurrency: int, max_tokens: int, mode: str,
             reference: dict[str, str] | None) -> Run:
     began = time.monotonic()
     with ThreadPoolExecutor(concurrency) as clients:
-        answers = list(clients.map(lambda prompt: ask(url, prompt, label, max_tokens), prompts))
+        answers = list(clients.map(lambda prompt: ask(served, prompt, label, max_tokens), prompts))
     wall = time.monotonic() - began
     same = sum(reference is not None and a.text == reference[a.prompt_id] for a in answers)
     return Run(mode, label.text, concurrency, sum(a.tokens for a in answers) / wall, *latencies(answers),
@@ -157,7 +156,9 @@ class Served:
             if self.process.poll() is not None:
                 raise EngineError(f"the server ({' '.join(command)}) exited with {self.process.returncode}")
             try:
-                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
+                listed = httpx.get(f"{self.url}/models", timeout=2)
+                if listed.status_code == 200:
+                    self.model = listed.json()["data"][0]["id"]  # the name it serves its model by
                     return
             except httpx.HTTPError:
                 pass
@@ -214,13 +215,13 @@ def main(args: argparse.Namespace) -> int:
         for mode in modes:
             served[mode] = Served(mode, args.server_args.split())
             for label in labels:  # warm-up: the first run of each method pays for what it builds
-                ask(served[mode].url, prompts[0], label, 8)
+                ask(served[mode], prompts[0], label, 8)
         for round_index in range(args.rounds):
             flip = round_index % 2 == 1
             for concurrency in concurrencies:
                 for mode in modes[::-1] if flip else modes:
                     for label in labels[::-1] if flip else labels:
-                        run = measure(served[mode].url, prompts, label, concurrency, args.max_tokens, mode, reference)
+                        run = measure(served[mode], prompts, label, concurrency, args.max_tokens, mode, reference)
                         if reference is None and label.is_baseline and concurrency == 1:
                             reference = {a["prompt_id"]: a["text"] for a in run.answers}
                             run = Run(**(asdict(run) | {"identical": f"{len(prompts)}/{len(prompts)} (the reference)"}))
