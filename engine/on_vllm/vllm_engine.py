@@ -421,6 +421,49 @@ def native_generate(llm, prompt_ids: list[int], max_new_tokens: int, stop_ids: l
     return NativeRun(output_ids=list(out.token_ids), wall_s=wall, margins=gaps)
 
 
+@dataclass
+class NativeAnswer:
+    """One answer of vLLM's own engine under clients: its token ids and, on this process's monotonic clock, when
+    it was sent, when its first token came and when it ended."""
+
+    index: int  # the prompt's
+    output_ids: list[int]
+    sent: float
+    first: float | None
+    done: float
+
+
+def native_clients(llm, prompts: list[list[int]], clients: int, max_new_tokens: int,
+                   stop_ids: list[int]) -> list[NativeAnswer]:
+    """vLLM's own continuous batching under ``clients`` clients: each client sends its next prompt the moment its
+    last answer ends, so at most ``clients`` requests are in flight, as many OpenAI clients would keep them; greedy,
+    stopping where the Studio's loop stops. vLLM's engine is stepped here (``LLMEngine.step``, what
+    ``LLM.generate`` loops on), so a request joins at the next step after one ends."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_ids,
+                            ignore_eos=not stop_ids, detokenize=False)
+    engine = llm.llm_engine
+    waiting = list(enumerate(prompts))
+    sent: dict[int, float] = {}
+    first: dict[int, float] = {}
+    answers: list[NativeAnswer] = []
+    while waiting or len(sent) > len(answers):
+        while waiting and len(sent) - len(answers) < clients:
+            index, ids = waiting.pop(0)
+            engine.add_request(f"{index}", TokensPrompt(prompt_token_ids=list(ids)), params)
+            sent[index] = time.monotonic()
+        for out in engine.step():
+            now = time.monotonic()
+            index = int(out.request_id.split("-")[0])  # vLLM may add a suffix of its own
+            if out.outputs[0].token_ids:
+                first.setdefault(index, now)
+            if out.finished:
+                answers.append(NativeAnswer(index, list(out.outputs[0].token_ids), sent[index], first.get(index),
+                                            now))
+    return sorted(answers, key=lambda answer: answer.index)
+
+
 def _top2_gap(top: dict) -> float:
     values = sorted((entry.logprob for entry in top.values()), reverse=True)
     return values[0] - values[1] if len(values) > 1 else float("inf")

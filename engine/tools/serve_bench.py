@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import torch
 
 from engine.errors import EngineError, run_command
 from engine.methods import AUTO, BASELINE, Label
@@ -137,6 +138,42 @@ def latencies(answers: list[Answer]) -> tuple[float, float, float | None, float 
     return percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99)
 
 
+def measure_native(args: argparse.Namespace, prompts: list[dict], concurrencies: list[int],
+                   reference: dict[str, str] | None) -> list[Run]:
+    """vLLM's own AR and DFlash (``--native``) on the same prompts, once the Studio's servers are gone: its engine
+    in this process at its fastest settings that keep its outputs (``native_llm``), under each concurrency as many
+    clients (``native_clients``: its own continuous batching), every round."""
+    from engine.on_vllm.vllm_engine import ClientTarget, model_folder, native_clients, native_llm
+    from engine.serving.startup import add_model_arguments
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    served, _ = parser.parse_known_args(args.server_args.split())
+    target = ClientTarget("native", model_folder(served.model), torch.bfloat16, 0)  # the server's prompts and stops
+    ids = [target.chat_ids(prompt["prompt"]) for prompt in prompts]
+    stops = target.stop_ids
+    runs = []
+    for method in args.native.split(","):
+        llm = native_llm(served.model, served.dtype or "bfloat16", served.drafter if method == "dflash" else None)
+        native_clients(llm, ids[:1], 1, 8, stops)  # warm-up, untimed
+        for concurrency in concurrencies:
+            rounds = []
+            for _ in range(args.rounds):
+                began = time.monotonic()
+                answers = native_clients(llm, ids, concurrency, args.max_tokens, stops)
+                wall = time.monotonic() - began
+                as_sent = [Answer(prompts[a.index]["id"], target.decode(a.output_ids),
+                                  len(a.output_ids), a.sent, a.first, a.done, 0.0) for a in answers]
+                same = sum(reference is not None and a.text == reference[a.prompt_id] for a in as_sent)
+                rounds.append(Run("vllm", f"vllm-{method}", concurrency, sum(a.tokens for a in as_sent) / wall,
+                                  *latencies(as_sent), 0.0, f"{same}/{len(as_sent)}" if reference is not None else "-",
+                                  [asdict(a) for a in as_sent]))
+                print(table(rounds[-1:]).splitlines()[-1], flush=True)
+            runs.append(merged(rounds))
+        del llm
+    return runs
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -193,6 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default="batched,one-at-a-time", help=f"of {', '.join(MODES)}")
     parser.add_argument("--server-args", default="", help="more flags for the server (its model flags)")
     parser.add_argument("--rounds", type=int, default=1, help="times every method runs at every concurrency")
+    parser.add_argument("--native", default="", help="vLLM's own methods too, after the servers (GPU): ar, dflash")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
 
@@ -232,6 +270,8 @@ def main(args: argparse.Namespace) -> int:
             server.close()
     runs = [merged(measured[(mode, label.text, concurrency)])
             for mode in modes for label in labels for concurrency in concurrencies]
+    if args.native:
+        runs += measure_native(args, prompts, concurrencies, reference)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"kind": "serve", "command": " ".join(sys.argv),
                                     "config": {"prompts": args.prompts, "count": len(prompts),
