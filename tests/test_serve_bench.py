@@ -1,10 +1,14 @@
-"""The serve benchmark's rounds: a method's runs at one concurrency merged into one, and the report's table."""
+"""The serve benchmark's rounds: a method's runs at one concurrency merged into one, and the report's table; what
+it refuses before any server starts."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from engine.tools.serve_bench import Answer, Run, merged
+import pytest
+
+from engine.errors import EngineError
+from engine.tools.serve_bench import Answer, Run, main, merged, parse_args
 from viz.report import serve_table
 
 
@@ -28,3 +32,12 @@ def test_a_single_round_reads_as_before():
     run = merged([Run("one-at-a-time", "ar", 1, 12.5, 0, 0, 0, 0, 1.0, "-", [answer("a", 0, 0.5, 2.5)])])
     assert run.identical == "-" and run.round_tokens_per_s == [12.5]
     assert "| one-at-a-time | AR | 1 | 12.5 | 0.50 / 0.50 | 500 / 500 |" in serve_table([asdict(run)])
+
+
+@pytest.mark.parametrize("native, server_args", [("mtp", "--engine vllm"), ("dflash", "--engine vllm")])
+def test_vllms_own_methods_are_ar_and_dflash_with_the_servers_drafter(native, server_args, tmp_path):
+    """Refused before any server starts: vLLM's own DFlash needs the drafter the Studio's server runs."""
+    args = parse_args(["--native", native, "--server-args", server_args, "--out", str(tmp_path / "out.json")])
+    with pytest.raises(EngineError, match=f"--native takes ar and dflash .*got '{native}'"):
+        main(args)
+    assert not (tmp_path / "out.json").exists()

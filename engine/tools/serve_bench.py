@@ -138,12 +138,12 @@ def latencies(answers: list[Answer]) -> tuple[float, float, float | None, float 
     return percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99)
 
 
-def measure_native(args: argparse.Namespace, prompts: list[dict], concurrencies: list[int],
+def measure_native(args: argparse.Namespace, natives: list[str], prompts: list[dict], concurrencies: list[int],
                    reference: dict[str, str] | None) -> list[Run]:
     """vLLM's own AR and DFlash (``--native``) on the same prompts, once the Studio's servers are gone: its engine
     in this process at its fastest settings that keep its outputs (``native_llm``), under each concurrency as many
     clients (``native_clients``: its own continuous batching), every round."""
-    from engine.on_vllm.vllm_engine import ClientTarget, model_folder, native_clients, native_llm
+    from engine.on_vllm.vllm_engine import ClientTarget, model_folder, native_acceptance, native_clients, native_llm
     from engine.serving.startup import add_model_arguments
 
     parser = argparse.ArgumentParser()
@@ -153,20 +153,23 @@ def measure_native(args: argparse.Namespace, prompts: list[dict], concurrencies:
     ids = [target.chat_ids(prompt["prompt"]) for prompt in prompts]
     stops = target.stop_ids
     runs = []
-    for method in args.native.split(","):
+    for method in natives:
         llm = native_llm(served.model, served.dtype or "bfloat16", served.drafter if method == "dflash" else None)
         native_clients(llm, ids[:1], 1, 8, stops)  # warm-up, untimed
         for concurrency in concurrencies:
             rounds = []
             for _ in range(args.rounds):
+                drafts, accepted = native_acceptance(llm)
                 began = time.monotonic()
                 answers = native_clients(llm, ids, concurrency, args.max_tokens, stops)
                 wall = time.monotonic() - began
+                drafts, accepted = (after - before for after, before in zip(native_acceptance(llm), (drafts, accepted)))
+                tau = 1 + accepted / drafts if drafts else 1.0  # vLLM's counters: tokens a step, its own DFlash's
                 as_sent = [Answer(prompts[a.index]["id"], target.decode(a.output_ids),
                                   len(a.output_ids), a.sent, a.first, a.done, 0.0) for a in answers]
                 same = sum(reference is not None and a.text == reference[a.prompt_id] for a in as_sent)
                 rounds.append(Run("vllm", f"vllm-{method}", concurrency, sum(a.tokens for a in as_sent) / wall,
-                                  *latencies(as_sent), 0.0, f"{same}/{len(as_sent)}" if reference is not None else "-",
+                                  *latencies(as_sent), tau, f"{same}/{len(as_sent)}" if reference is not None else "-",
                                   [asdict(a) for a in as_sent]))
                 print(table(rounds[-1:]).splitlines()[-1], flush=True)
             runs.append(merged(rounds))
@@ -245,6 +248,10 @@ def main(args: argparse.Namespace) -> int:
         raise EngineError(f"unknown method labels {unknown} or modes {modes}: methods ar, dflash, ddtree@N, "
                           f"ddtree@auto; modes {', '.join(MODES)}")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    natives = [name for name in args.native.split(",") if name]
+    if set(natives) - {"ar", "dflash"} or ("dflash" in natives and "--drafter" not in args.server_args.split()):
+        raise EngineError(f"--native takes ar and dflash (vLLM's own DFlash runs the --drafter the server args "
+                          f"name), got {args.native!r}")
     modes = sorted(modes, key=lambda m: m != "one-at-a-time")  # the AR reference first, where it is run
     served: dict[str, Served] = {}
     measured: dict[tuple[str, str, int], list[Run]] = {}
@@ -270,8 +277,8 @@ def main(args: argparse.Namespace) -> int:
             server.close()
     runs = [merged(measured[(mode, label.text, concurrency)])
             for mode in modes for label in labels for concurrency in concurrencies]
-    if args.native:
-        runs += measure_native(args, prompts, concurrencies, reference)
+    if natives:
+        runs += measure_native(args, natives, prompts, concurrencies, reference)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"kind": "serve", "command": " ".join(sys.argv),
                                     "config": {"prompts": args.prompts, "count": len(prompts),
