@@ -238,6 +238,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def save(args: argparse.Namespace, prompts: list[dict], runs: list[Run]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"kind": "serve", "command": " ".join(sys.argv),
+                                    "config": {"prompts": args.prompts, "count": len(prompts),
+                                               "max_tokens": args.max_tokens, "cpu_threads": os.cpu_count(),
+                                               "baseline": BASELINE.name},
+                                    "runs": [asdict(run) for run in runs]}, indent=1))
+
+
 def main(args: argparse.Namespace) -> int:
     rows = read_prompts(args.prompts)
     prompts = rows[:: max(1, len(rows) // args.limit)][: args.limit]
@@ -277,14 +286,10 @@ def main(args: argparse.Namespace) -> int:
             server.close()
     runs = [merged(measured[(mode, label.text, concurrency)])
             for mode in modes for label in labels for concurrency in concurrencies]
+    save(args, prompts, runs)  # vLLM's own runs come after, a few minutes more: what is measured is kept
     if natives:
         runs += measure_native(args, natives, prompts, concurrencies, reference)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"kind": "serve", "command": " ".join(sys.argv),
-                                    "config": {"prompts": args.prompts, "count": len(prompts),
-                                               "max_tokens": args.max_tokens, "cpu_threads": os.cpu_count(),
-                                               "baseline": BASELINE.name},
-                                    "runs": [asdict(run) for run in runs]}, indent=1))
+        save(args, prompts, runs)
     print(table(runs))
     return 0
 
