@@ -98,18 +98,22 @@ def test_a_fixed_budget_drafts_no_deeper_than_its_tree_can_reach(oracle64):
         assert trace.output_ids == alone(decoder, ids, settings).output_ids
 
 
+def prefilled(decoder: Decoder, asked: list[list[int]], **kind) -> Batch:
+    """A batch of ``MIXED``'s requests whose prompts are all in (a step taken by those prefilled first)."""
+    batch = Batch(decoder, Budgeting(CHEAP_NODES), **kind)
+    for ids, settings in zip(asked, MIXED):
+        batch.admit(ids, settings)
+    while batch.waiting:
+        batch.advance()
+    return batch
+
+
 @pytest.mark.parametrize("nodes", [(0, 7, 15, 1, 30), (1, 0, 0, 0, 0), (0, 2, 0, 0, 0), (3, 0, 2, 0, 0)],
                          ids=["58 tokens", "6 run as 8", "7 run as 8", "10 run as 12"])
 def test_the_packed_pass_scores_every_row_as_the_padded_one_does(oracle64, nodes):
     """Every row's logits and hidden states as the padded reference gives them, with the filler tokens a CPU pass
     of a few tokens runs with (``run_rows``) writing nothing into the cache columns any request owns."""
-    decoder, asked = oracle64
-    packed, padded = Batch(decoder, Budgeting(CHEAP_NODES)), Batch(decoder, Budgeting(CHEAP_NODES), verify="padded")
-    for batch in (packed, padded):
-        for ids, settings in zip(asked, MIXED):
-            batch.admit(ids, settings)
-        while batch.waiting:
-            batch.advance()
+    packed, padded = prefilled(*oracle64), prefilled(*oracle64, verify="padded")
     trees = [ddtree.build_tree(torch.randn(15, VOCAB).log_softmax(-1), count) for count in nodes]
     layout = pack_trees(trees, [r.root for r in packed.requests], [r.start for r in packed.requests])
     assert layout.tokens == len(nodes) + sum(nodes)
@@ -128,13 +132,7 @@ def test_the_packed_pass_scores_every_row_as_the_padded_one_does(oracle64, nodes
 def test_a_paged_cache_holds_what_the_rows_cache_holds_through_each_requests_own_blocks(oracle64):
     """After a prefill and a verify pass of five requests, each request's rows read through its block table equal
     its row of the rows cache; blocks are the request's own, never the scratch block."""
-    decoder, asked = oracle64
-    rows, paged = Batch(decoder, Budgeting(CHEAP_NODES)), Batch(decoder, Budgeting(CHEAP_NODES), cache="paged")
-    for batch in (rows, paged):
-        for ids, settings in zip(asked, MIXED):
-            batch.admit(ids, settings)
-        while batch.waiting:
-            batch.advance()
+    rows, paged = prefilled(*oracle64), prefilled(*oracle64, cache="paged")
     trees = [ddtree.build_tree(torch.randn(15, VOCAB).log_softmax(-1), count) for count in (3, 0, 9, 15, 1)]
     layout = pack_trees(trees, [r.root for r in rows.requests], [r.start for r in rows.requests])
     with torch.inference_mode():
