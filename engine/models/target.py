@@ -143,7 +143,7 @@ class Target:
 
     def verify_batch(self, verify_pass, kv, layout, hidden_states: bool):
         """A batch's trees (``ddtree.batch.BatchLayout``) through one pass over the batch's cache ``kv``
-        (``engine.models.batched.BatchKV``): ``verify_pass`` is ``packed_pass`` or ``padded_pass`` there.
+        (``batch_kv``'s, rows or paged): ``verify_pass`` is ``packed_pass`` or ``padded_pass`` there.
         Logits ``[T, vocab]`` and, if asked, the hidden states (each ``[1, T, hidden]``)."""
         return verify_pass(self.model, hybrid.cache_argument(type(self.model)), kv, layout, self.dtype, hidden_states)
 
