@@ -36,10 +36,12 @@ import openai
 import torch
 
 from engine.errors import EngineError, run_command
-from engine.methods import AUTO, BASELINE, Label
+from engine.methods import AR, AUTO, BASELINE, DFLASH, METHODS, Label, Method
 from engine.tools.bench import read_prompts
+from engine.trace import NATIVE_AR, NATIVE_DFLASH
 
 MODES = {"batched": [], "one-at-a-time": ["--one-at-a-time"]}
+NATIVE_LABELS = {AR: NATIVE_AR, DFLASH: NATIVE_DFLASH}  # vLLM's own runs of a method, as the report names them
 START_S = 300
 
 
@@ -138,7 +140,7 @@ def latencies(answers: list[Answer]) -> tuple[float, float, float | None, float 
     return percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99)
 
 
-def measure_native(args: argparse.Namespace, natives: list[str], prompts: list[dict], concurrencies: list[int],
+def measure_native(args: argparse.Namespace, natives: list[Method], prompts: list[dict], concurrencies: list[int],
                    reference: dict[str, str] | None) -> list[Run]:
     """vLLM's own AR and DFlash (``--native``) on the same prompts, once the Studio's servers are gone: its engine
     in this process at its fastest settings that keep its outputs (``native_llm``), under each concurrency as many
@@ -153,8 +155,8 @@ def measure_native(args: argparse.Namespace, natives: list[str], prompts: list[d
     ids = [target.chat_ids(prompt["prompt"]) for prompt in prompts]
     stops = target.stop_ids
     runs = []
-    for method in natives:
-        llm = native_llm(served.model, served.dtype or "bfloat16", served.drafter if method == "dflash" else None)
+    for row in natives:
+        llm = native_llm(served.model, served.dtype or "bfloat16", served.drafter if row.drafts else None)
         native_clients(llm, ids[:1], 1, 8, stops)  # warm-up, untimed
         for concurrency in concurrencies:
             rounds = []
@@ -168,7 +170,7 @@ def measure_native(args: argparse.Namespace, natives: list[str], prompts: list[d
                 as_sent = [Answer(prompts[a.index]["id"], target.decode(a.output_ids),
                                   len(a.output_ids), a.sent, a.first, a.done, 0.0) for a in answers]
                 same = sum(reference is not None and a.text == reference[a.prompt_id] for a in as_sent)
-                rounds.append(Run("vllm", f"vllm-{method}", concurrency, sum(a.tokens for a in as_sent) / wall,
+                rounds.append(Run("vllm", NATIVE_LABELS[row], concurrency, sum(a.tokens for a in as_sent) / wall,
                                   *latencies(as_sent), tau, f"{same}/{len(as_sent)}" if reference is not None else "-",
                                   [asdict(a) for a in as_sent]))
                 print(table(rounds[-1:]).splitlines()[-1], flush=True)
@@ -257,8 +259,9 @@ def main(args: argparse.Namespace) -> int:
         raise EngineError(f"unknown method labels {unknown} or modes {modes}: methods ar, dflash, ddtree@N, "
                           f"ddtree@auto; modes {', '.join(MODES)}")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    natives = [name for name in args.native.split(",") if name]
-    if set(natives) - {"ar", "dflash"} or ("dflash" in natives and "--drafter" not in args.server_args.split()):
+    natives = [METHODS.get(name) for name in args.native.split(",") if name]
+    if any(row not in (AR, DFLASH) for row in natives) or (DFLASH in natives and
+                                                             "--drafter" not in args.server_args.split()):
         raise EngineError(f"--native takes ar and dflash (vLLM's own DFlash runs the --drafter the server args "
                           f"name), got {args.native!r}")
     modes = sorted(modes, key=lambda m: m != "one-at-a-time")  # the AR reference first, where it is run
