@@ -210,8 +210,8 @@ class PagedRows:
         size = self.kv.tables.block_size
         written = (key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)) if self.slots.dim() == 1 else (
             key_states.transpose(1, 2), value_states.transpose(1, 2))  # [..., heads, dim] per slot
-        blocks, offsets = self.slots // size, self.slots % size
+        blocks, offsets = ddtree.paged_slots(self.slots, size)
         cache[blocks, 0, offsets] = written[0]
         cache[blocks, 1, offsets] = written[1]
-        blocks, offsets = self.read // size, self.read % size
+        blocks, offsets = ddtree.paged_slots(self.read, size)
         return cache[blocks, 0, offsets].transpose(1, 2), cache[blocks, 1, offsets].transpose(1, 2)

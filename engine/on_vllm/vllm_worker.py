@@ -560,11 +560,11 @@ class StudioWorker:
 
     def studio_step_costs(self, prompts: list[list[int]], requests: list[int], nodes: list[int]) -> dict:
         """``engine.measure.step_cost.time_step_costs`` on this worker's models, as plain data."""
-        self.refuse_while_batching()
+        self._refuse_while_batching()
         with torch.inference_mode():
             return time_step_costs(self.studio, prompts, tuple(requests), tuple(nodes)).to_dict()
 
-    def refuse_while_batching(self) -> None:
+    def _refuse_while_batching(self) -> None:
         """A run of its own writes the cache rows the batch's requests hold: not while they are in flight."""
         if self.batch_host is not None and not self.batch_host.batch.idle:
             raise EngineError("the server's batch holds this worker's KV cache: a run of its own waits until the "
@@ -573,7 +573,7 @@ class StudioWorker:
     def studio_run(self, prompt: str, prompt_ids: list[int], settings: dict, notes: list[str]) -> str:
         """One generation on the settings the driver prepared (``Decoder.prepare``), run as they are; returns the
         trace as JSON (rank 0's is the one the driver reads)."""
-        self.refuse_while_batching()
+        self._refuse_while_batching()
         decoder: Decoder = self.studio
         trace = decoder.run_prepared(prompt, prompt_ids, DecodeSettings(**settings), notes)
         decoder.target.capture_pending()  # shapes this run met for the first time replay from the next run on
