@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 
 from engine.errors import EngineError
-from engine.tools.serve_bench import Answer, Run, main, merged, parse_args
+from engine.tools.serve_bench import Answer, Run, continued, main, merged, parse_args, save
 from viz.report import serve_table
 
 
@@ -39,5 +39,38 @@ def test_vllms_own_methods_are_ar_and_dflash_with_the_servers_drafter(native, se
     """Refused before any server starts: vLLM's own DFlash needs the drafter the Studio's server runs."""
     args = parse_args(["--native", native, "--server-args", server_args, "--out", str(tmp_path / "out.json")])
     with pytest.raises(EngineError, match=f"--native takes ar and dflash .*got '{native}'"):
+        main(args)
+    assert not (tmp_path / "out.json").exists()
+
+
+def earlier_part(tmp_path, prompt_ids: list[str], max_tokens: int = 128):
+    """A first part's results on disk: AR at 1 client (the reference) and DDTree at 2."""
+    reference = Run("batched", "ar", 1, 30.0, 0, 0, 0, 0, 1.0, "2/2 (the reference)",
+                    [asdict(Answer(pid, f"text of {pid}", 5, 0, 1, 2, 1.0)) for pid in prompt_ids])
+    tree = Run("batched", "ddtree@auto", 2, 50.0, 0, 0, 0, 0, 3.0, "2/2",
+               [asdict(Answer(pid, f"text of {pid}", 5, 0, 1, 2, 3.0)) for pid in prompt_ids])
+    path = tmp_path / "part1.json"
+    save(parse_args(["--max-tokens", str(max_tokens), "--out", str(path)]), [{"id": p} for p in prompt_ids],
+         [reference, tree])
+    return path
+
+
+def test_a_later_part_takes_the_earlier_parts_reference_and_keeps_its_runs(tmp_path):
+    path = earlier_part(tmp_path, ["p1", "p2"])
+    runs, reference = continued(path, [{"id": "p1"}, {"id": "p2"}], 128)
+    assert reference == {"p1": "text of p1", "p2": "text of p2"}
+    assert [(run.label, run.concurrency, run.tokens_per_s) for run in runs] == [("ar", 1, 30.0),
+                                                                                ("ddtree@auto", 2, 50.0)]
+
+
+@pytest.mark.parametrize("prompt_ids, max_tokens", [(["p1", "p3"], 128), (["p1", "p2"], 64)])
+def test_a_part_of_other_prompts_or_length_is_refused_before_any_server_starts(tmp_path, prompt_ids, max_tokens):
+    path = earlier_part(tmp_path, prompt_ids)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "p1", "prompt": "a"}\n{"id": "p2", "prompt": "b"}\n')
+    args = parse_args(["--prompts", str(prompts), "--limit", "2", "--max-tokens", str(max_tokens),
+                       "--continue-from", str(path), "--out", str(tmp_path / "out.json")])
+    with pytest.raises(EngineError, match=f"--continue-from .*part1.json: it ran 2 prompts at 128 tokens, not these "
+                                          f"2 at {max_tokens}"):
         main(args)
     assert not (tmp_path / "out.json").exists()

@@ -15,6 +15,10 @@ its send to its first text; its time per output token is the rest of its time ov
 aggregate rate is every completion token over the wall time of the whole set. Every text is held to the prompt's
 text alone through AR (the one-at-a-time server's AR at concurrency 1, or the batched AR at 1 if that mode is not
 run).
+
+A device whose calls are limited in time runs the set in parts on one machine: ``--continue-from`` an earlier part's
+results (same prompts, same length) takes that part's AR reference and keeps its runs in this part's results, and
+``--native-concurrency`` runs vLLM's own methods at concurrencies of their own.
 """
 
 from __future__ import annotations
@@ -179,6 +183,21 @@ def measure_native(args: argparse.Namespace, natives: list[Method], prompts: lis
     return runs
 
 
+def continued(path: Path, prompts: list[dict], max_tokens: int) -> tuple[list[Run], dict[str, str] | None]:
+    """An earlier part's runs and its AR reference (None if it ran none), refused unless it ran these prompts at
+    this length."""
+    earlier = json.loads(path.read_text())
+    ids = [prompt["id"] for prompt in prompts]
+    runs = [Run(**run) for run in earlier["runs"]]
+    ran = {tuple(a["prompt_id"] for a in run.answers) for run in runs}
+    if earlier["config"]["max_tokens"] != max_tokens or ran - {tuple(ids)}:
+        raise EngineError(f"--continue-from {path}: it ran {earlier['config']['count']} prompts at "
+                          f"{earlier['config']['max_tokens']} tokens, not these {len(ids)} at {max_tokens}")
+    reference = next(({a["prompt_id"]: a["text"] for a in run.answers} for run in runs
+                      if run.identical.endswith("(the reference)")), None)
+    return runs, reference
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -236,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server-args", default="", help="more flags for the server (its model flags)")
     parser.add_argument("--rounds", type=int, default=1, help="times every method runs at every concurrency")
     parser.add_argument("--native", default="", help="vLLM's own methods too, after the servers (GPU): ar, dflash")
+    parser.add_argument("--native-concurrency", default="", help="concurrencies of vLLM's own runs (default: "
+                        "--concurrency's)")
+    parser.add_argument("--continue-from", type=Path, help="an earlier part's results: its AR reference, its runs kept")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
 
@@ -267,7 +289,7 @@ def main(args: argparse.Namespace) -> int:
     modes = sorted(modes, key=lambda m: m != "one-at-a-time")  # the AR reference first, where it is run
     served: dict[str, Served] = {}
     measured: dict[tuple[str, str, int], list[Run]] = {}
-    reference: dict[str, str] | None = None
+    earlier, reference = continued(args.continue_from, prompts, args.max_tokens) if args.continue_from else ([], None)
     try:
         for mode in modes:
             served[mode] = Served(mode, args.server_args.split())
@@ -284,15 +306,19 @@ def main(args: argparse.Namespace) -> int:
                             run = Run(**(asdict(run) | {"identical": f"{len(prompts)}/{len(prompts)} (the reference)"}))
                         measured.setdefault((mode, label.text, concurrency), []).append(run)
                         print(f"round {round_index + 1}: " + table([run]).splitlines()[-1], flush=True)
+                        # saved as it goes: a run cut short by its time limit keeps what it measured
+                        save(args, prompts, earlier + [merged(rounds) for rounds in measured.values()])
     finally:
         for server in served.values():
             server.close()
-    runs = [merged(measured[(mode, label.text, concurrency)])
-            for mode in modes for label in labels for concurrency in concurrencies]
-    save(args, prompts, runs)  # vLLM's own runs come after, a few minutes more: what is measured is kept
+    runs = earlier + [merged(measured[(mode, label.text, concurrency)])
+                      for mode in modes for label in labels for concurrency in concurrencies]
+    save(args, prompts, runs)
     if natives:
-        runs += measure_native(args, natives, prompts, concurrencies, reference)
-        save(args, prompts, runs)
+        native_concurrencies = [int(c) for c in (args.native_concurrency or args.concurrency).split(",")]
+        for native in natives:  # each saved as it ends: vLLM's start-up is the slow part
+            runs += measure_native(args, [native], prompts, native_concurrencies, reference)
+            save(args, prompts, runs)
     print(table(runs))
     return 0
 
