@@ -5,8 +5,9 @@ best-first tree. A node's worth is the tokens it is expected to add: the probabi
 accepts it, which is the drafter's path probability to it as calibrated against what the target really
 accepted, apart for the drafter's first-choice path and the rest of a tree (``Calibration``). A step's
 time follows ``StepCost``: a fixed part, each request's root row, each node, each request the drafter
-drafts for and each slot it drafts (a row of its lm_head), and the drafter's pass itself where any
-request drafts.
+drafts for and each slot it drafts (a row of its lm_head), the drafter's pass itself where any
+request drafts, and what a pass that verifies any node costs beyond its rows (its tree's mask over every
+request's context, where a pass of roots alone reads one row each).
 The batch's tokens per second is therefore
 
     (requests + the worth of every node verified) / StepCost.seconds(requests, nodes, drafts, draft_rows)
@@ -43,6 +44,8 @@ class StepCost:
     per_draft_s: float  # each request the drafter drafts a block for
     draft_pass_s: float = 0.0  # a step that drafts at all: the drafter's weights and lm_head read once a pass
     per_draft_row_s: float = 0.0  # each slot drafted (a request's block as deep as the pass goes): its lm_head row
+    tree_step_s: float = 0.0  # a step that verifies any node, beyond its rows ...
+    per_tree_request_s: float = 0.0  # ... and each of its requests: attention under a tree mask over its context
     row_group: int = 1
     few_rows: int = 0
 
@@ -52,9 +55,12 @@ class StepCost:
 
     def seconds(self, requests: int, nodes, drafts: int, draft_rows: int = 0):
         """Seconds of a step; ``nodes`` an int, or a tensor of alternatives (the seconds of each)."""
-        run = self.run_nodes(requests, torch.as_tensor(nodes, dtype=torch.float64))
+        nodes_t = torch.as_tensor(nodes, dtype=torch.float64)
+        run = self.run_nodes(requests, nodes_t)
+        trees = (nodes_t > 0).double()  # filler rows are no tree: the knee is the nodes'
         seconds = (self.fixed_s + self.per_request_s * requests + self.per_node_s * run + self.per_draft_s * drafts
-                   + self.per_draft_row_s * draft_rows + (self.draft_pass_s if drafts else 0.0))
+                   + self.per_draft_row_s * draft_rows + (self.draft_pass_s if drafts else 0.0)
+                   + trees * (self.tree_step_s + self.per_tree_request_s * requests))
         return seconds if isinstance(nodes, torch.Tensor) else float(seconds)
 
     def before_drafting(self, margin: int) -> StepCost:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -207,12 +208,12 @@ def test_the_layout_of_the_worked_example():
     assert layout.visible[1].long().tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]] * 3
 
 
-def test_the_step_cost_fit_finds_the_line_through_each_shapes_median_step_and_counts_filler_rows():
+def test_the_step_cost_fit_finds_the_line_through_each_shapes_median_step_its_tree_knee_and_filler_rows():
     from engine.loop.batch import StepShape
     from engine.measure.step_cost import GRID_NODES, fit
 
     truth = StepCost(fixed_s=0.06, per_request_s=0.005, per_node_s=0.002, per_draft_s=0.003, draft_pass_s=0.02,
-                     per_draft_row_s=0.0004, row_group=4, few_rows=12)
+                     per_draft_row_s=0.0004, tree_step_s=0.015, per_tree_request_s=0.006, row_group=4, few_rows=12)
     shapes = []
     for requests, per in itertools.product((1, 2, 4, 8), GRID_NODES):
         drafts = requests if per else 0
@@ -224,7 +225,8 @@ def test_the_step_cost_fit_finds_the_line_through_each_shapes_median_step_and_co
         shapes.append(StepShape(requests, requests * per, drafts, rows, seconds * 4, drafting * 4))  # a stall
     fitted = fit(shapes, (4, 12))
     assert (fitted.row_group, fitted.few_rows) == (4, 12)
-    for name in ("fixed_s", "per_request_s", "per_node_s", "per_draft_s", "per_draft_row_s", "draft_pass_s"):
+    for name in ("fixed_s", "per_request_s", "per_node_s", "per_draft_s", "per_draft_row_s", "draft_pass_s",
+                 "tree_step_s", "per_tree_request_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02, abs=2e-4), name
 
 
@@ -240,3 +242,19 @@ def test_before_drafting_a_node_brings_its_drafted_row_and_a_draft_its_margin():
     dear = StepCost(fixed_s=0.05, per_request_s=0.003, per_node_s=0.002, per_draft_s=0.002, per_draft_row_s=0.02)
     cheap = allocate([Offer(worth, 6)], cost.before_drafting(2), 1, 1).nodes[0]
     assert allocate([Offer(worth, 6)], dear.before_drafting(2), 1, 1).nodes[0] < cheap
+
+
+def test_the_knee_of_verifying_any_node_is_paid_once_a_step_and_can_keep_a_large_batch_at_ar():
+    """Nodes bought one by one each pay their row; the first also pays the step's knee (a tree mask over every
+    request's context), so a batch whose knee outweighs what its best nodes earn verifies roots alone, where the
+    same cost without the knee buys them."""
+    knee = StepCost(fixed_s=0.06, per_request_s=0.01, per_node_s=0.002, per_draft_s=0.0, tree_step_s=0.02,
+                    per_tree_request_s=0.008)
+    flat = replace(knee, tree_step_s=0.0, per_tree_request_s=0.0)
+    assert knee.seconds(8, 0, 0) == flat.seconds(8, 0, 0)
+    assert knee.seconds(8, 1, 0) - flat.seconds(8, 1, 0) == pytest.approx(0.02 + 8 * 0.008)
+    assert knee.seconds(8, 5, 0) - knee.seconds(8, 1, 0) == pytest.approx(4 * 0.002)
+    assert knee.seconds(2, torch.tensor([0.0, 2.0]), 0).tolist() == pytest.approx([0.08, 0.08 + 0.004 + 0.036])
+    offers = [Offer((0.5, 0.3), 2) for _ in range(8)]
+    assert allocate(offers, knee, 8, 0).nodes == (0,) * 8
+    assert sum(allocate(offers, flat, 8, 0).nodes) > 0

@@ -34,6 +34,9 @@ GRID_NODES = (0, 2, 8, 32)
 QUICK_REQUESTS, QUICK_NODES = (1, 4), (0, 2, 16)  # what a start-up with no record times
 MEASURED_STEPS = 10
 WARM_UP_STEPS = 2
+# tokens each request decodes before its steps are timed: a served request's context is its prompt and half its
+# answer on average, and a step's cost grows with its requests' contexts (a verified node's more than a root's)
+GROWN_TOKENS = 48
 BATCHED = "batched"  # the step kind step costs are recorded under
 
 
@@ -62,7 +65,8 @@ class CostTiming:
 def fit(shapes: list[StepShape], grouping: tuple[int, int] = (1, 0)) -> StepCost:
     """The line through the timed steps, in two parts fitted apart, since the grid's drafted rows grow with its
     nodes: the drafter's stage on (whether it drafts, drafts, drafted rows), over the steps that draft; the rest of
-    the step on (1, requests, nodes as the pass runs them: ``grouping``, the device's ``row_grouping``). Each is
+    the step on (1, requests, nodes as the pass runs them: ``grouping``, the device's ``row_grouping``, and where
+    it verifies any node 1 and requests again: the knee a tree's mask makes). Each is
     least squares through the median step of each shape (a step the machine stalled does not tilt the line), each
     weighed by one over its time so that a small batch's step is fitted as closely as a large one's (the
     allocation's choices turn on ratios); a term that comes out negative (noise, or a grid that cannot tell it
@@ -76,7 +80,9 @@ def fit(shapes: list[StepShape], grouping: tuple[int, int] = (1, 0)) -> StepCost
     fitted = least_squares(drafting, {"draft_pass_s": lambda kind: 1.0, "per_draft_s": lambda kind: kind[0],
                                       "per_draft_row_s": lambda kind: kind[1]})
     fitted |= least_squares(rest, {"fixed_s": lambda kind: 1.0, "per_request_s": lambda kind: kind[0],
-                                   "per_node_s": lambda kind: grouped_rows(sum(kind), *grouping) - kind[0]})
+                                   "per_node_s": lambda kind: grouped_rows(sum(kind), *grouping) - kind[0],
+                                   "tree_step_s": lambda kind: float(kind[1] > 0),
+                                   "per_tree_request_s": lambda kind: kind[0] * float(kind[1] > 0)})
     return StepCost(**fitted, row_group=grouping[0], few_rows=grouping[1])
 
 
@@ -102,8 +108,9 @@ def least_squares(timed: dict[tuple, list[float]], columns: dict[str, Callable[[
 def time_step_costs(decoder: Decoder, prompts: list[list[int]], requests: tuple[int, ...] = GRID_REQUESTS,
                     nodes: tuple[int, ...] = GRID_NODES, steps: int = MEASURED_STEPS,
                     progress=None) -> CostTiming:
-    """Each (requests, nodes) of the grid timed over ``steps`` steps after ``WARM_UP_STEPS``: the prompts are
-    cycled; every request decodes greedily well past the steps timed. Where the models live in other processes
+    """Each (requests, nodes) of the grid timed over ``steps`` steps once every request has decoded
+    ``GROWN_TOKENS`` and ``WARM_UP_STEPS`` more: the prompts are cycled; every request decodes greedily well past
+    the steps timed. Where the models live in other processes
     (``Decoder.remote_step_costs``), they time them there (``progress`` is not reported across)."""
     remote = decoder.remote_step_costs(prompts, requests, nodes)
     if remote is not None:
@@ -117,7 +124,7 @@ def time_step_costs(decoder: Decoder, prompts: list[list[int]], requests: tuple[
         batch = Batch(decoder, budgeting)
         for index in range(count):
             batch.admit(prompts[index % len(prompts)], settings)
-        while batch.waiting:
+        while batch.waiting or any(r.start < len(r.prompt_ids) + GROWN_TOKENS for r in batch.requests):
             batch.advance()
         start = len(batch.shapes)
         for _ in range(WARM_UP_STEPS + steps):
