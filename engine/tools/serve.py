@@ -7,7 +7,7 @@ for the Studio (``python app.py --server http://127.0.0.1:8000``).
 It loads what ``python app.py`` loads with the same flags (the bundled SmolLM2 and the shipped drafter on the CPU
 by default). Requests share decoding steps; a request's tree budget is "auto" unless it (or ``--tree-budget``)
 sets one: every step sizes each request's tree for the batch, with the step costs recorded for this kind of
-machine (``assets/batching.json``), or timed here in a few seconds at start-up where none are recorded.
+machine (``assets/batching.json``), or timed here in about half a minute at start-up where none are recorded.
 """
 
 from __future__ import annotations
