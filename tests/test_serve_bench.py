@@ -44,11 +44,12 @@ def test_vllms_own_methods_are_ar_and_dflash_with_the_servers_drafter(native, se
 
 
 def earlier_part(tmp_path, prompt_ids: list[str], max_tokens: int = 128):
-    """A first part's results on disk: AR at 1 client (the reference) and DDTree at 2."""
+    """A first part's results on disk: AR at 1 client (the reference) and DDTree at 2 over three rounds."""
     reference = Run("batched", "ar", 1, 30.0, 0, 0, 0, 0, 1.0, "2/2 (the reference)",
                     [asdict(Answer(pid, f"text of {pid}", 5, 0, 1, 2, 1.0)) for pid in prompt_ids])
-    tree = Run("batched", "ddtree@auto", 2, 50.0, 0, 0, 0, 0, 3.0, "2/2",
-               [asdict(Answer(pid, f"text of {pid}", 5, 0, 1, 2, 3.0)) for pid in prompt_ids])
+    tree = merged([Run("batched", "ddtree@auto", 2, rate, 0, 0, 0, 0, 3.0, "2/2",
+                       [asdict(Answer(pid, f"text of {pid}", 5, 0, 1, 2, 3.0)) for pid in prompt_ids])
+                   for rate in (40.0, 50.0, 60.0)])  # three rounds: every prompt's answer three times
     path = tmp_path / "part1.json"
     save(parse_args(["--max-tokens", str(max_tokens), "--out", str(path)]), [{"id": p} for p in prompt_ids],
          [reference, tree])

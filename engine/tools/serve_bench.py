@@ -187,10 +187,10 @@ def continued(path: Path, prompts: list[dict], max_tokens: int) -> tuple[list[Ru
     """An earlier part's runs and its AR reference (None if it ran none), refused unless it ran these prompts at
     this length."""
     earlier = json.loads(path.read_text())
-    ids = [prompt["id"] for prompt in prompts]
+    ids = {prompt["id"] for prompt in prompts}
     runs = [Run(**run) for run in earlier["runs"]]
-    ran = {tuple(a["prompt_id"] for a in run.answers) for run in runs}
-    if earlier["config"]["max_tokens"] != max_tokens or ran - {tuple(ids)}:
+    if earlier["config"]["max_tokens"] != max_tokens or any({a["prompt_id"] for a in run.answers} != ids
+                                                            for run in runs):
         raise EngineError(f"--continue-from {path}: it ran {earlier['config']['count']} prompts at "
                           f"{earlier['config']['max_tokens']} tokens, not these {len(ids)} at {max_tokens}")
     reference = next(({a["prompt_id"]: a["text"] for a in run.answers} for run in runs
