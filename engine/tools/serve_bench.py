@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -145,10 +146,10 @@ def latencies(answers: list[Answer]) -> tuple[float, float, float | None, float 
 
 
 def measure_native(args: argparse.Namespace, natives: list[Method], prompts: list[dict], concurrencies: list[int],
-                   reference: dict[str, str] | None) -> list[Run]:
+                   reference: dict[str, str] | None) -> Iterator[list[Run]]:
     """vLLM's own AR and DFlash (``--native``) on the same prompts, once the Studio's servers are gone: its engine
     in this process at its fastest settings that keep its outputs (``native_llm``), under each concurrency as many
-    clients (``native_clients``: its own continuous batching), every round."""
+    clients (``native_clients``: its own continuous batching), every round; each method's runs as it ends."""
     from engine.on_vllm.vllm_engine import ClientTarget, model_folder, native_acceptance, native_clients, native_llm
     from engine.serving.startup import add_model_arguments
 
@@ -158,8 +159,8 @@ def measure_native(args: argparse.Namespace, natives: list[Method], prompts: lis
     target = ClientTarget("native", model_folder(served.model), torch.bfloat16, 0)  # the server's prompts and stops
     ids = [target.chat_ids(prompt["prompt"]) for prompt in prompts]
     stops = target.stop_ids
-    runs = []
     for row in natives:
+        runs = []
         llm = native_llm(served.model, served.dtype or "bfloat16", served.drafter if row.drafts else None)
         native_clients(llm, ids[:1], 1, 8, stops)  # warm-up, untimed
         for concurrency in concurrencies:
@@ -180,7 +181,7 @@ def measure_native(args: argparse.Namespace, natives: list[Method], prompts: lis
                 print(table(rounds[-1:]).splitlines()[-1], flush=True)
             runs.append(merged(rounds))
         del llm
-    return runs
+        yield runs
 
 
 def continued(path: Path, prompts: list[dict], max_tokens: int) -> tuple[list[Run], dict[str, str] | None]:
@@ -316,9 +317,9 @@ def main(args: argparse.Namespace) -> int:
     save(args, prompts, runs)
     if natives:
         native_concurrencies = [int(c) for c in (args.native_concurrency or args.concurrency).split(",")]
-        for native in natives:  # each saved as it ends: vLLM's start-up is the slow part
-            runs += measure_native(args, [native], prompts, native_concurrencies, reference)
-            save(args, prompts, runs)
+        for native_runs in measure_native(args, natives, prompts, native_concurrencies, reference):
+            runs += native_runs
+            save(args, prompts, runs)  # each method's as it ends: vLLM's start-up is the slow part
     print(table(runs))
     return 0
 
