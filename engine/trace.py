@@ -125,6 +125,22 @@ class Step:
     committed_margins: list[float]  # target's top-1 minus top-2 logit behind each committed id
     batch: StepBatch | None = None  # the batch it ran in, when it ran in one
 
+    def plain(self) -> dict:
+        """The step as plain data for a hop between the engine's own processes (``engine.loop.remote_batch``): its
+        fields as they are, the batch a dict. Unlike ``asdict`` nothing is copied, since a recorded step is never
+        changed again."""
+        data = {name: getattr(self, name) for name in STEP_FIELDS}
+        if self.batch is not None:
+            data["batch"] = {name: getattr(self.batch, name) for name in STEP_BATCH_FIELDS}
+        return data
+
+    @staticmethod
+    def from_plain(data: dict) -> Step:
+        """``plain``'s inverse. Trusted: the engine wrote it, so unlike ``Trace.from_dict`` (which reads files a
+        person may have edited) it checks no types."""
+        batch = data.get("batch")
+        return Step(**data | {"batch": None if batch is None else StepBatch(**batch)})
+
     @property
     def acceptance_length(self) -> int:
         return len(self.committed_ids)
@@ -137,6 +153,10 @@ class Step:
     @property
     def tree_size(self) -> int:
         return len(self.tree_tokens)
+
+
+STEP_FIELDS = tuple(f.name for f in fields(Step))
+STEP_BATCH_FIELDS = tuple(f.name for f in fields(StepBatch))
 
 
 @dataclass

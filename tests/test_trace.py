@@ -14,7 +14,7 @@ from engine.loop.decode import Decoder
 from engine.loop.loading import SHIPPED_DRAFTER, display_name
 from engine.loop.settings import DecodeSettings
 from engine.models.target import BUNDLED_MODEL
-from engine.trace import SCHEMA_VERSION, Trace, TraceError, read_trace_file, write_trace_file
+from engine.trace import SCHEMA_VERSION, Step, Trace, TraceError, read_trace_file, write_trace_file
 from tests.tiny import STOP, tiny_decoder
 
 
@@ -34,6 +34,20 @@ def test_every_shape_the_studio_writes_reads_back(traces, tmp_path):
     assert read_trace_file(download) == traces
     assert read_trace_file(single) == traces[2:]
     assert read_trace_file(listed) == traces
+
+
+def test_a_step_crosses_between_processes_as_the_checked_reading_reads_it():
+    decoder = tiny_decoder()
+    traces = Batch(decoder, Budgeting()).run([([5, 6, 7], DecodeSettings("ddtree", max_new_tokens=8, tree_budget=6)),
+                                             ([9, 8], DecodeSettings("ar", max_new_tokens=4))])
+    checked = 0
+    for trace in traces:
+        for step in trace.steps:
+            sent = json.loads(json.dumps(step.plain()))  # what a worker's answer carries
+            assert Step.from_plain(sent) == step
+            assert Step.from_plain(sent) == Trace.from_dict(trace.to_dict() | {"steps": [sent]}).steps[0]
+            checked += step.batch is not None and len(step.tree_tokens) > 0
+    assert checked, "some step of a batch verified a tree"
 
 
 @pytest.mark.parametrize("nesting", ["[" * 100_000 + "]" * 100_000, '{"traces": ' * 100_000 + "1" + "}" * 100_000])

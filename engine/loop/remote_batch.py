@@ -58,7 +58,7 @@ class BatchHost:
         seen = self.sent.get(request.name)
         self.sent[request.name] = len(trace.steps)
         news = ({"trace": trace.to_dict() | {"summary": None, "token_texts": {}}} if seen is None else
-                {"steps": [asdict(step) for step in trace.steps[seen:]]} if len(trace.steps) > seen else {})
+                {"steps": [step.plain() for step in trace.steps[seen:]]} if len(trace.steps) > seen else {})
         if trace.summary is not None:
             news |= {"summary": asdict(trace.summary), "token_texts": trace.token_texts}
         return news
@@ -80,7 +80,7 @@ class RemoteRequest:
             self.trace = None if self.head is None else Trace.from_dict(self.head)
             fresh = [] if self.trace is None else self.trace.steps
         else:
-            fresh = Trace.from_dict(self.head | {"steps": news.get("steps", [])}).steps
+            fresh = [Step.from_plain(step) for step in news.get("steps", [])]
             self.trace.steps.extend(fresh)
         if self.trace is not None and news.get("summary") is not None:
             done = Trace.from_dict(self.head | {"steps": [], "summary": news["summary"],
