@@ -8,6 +8,7 @@ which KV rows to keep. A DFlash chain is the width-1 tree.
 from ddtree.cache import compact_rows, kept_rows
 from ddtree.paged import (
     compaction_moves,
+    compaction_moves_of,
     compaction_slots,
     move_rows,
     paged_slots,
@@ -35,6 +36,7 @@ __all__ = [
     "chain_tree",
     "compact_rows",
     "compaction_moves",
+    "compaction_moves_of",
     "compaction_slots",
     "compile_tree",
     "follow_tree",

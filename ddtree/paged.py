@@ -36,6 +36,18 @@ def compaction_moves(past_length: int, accepted: list[int]) -> tuple[torch.Tenso
     return past_length + path[moved], past_length + target[moved]
 
 
+def compaction_moves_of(rows: list[int], pasts: list[int], paths: list[list[int]]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``compaction_moves`` of many requests (request ``rows[i]``, ``pasts[i]`` rows before its root, accepted
+    ``paths[i]``) as one list: ``(row, source_column, target_column)`` ``[moves]`` each. E.g. rows [3, 5], pasts
+    [10, 7], paths [[0, 2], [0, 1]]: one move, row 3's column 12 to 11 (row 5's path stayed in place)."""
+    moves = [compaction_moves(past, path) for past, path in zip(pasts, paths)]
+    if not moves:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    row = torch.cat([torch.full_like(source, row) for row, (source, _) in zip(rows, moves)])
+    return row, torch.cat([source for source, _ in moves]), torch.cat([target for _, target in moves])
+
+
 def compaction_slots(block_table: torch.Tensor, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor,
                      block_size: int, scratch_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Many requests' compactions as one list of moves between cache slots (vLLM's: block id * block_size +

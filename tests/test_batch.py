@@ -17,6 +17,7 @@ from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.settings import DecodeSettings
 from engine.methods import DDTREE, DFLASH
 from engine.models.drafter import ScriptedDrafter, fresh_config
+from engine.models.batched import BatchKV
 from engine.models.paged import PagedBatchKV
 from engine.models.rows import linear_rows, run_rows
 from tests.tiny import tiny_drafter, tiny_target
@@ -174,6 +175,33 @@ def test_block_tables_hand_blocks_out_take_them_back_and_grow_the_pool():
     with pytest.raises(EngineError, match="the KV cache.s 5 blocks of 4 tokens are held by the requests in flight, "
                                           "1 more needed"):
         fixed.reserve(2, 4)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_compaction_for_the_batch_moves_each_requests_rows_as_its_own_does(paged):
+    config = tiny_target(0, vocab=VOCAB).config
+    cpu = torch.device("cpu")
+    rows, pasts, paths = [2, 0, 1], [6, 3, 9], [[0, 2, 3, 7], [0, 1], [0, 5]]  # the middle path stays in place
+    def filled():
+        kv = (PagedBatchKV.for_model(config, blocks=2, block_size=4, dtype=torch.float64, device=cpu) if paged else
+              BatchKV(config, 3, 24, torch.float64, cpu))
+        kv.reserve(3, 20)
+        torch.manual_seed(0)
+        for buffer in buffers(kv):
+            buffer.copy_(torch.randn_like(buffer))
+        return kv
+
+    def buffers(kv):
+        return kv.caches if paged else kv.keys + kv.values
+
+    together, alone = filled(), filled()
+    together.compact(rows, pasts, paths)
+    for row, past, path in zip(rows, pasts, paths):
+        alone.compact([row], [past], [path])
+    assert all(torch.equal(a, b) for a, b in zip(buffers(together), buffers(alone)))
+    assert not all(torch.equal(a, b) for a, b in zip(buffers(together), buffers(filled()))), "rows moved"
+    moved = ddtree.compaction_moves_of(rows, pasts, paths)
+    assert [t.tolist() for t in moved] == [[2, 2, 2, 1], [8, 9, 13, 14], [7, 8, 9, 10]]
 
 
 def test_a_few_rows_run_as_the_next_multiple_of_four_on_a_cpu_only_where_that_is_faster():

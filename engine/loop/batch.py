@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 import ddtree
 from ddtree.allocate import Allocation, Offer, allocate, plan_drafts
@@ -58,7 +59,7 @@ class BatchRequest(Run):
         self.start = 0  # the root's position, once the prompt is in
         self.finished: str | None = None  # the stop reason, once it has one
         self.pending_context: list[torch.Tensor] = []  # committed rows' features the drafter has not read yet
-        self.pending_positions: list[torch.Tensor] = []
+        self.pending_positions: list[range] = []  # ... and their positions
         self.expected: torch.Tensor | None = None  # what its next draft is expected to be worth, node by node
         self.reach: torch.Tensor | None = None  # [n]: at k, the depth its last candidate tree's first k + 1 nodes reach
         self.row_method = method(settings.method)
@@ -72,8 +73,8 @@ class BatchRequest(Run):
         """The features ``[c, width]`` (``width``: taps * hidden) and positions ``[c]`` of every committed row the
         drafter has not read (none just after the prompt, which it read at once)."""
         if not self.pending_context:
-            return torch.zeros(0, width, device=self.device), torch.zeros(0, dtype=torch.long, device=self.device)
-        return torch.cat(self.pending_context), torch.cat(self.pending_positions)
+            return torch.zeros(0, width, device=self.device), torch.zeros(0, dtype=torch.long)
+        return torch.cat(self.pending_context), torch.tensor([p for span in self.pending_positions for p in span])
 
     def depth_for(self, nodes: int) -> int:
         """How deep a tree of its next ``nodes`` nodes is expected to reach: as deep as its last candidate tree's first
@@ -289,13 +290,13 @@ class Batch:
         with self.clock.stage("tree_build"):
             planned, allocation = self.build(active, drafts)
         with self.clock.stage("tree_compile"):
-            layout = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active],
+            packed = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active],
                                 [r.row for r in active])
-            layout = layout.to(self.target.device)
+            layout = packed.to(self.target.device)
         with self.clock.stage("verify"):
             logits, hidden = self.verify(layout, any(r.drafts for r in active))
         with self.clock.stage("commit"):
-            outcomes = [self.commit(p, layout, index, logits, hidden) for index, p in enumerate(planned)]
+            outcomes = self.commit(planned, packed.query_start_loc.tolist(), logits, hidden)
         stage_s = self.clock.take()
         for p, outcome in zip(planned, outcomes):
             self.record(p, outcome, layout, allocation, active, t_start, stage_s)
@@ -351,11 +352,9 @@ class Batch:
         config = self.drafter.config
         width = len(config.target_layer_ids) * config.hidden_size
         features = [r.context_rows(width) for r in chosen]
-        new = max(rows.shape[0] for rows, _ in features)
-        padded = torch.zeros(len(chosen), new, width, dtype=self.target.dtype, device=device)
-        positions = torch.zeros(len(chosen), new, dtype=torch.long, device=device)
-        for i, (rows, at) in enumerate(features):
-            padded[i, : rows.shape[0]], positions[i, : rows.shape[0]] = rows, at
+        padded = pad_sequence([rows.to(self.target.dtype) for rows, _ in features], batch_first=True)  # [b, new, width]
+        positions = pad_sequence([at for _, at in features], batch_first=True).to(device)  # [b, new]
+        new = padded.shape[1]
         added = torch.tensor([rows.shape[0] for rows, _ in features], device=device)
         block = torch.full((len(chosen), block_size), self.drafter.mask_token_id, device=device)
         block[:, 0] = torch.tensor([r.root for r in chosen], device=device)
@@ -413,30 +412,46 @@ class Batch:
         verify = packed_pass if self.verify_kind == "packed" else padded_pass
         return target.verify_batch(verify, self.kv, layout, hidden_states)
 
-    def commit(self, planned: Planned, layout: BatchLayout, index: int, logits: torch.Tensor, hidden) -> Outcome:
-        """The request's walk along the target's choices, its cache and drafter context kept for the accepted
-        path, its committed tokens."""
-        request, tree = planned.request, planned.tree
-        rows = slice(int(layout.query_start_loc[index]), int(layout.query_start_loc[index + 1]))
-        own_logits = logits[rows]
-        target_tokens = ddtree.sample_tokens(own_logits, request.settings.temperature, request.generator).tolist()
-        accepted, bonus = ddtree.follow_tree(tree, target_tokens)
-        self.kv.compact(request.row, request.start, accepted)
-        self.budgeting.observe(tree, accepted)
-        if request.drafts:
-            kept = torch.tensor(accepted, device=logits.device) + rows.start
-            features = self.drafter.context_features(hidden)[0].index_select(0, kept)
-            request.pending_context.append(features)
-            request.pending_positions.append(request.start + torch.arange(len(accepted), device=logits.device))
-        path_tokens = [int(t) for t in layout.input_ids[rows][accepted[1:]].tolist()]
-        committed = request.clip(path_tokens + [bonus])
-        margins = logit_margins(own_logits.index_select(0, torch.tensor(accepted, device=logits.device)))
-        request.output_ids.extend(committed)
-        outcome = Outcome(tree, target_tokens, accepted, bonus, committed,
-                          pieces=[request.text.push(token) for token in committed], margins=margins[: len(committed)])
-        request.start += len(accepted)
-        request.root = bonus
-        return outcome
+    def commit(self, planned: list[Planned], bounds: list[int], logits: torch.Tensor, hidden) -> list[Outcome]:
+        """Each request's walk along the target's choices, its cache and drafter context kept for the accepted
+        path, its committed tokens. ``bounds``: the requests' rows in ``logits [T, vocab]`` (``query_start_loc``).
+        What the host needs of the pass is read from the device once for the whole batch, not once a request."""
+        choices = self.target_choices(planned, bounds, logits)
+        walks = [ddtree.follow_tree(p.tree, own) for p, own in zip(planned, choices)]
+        paths = [accepted for accepted, _ in walks]
+        self.kv.compact([p.request.row for p in planned], [p.request.start for p in planned], paths)
+        # [kept]: every request's accepted rows, request by request
+        kept = torch.tensor([begin + node for begin, path in zip(bounds, paths) for node in path], device=logits.device)
+        margins = logit_margins(logits.index_select(0, kept))
+        features = (self.drafter.context_features(hidden)[0].index_select(0, kept).split([len(p) for p in paths])
+                    if hidden is not None else [None] * len(paths))
+        outcomes, taken = [], 0
+        for p, own, (accepted, bonus), rows in zip(planned, choices, walks, features):
+            request, tree = p.request, p.tree
+            self.budgeting.observe(tree, accepted)
+            if request.drafts:
+                request.pending_context.append(rows)
+                request.pending_positions.append(range(request.start, request.start + len(accepted)))
+            tokens = tree.tokens.tolist()
+            committed = request.clip([tokens[node - 1] for node in accepted[1:]] + [bonus])
+            request.output_ids.extend(committed)
+            outcomes.append(Outcome(tree, own, accepted, bonus, committed,
+                                    pieces=[request.text.push(token) for token in committed],
+                                    margins=margins[taken:taken + len(committed)]))
+            taken += len(accepted)
+            request.start += len(accepted)
+            request.root = bonus
+        return outcomes
+
+    @staticmethod
+    def target_choices(planned: list[Planned], bounds: list[int], logits: torch.Tensor) -> list[list[int]]:
+        """The target's token after each node of each request's tree (its rows of ``logits``): the greedy requests'
+        read at once, a sampled request's drawn with its own generator."""
+        greedy = (ddtree.sample_tokens(logits, 0.0).tolist() if any(not p.request.settings.temperature for p in planned)
+                  else [])
+        return [ddtree.sample_tokens(logits[begin:end], p.request.settings.temperature, p.request.generator).tolist()
+                if p.request.settings.temperature else greedy[begin:end]
+                for p, begin, end in zip(planned, bounds, bounds[1:])]
 
     def record(self, planned: Planned, outcome: Outcome, layout: BatchLayout, allocation: Allocation,
                active: list[BatchRequest], t_start: float, stage_s: dict[str, float]) -> None:

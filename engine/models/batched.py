@@ -25,6 +25,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import ddtree
 from ddtree.batch import BatchLayout, layout_bias
 from engine.models.drafter import DrafterConfig, narrowed
 from engine.models.rows import run_rows
@@ -92,13 +93,16 @@ class _Rows:
             for buffer in buffers:
                 buffer[target, :, :columns] = buffer[source, :, :columns]
 
-    def compact(self, row: int, past: int, accepted: list[int]) -> None:
-        """Request ``row``'s accepted tree rows (node indices, root first) moved down to follow its past."""
-        sources = past + torch.tensor(accepted, device=self.device)
+    def compact(self, rows: list[int], pasts: list[int], paths: list[list[int]]) -> None:
+        """Each request's accepted tree rows (``paths``: node indices, root first) moved down to follow its past
+        (request ``rows[i]``, ``pasts[i]`` columns before its root): one gather and one scatter a buffer."""
+        row, source, target = ddtree.compaction_moves_of(rows, pasts, paths)
+        if not row.numel():
+            return
+        row, source, target = row.to(self.device), source.to(self.device), target.to(self.device)
         for buffers in (self.keys, self.values):
             for buffer in buffers:
-                kept = buffer[row].index_select(1, sources)  # copy before writing: the rows may overlap
-                buffer[row, :, past:past + len(accepted)] = kept
+                buffer[row, :, target] = buffer[row, :, source]  # the read is a copy: a source may be a target
 
 
 class BatchKV(_Rows):

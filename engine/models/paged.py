@@ -150,13 +150,13 @@ class PagedBatchKV:
         has, which a paged cache need not copy)."""
         self.tables.release(row, last)
 
-    def compact(self, row: int, past: int, accepted: list[int]) -> None:
-        """Request ``row``'s accepted tree rows (node indices, root first) moved down to follow its past."""
-        sources, targets = ddtree.compaction_moves(past, accepted)
-        if sources.numel():
-            rows = torch.full_like(sources, row).to(self.device)
-            self.move_rows(self.tables.slots(rows, sources.to(self.device)),
-                           self.tables.slots(rows, targets.to(self.device)))
+    def compact(self, rows: list[int], pasts: list[int], paths: list[list[int]]) -> None:
+        """Each request's accepted tree rows (``paths``: node indices, root first) moved down to follow its past
+        (request ``rows[i]``, ``pasts[i]`` columns before its root), every request's moves in one call."""
+        row, source, target = ddtree.compaction_moves_of(rows, pasts, paths)
+        if row.numel():
+            row, source, target = row.to(self.device), source.to(self.device), target.to(self.device)
+            self.move_rows(self.tables.slots(row, source), self.tables.slots(row, target))
 
     def hold_layout(self, layout: BatchLayout) -> None:
         """Blocks for every cache row a pass over ``layout`` writes (filler tokens' too)."""
