@@ -49,19 +49,19 @@ class StepCost:
     row_group: int = 1
     few_rows: int = 0
 
-    def run_nodes(self, requests: int, nodes: torch.Tensor) -> torch.Tensor:
+    def run_nodes(self, requests: int, nodes: int | torch.Tensor) -> int | torch.Tensor:
         """The nodes a step of ``requests`` roots and ``nodes`` nodes (any shape) is run with, fillers counted."""
         return grouped_rows(requests + nodes, self.row_group, self.few_rows) - requests
 
     def seconds(self, requests: int, nodes, drafts: int, draft_rows: int = 0):
         """Seconds of a step; ``nodes`` an int, or a tensor of alternatives (the seconds of each)."""
-        nodes_t = torch.as_tensor(nodes, dtype=torch.float64)
-        run = self.run_nodes(requests, nodes_t)
-        trees = (nodes_t > 0).double()  # filler rows are no tree: the knee is the nodes'
-        seconds = (self.fixed_s + self.per_request_s * requests + self.per_node_s * run + self.per_draft_s * drafts
-                   + self.per_draft_row_s * draft_rows + (self.draft_pass_s if drafts else 0.0)
-                   + trees * (self.tree_step_s + self.per_tree_request_s * requests))
-        return seconds if isinstance(nodes, torch.Tensor) else float(seconds)
+        alternatives = isinstance(nodes, torch.Tensor)  # an int is priced in plain floats: a step asks per request
+        nodes = nodes.double() if alternatives else nodes
+        run = self.run_nodes(requests, nodes)
+        trees = (nodes > 0).double() if alternatives else float(nodes > 0)  # fillers are no tree: the knee is nodes'
+        return (self.fixed_s + self.per_request_s * requests + self.per_node_s * run + self.per_draft_s * drafts
+                + self.per_draft_row_s * draft_rows + (self.draft_pass_s if drafts else 0.0)
+                + trees * (self.tree_step_s + self.per_tree_request_s * requests))
 
     def before_drafting(self, margin: int) -> StepCost:
         """The cost as a step sees it before its drafts are sized: a request drafts as deep as its nodes and
@@ -92,13 +92,17 @@ class Calibration:
     accepted: list[list[float]] = field(default_factory=lambda: [[0.0] * (len(CALIBRATION_EDGES) - 1)
                                                                  for _ in PATHS])
 
+    _rates: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # until ``observe``
+
     def rates(self) -> torch.Tensor:
         """``[paths, bins]`` acceptance rate per bin, non-decreasing along each path's bins."""
-        edges = torch.tensor(self.edges, dtype=torch.float64)
-        middle = (edges[:-1] + edges[1:]) / 2
-        verified, accepted = torch.tensor(self.verified), torch.tensor(self.accepted)
-        raw = (accepted + PRIOR_WEIGHT * middle) / (verified + PRIOR_WEIGHT)
-        return torch.cummax(raw, dim=1).values
+        if self._rates is None:
+            edges = torch.tensor(self.edges, dtype=torch.float64)
+            middle = (edges[:-1] + edges[1:]) / 2
+            verified, accepted = torch.tensor(self.verified), torch.tensor(self.accepted)
+            raw = (accepted + PRIOR_WEIGHT * middle) / (verified + PRIOR_WEIGHT)
+            self._rates = torch.cummax(raw, dim=1).values
+        return self._rates
 
     def worth(self, path_probs: torch.Tensor, first_choices: torch.Tensor) -> torch.Tensor:
         """Expected acceptance of nodes with these path probabilities, on the first-choice path or not
@@ -114,6 +118,7 @@ class Calibration:
         taken = torch.bincount(cell, weights=accepted.double(), minlength=len(PATHS) * size).view(len(PATHS), size)
         self.verified = [[a + float(b) for a, b in zip(mine, new)] for mine, new in zip(self.verified, verified)]
         self.accepted = [[a + float(b) for a, b in zip(mine, new)] for mine, new in zip(self.accepted, taken)]
+        self._rates = None
 
     def _bins(self, path_probs: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(path_probs.double(), torch.tensor(self.edges[1:-1], dtype=torch.float64), right=True)

@@ -63,10 +63,54 @@ class DraftTree:
         return DraftTree(long, long, long, real, real, long)
 
 
-def build_tree(log_probs: torch.Tensor, budget: int, width: int | None = None) -> DraftTree:
+class Drafts:
+    """Many requests' drafts ``[b, D, V]`` (one drafter pass), read to the host as their trees need them: each
+    top-k width once for every request, in one ``topk`` and one read, where a tree built from its own draft
+    reads its own (a round trip to the device each)."""
+
+    def __init__(self, log_probs: torch.Tensor):
+        self.log_probs = log_probs
+        self._top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, D, k]`` log-probabilities and tokens of every depth's ``k`` most probable, on the host."""
+        if k not in self._top:
+            values, tokens = torch.topk(self.log_probs.detach().float(), k=k, dim=-1)
+            self._top[k] = values.cpu(), tokens.cpu()
+        return self._top[k]
+
+    def rows(self) -> list[DraftRow]:
+        return [DraftRow(self, index) for index in range(self.log_probs.shape[0])]
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One request's draft of a ``Drafts``: what a tree builder reads of a ``[D, V]`` draft."""
+
+    drafts: Drafts
+    index: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.drafts.log_probs.shape[1:]
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values, tokens = self.drafts.top(k)
+        return values[self.index], tokens[self.index]
+
+
+def top_drafts(log_probs: torch.Tensor | DraftRow, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[D, k]`` log-probabilities and tokens of each depth's ``k`` most probable draft tokens: of a batch's
+    draft as read once for the batch, or of one draft ``[D, V]`` where it lies."""
+    if isinstance(log_probs, DraftRow):
+        return log_probs.top(k)
+    return torch.topk(log_probs.detach().float(), k=k, dim=-1)
+
+
+def build_tree(log_probs: torch.Tensor | DraftRow, budget: int, width: int | None = None) -> DraftTree:
     """The ``budget`` nodes of highest path probability, as a prefix-closed tree.
 
-    ``log_probs`` is ``[depth, vocab]``: one block-diffusion pass gives an independent
+    ``log_probs`` is ``[depth, vocab]`` (or a batch's ``DraftRow``): one block-diffusion pass gives an independent
     distribution per depth, so a node's path probability is the product of its
     tokens' probabilities along the path. Expanding a node pushes only its best
     child and its next sibling, so the heap holds O(budget) entries and pops nodes
@@ -80,7 +124,7 @@ def build_tree(log_probs: torch.Tensor, budget: int, width: int | None = None) -
     if budget == 0 or depth_limit == 0 or top_k == 0:
         return DraftTree.empty()
 
-    top_log_probs, top_tokens = torch.topk(log_probs.detach().float(), k=top_k, dim=-1)  # on the drafter's device
+    top_log_probs, top_tokens = top_drafts(log_probs, top_k)
     lp = top_log_probs.tolist()
     tok = top_tokens.tolist()
 

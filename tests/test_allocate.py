@@ -258,3 +258,17 @@ def test_the_knee_of_verifying_any_node_is_paid_once_a_step_and_can_keep_a_large
     offers = [Offer((0.5, 0.3), 2) for _ in range(8)]
     assert allocate(offers, knee, 8, 0).nodes == (0,) * 8
     assert sum(allocate(offers, flat, 8, 0).nodes) > 0
+
+
+def test_a_batchs_trees_observed_at_once_count_as_each_observed_alone():
+    trees = [ddtree.build_tree(torch.log_softmax(torch.randn(5, 30, generator=torch.Generator().manual_seed(seed)),
+                                                 dim=-1), budget) for seed, budget in ((1, 9), (2, 0), (3, 14))]
+    paths = [[0, 1, 3], [0], [0, 2]]
+    together, apart = Budgeting(), Budgeting()
+    together.observe(trees, paths)
+    for tree, path in zip(trees, paths):
+        apart.calibration.rates()  # read between observations: each observation makes them anew
+        apart.observe([tree], [path])
+    assert together.calibration == apart.calibration
+    assert sum(map(sum, together.calibration.verified)) == 23 and sum(map(sum, together.calibration.accepted)) == 3
+    assert torch.equal(together.calibration.rates(), apart.calibration.rates())

@@ -1,5 +1,6 @@
 """Tree construction, compilation, walking and compaction: the invariants of ddtree/."""
 
+import dataclasses
 import itertools
 import math
 
@@ -132,3 +133,19 @@ def test_sampling_is_argmax_at_zero_temperature_and_seeded_otherwise():
     a = ddtree.sample_tokens(logits, 1.0, torch.Generator().manual_seed(3))
     b = ddtree.sample_tokens(logits, 1.0, torch.Generator().manual_seed(3))
     assert a.equal(b) and a.shape == (5,)
+
+
+def test_a_batchs_drafts_read_once_build_the_trees_and_tops_each_draft_builds_alone():
+    from ddtree.tree import Drafts
+    from engine.loop.run import draft_top
+
+    generator = torch.Generator().manual_seed(3)
+    log_probs = torch.log_softmax(torch.randn(3, 6, 40, generator=generator), dim=-1)  # [b, D, V]
+    drafts = Drafts(log_probs)
+    for row, alone in zip(drafts.rows(), log_probs):
+        for budget, width in ((12, None), (6, 1), (40, None)):
+            together, apart = ddtree.build_tree(row, budget, width), ddtree.build_tree(alone, budget, width)
+            assert together.size and all(torch.equal(getattr(together, f.name), getattr(apart, f.name))
+                                         for f in dataclasses.fields(apart))
+        assert draft_top(row, 5) == draft_top(alone, 5)
+    assert sorted(drafts._top) == [1, 5, 12, 40], "one read per width, for every request at once"

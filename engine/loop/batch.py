@@ -30,6 +30,7 @@ from torch.nn.utils.rnn import pad_sequence
 import ddtree
 from ddtree.allocate import Allocation, Offer, allocate, plan_drafts
 from ddtree.batch import BatchLayout, pack_trees
+from ddtree.tree import DraftRow, Drafts
 from engine.errors import EngineError
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth, first_nodes
 from engine.loop.decode import READABLE_SAMPLING
@@ -110,7 +111,7 @@ class Planned:
     request: BatchRequest
     root: int  # the token its tree hangs below
     tree: ddtree.DraftTree
-    log_probs: torch.Tensor | None  # [D, V] its draft, or None (not drafted)
+    log_probs: DraftRow | None  # [D, V] its draft, or None (not drafted)
     reason: str
 
 
@@ -339,9 +340,9 @@ class Batch:
             depths.append(min(full, own))
         return depths
 
-    def draft(self, active: list[BatchRequest], depths: list[int]) -> dict[BatchRequest, torch.Tensor]:
+    def draft(self, active: list[BatchRequest], depths: list[int]) -> dict[BatchRequest, DraftRow]:
         """One drafter pass over the drafting requests' blocks (those with a depth): log-probabilities
-        ``[depth, vocab]`` each, to the deepest any of them drafts."""
+        ``[depth, vocab]`` each, to the deepest any of them drafts (read to the host once for them all)."""
         chosen = [r for r, depth in zip(active, depths) if depth]
         if not chosen:
             return {}
@@ -366,9 +367,9 @@ class Batch:
                                     context, added, depth=max(depths))
         for request in chosen:
             request.read_context()
-        return dict(zip(chosen, log_probs))
+        return dict(zip(chosen, Drafts(log_probs).rows()))
 
-    def build(self, active: list[BatchRequest], drafts: dict[BatchRequest, torch.Tensor]
+    def build(self, active: list[BatchRequest], drafts: dict[BatchRequest, DraftRow]
               ) -> tuple[list[Planned], Allocation]:
         """Each request's tree: its candidates (the whole tree an "auto" budget could grow, or its fixed
         budget's), then as many nodes as the allocation gives it."""
@@ -420,6 +421,7 @@ class Batch:
         walks = [ddtree.follow_tree(p.tree, own) for p, own in zip(planned, choices)]
         paths = [accepted for accepted, _ in walks]
         self.kv.compact([p.request.row for p in planned], [p.request.start for p in planned], paths)
+        self.budgeting.observe([p.tree for p in planned], paths)
         # [kept]: every request's accepted rows, request by request
         kept = torch.tensor([begin + node for begin, path in zip(bounds, paths) for node in path], device=logits.device)
         margins = logit_margins(logits.index_select(0, kept))
@@ -428,7 +430,6 @@ class Batch:
         outcomes, taken = [], 0
         for p, own, (accepted, bonus), rows in zip(planned, choices, walks, features):
             request, tree = p.request, p.tree
-            self.budgeting.observe(tree, accepted)
             if request.drafts:
                 request.pending_context.append(rows)
                 request.pending_positions.append(range(request.start, request.start + len(accepted)))
@@ -472,6 +473,6 @@ class Batch:
         request.finished = request.stop_reason()
 
 
-def drafted_rows(drafts: dict[BatchRequest, torch.Tensor]) -> int:
+def drafted_rows(drafts: dict[BatchRequest, DraftRow]) -> int:
     """The slots a step's drafter pass drafted (``drafts``: each request's ``[depth, vocab]``)."""
     return sum(log_probs.shape[0] for log_probs in drafts.values())

@@ -17,6 +17,7 @@ import torch
 
 import ddtree
 from ddtree.allocate import Calibration, Offer, StepCost, allocate, in_worth_order
+from ddtree.tree import DraftRow
 from engine.methods import Method
 
 AUTO_NODES = 64  # the most nodes an "auto" tree drafts: the candidates the allocation chooses among
@@ -65,7 +66,8 @@ class Budgeting:
         typical = self.expectation(row)
         return expected if expected is None or typical is None else torch.lerp(expected, typical, RELAX)
 
-    def candidates(self, row: Method, log_probs: torch.Tensor, budget, auto: bool) -> tuple[ddtree.DraftTree, Offer]:
+    def candidates(self, row: Method, log_probs: torch.Tensor | DraftRow, budget, auto: bool
+                   ) -> tuple[ddtree.DraftTree, Offer]:
         """The tree a request drafts from ``log_probs [D, V]`` and its offer to the allocation: every node's worth,
         best first. An "auto" one's are its ``AUTO_NODES`` candidates in order of worth (``in_worth_order``), so
         that the nodes the allocation gives it are its most valuable; a fixed budget's tree keeps its heap order."""
@@ -80,12 +82,15 @@ class Budgeting:
         tree, offer = self.candidates(row, log_probs, None, auto=True)
         return first_nodes(tree, allocate([offer], self.cost, 1, 1, log_probs.shape[0]).nodes[0])
 
-    def observe(self, tree: ddtree.DraftTree, accepted: list[int]) -> None:
-        """The verified tree's nodes and which the target accepted (node indices, root first)."""
-        if tree.size:
-            taken = torch.zeros(tree.size, dtype=torch.bool)
-            taken[torch.tensor(accepted[1:], dtype=torch.long) - 1] = True
-            self.calibration.observe(tree.path_log_probs.exp(), tree.on_first_choices(), taken)
+    def observe(self, trees: list[ddtree.DraftTree], paths: list[list[int]]) -> None:
+        """Verified trees' nodes and which the target accepted (``paths``: node indices, root first), counted at
+        once."""
+        grown = [(tree, path) for tree, path in zip(trees, paths) if tree.size]
+        if grown:
+            taken = torch.cat([torch.zeros(tree.size, dtype=torch.bool).index_fill_(
+                0, torch.tensor(path[1:], dtype=torch.long) - 1, True) for tree, path in grown])
+            self.calibration.observe(torch.cat([tree.path_log_probs for tree, _ in grown]).exp(),
+                                     torch.cat([tree.on_first_choices() for tree, _ in grown]), taken)
 
 
 def first_nodes(tree: ddtree.DraftTree, count: int) -> ddtree.DraftTree:

@@ -357,7 +357,7 @@ class ReadableRun(Run):
             target_tokens = ddtree.sample_tokens(logits, self.settings.temperature, self.generator).tolist()
             accepted, bonus = ddtree.follow_tree(tree, target_tokens)
             self.target.commit(self.cache, self.start, accepted)
-            self.budgeting.observe(tree, accepted)
+            self.budgeting.observe([tree], [accepted])
             if self.drafts:
                 kept = torch.tensor(accepted, device=self.device)
                 self.new_context = self.drafter.context_features(hidden).index_select(1, kept)

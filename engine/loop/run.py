@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 import ddtree
+from ddtree.tree import DraftRow, top_drafts
 from engine.gpu.profiling import STAGE_MARK
 from engine.methods import method
 from engine.trace import Prefill, RunConfig, Step, Trace, summarize
@@ -197,11 +198,11 @@ class Run:
 
 
 
-def draft_top(log_probs: torch.Tensor | None, k: int) -> tuple[list[list[int]], list[list[float]]]:
+def draft_top(log_probs: torch.Tensor | DraftRow | None, k: int) -> tuple[list[list[int]], list[list[float]]]:
     """The drafter's ``k`` most probable tokens per depth, and their probabilities (what a step records)."""
     if log_probs is None:
         return [], []
-    values, tokens = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+    values, tokens = top_drafts(log_probs, min(k, log_probs.shape[-1]))
     return tokens.tolist(), values.exp().tolist()
 
 
