@@ -162,8 +162,9 @@ class PagedBatchKV:
         """Blocks for every cache row a pass over ``layout`` writes (filler tokens' too)."""
         ends = torch.zeros(self.tables.table.shape[0], dtype=torch.long, device=layout.kv_rows.device)
         ends.scatter_reduce_(0, layout.kv_rows, layout.kv_columns + 1, reduce="amax")  # [rows]
+        held = ends.tolist()  # one read, not one a request
         for row in layout.rows.tolist():
-            self.hold([row], int(ends[row]))
+            self.hold([row], held[row])
 
     def packed(self, layout: BatchLayout) -> PagedRows:
         """The cache a packed pass over ``layout`` writes into (slot by token) and reads (its requests' rows)."""
