@@ -24,6 +24,7 @@ from each request's worth at its last draft.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -53,14 +54,16 @@ class StepCost:
         """The nodes a step of ``requests`` roots and ``nodes`` nodes (any shape) is run with, fillers counted."""
         return grouped_rows(requests + nodes, self.row_group, self.few_rows) - requests
 
-    def seconds(self, requests: int, nodes, drafts: int, draft_rows: int = 0):
-        """Seconds of a step; ``nodes`` an int, or a tensor of alternatives (the seconds of each)."""
+    def seconds(self, requests: int, nodes, drafts, draft_rows: int = 0):
+        """Seconds of a step; ``nodes`` an int, or a tensor of alternatives (the seconds of each, ``drafts`` an int
+        or a tensor broadcast against it)."""
         alternatives = isinstance(nodes, torch.Tensor)  # an int is priced in plain floats: a step asks per request
         nodes = nodes.double() if alternatives else nodes
         run = self.run_nodes(requests, nodes)
         trees = (nodes > 0).double() if alternatives else float(nodes > 0)  # fillers are no tree: the knee is nodes'
+        drafting = (drafts > 0).double() if isinstance(drafts, torch.Tensor) else float(drafts > 0)
         return (self.fixed_s + self.per_request_s * requests + self.per_node_s * run + self.per_draft_s * drafts
-                + self.per_draft_row_s * draft_rows + (self.draft_pass_s if drafts else 0.0)
+                + self.per_draft_row_s * draft_rows + self.draft_pass_s * drafting
                 + trees * (self.tree_step_s + self.per_tree_request_s * requests))
 
     def before_drafting(self, margin: int) -> StepCost:
@@ -229,9 +232,48 @@ def plan_drafts(offers: list[Offer | None], cost: StepCost, requests: int) -> li
     able = [r for r, offer in enumerate(offers) if offer is not None]
     ranked = sorted(able, key=lambda r: -density(offers[r]))
     best, chosen = allocate([], cost, requests, 0).tokens_per_s, 0
-    for count in range(1, len(ranked) + 1):
-        rate = allocate([offers[r] for r in ranked[:count]], cost, requests, count).tokens_per_s
+    rates = prefix_rates([offers[r] for r in ranked], cost, requests)
+    for count, rate in enumerate(rates, start=1):
         if rate > best or offers[ranked[count - 1]].fixed:
             best, chosen = max(best, rate), count
     drafted = set(ranked[:chosen])
     return [r in drafted for r in range(len(offers))]
+
+
+def prefix_rates(offers: list[Offer], cost: StepCost, requests: int) -> list[float]:
+    """The batch's tokens per second if the first c offers draft, for every c: ``allocate(offers[:c], cost,
+    requests, c).tokens_per_s`` (``prefix_rates_readable``), in one pass rather than one allocation each. A
+    prefix's free nodes, best first, are the whole list's in that order with the later offers' left out (a
+    stable sort breaks ties towards the earlier offer, as ``allocate`` does), so row c of ``[C, M + 1]`` masks the
+    later offers' nodes out of one cumulative sum and prices each count of nodes taken.
+
+    Worked example: free offers A (0.9, 0.2) and B (0.5): best first [A0.9, B0.5, A0.2]; prefix 1 takes
+    [A0.9, A0.2] (gains 0, 0.9, 0.9, 1.1 at positions 0..3, position 2 not its own), prefix 2 all three."""
+    if not offers:
+        return []
+    fixed_nodes, fixed_worth, nodes, worth_sum = [], [], 0, 0
+    worth, owner = [], []
+    for index, offer in enumerate(offers):
+        if offer.fixed:
+            nodes, worth_sum = nodes + offer.available, worth_sum + sum(offer.worth[:offer.available])
+        else:
+            worth.extend(offer.worth[:offer.available])
+            owner.extend([index] * offer.available)
+        fixed_nodes.append(nodes)
+        fixed_worth.append(worth_sum)
+    worth_t = torch.tensor(worth, dtype=torch.float64)
+    order = torch.sort(worth_t, descending=True, stable=True).indices
+    own = torch.tensor(owner, dtype=torch.long)[order][None, :] < torch.arange(1, len(offers) + 1)[:, None]  # [C, M]
+    start = torch.zeros(len(offers), 1, dtype=torch.float64)
+    gains = torch.cat([start, (worth_t[order] * own).cumsum(1)], dim=1)  # [C, M + 1]: adding a 0 changes no sum
+    taken = torch.cat([start, own.double().cumsum(1)], dim=1)  # [C, M + 1]: the nodes each position has taken
+    valid = torch.cat([torch.ones(len(offers), 1, dtype=torch.bool), own], dim=1)
+    drafts = torch.arange(1, len(offers) + 1, dtype=torch.float64)[:, None]
+    seconds = cost.seconds(requests, torch.tensor(fixed_nodes)[:, None] + taken, drafts)
+    rate = (requests + torch.tensor(fixed_worth, dtype=torch.float64)[:, None] + gains) / seconds
+    return rate.masked_fill(~valid, -math.inf).max(dim=1).values.tolist()
+
+
+def prefix_rates_readable(offers: list[Offer], cost: StepCost, requests: int) -> list[float]:
+    """``prefix_rates``' reference: an allocation for each prefix."""
+    return [allocate(offers[:count], cost, requests, count).tokens_per_s for count in range(1, len(offers) + 1)]

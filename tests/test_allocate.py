@@ -14,7 +14,16 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.allocate import Calibration, Offer, StepCost, allocate, in_worth_order, plan_drafts
+from ddtree.allocate import (
+    Calibration,
+    Offer,
+    StepCost,
+    allocate,
+    in_worth_order,
+    plan_drafts,
+    prefix_rates,
+    prefix_rates_readable,
+)
 from ddtree.batch import pack_trees
 from engine.loop.budgeting import AUTO_NODES, Budgeting
 from engine.methods import DDTREE
@@ -272,3 +281,18 @@ def test_a_batchs_trees_observed_at_once_count_as_each_observed_alone():
     assert together.calibration == apart.calibration
     assert sum(map(sum, together.calibration.verified)) == 23 and sum(map(sum, together.calibration.accepted)) == 3
     assert torch.equal(together.calibration.rates(), apart.calibration.rates())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_prefixs_rate_in_one_pass_is_each_prefixs_own_allocation(seed):
+    generator = torch.Generator().manual_seed(seed)
+    offers = []
+    for index in range(int(torch.randint(1, 12, (1,), generator=generator))):
+        size = int(torch.randint(0, 20, (1,), generator=generator))
+        worth = torch.rand(size, generator=generator, dtype=torch.float64).sort(descending=True).values
+        worth = (worth * 8).round() / 8 if index % 2 else worth  # coarse worths: ties across offers
+        offers.append(Offer(tuple(worth.tolist()), int(torch.randint(0, 24, (1,), generator=generator)),
+                            fixed=index % 4 == 3))
+    cost = StepCost(fixed_s=0.01, per_request_s=0.002, per_node_s=0.0008, per_draft_s=0.003, draft_pass_s=0.004,
+                    tree_step_s=0.002, per_tree_request_s=0.0005, row_group=4, few_rows=12)
+    assert prefix_rates(offers, cost, 12) == prefix_rates_readable(offers, cost, 12)

@@ -16,8 +16,8 @@ from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth
 from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.settings import DecodeSettings
 from engine.methods import DDTREE, DFLASH
-from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.models.batched import BatchKV
+from engine.models.drafter import ScriptedDrafter, fresh_config
 from engine.models.paged import PagedBatchKV
 from engine.models.rows import linear_rows, run_rows
 from tests.tiny import tiny_drafter, tiny_target
