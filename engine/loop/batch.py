@@ -291,13 +291,12 @@ class Batch:
         with self.clock.stage("tree_build"):
             planned, allocation = self.build(active, drafts)
         with self.clock.stage("tree_compile"):
-            packed = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active],
-                                [r.row for r in active])
-            layout = packed.to(self.target.device)
+            layout = pack_trees([p.tree for p in planned], [r.root for r in active], [r.start for r in active],
+                                [r.row for r in active])  # on the host: the target moves what its pass reads
         with self.clock.stage("verify"):
             logits, hidden = self.verify(layout, any(r.drafts for r in active))
         with self.clock.stage("commit"):
-            outcomes = self.commit(planned, packed.query_start_loc.tolist(), logits, hidden)
+            outcomes = self.commit(planned, layout.query_start_loc.tolist(), logits, hidden)
         stage_s = self.clock.take()
         for p, outcome in zip(planned, outcomes):
             self.record(p, outcome, layout, allocation, active, t_start, stage_s)

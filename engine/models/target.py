@@ -142,10 +142,11 @@ class Target:
         return BatchKV(self.config, rows, columns, self.dtype, self.device)
 
     def verify_batch(self, verify_pass, kv, layout, hidden_states: bool):
-        """A batch's trees (``ddtree.batch.BatchLayout``) through one pass over the batch's cache ``kv``
+        """A batch's trees (``ddtree.batch.BatchLayout``, on the host) through one pass over the batch's cache ``kv``
         (``batch_kv``'s, rows or paged): ``verify_pass`` is ``packed_pass`` or ``padded_pass`` there.
         Logits ``[T, vocab]`` and, if asked, the hidden states (each ``[1, T, hidden]``)."""
-        return verify_pass(self.model, hybrid.cache_argument(type(self.model)), kv, layout, self.dtype, hidden_states)
+        return verify_pass(self.model, hybrid.cache_argument(type(self.model)), kv, layout.to(self.device),
+                           self.dtype, hidden_states)
 
     def fixed_kv(self, capacity: int, compiled: bool = False):
         """The KV cache of the fixed-shape step (``engine.loop.fixed_step``): ``capacity`` rows in fixed buffers.

@@ -86,11 +86,12 @@ class TreeQueries:
                            depths(visible).to(torch.int32))
 
     @staticmethod
-    def packed(layout) -> TreeQueries:
-        """Many requests' trees in one pass (``ddtree.batch.BatchLayout``): path attention reads them; no one query
-        bias can say them, so the bias reference does not run them."""
+    def packed(layout, device: torch.device) -> TreeQueries:
+        """Many requests' trees in one pass (``ddtree.batch.BatchLayout``, on the host, where its per-request walk
+        reads nothing back from the device): path attention reads them; no one query bias can say them, so the
+        bias reference does not run them."""
         table, depth = ddtree.verify_paths(layout)
-        return TreeQueries(None, None, table.to(layout.input_ids.device), depth.to(layout.input_ids.device))
+        return TreeQueries(None, None, table.to(device), depth.to(device))
 
 
 class _Tree:
@@ -359,17 +360,19 @@ class PagedTarget(Target):
         return PagedBatchKV(self.kv_caches, self.block_size, grow=False)
 
     def verify_batch(self, verify_pass, kv: PagedBatchKV, layout, hidden_states: bool):
-        """A batch's trees (``ddtree.batch.BatchLayout``, on the device) in one eager pass of vLLM's model, each
+        """A batch's trees (``ddtree.batch.BatchLayout``, on the host) in one eager pass of vLLM's model, each
         request's nodes written after its past through its own blocks and attending through path attention.
         Logits ``[T, vocab]`` and, if asked, the tapped layers (each ``[1, T, hidden]``)."""
+        trees = TreeQueries.packed(layout, self.device)
         kv.hold_layout(layout)
+        query_start = layout.query_start_loc.to(torch.int32)
+        layout = layout.to(self.device)
         table = kv.tables.table[layout.rows]  # [R, max blocks]
         slots, seq_lens = ddtree.verify_slots(layout, table, self.block_size)
-        metadata = self.paged_metadata(layout.query_start_loc.to(torch.int32).cpu(), seq_lens.to(torch.int32),
-                                       table, slots)
+        metadata = self.paged_metadata(query_start, seq_lens.to(torch.int32), table, slots)
         layers = {name: metadata for name in self.attention_names}
         logits, taps = self.run_model(layout.input_ids.to(torch.int32), layout.position_ids, layers, slots, None,
-                                      trees=TreeQueries.packed(layout))
+                                      trees=trees)
         return logits, self.tapped(taps) if hidden_states else None
 
     def prompt_chunk(self, input_ids, position_ids, chunk: PagedRows, hidden_states: bool, last_logits: bool):
