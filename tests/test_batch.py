@@ -11,6 +11,7 @@ import ddtree
 from ddtree.allocate import Offer, StepCost, plan_drafts
 from ddtree.batch import pack_trees
 from engine.errors import EngineError
+from engine.gpu.triton_support import triton_runs_on
 from engine.loop.batch import DEPTH_MARGIN, PREFILL_TOKENS, Batch
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth
 from engine.loop.decode import Decoder, DrafterInfo
@@ -177,14 +178,19 @@ def test_block_tables_hand_blocks_out_take_them_back_and_grow_the_pool():
         fixed.reserve(2, 4)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_one_compaction_for_the_batch_moves_each_requests_rows_as_its_own_does(paged):
+COMPACTED = ([2, 0, 1], [6, 3, 9], [[0, 2, 3, 7], [0, 1], [0, 5]])  # rows, pasts, paths: the middle path stays put
+
+
+def compacted_together_and_alone(paged: bool, device=torch.device("cpu")
+                                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """A batch's cache buffers after one compaction of ``COMPACTED``'s three requests, after the three one at a
+    time, and untouched (rows or paged: ``PagedBatchKV`` through ``RowMover``, fused where Triton runs)."""
     config = tiny_target(0, vocab=VOCAB).config
-    cpu = torch.device("cpu")
-    rows, pasts, paths = [2, 0, 1], [6, 3, 9], [[0, 2, 3, 7], [0, 1], [0, 5]]  # the middle path stays in place
+
     def filled():
-        kv = (PagedBatchKV.for_model(config, blocks=2, block_size=4, dtype=torch.float64, device=cpu) if paged else
-              BatchKV(config, 3, 24, torch.float64, cpu))
+        kv = (PagedBatchKV.for_model(config, blocks=2, block_size=4, dtype=torch.float32, device=device) if paged
+              else BatchKV(config, 3, 24, torch.float64, device))
+        assert not paged or kv.move_rows.fused == triton_runs_on(device)
         kv.reserve(3, 20)
         torch.manual_seed(0)
         for buffer in buffers(kv):
@@ -195,13 +201,19 @@ def test_one_compaction_for_the_batch_moves_each_requests_rows_as_its_own_does(p
         return kv.caches if paged else kv.keys + kv.values
 
     together, alone = filled(), filled()
-    together.compact(rows, pasts, paths)
-    for row, past, path in zip(rows, pasts, paths):
+    together.compact(*COMPACTED)
+    for row, past, path in zip(*COMPACTED):
         alone.compact([row], [past], [path])
-    assert all(torch.equal(a, b) for a, b in zip(buffers(together), buffers(alone)))
-    assert not all(torch.equal(a, b) for a, b in zip(buffers(together), buffers(filled()))), "rows moved"
-    moved = ddtree.compaction_moves_of(rows, pasts, paths)
-    assert [t.tolist() for t in moved] == [[2, 2, 2, 1], [8, 9, 13, 14], [7, 8, 9, 10]]
+    return buffers(together), buffers(alone), buffers(filled())
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_compaction_for_the_batch_moves_each_requests_rows_as_its_own_does(paged):
+    together, alone, untouched = compacted_together_and_alone(paged)
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    assert not all(torch.equal(a, b) for a, b in zip(together, untouched)), "rows moved"
+    assert [t.tolist() for t in ddtree.compaction_moves_of(*COMPACTED)] == [[2, 2, 2, 1], [8, 9, 13, 14],
+                                                                             [7, 8, 9, 10]]
 
 
 def test_a_few_rows_run_as_the_next_multiple_of_four_on_a_cpu_only_where_that_is_faster():

@@ -50,3 +50,11 @@ def test_many_requests_compactions_in_one_launch_are_each_request_s_own():
     for c in reference:
         compact_each_alone(c, block_table, past, accepted)
     assert all(torch.equal(mine[1:].cpu(), theirs[1:]) for mine, theirs in zip(caches, reference))
+
+
+def test_a_paged_batchs_one_compaction_in_one_launch_is_each_requests_own():
+    from tests.test_batch import compacted_together_and_alone
+
+    together, alone, untouched = compacted_together_and_alone(paged=True, device=DEVICE)
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    assert not all(torch.equal(a, b) for a, b in zip(together, untouched))
