@@ -404,3 +404,15 @@ def test_drafts_that_stop_paying_are_tried_again_and_never_stop_another_methods_
     assert torch.equal(budgeting.expectation(DDTREE), budgeting.prior["ddtree"]) and drafts(budgeting.prior["ddtree"])
     waited = [drafts(expected := budgeting.relax(DFLASH, expected)) for _ in range(100)]
     assert not waited[0] and any(waited)  # not at once: the evidence against it counts for a while
+
+
+def test_the_batch_profile_decodes_every_request_and_reports_each_stage(oracle32):
+    from engine.tools.batch_profile import decode_batch
+
+    decoder, asked = oracle32
+    settings = DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto")
+    run = decode_batch(decoder, Budgeting(CHEAP_NODES), asked[:3], settings)
+    assert run.tokens == sum(len(alone(decoder, ids, settings).output_ids) for ids in asked[:3])
+    assert set(run.stages) == {"draft", "tree_build", "tree_compile", "verify", "commit"}
+    assert run.steps < run.tokens and len(run.rounds) >= run.steps / 3
+    assert run.line("ddtree x 3").startswith(f"ddtree x 3: {run.tokens / run.seconds:.1f} tokens/s, τ ")

@@ -1,0 +1,110 @@
+"""Where a batched step's time goes: the server's batch without the server.
+
+    python -m engine.tools.batch_profile [--requests 16] [--methods ar,ddtree] [--tokens 128] [--profile]
+        [the app's model flags: --engine vllm --model ... --drafter ...]
+
+For each number of requests and each method ("auto" trees for those that draft), that many prompts join one batch
+at once (``engine.loop.remote_batch.open_batch``: on the vLLM engine, in its workers) and decode to the end: once
+to warm up, once timed. Prints tokens/s, τ, the rounds and their median, and each stage's median per step as the
+traces record it (draft, tree_build, tree_compile, verify, commit); ``--profile`` adds a third run under cProfile and
+prints its heaviest functions. On the vLLM engine the workers run in this process (vLLM's multiprocessing off), so
+the profile sees their Python as well: the time a served step spends outside this (its process boundary, the
+server) is what a serve bench's time per token shows beyond it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from engine.errors import run_command
+from engine.loop.remote_batch import open_batch
+from engine.loop.settings import DecodeSettings
+from engine.methods import AUTO, method
+from engine.serving.startup import add_model_arguments, batch_budgeting, check_model_arguments, load_studio_decoder
+from engine.tools.bench import read_prompts
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """One batch decoded to its end."""
+
+    tokens: int
+    steps: int
+    seconds: float
+    rounds: list[float]  # each round's seconds
+    stages: dict[str, float]  # each stage's median seconds a step
+
+    def line(self, label: str) -> str:
+        stages = ", ".join(f"{stage} {1000 * seconds:.2f}" for stage, seconds in self.stages.items())
+        return (f"{label}: {self.tokens / self.seconds:.1f} tokens/s, τ {self.tokens / max(self.steps, 1):.2f}, "
+                f"{len(self.rounds)} rounds (median {1000 * statistics.median(self.rounds):.1f} ms, mean "
+                f"{1000 * statistics.mean(self.rounds):.1f}); a step's stages (median ms): {stages}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.batch_profile", description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--prompts", default="assets/prompts/fresh.jsonl")
+    parser.add_argument("--requests", default="16", help="batch sizes, comma-separated")
+    parser.add_argument("--methods", default="ar,ddtree", help="methods, comma-separated (drafting ones: auto trees)")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens a request")
+    parser.add_argument("--profile", action="store_true", help="a third run under cProfile, its heaviest functions")
+    args = parser.parse_args(argv)
+    check_model_arguments(parser, args)
+    return args
+
+
+def decode_batch(decoder, budgeting, prompts: list[list[int]], settings: DecodeSettings) -> BatchRun:
+    """Every prompt joins one batch at once and decodes ``settings`` to its end."""
+    batch = open_batch(decoder, budgeting)
+    requests = [batch.admit_prepared("", ids, *decoder.prepare(settings, len(ids))) for ids in prompts]
+    rounds, started = [], time.perf_counter()
+    while not batch.idle:
+        begun = time.perf_counter()
+        batch.advance()
+        rounds.append(time.perf_counter() - begun)
+    seconds = time.perf_counter() - started
+    steps = [step for request in requests for step in request.trace.steps]
+    stages: dict[str, list[float]] = {}
+    for step in steps:
+        for stage, spent in step.stage_s.items():
+            stages.setdefault(stage, []).append(spent)
+    return BatchRun(sum(len(request.trace.output_ids) for request in requests), len(steps), seconds, rounds,
+                    {stage: statistics.median(spent) for stage, spent in stages.items()})
+
+
+def main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the vLLM engine's workers in this process
+    decoder = load_studio_decoder(args)
+    budgeting = batch_budgeting(decoder, time_here=True)
+    print(f"trees sized by {budgeting.source}: {budgeting.cost}")
+    prompts = [decoder.target.chat_ids(row["prompt"]) for row in read_prompts(args.prompts)]
+    for size in (int(size) for size in args.requests.split(",")):
+        for name in args.methods.split(","):
+            row = method(name)
+            settings = DecodeSettings(name, max_new_tokens=args.tokens, **({"tree_budget": AUTO} if row.drafts else {}))
+            chosen = [prompts[i % len(prompts)] for i in range(size)]
+            decode_batch(decoder, budgeting, chosen, settings)  # warm-up: first shapes, kernels compiled
+            print(decode_batch(decoder, budgeting, chosen, settings).line(f"{name} x {size}"), flush=True)
+            if args.profile:
+                profile = cProfile.Profile()
+                profile.enable()
+                decode_batch(decoder, budgeting, chosen, settings)
+                profile.disable()
+                for order in ("tottime", "cumulative"):
+                    out = io.StringIO()
+                    pstats.Stats(profile, stream=out).sort_stats(order).print_stats(40)
+                    print(out.getvalue(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main, parse_args()))
