@@ -178,10 +178,11 @@ def test_block_tables_hand_blocks_out_take_them_back_and_grow_the_pool():
         fixed.reserve(2, 4)
 
 
+CPU = torch.device("cpu")
 COMPACTED = ([2, 0, 1], [6, 3, 9], [[0, 2, 3, 7], [0, 1], [0, 5]])  # rows, pasts, paths: the middle path stays put
 
 
-def compacted_together_and_alone(paged: bool, device=torch.device("cpu")
+def compacted_together_and_alone(paged: bool, device: torch.device = CPU
                                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """A batch's cache buffers after one compaction of ``COMPACTED``'s three requests, after the three one at a
     time, and untouched (rows or paged: ``PagedBatchKV`` through ``RowMover``, fused where Triton runs)."""
