@@ -29,9 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ddtree.tree import DraftTree
-from ddtree.verify import compile_tree
+from ddtree.verify import ancestor_masks, compile_tree
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,46 @@ def pack_trees(trees: list[DraftTree], roots: list[int], pasts: list[int], rows:
                ) -> BatchLayout:
     """The layout of one verify pass over ``trees``, request r's tree below ``roots[r]`` after its
     ``pasts[r]`` committed rows (so its root sits at position ``pasts[r]``), in row ``rows[r]`` of the
-    batched cache (default: row r)."""
+    batched cache (default: row r). Every tree at once, padded to the widest (``ancestor_masks``):
+    ``pack_trees_readable`` is the same layout tree by tree."""
+    requests = len(trees)
+    sizes = torch.tensor([tree.size + 1 for tree in trees])  # [B]: root and nodes
+    widest = int(sizes.max())
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    past = torch.tensor(pasts, dtype=torch.long)
+    width = int((past + sizes).max())
+    slot = torch.arange(widest)
+    real = slot[None, :] < sizes[:, None]  # [B, T_max]: the request's own tokens, root first
+    nodes = [tree.tokens for tree in trees]
+    tokens = torch.cat([torch.tensor(roots, dtype=torch.long)[:, None],
+                        pad_sequence(nodes, batch_first=True).reshape(requests, widest - 1)], dim=1)
+    depth = torch.cat([torch.zeros(requests, 1, dtype=torch.long),
+                       pad_sequence([tree.depths for tree in trees], batch_first=True).reshape(requests, widest - 1)],
+                      dim=1)
+    parents = pad_sequence([tree.parents for tree in trees], batch_first=True).reshape(requests, widest - 1)
+
+    last = torch.minimum(slot[None, :], sizes[:, None] - 1)  # [B, T_max]: a padding row repeats the last token
+    own = ancestor_masks(parents).gather(1, last[:, :, None].expand(requests, widest, widest))  # [B, T_max, T_max]
+    wide = (torch.arange(width + widest)[None, None, :] < past[:, None, None]).expand(requests, widest, -1).clone()
+    wide.scatter_(2, (past[:, None] + slot)[:, None, :].expand(requests, widest, widest), own)  # after its past
+
+    rows_t = torch.arange(requests) if rows is None else torch.tensor(rows, dtype=torch.long)
+    return BatchLayout(
+        rows=rows_t,
+        query_start_loc=query_start_loc,
+        input_ids=tokens[real],
+        position_ids=(past[:, None] + depth)[real],
+        kv_rows=torch.repeat_interleave(rows_t, sizes),
+        kv_columns=(past[:, None] + slot)[real],
+        padded=query_start_loc[:-1, None] + last,
+        unpadded=torch.arange(requests * widest).view(requests, widest)[real],
+        visible=wide[..., :width].contiguous(),
+    )
+
+
+def pack_trees_readable(trees: list[DraftTree], roots: list[int], pasts: list[int], rows: list[int] | None = None
+                        ) -> BatchLayout:
+    """``pack_trees``' reference: each tree compiled on its own (``compile_tree``), then laid side by side."""
     compiled = [compile_tree(tree, root, past) for tree, root, past in zip(trees, roots, pasts)]
     sizes = torch.tensor([inputs.input_ids.shape[1] for inputs in compiled])
     query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])

@@ -24,13 +24,19 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     ``parents [n]`` lists the parent of nodes 1..n. Every node climbs one level per round (the
     root is its own parent), so the loop runs depth times, not once per node.
     """
-    n = int(parents.numel())
-    parent_of = torch.cat([torch.zeros(1, dtype=torch.long), parents.long()])
-    visible = torch.eye(n + 1, dtype=torch.bool)
-    nodes, ancestor = torch.arange(n + 1), torch.arange(n + 1)
+    return ancestor_masks(parents[None])[0]
+
+
+def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
+    """``ancestor_mask`` of many trees at once: ``parents [B, n]`` (a shorter tree's row padded with nodes hung
+    on its root, which are no one's ancestors), ``[B, n+1, n+1]``."""
+    trees, n = parents.shape
+    parent_of = torch.cat([torch.zeros(trees, 1, dtype=torch.long), parents.long()], dim=1)  # [B, n+1]
+    visible = torch.eye(n + 1, dtype=torch.bool).repeat(trees, 1, 1)
+    ancestor = torch.arange(n + 1).repeat(trees, 1)
     while bool(ancestor.any()):
-        ancestor = parent_of[ancestor]
-        visible[nodes, ancestor] = True
+        ancestor = parent_of.gather(1, ancestor)
+        visible.scatter_(2, ancestor[..., None], True)
     return visible
 
 

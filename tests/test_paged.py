@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -225,3 +227,15 @@ def test_a_packed_pass_names_each_tokens_ancestors_inside_its_own_requests_tree(
             assert int(depth[token]) == len(path) - 1
             assert table[token].tolist() == path + [node] * (longest - len(path))
             token += 1
+
+
+@pytest.mark.parametrize("budgets", [(12, 0, 7, 3), (0, 0), (5,), (20, 1, 20)])
+def test_every_tree_packed_at_once_lays_out_as_each_tree_compiled_alone(budgets):
+    from ddtree.batch import pack_trees_readable
+
+    trees = [random_tree(seed, budget=budget) for seed, budget in enumerate(budgets)]
+    roots, pasts = [3 + r for r in range(len(trees))], [7 * r + 1 for r in range(len(trees))]
+    for rows in (None, list(reversed(range(len(trees))))):
+        together, apart = pack_trees(trees, roots, pasts, rows), pack_trees_readable(trees, roots, pasts, rows)
+        for field in dataclasses.fields(apart):
+            assert torch.equal(getattr(together, field.name), getattr(apart, field.name)), field.name
