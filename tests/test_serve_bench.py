@@ -3,12 +3,12 @@ it refuses before any server starts."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
 from engine.errors import EngineError
-from engine.tools.serve_bench import Answer, Run, continued, main, merged, parse_args, save
+from engine.tools.serve_bench import Answer, Run, continued, judged, main, merged, parse_args, save
 from viz.report import serve_table
 
 
@@ -75,3 +75,12 @@ def test_a_part_of_other_prompts_or_length_is_refused_before_any_server_starts(t
                                           f"2 at {max_tokens}"):
         main(args)
     assert not (tmp_path / "out.json").exists()
+
+
+def test_an_earlier_parts_runs_are_held_to_the_reference_a_later_part_ran():
+    answers = [asdict(Answer(pid, text, 5, 0, 1, 2, 3.0)) for pid, text in (("p1", "one"), ("p2", "other"))]
+    earlier = Run("batched", "ddtree@auto", 16, 50.0, 0, 0, 0, 0, 3.0, "-", answers)
+    assert judged(earlier, {"p1": "one", "p2": "two"}).identical == "1/2"
+    assert judged(earlier, None).identical == "-"
+    measured = replace(earlier, identical="2/2")
+    assert judged(measured, {"p1": "one", "p2": "two"}) is measured

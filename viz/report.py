@@ -651,7 +651,7 @@ def serve_section(path: Path, plt, asset_stem: Path, markdown_dir: Path) -> list
 def serve_table(runs: list[dict]) -> str:
     lines = ["| mode | method | concurrency | tokens/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | τ | identical |",
              "|---|---|---|---|---|---|---|---|"]
-    for run in runs:
+    for run in (run for points in _grouped(runs).values() for run in points):  # by concurrency, in whichever part
         tpot = (f"{1000 * run['tpot_p50_s']:.0f} / {1000 * run['tpot_p99_s']:.0f}"
                 if run["tpot_p50_s"] is not None else "–")
         rounds = run.get("round_tokens_per_s", [])

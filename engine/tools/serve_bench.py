@@ -17,8 +17,9 @@ text alone through AR (the one-at-a-time server's AR at concurrency 1, or the ba
 run).
 
 A device whose calls are limited in time runs the set in parts on one machine: ``--continue-from`` an earlier part's
-results (same prompts, same length) takes that part's AR reference and keeps its runs in this part's results, and
-``--native-concurrency`` runs vLLM's own methods at concurrencies of their own.
+results (same prompts, same length) takes that part's AR reference and keeps its runs in this part's results (held
+to this part's reference where that part ran none), and ``--native-concurrency`` runs vLLM's own methods at
+concurrencies of their own.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -199,6 +200,15 @@ def continued(path: Path, prompts: list[dict], max_tokens: int) -> tuple[list[Ru
     return runs, reference
 
 
+def judged(run: Run, reference: dict[str, str] | None) -> Run:
+    """``run`` with its texts held to the AR reference, where it was measured before there was one (an earlier part's
+    runs, when a later part runs the reference)."""
+    if run.identical != "-" or reference is None:
+        return run
+    same = sum(answer["text"] == reference[answer["prompt_id"]] for answer in run.answers)
+    return replace(run, identical=f"{same}/{len(run.answers)}")
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -312,8 +322,9 @@ def main(args: argparse.Namespace) -> int:
     finally:
         for server in served.values():
             server.close()
-    runs = earlier + [merged(measured[(mode, label.text, concurrency)])
-                      for mode in modes for label in labels for concurrency in concurrencies]
+    runs = [judged(run, reference) for run in earlier] + [merged(measured[(mode, label.text, concurrency)])
+                                                          for mode in modes for label in labels
+                                                          for concurrency in concurrencies]
     save(args, prompts, runs)
     if natives:
         native_concurrencies = [int(c) for c in (args.native_concurrency or args.concurrency).split(",")]
