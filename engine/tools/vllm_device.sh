@@ -34,6 +34,8 @@
 #            semantic-version tomlkit uvicorn plotly
 #   .whl/, hybrid targets: compressed-tensors==0.17.0 loguru (vLLM's Qwen3.5/Qwen3-Next modules import them;
 #            the trimmed bundle leaves them out)
+#   .whl-serve/, the OpenAI server and serve_bench: uvicorn h11 click, and jiter (the bundle's openai client imports
+#            it: pip download --no-deps jiter --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64)
 # The app driven through its API (`gpu_session.sh app`) prints the page's start-up budget and why, and
 # per prompt and method τ, step cost in AR steps, predicted and measured speed-up, and the engine the
 # traces came from.
