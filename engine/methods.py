@@ -22,6 +22,7 @@ import torch
 import ddtree
 import ddtree.fixed
 from ddtree.fixed import FixedTree
+from ddtree.tree import DraftRow
 from engine.errors import EngineError
 
 AUTO = "auto"  # a tree budget chosen every step for the batch, not by the user
@@ -32,7 +33,7 @@ SECOND_SHADE = 0.45  # how far a second drafter's colour moves towards white
 Budget = int | str  # a node count, or AUTO
 
 
-def no_tree(log_probs: torch.Tensor | None, nodes: int) -> ddtree.DraftTree:
+def no_tree(log_probs: torch.Tensor | DraftRow | None, nodes: int) -> ddtree.DraftTree:
     """AR's tree: the root alone."""
     return ddtree.DraftTree.empty()
 
@@ -41,7 +42,7 @@ def no_fixed_tree(log_probs: torch.Tensor, nodes: int) -> FixedTree:
     return FixedTree.empty(log_probs.device)
 
 
-def chain_nodes(log_probs: torch.Tensor, nodes: int) -> ddtree.DraftTree:
+def chain_nodes(log_probs: torch.Tensor | DraftRow, nodes: int) -> ddtree.DraftTree:
     """DFlash's chain, cut to ``nodes`` depths (the first ``nodes`` nodes of the width-1 best-first tree)."""
     return ddtree.build_tree(log_probs, nodes, width=1)
 
@@ -59,7 +60,7 @@ class Method:
     print_colour: str  # the report's plots and the video's frames (drawn on a dark card)
     drafts: bool  # its steps run the drafter
     budgeted: bool  # its tree size is a budget the user chooses, and its label carries it
-    readable: Callable[[torch.Tensor | None, int], ddtree.DraftTree]  # (log-probs [D, V], nodes) -> tree
+    readable: Callable[[torch.Tensor | DraftRow | None, int], ddtree.DraftTree]  # (log-probs [D, V], nodes) -> tree
     fixed: Callable[[torch.Tensor, int], FixedTree]  # the same as a fixed-shape program (``ddtree.fixed``)
 
     def nodes(self, budget: int | None, depth: int) -> int:
