@@ -40,6 +40,7 @@ MAX_POSITIONS = 15  # draft positions shown in the acceptance table (a block of 
 NATIVE_NAMES = {NATIVE_AR: "vLLM's own AR", NATIVE_AR_GRAPHLESS: "vLLM's own AR, no CUDA graphs",
                 NATIVE_DFLASH: "vLLM's own DFlash", NATIVE_MTP: "vLLM's own MTP"}
 OTHER_COLOUR = "#64748b"  # a label of no method in the table (vLLM's own); the methods' are their print colours
+NATIVE_METHODS = {NATIVE_AR: BASELINE, NATIVE_DFLASH: DFLASH}  # vLLM's own runs drawn in their method's colour
 DDTREE_SHADES = ["#fbbf24", "#f59e0b", "#d97706", "#b45309", "#92400e", "#78350f"]
 
 
@@ -665,7 +666,7 @@ def serve_table(runs: list[dict]) -> str:
 def plot_concurrency(plt, runs: list[dict], title: str, path: Path) -> Path:
     figure, axis = plt.subplots(figsize=(7, 4))
     for (mode, label), points in _grouped(runs).items():
-        row = Label.parse(label).method
+        row = Label.parse(label).method or NATIVE_METHODS.get(label)
         concurrency = [run["concurrency"] for run in points]
         axis.plot(concurrency, [run["tokens_per_s"] for run in points], "o-" if mode == "batched" else "s--",
                   color=row.print_colour if row is not None else OTHER_COLOUR,
