@@ -22,6 +22,8 @@
 #              pass for a machine's pace (the first bench of a cold machine compiles for minutes, so it gets the
 #              longest cap) (~7.5 min)
 #   app        the app on the vLLM engine through its API (carry [".whl-app"]: gradio's wheels) (~4 min)
+#   serve      the endpoint through the openai client at 1-16 clients beside vLLM's own AR and DFlash (carry
+#              [".whl-serve"]): SERVE_PART=1 then SERVE_PART=2, back to back (~4.5 and ~4 min on an H200)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
 #              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
@@ -71,7 +73,7 @@
 # does a hybrid by default, which --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile
 # limit; STEP=--no-vllm-compile: a hybrid's layers eager).
 set -uo pipefail
-PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
+PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -117,6 +119,20 @@ app)
   timeout 300 python3 -m engine.tools.app_check --launch "python3 app.py --engine vllm $MODELS $STEP" --limit 5 \
       --max-new-tokens "$TOKENS" --out "$OUT/app-check.json" > "$OUT/app-check.txt" 2>&1
   grep -E '^page|^default|engine vllm|^sweep|^  [0-9]' "$OUT/app-check.txt" | tail -n 25 ;;
+serve)  # the endpoint under 1-16 clients beside vLLM's own AR and DFlash, in two calls on one warm machine:
+  # SERVE_PART=1 (4, 8 and 16 clients and vLLM's own at every concurrency), then SERVE_PART=2 (1 and 2 clients,
+  # continuing from part 1's results, which wait in this machine's /tmp)
+  part=${SERVE_PART:-1} part1=/tmp/serve-part1.json
+  if [ "$part" = 1 ]; then
+    more="--concurrency 4,8,16 --native ar,dflash --native-concurrency 1,2,4,8,16 --out $part1"
+  else
+    more="--concurrency 1,2 --continue-from $part1 --out $OUT/gpu-serve$TAG.json"
+  fi
+  timeout 540 python3 -m engine.tools.serve_bench --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-32}" \
+      --max-tokens "$TOKENS" --methods ar,dflash,ddtree@auto --modes batched $more \
+      --server-args "--engine vllm $MODELS $STEP" > "$OUT/serve-bench-$part.txt" 2>&1
+  [ -f "$part1" ] && cp "$part1" "$OUT/"
+  grep -E '^\| ' "$OUT/serve-bench-$part.txt" | tail -n 26 ;;
 humaneval)
   timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress $MODELS --native ar,dflash $STEP \
       --prompts assets/prompts/humaneval.jsonl --limit "${LIMIT:-20}" --methods ar,dflash,ddtree \
