@@ -424,8 +424,9 @@ class Batch:
         # [kept]: every request's accepted rows, request by request
         kept = torch.tensor([begin + node for begin, path in zip(bounds, paths) for node in path], device=logits.device)
         margins = logit_margins(logits.index_select(0, kept))
-        features = (self.drafter.context_features(hidden)[0].index_select(0, kept).split([len(p) for p in paths])
-                    if hidden is not None else [None] * len(paths))
+        taps = self.drafter.hidden_state_indices  # each tap's kept rows, then joined: not every row of the pass
+        features = (self.drafter.context_features({i: hidden[i].index_select(1, kept) for i in taps})[0]
+                    .split([len(p) for p in paths]) if hidden is not None else [None] * len(paths))
         outcomes, taken = [], 0
         for p, own, (accepted, bonus), rows in zip(planned, choices, walks, features):
             request, tree = p.request, p.tree

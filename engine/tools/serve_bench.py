@@ -133,10 +133,8 @@ def measure(served: Served, prompts: list[dict], label: Label, concurrency: int,
     with ThreadPoolExecutor(concurrency) as clients:
         answers = list(clients.map(lambda prompt: ask(served, prompt, label, max_tokens), prompts))
     wall = time.monotonic() - began
-    same = sum(reference is not None and a.text == reference[a.prompt_id] for a in answers)
-    return Run(mode, label.text, concurrency, sum(a.tokens for a in answers) / wall, *latencies(answers),
-               statistics.mean(a.tau for a in answers), f"{same}/{len(answers)}" if reference is not None else "-",
-               [asdict(a) for a in answers])
+    return judged(Run(mode, label.text, concurrency, sum(a.tokens for a in answers) / wall, *latencies(answers),
+                      statistics.mean(a.tau for a in answers), "-", [asdict(a) for a in answers]), reference)
 
 
 def latencies(answers: list[Answer]) -> tuple[float, float, float | None, float | None]:
@@ -175,10 +173,8 @@ def measure_native(args: argparse.Namespace, natives: list[Method], prompts: lis
                 tau = 1 + accepted / drafts if drafts else 1.0  # vLLM's counters: tokens a step, its own DFlash's
                 as_sent = [Answer(prompts[a.index]["id"], target.decode(a.output_ids),
                                   len(a.output_ids), a.sent, a.first, a.done, 0.0) for a in answers]
-                same = sum(reference is not None and a.text == reference[a.prompt_id] for a in as_sent)
-                rounds.append(Run("vllm", NATIVE_LABELS[row], concurrency, sum(a.tokens for a in as_sent) / wall,
-                                  *latencies(as_sent), tau, f"{same}/{len(as_sent)}" if reference is not None else "-",
-                                  [asdict(a) for a in as_sent]))
+                rounds.append(judged(Run("vllm", NATIVE_LABELS[row], concurrency, sum(a.tokens for a in as_sent) / wall,
+                                         *latencies(as_sent), tau, "-", [asdict(a) for a in as_sent]), reference))
                 print(table(rounds[-1:]).splitlines()[-1], flush=True)
             runs.append(merged(rounds))
         del llm
@@ -201,8 +197,8 @@ def continued(path: Path, prompts: list[dict], max_tokens: int) -> tuple[list[Ru
 
 
 def judged(run: Run, reference: dict[str, str] | None) -> Run:
-    """``run`` with its texts held to the AR reference, where it was measured before there was one (an earlier part's
-    runs, when a later part runs the reference)."""
+    """``run`` with its texts held to the AR reference, if it has not been and there is one: as it is measured, or
+    later (an earlier part's runs, when a later part runs the reference)."""
     if run.identical != "-" or reference is None:
         return run
     same = sum(answer["text"] == reference[answer["prompt_id"]] for answer in run.answers)
