@@ -9,6 +9,8 @@ that are not its ancestors. After the walk, the accepted path is moved down to r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ddtree.batch import BatchLayout
@@ -109,6 +111,58 @@ def verify_paths(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
         tables.append(torch.cat([table, table[:, -1:].expand(size, longest - size)], dim=1))
         depth.append(depths(visible))
     return torch.cat(tables).to(torch.int32), torch.cat(depth).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class PaddedVerify:
+    """A packed verify pass (``pack_trees``) padded to fixed shapes, so one recorded pass (a CUDA graph) serves every
+    batch that fits: ``tokens`` rows and ``requests`` request slots. The real requests come first; a padding
+    request then holds the padding tokens, each its own root at depth 0 in column 0 of that request's cache row
+    (the scratch block, in a block table whose padding rows name it); the request slots after it hold no tokens."""
+
+    input_ids: torch.Tensor  # [tokens] long: the pass's tokens, then zeros
+    position_ids: torch.Tensor  # [tokens] long
+    query_start: torch.Tensor  # [requests + 1] int32: vLLM's ``query_start_loc``, the padding request's end repeated
+    seq_lens: torch.Tensor  # [requests] int32: each request's past and nodes (the padding request: its tokens)
+    paths: torch.Tensor  # [tokens, width] int32: ``verify_paths``' table, its first ``width`` columns
+    depth: torch.Tensor  # [tokens] int32
+    requests: torch.Tensor  # [tokens] long: each token's request slot
+    columns: torch.Tensor  # [tokens] long: each token's cache column in its request's row
+
+
+def padded_verify(layout: BatchLayout, tokens: int, requests: int, width: int) -> PaddedVerify:
+    """``layout`` (on the host) padded to ``tokens`` rows and ``requests`` request slots, its paths to ``width``
+    columns (path attention reads a node's columns up to its depth). The padding request is slot ``R``, so
+    ``requests`` must exceed the layout's R. Worked example: requests of 2 and 1 tokens padded to 5 tokens and
+    4 slots::
+
+        query_start = [0, 2, 3, 5, 5]    seq_lens = [past0 + 2, past1 + 1, 2, 0]    requests = [0, 0, 1, 2, 2]
+    """
+    count, real = layout.tokens, layout.requests
+    if count > tokens or real >= requests:
+        raise ValueError(f"a pass of {count} tokens for {real} requests does not fit {tokens} rows and "
+                         f"{requests - 1} requests")
+    paths, depth = verify_paths(layout)
+    if int(depth.max()) >= width:
+        raise ValueError(f"a path {int(depth.max()) + 1} deep does not fit {width} columns")
+    sizes = layout.query_start_loc.diff()  # [R]
+
+    def padded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [count, ...] -> [tokens, ...]
+        out = torch.zeros(tokens, *values.shape[1:], dtype=dtype)
+        out[:count] = values
+        return out
+
+    query_start = torch.full((requests + 1,), tokens, dtype=torch.int32)
+    query_start[:real + 1] = layout.query_start_loc
+    seq_lens = torch.zeros(requests, dtype=torch.int32)
+    seq_lens[:real] = layout.kv_columns[layout.query_start_loc[1:] - 1] + 1
+    seq_lens[real] = tokens - count
+    owner = torch.full((tokens,), real, dtype=torch.long)
+    owner[:count] = torch.repeat_interleave(torch.arange(real), sizes)
+    paths = torch.nn.functional.pad(paths[:, :width], (0, width - min(width, paths.shape[1])))  # [count, width]
+    return PaddedVerify(padded(layout.input_ids, torch.long), padded(layout.position_ids, torch.long), query_start,
+                        seq_lens, padded(paths, torch.int32), padded(depth, torch.int32), owner,
+                        padded(layout.kv_columns, torch.long))
 
 
 def paged_slots(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

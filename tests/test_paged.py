@@ -229,6 +229,35 @@ def test_a_packed_pass_names_each_tokens_ancestors_inside_its_own_requests_tree(
             token += 1
 
 
+def test_a_padded_verify_keeps_every_real_token_and_gives_the_padding_a_request_of_its_own():
+    """``padded_verify``: the real tokens' inputs, paths, columns and request slots as the packed pass has them; the
+    padding tokens one request's roots at depth 0 in its column 0; the request slots after it empty."""
+    trees = [random_tree(1, 12), random_tree(2, 0), random_tree(3, 4)]
+    layout = pack_trees(trees, [5, 6, 7], [40, 3, 17])
+    count, real = layout.tokens, layout.requests
+    padded = ddtree.padded_verify(layout, tokens=count + 5, requests=real + 3, width=8)
+    paths, depth = ddtree.verify_paths(layout)
+    assert torch.equal(padded.input_ids[:count], layout.input_ids) and not padded.input_ids[count:].any()
+    assert torch.equal(padded.position_ids[:count], layout.position_ids)
+    assert torch.equal(padded.columns[:count], layout.kv_columns) and not padded.columns[count:].any()
+    assert torch.equal(padded.depth[:count], depth) and not padded.depth[count:].any()
+    assert torch.equal(padded.paths[:count, :paths.shape[1]], paths[:, :8]) and not padded.paths[count:].any()
+    assert padded.query_start.tolist() == [*layout.query_start_loc.tolist(), count + 5, count + 5, count + 5]
+    sizes = layout.query_start_loc.diff().tolist()
+    assert padded.seq_lens.tolist() == [40 + sizes[0], 3 + sizes[1], 17 + sizes[2], 5, 0, 0]
+    assert padded.requests.tolist() == [0] * sizes[0] + [1] * sizes[1] + [2] * sizes[2] + [3] * 5
+
+
+def test_a_verify_that_does_not_fit_its_padding_says_why():
+    layout = pack_trees([random_tree(1, 12), random_tree(3, 4)], [5, 7], [40, 17])
+    with pytest.raises(ValueError, match=f"a pass of {layout.tokens} tokens for 2 requests does not fit"):
+        ddtree.padded_verify(layout, tokens=layout.tokens - 1, requests=8, width=16)
+    with pytest.raises(ValueError, match="for 2 requests does not fit .* and 1 requests"):
+        ddtree.padded_verify(layout, tokens=layout.tokens, requests=2, width=16)
+    with pytest.raises(ValueError, match="deep does not fit 1 columns"):
+        ddtree.padded_verify(layout, tokens=layout.tokens, requests=3, width=1)
+
+
 @pytest.mark.parametrize("budgets", [(12, 0, 7, 3), (0, 0), (5,), (20, 1, 20)])
 def test_every_tree_packed_at_once_lays_out_as_each_tree_compiled_alone(budgets):
     from ddtree.batch import pack_trees_readable

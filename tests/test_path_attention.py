@@ -122,6 +122,44 @@ def test_requests_packed_in_one_pass_attend_as_each_alone():
     assert torch.equal(out, torch.cat(alone)), "a packed request's row left its row alone"
 
 
+def test_a_padded_pass_gives_every_real_row_the_bits_of_the_pass_unpadded():
+    """``ddtree.padded_verify``: a batch's trees padded to a recorded pass's fixed rows and request slots, the padding
+    request reading the scratch block alone (its row of the block table names nothing else), leave every real
+    token's row as the packed pass gives it, and the padding rows finite."""
+    from ddtree.batch import pack_trees
+
+    generator = torch.Generator().manual_seed(11)
+    query_heads, kv_heads = 4, 2
+    trees = [ddtree.build_tree(torch.log_softmax(torch.randn(6, 9, generator=generator) * 2, dim=-1), budget)
+             for budget in (10, 0, 5)]
+    pasts = [37, 3, 70]
+    layout = pack_trees(trees, [1, 2, 3], pasts)
+    widest = max(past + tree.size + 1 for past, tree in zip(pasts, trees)) // BLOCK_SIZE + 1
+    blocks = widest * len(trees) + 1  # every request's blocks, shuffled together, then the scratch block
+    scratch = blocks - 1
+    k = torch.randn(blocks, BLOCK_SIZE, kv_heads, HEAD_SIZE, generator=generator).to(DEVICE)
+    v = torch.randn(blocks, BLOCK_SIZE, kv_heads, HEAD_SIZE, generator=generator).to(DEVICE)
+    block_table = torch.randperm(scratch, generator=generator).to(torch.int32).view(len(trees), widest).to(DEVICE)
+    q = torch.randn(layout.tokens, query_heads, HEAD_SIZE, generator=generator).to(DEVICE)
+    paths, depth = ddtree.verify_paths(layout)
+    unpadded = torch.full_like(q, float("nan"))
+    path_attention(q, k, v, unpadded, block_table, (layout.kv_columns[layout.query_start_loc[1:] - 1] + 1).to(
+        torch.int32).to(DEVICE), layout.query_start_loc.to(torch.int32).to(DEVICE), paths.to(DEVICE),
+        depth.to(DEVICE), HEAD_SIZE ** -0.5)
+    padded = ddtree.padded_verify(layout, tokens=layout.tokens + 7, requests=len(trees) + 4, width=16)
+    table = torch.full((len(trees) + 4, widest), scratch, dtype=torch.int32, device=DEVICE)
+    table[:len(trees)] = block_table
+    q_padded = torch.cat([q, torch.randn(7, query_heads, HEAD_SIZE, generator=generator).to(DEVICE)])
+    out = torch.full_like(q_padded, float("nan"))
+    path_attention(q_padded, k, v, out, table, padded.seq_lens.to(DEVICE), padded.query_start.to(DEVICE),
+                   padded.paths.to(DEVICE), padded.depth.to(DEVICE), HEAD_SIZE ** -0.5)
+    assert torch.equal(out[:layout.tokens], unpadded), "padding moved a real token's row"
+    assert torch.isfinite(out[layout.tokens:]).all()
+    slots = ddtree.table_slots(table, padded.requests.to(DEVICE), padded.columns.to(DEVICE), BLOCK_SIZE)
+    assert torch.equal(slots[:layout.tokens], ddtree.verify_slots(layout.to(DEVICE), block_table, BLOCK_SIZE)[0])
+    assert (slots[layout.tokens:] == scratch * BLOCK_SIZE).all(), "a padding token writes outside the scratch block"
+
+
 def vllm_unified_attention():
     try:
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention

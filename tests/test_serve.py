@@ -417,6 +417,10 @@ def test_the_command_checks_its_flags(capsys):
     with pytest.raises(SystemExit):
         serve.parse_args(["--vllm-compile"])
     assert "--vllm-compile has vLLM compile its target: it needs --engine vllm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--batch-invariant"])
+    assert "--batch-invariant is vLLM's mode: it needs --engine vllm" in capsys.readouterr().err
+    assert serve.parse_args(["--engine", "vllm", "--batch-invariant"]).batch_invariant
 
 
 # ---------------------------------------------------------------- the bundled model

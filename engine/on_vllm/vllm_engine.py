@@ -66,6 +66,8 @@ class VllmOptions:
     # (``compiles_target``)
     vllm_compile: bool | None = None
     random_weights: bool = False  # config-only model and drafter folders, random weights: timing only
+    # vLLM's batch-invariant mode: GEMMs without split-K, so a row's numbers do not depend on the pass's row count
+    batch_invariant: bool = False
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
     native_max_seqs: int = NATIVE_MAX_SEQS  # vLLM's own runs' max_num_seqs (0: vLLM's shipped default)
@@ -259,6 +261,8 @@ class VllmDecoder(Decoder):
         options = replace(options, vllm_compile=compiles_target(folder, options.vllm_compile))
         self.options, self.drafter_path = options, drafter_path
         settings = llm_settings(folder, studio=True)
+        if options.batch_invariant:  # read where vLLM starts its workers, which inherit it
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         if options.vllm_compile:  # vLLM compiles after loading: the drafter's taps must be in the graph it traces
             taps = drafter.hidden_state_indices if drafter is not None else []
             settings["additional_config"] = settings.get("additional_config", {}) | {"ddtree_taps": taps}
@@ -291,7 +295,8 @@ class VllmDecoder(Decoder):
         trace.config.notes.append(f"vLLM {VLLM_VERSION}, tensor parallel {self.options.tensor_parallel_size}, "
                                   f"CUDA graphs {'on' if self.options.cuda_graphs else 'off'}, "
                                   f"{trace.config.step} step"
-                                  + (", target compiled by vLLM" if self.options.vllm_compile else ""))
+                                  + (", target compiled by vLLM" if self.options.vllm_compile else "")
+                                  + (", batch-invariant" if self.options.batch_invariant else ""))
         if on_step is not None:
             for step in trace.steps:
                 on_step(trace, step)

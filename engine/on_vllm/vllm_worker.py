@@ -67,6 +67,10 @@ MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
 # would keep its activations (all-row logits too, where a caller asks for every row) in the pool for good
 MAX_PREFILL_GRAPH = 1024
 BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
+# a batch's verify replays at its tokens rounded up to a bucket (``batch_bucket``), with this many request slots (the
+# requests, then the padding's): a batch of more tokens or requests runs eagerly
+BATCH_BUCKETS = ((128, 16), (256, 32), (512, 64))  # (up to this many tokens, in steps of)
+BATCH_REQUEST_SLOTS = 64
 BIAS_REFERENCE = os.environ.get("DDTREE_ATTENTION") == "bias"
 
 
@@ -192,17 +196,74 @@ class _Forward:
                                      last=self.last)
 
     @torch.inference_mode()
-    def capture(self, pool) -> None:
+    def capture(self) -> None:
         """Record the pass as a CUDA graph (after one eager run on the loaded inputs)."""
         self.run()
-        torch.cuda.synchronize()
-        with graph_capture(device=self.target.device) as context:
-            self.graph, self.outputs = record(
-                lambda: self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias,
-                                              last=self.last),
-                pool=pool, stream=context.stream)
+        self.graph, self.outputs = self.target.recorded(
+            lambda: self.target.run_model(self.ids, self.positions, self.metadata, self.slots, self.bias,
+                                          last=self.last))
         if self.target.gdn is not None:
             self.gdn_pass = self.target.gdn.pending
+
+
+def batch_bucket(tokens: int) -> int | None:
+    """The rows a batch's verify of ``tokens`` tokens replays at (``BATCH_BUCKETS``); None: past the largest, eager."""
+    for limit, step in BATCH_BUCKETS:
+        if tokens <= limit:
+            return -(-tokens // step) * step
+    return None
+
+
+class _BatchForward:
+    """A batch's verify at one padded size (``ddtree.padded_verify``): its inputs and attention metadata at fixed
+    addresses, run eagerly the first time, then replayed from the CUDA graph recorded after that run. The padding
+    request reads and writes the scratch block alone: its row of the block table names nothing else."""
+
+    def __init__(self, target: PagedTarget, tokens: int, blocks: int):
+        device, requests = target.device, BATCH_REQUEST_SLOTS
+        int32, long = dict(dtype=torch.int32, device=device), dict(dtype=torch.long, device=device)
+        self.target, self.tokens, self.requests = target, tokens, requests
+        self.ids = torch.zeros(tokens, **int32)  # int32 as vLLM's runners feed it (``_Forward``)
+        self.positions = torch.zeros(tokens, **long)
+        self.slots = torch.zeros(tokens, **long)
+        self.seq_lens = torch.zeros(requests, **int32)
+        self.block_table = torch.zeros(requests, blocks, **int32)
+        self.trees = TreeQueries(None, None, torch.zeros(tokens, MAX_PATH, **int32), torch.zeros(tokens, **int32))
+        # the metadata's host copy of query_start_loc says only the pass's size: the kernels read the device's
+        bounds = torch.full((requests + 1,), tokens, dtype=torch.int32)
+        bounds[0] = 0
+        self.query_start = bounds.to(device)
+        metadata = target.paged_metadata(bounds, self.seq_lens, self.block_table, self.slots, self.query_start)
+        self.metadata = {name: metadata for name in target.attention_names}
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def load(self, layout, table: torch.Tensor, scratch: int) -> None:
+        """The batch's trees (``layout`` on the host) and their requests' rows of the block table (``table [R, b]``)."""
+        padded = ddtree.padded_verify(layout, self.tokens, self.requests, MAX_PATH)
+        self.ids.copy_(padded.input_ids)
+        self.positions.copy_(padded.position_ids)
+        self.query_start.copy_(padded.query_start)
+        self.seq_lens.copy_(padded.seq_lens)
+        self.trees.table.copy_(padded.paths)
+        self.trees.depth.copy_(padded.depth)
+        self.block_table.fill_(scratch)
+        self.block_table[:table.shape[0], :table.shape[1]] = table
+        block_size = self.target.block_size
+        self.slots.copy_(ddtree.table_slots(self.block_table, padded.requests.to(self.target.device),
+                                            padded.columns.to(self.target.device), block_size))
+
+    def run(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits ``[tokens, vocab]`` and the tapped layers (each ``[tokens, hidden]``) of the loaded pass."""
+        if self.graph is None:
+            outputs = self.program()
+            self.graph, self.outputs = self.target.recorded(self.program)
+            return outputs
+        self.graph.replay()
+        return self.outputs
+
+    def program(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, None, trees=self.trees)
 
 
 class PagedTarget(Target):
@@ -256,6 +317,9 @@ class PagedTarget(Target):
         # prompt passes by padded length (``prefill_bucket``) and whether they keep the last row's logits alone
         self.prefills: dict[tuple[int, bool], _Forward] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
+        self.batch_forwards: dict[int, _BatchForward] = {}  # a batch's verify passes by padded size
+        # a recorded batch verify's block table width: a request's context and its tree at most
+        self.graph_blocks = -(-(self.context_length + BATCH_BUCKETS[-1][0]) // self.block_size)
         # move_rows(sources, targets): cache rows of every layer, in one launch where Triton runs
         self.move_rows = RowMover(self.kv_caches, self.block_size)
         self.compaction = _Compaction(self, moves=MAX_PATH)
@@ -310,12 +374,14 @@ class PagedTarget(Target):
         return self.paged_metadata(torch.tensor([0, size], dtype=torch.int32), seq_lens, self.block_table, slots)
 
     def paged_metadata(self, query_start: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                       slots: torch.Tensor):
+                       slots: torch.Tensor, query_start_device: torch.Tensor | None = None):
         """The attention layers' metadata for a pass of requests ``query_start`` ([R + 1] int32, on the CPU)
         delimits, each ``seq_lens`` ([R] int32) long through its row of ``block_table`` ([R, max blocks] int32),
-        the pass's tokens written at ``slots`` ([T])."""
+        the pass's tokens written at ``slots`` ([T]); ``query_start_device``: the device's copy the kernels read (a
+        recorded pass's, at a fixed address), by default made here."""
         common = CommonAttentionMetadata(
-            query_start_loc=query_start.to(self.device), query_start_loc_cpu=query_start,
+            query_start_loc=query_start.to(self.device) if query_start_device is None else query_start_device,
+            query_start_loc_cpu=query_start,
             seq_lens=seq_lens, num_reqs=seq_lens.numel(), num_actual_tokens=int(query_start[-1]),
             max_query_len=int(query_start.diff().max()), max_seq_len=self.context_length,
             block_table_tensor=block_table, slot_mapping=slots,
@@ -360,14 +426,29 @@ class PagedTarget(Target):
         return PagedBatchKV(self.kv_caches, self.block_size, grow=False)
 
     def verify_batch(self, verify_pass, kv: PagedBatchKV, layout, hidden_states: bool):
-        """A batch's trees (``ddtree.batch.BatchLayout``, on the host) in one eager pass of vLLM's model, each
-        request's nodes written after its past through its own blocks and attending through path attention.
+        """A batch's trees (``ddtree.batch.BatchLayout``, on the host) in one pass of vLLM's model, each request's
+        nodes written after its past through its own blocks and attending through path attention: replayed from
+        the CUDA graph of its padded size (``_BatchForward``), or eagerly (``verify_batch_eager``, the reference).
         Logits ``[T, vocab]`` and, if asked, the tapped layers (each ``[1, T, hidden]``)."""
-        trees = TreeQueries.packed(layout, self.device)
         kv.hold_layout(layout)
+        table = kv.tables.table[layout.rows.to(self.device)]  # [R, blocks]
+        bucket = batch_bucket(layout.tokens)
+        if (not self.use_cuda_graphs or bucket is None or layout.requests >= BATCH_REQUEST_SLOTS
+                or table.shape[1] > self.graph_blocks):
+            return self.verify_batch_eager(kv, layout, table, hidden_states)
+        if bucket not in self.batch_forwards:
+            self.batch_forwards[bucket] = _BatchForward(self, bucket, self.graph_blocks)
+        forward = self.batch_forwards[bucket]
+        forward.load(layout, table, kv.tables.scratch)
+        logits, taps = forward.run()
+        tokens = layout.tokens
+        return logits[:tokens], self.tapped([tap[:tokens] for tap in taps]) if hidden_states else None
+
+    def verify_batch_eager(self, kv: PagedBatchKV, layout, table: torch.Tensor, hidden_states: bool):
+        """``verify_batch`` as one eager pass of exactly the batch's tokens."""
+        trees = TreeQueries.packed(layout, self.device)
         query_start = layout.query_start_loc.to(torch.int32)
         layout = layout.to(self.device)
-        table = kv.tables.table[layout.rows]  # [R, max blocks]
         slots, seq_lens = ddtree.verify_slots(layout, table, self.block_size)
         metadata = self.paged_metadata(query_start, seq_lens.to(torch.int32), table, slots)
         layers = {name: metadata for name in self.attention_names}
@@ -447,7 +528,14 @@ class PagedTarget(Target):
         if self.use_cuda_graphs:
             for forward in [*self.forwards.values(), *self.prefills.values()]:
                 if forward.graph is None:
-                    forward.capture(self.graph_pool)
+                    forward.capture()
+
+    def recorded(self, program) -> tuple[torch.cuda.CUDAGraph, object]:
+        """``program()`` (run once eagerly already, its inputs loaded) recorded as a CUDA graph in this target's
+        pool, within vLLM's capture context, and the outputs its replays write."""
+        torch.cuda.synchronize()
+        with graph_capture(device=self.device) as context:
+            return record(program, pool=self.graph_pool, stream=context.stream)
 
     def commit(self, cache: PagedCache, past_length: int, accepted: list[int]) -> None:
         sources, targets = ddtree.compaction_moves(past_length, accepted)

@@ -41,6 +41,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "the bench's fastest GPU step (default with --engine vllm; --no-compile-step turns it "
                              "off); each method and budget compiles at its first run, cached in "
                              "~/.cache/ddtree-studio (DDTREE_STUDIO_CACHE) for the next start")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="GPU: run the Studio's passes eagerly, not replayed from CUDA graphs (the reference)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="vllm engine: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT), so a request's "
+                             "numbers do not depend on how many share its pass: in float32 a batched request's output "
+                             "is its solo run's, at some speed")
     parser.add_argument("--vllm-compile", action=argparse.BooleanOptionalAction, default=None,
                         help="vllm engine: vLLM compiles the target itself (its fused layers), replayed in the "
                              "Studio's CUDA graphs: the default for hybrid targets, whose steps it makes cheaper "
@@ -51,6 +57,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.vllm_compile and args.engine != "vllm":
         parser.error("--vllm-compile has vLLM compile its target: it needs --engine vllm")
+    if args.batch_invariant and args.engine != "vllm":
+        parser.error("--batch-invariant is vLLM's mode: it needs --engine vllm")
 
 
 def compile_caches(environ: dict[str, str]) -> dict[str, str]:
@@ -78,12 +86,15 @@ def load_studio_decoder(args: argparse.Namespace) -> Decoder:
 
         return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
                                  options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
+                                                     cuda_graphs=not args.no_cuda_graphs,
                                                      fixed_step=args.step != "readable",
-                                                     compile_step=compile_step, vllm_compile=args.vllm_compile))
+                                                     compile_step=compile_step, vllm_compile=args.vllm_compile,
+                                                     batch_invariant=args.batch_invariant))
     # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.loop.fixed_step)
     fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
     return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,
-                        cuda_graphs=fixed, compile_step=fixed and compile_step, draft_dtype=args.draft_dtype)
+                        cuda_graphs=fixed and not args.no_cuda_graphs, compile_step=fixed and compile_step,
+                        draft_dtype=args.draft_dtype)
 
 
 def opening_budget(decoder: Decoder, tree_budget: int | None = None) -> tuple[BudgetChoice, StartupTiming | None]:
