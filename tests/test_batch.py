@@ -15,6 +15,7 @@ from engine.gpu.triton_support import triton_runs_on
 from engine.loop.batch import DEPTH_MARGIN, PREFILL_TOKENS, Batch
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth
 from engine.loop.decode import Decoder, DrafterInfo
+from engine.loop.draft_pass import GraphedBatchDraft
 from engine.loop.settings import DecodeSettings
 from engine.methods import DDTREE, DFLASH
 from engine.models.batched import BatchKV
@@ -372,6 +373,48 @@ def test_a_request_in_a_row_another_left_reads_only_its_own_context():
         for batched, solo_step in zip(request.trace.steps, single.steps, strict=True):
             torch.testing.assert_close(torch.tensor(batched.draft_top_probs), torch.tensor(solo_step.draft_top_probs),
                                        rtol=1e-6, atol=1e-12)
+
+
+def counted(function):
+    def call(*args):
+        call.calls += 1
+        return function(*args)
+    call.calls = 0
+    return call
+
+
+def test_the_drafters_fixed_shape_pass_drafts_what_the_eager_pass_drafts():
+    """``GraphedBatchDraft`` (what a GPU records: a block of new context rows a request, every context column read,
+    the whole block drafted) run eagerly here: the same drafts as the eager pass, step by step, through requests
+    that join late, leave early and take over others' rows, and every output its solo run's."""
+    target = tiny_target(0, vocab=VOCAB, dtype=torch.float64)
+    decoder = Decoder(target, tiny_drafter(target, 0).to(torch.float64), DrafterInfo("random", trained=False))
+    kinds = [DecodeSettings("ddtree", max_new_tokens=14, tree_budget=16), DecodeSettings("ar", max_new_tokens=6),
+             DecodeSettings("dflash", max_new_tokens=20), DecodeSettings("ddtree", max_new_tokens=9, tree_budget=4)]
+    asked = prompts(6, seed=4)
+    runs = []
+    for fixed in (False, True):
+        batch = Batch(decoder, Budgeting(CHEAP_NODES))
+        assert batch.graphed_draft is None  # no GPU here: eager unless asked
+        if fixed:
+            batch.graphed_draft = GraphedBatchDraft(decoder.drafter, *decoder.draft_weights, batch.context,
+                                                    replay=False)
+            passes = batch.graphed_draft._pass = counted(batch.graphed_draft._pass)
+        requests = [batch.admit(ids, kinds[i % len(kinds)]) for i, ids in enumerate(asked[:4])]
+        for _ in range(3):
+            batch.advance()
+        requests += [batch.admit(ids, kinds[i % len(kinds)]) for i, ids in enumerate(asked[4:])]
+        while not batch.idle:
+            batch.advance()
+        runs.append([request.trace for request in requests])
+    assert passes.calls >= 10 and {count for count, _ in batch.graphed_draft.shapes} >= {1, 2, 3}
+    for index, (eager, fixed) in enumerate(zip(*runs)):
+        settings = kinds[(index if index < 4 else index - 4) % len(kinds)]
+        assert fixed.output_ids == eager.output_ids == alone(decoder, asked[index], settings).output_ids
+        for one, other in zip(eager.steps, fixed.steps, strict=True):
+            assert one.tree_tokens == other.tree_tokens
+            torch.testing.assert_close(torch.tensor(other.draft_top_probs), torch.tensor(one.draft_top_probs),
+                                       rtol=1e-9, atol=1e-12)
 
 
 def test_a_drafters_record_becomes_what_each_methods_draft_is_worth_before_any_is_seen():

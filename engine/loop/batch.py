@@ -34,7 +34,7 @@ from ddtree.tree import DraftRow, Drafts
 from engine.errors import EngineError
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth, first_nodes
 from engine.loop.decode import READABLE_SAMPLING
-from engine.loop.draft_pass import draft_log_probs
+from engine.loop.draft_pass import GraphedBatchDraft, draft_log_probs
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import METHODS, method
@@ -138,6 +138,10 @@ class Batch:
         self.kv = target.batch_kv(INITIAL_ROWS, INITIAL_COLUMNS, paged=cache == "paged")
         self.context = (BatchDraftContext(self.drafter.config, INITIAL_ROWS, INITIAL_COLUMNS, target.device,
                                           self.drafter.dtype) if self.drafter is not None else None)
+        # on a GPU the drafter's pass replays from CUDA graphs at fixed shapes (the eager pass is its reference)
+        self.graphed_draft = (GraphedBatchDraft(self.drafter, *decoder.draft_weights, self.context)
+                              if self.drafter is not None and self.drafter.graphable and decoder.cuda_graphs
+                              and target.device.type == "cuda" else None)
         self.waiting: list[BatchRequest] = []  # joined, prompt not yet all in the cache
         self.requests: list[BatchRequest] = []  # in rows 0..n-1, in row order
         self.steps_taken = 0
@@ -360,10 +364,13 @@ class Batch:
         block[:, 0] = torch.tensor([r.root for r in chosen], device=device)
         block_positions = torch.tensor([r.start for r in chosen], device=device)[:, None] + torch.arange(
             block_size, device=device)
-        embedding, lm_head = self.decoder.draft_weights
-        context = self.context.rows_view([r.row for r in chosen], new)
-        log_probs = draft_log_probs(self.drafter, embedding, lm_head, block, block_positions, padded, positions,
-                                    context, added, depth=max(depths))
+        rows, depth = [r.row for r in chosen], max(depths)
+        if self.graphed_draft is not None and self.graphed_draft.fits(new, block_size):
+            log_probs = self.graphed_draft(block, block_positions, padded, positions, added, rows)[:, :depth]
+        else:
+            embedding, lm_head = self.decoder.draft_weights
+            log_probs = draft_log_probs(self.drafter, embedding, lm_head, block, block_positions, padded, positions,
+                                        self.context.rows_view(rows, new), added, depth=depth)
         for request in chosen:
             request.read_context()
         return dict(zip(chosen, Drafts(log_probs).rows()))

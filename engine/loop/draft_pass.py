@@ -9,6 +9,7 @@ target's verify pass (kernels per stage: BENCHMARKS.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -101,6 +102,85 @@ class GraphedDraft:
 
     def _pass(self, features, feature_positions, added) -> torch.Tensor:
         return self.buffers.log_probs(self.drafter, self.embedding, self.lm_head, features, feature_positions, added)
+
+
+@dataclass(frozen=True)
+class BatchDraftInputs:
+    """A batch's drafter pass for ``count`` requests at fixed addresses: each request's block (its root, then mask
+    tokens) and positions, a block's worth of new context rows (the real ones first, ``added`` of them) with their
+    positions, and the request's row of the ``BatchDraftContext``."""
+
+    block: torch.Tensor  # [count, block_size] long
+    positions: torch.Tensor  # [count, block_size] long
+    features: torch.Tensor  # [count, block_size, taps * hidden]
+    feature_positions: torch.Tensor  # [count, block_size] long
+    added: torch.Tensor  # [count] long
+    rows: torch.Tensor  # [count] long
+
+    @staticmethod
+    def allocate(count: int, block_size: int, width: int, device: torch.device, dtype: torch.dtype
+                 ) -> BatchDraftInputs:
+        long = dict(dtype=torch.long, device=device)
+        return BatchDraftInputs(torch.zeros(count, block_size, **long), torch.zeros(count, block_size, **long),
+                                torch.zeros(count, block_size, width, dtype=dtype, device=device),
+                                torch.zeros(count, block_size, **long), torch.zeros(count, **long),
+                                torch.zeros(count, **long))
+
+    def load(self, block, positions, features, feature_positions, added, rows) -> None:
+        """The step's inputs (``features [count, new, width]``, ``new`` at most a block: the rest stays padding)."""
+        new = features.shape[1]
+        self.block.copy_(block)
+        self.positions.copy_(positions)
+        self.features.zero_()[:, :new].copy_(features)  # padding as the eager pass pads
+        self.feature_positions.zero_()[:, :new].copy_(feature_positions)
+        self.added.copy_(added)
+        self.rows.copy_(rows)
+
+
+class GraphedBatchDraft:
+    """The batched step's drafter pass over a ``BatchDraftContext`` at fixed shapes, replayed as a CUDA graph, one
+    per number of drafting requests and block size: each request brings a block's worth of new context rows
+    (padded, and masked past its real ones), the pass reads every column of the context's buffers and drafts the
+    whole block, and the caller keeps the depth it asked for. The graphs read the context's buffers in place, so
+    they go when the buffers grow. ``replay`` False runs the same fixed-shape pass eagerly every time (where no GPU
+    records it)."""
+
+    def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor, context,
+                 replay: bool = True):
+        self.drafter, self.embedding, self.lm_head, self.context = drafter, embedding, lm_head, context
+        self.replay = replay
+        self.shapes: dict[tuple[int, int], tuple[BatchDraftInputs, GraphedCall | None]] = {}  # by (count, block)
+        self.generation = context.generation
+
+    @staticmethod
+    def fits(new: int, block_size: int) -> bool:
+        """Whether a pass bringing ``new`` context rows a request runs here (more: eagerly, through the caller)."""
+        return new <= block_size
+
+    def __call__(self, block: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
+                 feature_positions: torch.Tensor, added: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Log-probabilities ``[count, block_size - 1, vocab]`` for every request's block (``draft_log_probs``'
+        arguments, ``block [count, block_size]``; ``rows``: the requests' rows of the context)."""
+        context, index = self.context, torch.tensor(rows, device=self.embedding.device)
+        count, block_size = block.shape
+        shape = (count, block_size)
+        context.reserve(max(rows) + 1, int(context.lengths[index].max()) + block_size)
+        if context.generation != self.generation:
+            self.shapes.clear()
+            self.generation = context.generation
+        if shape not in self.shapes:
+            inputs = BatchDraftInputs.allocate(count, block_size, features.shape[-1], self.embedding.device,
+                                               self.embedding.dtype)
+            graphed = GraphedCall(partial(self._pass, inputs), synchronize=True) if self.replay else None
+            self.shapes[shape] = inputs, graphed
+        inputs, graphed = self.shapes[shape]
+        inputs.load(block, positions, features, feature_positions, added, index)
+        return graphed() if graphed is not None else self._pass(inputs)
+
+    def _pass(self, inputs: BatchDraftInputs) -> torch.Tensor:
+        return draft_log_probs(self.drafter, self.embedding, self.lm_head, inputs.block, inputs.positions,
+                               inputs.features, inputs.feature_positions, self.context.fixed_view(inputs.rows),
+                               inputs.added)
 
 
 def draft_log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None,

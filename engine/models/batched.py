@@ -68,6 +68,7 @@ class _Rows:
         self.dtype, self.device = dtype, device
         self.keys = [torch.zeros(rows, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros_like(k) for k in self.keys]
+        self.generation = 0  # how often the buffers moved: a recorded pass reads them where they were
 
     @property
     def rows(self) -> int:
@@ -87,6 +88,7 @@ class _Rows:
                 new = old.new_zeros(new_rows, *self.shape[:1], new_columns, self.shape[1])
                 new[: old.shape[0], :, : old.shape[2]] = old
                 buffers[layer] = new
+        self.generation += 1
 
     def move_row(self, source: int, target: int, columns: int) -> None:
         for buffers in (self.keys, self.values):
@@ -280,6 +282,12 @@ class BatchDraftContext(_Rows):
         width = int(self.lengths[index].max()) + new
         self.reserve(0, width)
         return _DraftRows(self, index, rows_read(index), width)
+
+    def fixed_view(self, rows: torch.Tensor) -> _DraftRows:
+        """The context of requests ``rows`` ([count] long, on the device) read whole: every column of the buffers,
+        the rows gathered, so a recorded pass reads whichever rows its ``rows`` name at its next replay. The caller
+        reserves room for the pass's new rows first."""
+        return _DraftRows(self, rows, rows, self.capacity)
 
 
 @dataclass
