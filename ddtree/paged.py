@@ -95,12 +95,32 @@ def verify_slots(layout: BatchLayout, block_table: torch.Tensor, block_size: int
 def verify_paths(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """A packed verify pass's trees as path attention reads them (``engine.on_vllm.path_attention``): each token's
     ancestor at every depth, named by its index in its own request's tree (``ddtree.forks.path_table``; columns past
-    a token's depth repeat it), ``[T, longest tree]`` int32, and each token's depth, ``[T]`` int32.
+    a token's depth repeat it), ``[T, longest tree]`` int32, and each token's depth, ``[T]`` int32. Every request's
+    tree at once (``verify_paths_readable`` walks them one by one).
 
     Worked example: a request whose root has a child 1, and 1 a child 2; then a request of its root alone::
 
         table = [[0, 0, 0], [0, 1, 1], [0, 1, 2],  [0, 0, 0]]    depth = [0, 1, 2,  0]
     """
+    sizes = layout.query_start_loc.diff()  # [R]
+    longest = layout.padded.shape[1]  # every request's tree padded to the longest (``pack_trees``)
+    requests, width = layout.requests, layout.width
+    nodes = torch.arange(longest)
+    # [R, longest, longest]: each request's own tree's ancestors-and-self mask, out of its columns of the cache
+    columns = layout.kv_columns[layout.query_start_loc[:-1]][:, None] + nodes  # [R, longest]
+    inside = nodes[None, :] < sizes[:, None]  # [R, longest]
+    trees = layout.visible.gather(2, columns.clamp(max=width - 1)[:, None, :].expand(requests, longest, longest))
+    trees &= inside[:, None, :]
+    depth = trees.sum(dim=2) - 1  # [R, longest]
+    at = torch.where(trees, depth[:, None, :], longest)  # an ancestor's depth, or a spare column
+    table = nodes[None, :, None].expand(requests, longest, longest + 1).contiguous()
+    table.scatter_(2, at, nodes[None, None, :].expand(requests, longest, longest))
+    table = table[:, :, :longest].reshape(requests * longest, longest)
+    return table[layout.unpadded].to(torch.int32), depth.reshape(-1)[layout.unpadded].to(torch.int32)
+
+
+def verify_paths_readable(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_paths`` one request at a time: the reference it is tested against."""
     sizes = layout.query_start_loc.diff().tolist()  # [R]
     longest = max(sizes)
     tables, depth = [], []

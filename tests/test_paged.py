@@ -229,6 +229,14 @@ def test_a_packed_pass_names_each_tokens_ancestors_inside_its_own_requests_tree(
             token += 1
 
 
+@pytest.mark.parametrize("budgets", [(12, 0, 30, 1), (0,), (0, 0, 0), (7, 40, 3)])
+def test_every_requests_paths_at_once_are_each_requests_paths_alone(budgets):
+    trees = [random_tree(seed, budget) for seed, budget in enumerate(budgets)]
+    layout = pack_trees(trees, list(range(5, 5 + len(trees))), [40 - 3 * i for i in range(len(trees))])
+    fast, readable = ddtree.verify_paths(layout), ddtree.paged.verify_paths_readable(layout)
+    assert torch.equal(fast[0], readable[0]) and torch.equal(fast[1], readable[1])
+
+
 def test_a_padded_verify_keeps_every_real_token_and_gives_the_padding_a_request_of_its_own():
     """``padded_verify``: the real tokens' inputs, paths, columns and request slots as the packed pass has them; the
     padding tokens one request's roots at depth 0 in its column 0; the request slots after it empty."""

@@ -42,6 +42,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import ddtree
 from ddtree.allocate import Calibration, StepCost
+from ddtree.batch import pack_trees
 from ddtree.fixed import compaction_rows
 from ddtree.forks import depths, path_table
 from engine.errors import EngineError
@@ -70,7 +71,7 @@ BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
 # a batch's verify replays at its tokens rounded up to a bucket (``batch_bucket``), with this many request slots (the
 # requests, then the padding's): a batch of more tokens or requests runs eagerly
 BATCH_BUCKETS = ((128, 16), (256, 32), (512, 64))  # (up to this many tokens, in steps of)
-BATCH_REQUEST_SLOTS = 64
+BATCH_REQUEST_SLOTS = 256  # a prompt's chunk (``PREFILL_TOKENS``) is as many requests as tokens
 BIAS_REFERENCE = os.environ.get("DDTREE_ATTENTION") == "bias"
 
 
@@ -457,16 +458,15 @@ class PagedTarget(Target):
         return logits, self.tapped(taps) if hidden_states else None
 
     def prompt_chunk(self, input_ids, position_ids, chunk: PagedRows, hidden_states: bool, last_logits: bool):
-        """A batch's prompt chunk (``PagedBatchKV.prompt``): one request's tokens, causal, through its blocks."""
+        """A batch's prompt chunk (``PagedBatchKV.prompt``: one request's tokens, through its blocks) as a batch's
+        verify: each token a request of its root alone after the tokens before it, all in the request's row, so every
+        token's row is AR's step of it and the chunk replays from the graph of its size (``verify_batch``)."""
         size = input_ids.shape[1]
-        seen = torch.tensor([chunk.width], dtype=torch.int32, device=self.device)
-        metadata = self.paged_metadata(torch.tensor([0, size], dtype=torch.int32), seen,
-                                       chunk.kv.tables.table[chunk.rows], chunk.slots)
-        last = torch.tensor([size - 1], device=self.device) if last_logits else None
-        logits, taps = self.run_model(input_ids[0].to(torch.int32), position_ids[0],
-                                      {name: metadata for name in self.attention_names}, chunk.slots, None,
-                                      prefill=True, last=last)
-        return logits, self.tapped(taps) if hidden_states else None
+        start, row = chunk.width - size, int(chunk.rows[0])
+        layout = pack_trees([ddtree.DraftTree.empty()] * size, input_ids[0].tolist(), list(range(start, chunk.width)),
+                            [row] * size)
+        logits, hidden = self.verify_batch(None, chunk.kv, layout, hidden_states)
+        return logits[-1:] if last_logits else logits, hidden
 
     def forward(self, input_ids, position_ids, cache: PagedCache | PagedRows, attention_bias=None,
                 hidden_states=False, last_logits=False):
