@@ -24,6 +24,11 @@
 #   app        the app on the vLLM engine through its API (carry [".whl-app"]: gradio's wheels) (~4 min)
 #   serve      the endpoint through the openai client at 1-16 clients beside vLLM's own AR and DFlash (carry
 #              [".whl-serve"]): SERVE_PART=1 then SERVE_PART=2, back to back (~4.5 and ~4 min on an H200)
+#   serve-float32  the endpoint in float32 at 1 and 8 clients, vLLM's batch-invariant mode on (--batch-invariant): each
+#              output against the same prompt's AR at 1 client (LIMIT 32 prompts, 64 tokens) (~3 min)
+#   batch      the batched step's checks and profile: the path attention tests (padding included), the batch in vLLM's
+#              workers against each request's solo AR (float32), then batch_profile at REQUESTS (16) for AR and DDTree
+#              (auto) with the Studio's CUDA graphs and, with EAGER=1, without them (~4 min, ~6 with EAGER=1)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
 #              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
@@ -73,7 +78,7 @@
 # does a hybrid by default, which --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile
 # limit; STEP=--no-vllm-compile: a hybrid's layers eager).
 set -uo pipefail
-PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
+PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, serve-float32, batch, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -133,6 +138,25 @@ serve)  # the endpoint under 1-16 clients beside vLLM's own AR and DFlash, in tw
       --server-args "--engine vllm $MODELS $STEP" > "$OUT/serve-bench-$part.txt" 2>&1
   [ -f "$part1" ] && cp "$part1" "$OUT/"
   grep -E '^\| ' "$OUT/serve-bench-$part.txt" | tail -n 26 ;;
+serve-float32)
+  timeout 420 python3 -m engine.tools.serve_bench --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-32}" \
+      --max-tokens 64 --concurrency 1,8 --methods ar,dflash,ddtree@auto --modes batched \
+      --server-args "--engine vllm $MODELS --dtype float32 --batch-invariant $STEP" \
+      --out "$OUT/gpu-serve-float32$TAG.json" > "$OUT/serve-bench-float32.txt" 2>&1
+  grep -E '^\| ' "$OUT/serve-bench-float32.txt" | tail -n 12 ;;
+batch)
+  timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_path_attention.py \
+      > "$OUT/pytest-path-attention.txt" 2>&1
+  tail -n 1 "$OUT/pytest-path-attention.txt"
+  timeout 300 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_vllm_engine.py \
+      -k batch_in_the_workers > "$OUT/pytest-batch.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed|Error' "$OUT/pytest-batch.txt" | tail -n 6
+  for graphs in on $([ "${EAGER:-0}" = 1 ] && echo off); do
+    timeout 200 python3 -m engine.tools.batch_profile --engine vllm $MODELS --requests "${REQUESTS:-16}" \
+        --methods ar,ddtree --tokens 96 $([ $graphs = off ] && echo --no-cuda-graphs) \
+        > "$OUT/batch-profile-graphs-$graphs.txt" 2>&1
+    echo "graphs $graphs:"; grep -E 'trees sized|x [0-9]+:|Error' "$OUT/batch-profile-graphs-$graphs.txt" | tail -n 4
+  done ;;
 humaneval)
   timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress $MODELS --native ar,dflash $STEP \
       --prompts assets/prompts/humaneval.jsonl --limit "${LIMIT:-20}" --methods ar,dflash,ddtree \
