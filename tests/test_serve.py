@@ -456,6 +456,25 @@ def test_smollm2_chats_through_its_template_and_every_method_answers_ars_text(sm
                                    extra_body={"method": "ar"})["text"]
 
 
+def test_the_serve_bench_times_an_answer_on_the_engines_clock_as_well_as_the_clients(smollm2):
+    """``serve_bench.engine_timed``: the answer's trace, fetched from the server, gives its time per output token where
+    the models run: from the first token to the last on the engine's clock."""
+    from types import SimpleNamespace
+
+    from engine.methods import Label
+    from engine.tools import serve_bench
+
+    url, decoder = smollm2
+    served = SimpleNamespace(url=url, model=decoder.target.name)
+    answer = serve_bench.ask(served, {"id": "p", "prompt": "Name three colours."}, Label.parse("ddtree"), 12)
+    assert answer.trace_id is not None and answer.engine_tpot_s is None and answer.tokens == 12
+    timed = serve_bench.engine_timed(served, answer)
+    trace = trace_of(url, answer.trace_id)
+    assert timed.engine_tpot_s == (trace.steps[-1].t_end - trace.prefill.t_end) / (len(trace.output_ids) - 1)
+    assert timed.engine_tpot_s > 0 and timed.text == answer.text
+    assert serve_bench.engine_tpot([timed, answer]) == timed.engine_tpot_s
+
+
 def test_smollm2_serves_sixteen_clients_at_once_each_their_solo_answer(smollm2):
     url, decoder = smollm2
     prompts = ["Name a colour.", "Say hello.", "Count to three.", "Name a fruit."]

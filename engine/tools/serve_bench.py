@@ -44,7 +44,7 @@ import torch
 from engine.errors import EngineError, run_command
 from engine.methods import AR, AUTO, BASELINE, DFLASH, METHODS, Label, Method
 from engine.tools.bench import read_prompts
-from engine.trace import NATIVE_AR, NATIVE_DFLASH
+from engine.trace import NATIVE_AR, NATIVE_DFLASH, traces_from_data
 
 MODES = {"batched": [], "one-at-a-time": ["--one-at-a-time"]}
 NATIVE_LABELS = {AR: NATIVE_AR, DFLASH: NATIVE_DFLASH}  # vLLM's own runs of a method, as the report names them
@@ -60,6 +60,8 @@ class Answer:
     first: float | None  # when its first text arrived
     done: float
     tau: float
+    trace_id: str | None = None  # the server's trace of it (the Studio's answers)
+    engine_tpot_s: float | None = None  # its time per output token on the engine's own clock (``engine_timed``)
 
     @property
     def ttft_s(self) -> float:
@@ -94,7 +96,21 @@ def ask(served: Served, prompt: dict, label: Label, max_tokens: int) -> Answer:
         usage = chunk.usage or usage
         ddtree = (chunk.model_extra or {}).get("ddtree") or ddtree
     return Answer(prompt["id"], "".join(pieces), usage.completion_tokens, sent, first, time.monotonic(),
-                  ddtree.get("tau", 0.0))
+                  ddtree.get("tau", 0.0), ddtree.get("trace_id"))
+
+
+def engine_timed(served: Served, answer: Answer) -> Answer:
+    """The answer with its time per output token as the engine saw it: from its trace (the server's, fetched once
+    every client is done), its first token to its last on the clock where the models run. Beside the client's, it
+    says how much of a served token's time is the step itself and how much the way to the client."""
+    if answer.trace_id is None:
+        return answer
+    data = httpx.get(f"{served.url}/traces/{answer.trace_id}", timeout=60).raise_for_status().json()
+    trace = traces_from_data(data)[0]
+    tokens = len(trace.output_ids)
+    if not trace.steps or tokens < 2:
+        return answer
+    return replace(answer, engine_tpot_s=(trace.steps[-1].t_end - trace.prefill.t_end) / (tokens - 1))
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,7 @@ class Run:
     identical: str  # "16/16": texts equal to the prompt's alone through AR
     answers: list[dict]
     round_tokens_per_s: list[float] = field(default_factory=list)  # each round's rate, in round order
+    engine_tpot_p50_s: float | None = None  # the answers' times per output token on the engine's clock, p50
 
 
 def merged(rounds: list[Run]) -> Run:
@@ -124,7 +141,7 @@ def merged(rounds: list[Run]) -> Run:
     first = rounds[0]
     return Run(first.mode, first.label, first.concurrency, statistics.median(run.tokens_per_s for run in rounds),
                *latencies([Answer(**a) for a in answers]), statistics.mean(run.tau for run in rounds), identical,
-               answers, [run.tokens_per_s for run in rounds])
+               answers, [run.tokens_per_s for run in rounds], engine_tpot([Answer(**a) for a in answers]))
 
 
 def measure(served: Served, prompts: list[dict], label: Label, concurrency: int, max_tokens: int, mode: str,
@@ -133,8 +150,10 @@ def measure(served: Served, prompts: list[dict], label: Label, concurrency: int,
     with ThreadPoolExecutor(concurrency) as clients:
         answers = list(clients.map(lambda prompt: ask(served, prompt, label, max_tokens), prompts))
     wall = time.monotonic() - began
+    answers = [engine_timed(served, answer) for answer in answers]
     return judged(Run(mode, label.text, concurrency, sum(a.tokens for a in answers) / wall, *latencies(answers),
-                      statistics.mean(a.tau for a in answers), "-", [asdict(a) for a in answers]), reference)
+                      statistics.mean(a.tau for a in answers), "-", [asdict(a) for a in answers],
+                      engine_tpot_p50_s=engine_tpot(answers)), reference)
 
 
 def latencies(answers: list[Answer]) -> tuple[float, float, float | None, float | None]:
@@ -142,6 +161,11 @@ def latencies(answers: list[Answer]) -> tuple[float, float, float | None, float 
     ttft = [a.ttft_s for a in answers]
     tpot = [a.tpot_s for a in answers if a.tpot_s is not None]
     return percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99)
+
+
+def engine_tpot(answers: list[Answer]) -> float | None:
+    """p50 of the answers' times per output token on the engine's clock (None: none was timed there)."""
+    return percentile([a.engine_tpot_s for a in answers if a.engine_tpot_s is not None], 0.5)
 
 
 def measure_native(args: argparse.Namespace, natives: list[Method], prompts: list[dict], concurrencies: list[int],
@@ -241,13 +265,15 @@ class Served:
 
 
 def table(runs: list[Run]) -> str:
-    lines = ["| mode | method | concurrency | tokens/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | τ "
-             "| identical to AR |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | method | concurrency | tokens/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | engine TPOT p50 "
+             "(ms) | τ | identical to AR |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         tpot = (f"{1000 * run.tpot_p50_s:.0f} / {1000 * run.tpot_p99_s:.0f}" if run.tpot_p50_s is not None else "–")
+        engine = f"{1000 * run.engine_tpot_p50_s:.1f}" if run.engine_tpot_p50_s is not None else "–"
         lines.append(f"| {run.mode} | {run.label} | {run.concurrency} | {run.tokens_per_s:.1f} | "
-                     f"{run.ttft_p50_s:.2f} / {run.ttft_p99_s:.2f} | {tpot} | {run.tau:.2f} | {run.identical} |")
+                     f"{run.ttft_p50_s:.2f} / {run.ttft_p99_s:.2f} | {tpot} | {engine} | {run.tau:.2f} | "
+                     f"{run.identical} |")
     return "\n".join(lines)
 
 
