@@ -69,8 +69,9 @@ MAX_GRAPHS = 8  # verify shapes kept as CUDA graphs; others run eagerly
 MAX_PREFILL_GRAPH = 1024
 BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
 # a batch's verify replays at its tokens rounded up to a bucket (``batch_bucket``), with this many request slots (the
-# requests, then the padding's): a batch of more tokens or requests runs eagerly
-BATCH_BUCKETS = ((128, 16), (256, 32), (512, 64))  # (up to this many tokens, in steps of)
+# requests, then the padding's): a batch of more tokens or requests runs eagerly. The largest bucket holds sixteen
+# requests' auto trees at their most (``AUTO_NODES`` and the root each)
+BATCH_BUCKETS = ((128, 16), (256, 32), (512, 64), (1152, 128))  # (up to this many tokens, in steps of)
 BATCH_REQUEST_SLOTS = 256  # a prompt's chunk (``PREFILL_TOKENS``) is as many requests as tokens
 BIAS_REFERENCE = os.environ.get("DDTREE_ATTENTION") == "bias"
 
