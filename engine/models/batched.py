@@ -31,6 +31,9 @@ from engine.models.drafter import DrafterConfig, narrowed
 from engine.models.rows import run_rows
 
 GROWTH = 512  # cache columns come in multiples of this many
+# ... and rows (requests) in multiples of this many: every time the buffers move, a recorded pass that reads them
+# (``engine.loop.draft_pass.GraphedBatchDraft``) is recorded again
+ROW_GROWTH = 8
 
 def filled(layout: BatchLayout, tokens: int) -> BatchLayout:
     """``layout`` run as ``tokens`` tokens: filler tokens after the batch's own, each a copy of the last token
@@ -80,7 +83,7 @@ class _Rows:
 
     def reserve(self, rows: int, columns: int) -> None:
         """Room for ``rows`` requests of ``columns`` cache columns each (what is kept stays where it is)."""
-        new_rows, new_columns = grown(self.rows, rows, 1), grown(self.capacity, columns, GROWTH)
+        new_rows, new_columns = grown(self.rows, rows, ROW_GROWTH), grown(self.capacity, columns, GROWTH)
         if (new_rows, new_columns) == (self.rows, self.capacity):
             return
         for buffers in (self.keys, self.values):

@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
              decoder.drafter_info.name, args.host, args.port, method(args.method).label(args.tree_budget))
     log.info("%s", "requests share decoding steps (continuous batching); \"auto\" trees are sized with "
              f"{budgeting.source}." if batching else "requests run one at a time, in turn.")
+    if batching:
+        log.info("step costs: %s", budgeting.cost)
     options = ServeOptions(method=args.method, tree_budget=args.tree_budget, traces_dir=args.traces,
                            batching=batching)
     uvicorn.run(create_app(decoder, options, queue), host=args.host, port=args.port, log_level="warning")
