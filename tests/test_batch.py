@@ -375,6 +375,15 @@ def test_a_request_in_a_row_another_left_reads_only_its_own_context():
                                        rtol=1e-6, atol=1e-12)
 
 
+def test_a_start_up_on_a_gpu_times_the_batch_it_will_serve_and_on_a_cpu_a_quick_one():
+    from types import SimpleNamespace
+
+    from engine.measure.step_cost import quick_requests
+
+    on = [SimpleNamespace(target=SimpleNamespace(device=torch.device(kind))) for kind in ("cuda", "cpu")]
+    assert quick_requests(on[0]) == (1, 4, 16) and quick_requests(on[1]) == (1, 4)
+
+
 def counted(function):
     def call(*args):
         call.calls += 1

@@ -32,6 +32,14 @@ GRID_REQUESTS = (1, 2, 4, 8)
 # nodes and drafted rows vary apart, so the fit tells a verified node from a drafted slot
 GRID_NODES = (0, 2, 8, 32)
 QUICK_REQUESTS, QUICK_NODES = (1, 4), (0, 2, 16)  # what a start-up with no record times
+# ... on a GPU, where a step of many requests costs little more to time and is what serving meets: the batch the
+# costs are fitted to reaches the concurrency they size trees for, instead of extrapolating from four requests
+QUICK_REQUESTS_GPU = (1, 4, 16)
+
+
+def quick_requests(decoder: Decoder) -> tuple[int, ...]:
+    """The batch sizes a start-up with no recorded step costs times on this decoder's device."""
+    return QUICK_REQUESTS_GPU if decoder.target.device.type == "cuda" else QUICK_REQUESTS
 MEASURED_STEPS = 10
 WARM_UP_STEPS = 2
 # tokens each request decodes before its steps are timed: a served request's context is its prompt and half its

@@ -18,7 +18,7 @@ from engine.measure.calibration import (
     cache_dir,
     recorded_choice,
 )
-from engine.measure.step_cost import QUICK_NODES, QUICK_REQUESTS, batch_key, time_step_costs
+from engine.measure.step_cost import QUICK_NODES, batch_key, quick_requests, time_step_costs
 from engine.models.target import resolve_device
 
 
@@ -121,7 +121,7 @@ def batch_budgeting(decoder: Decoder, time_here: bool) -> Budgeting:
     budgeting = recorded_budgeting(batch_key(decoder), decoder.drafter_info.revision)
     if budgeting is None and time_here and decoder.target.runs_batched:
         prompts = [decoder.target.chat_ids(CALIBRATION_PROMPT)]
-        timing = time_step_costs(decoder, prompts, QUICK_REQUESTS, QUICK_NODES)
+        timing = time_step_costs(decoder, prompts, quick_requests(decoder), QUICK_NODES)
         budgeting = Budgeting(timing.cost, timing.calibration,
                               f"step costs timed here at start-up ({len(timing.shapes)} steps)")
     decoder.budgeting = budgeting or decoder.budgeting
