@@ -35,11 +35,6 @@ QUICK_REQUESTS, QUICK_NODES = (1, 4), (0, 2, 16)  # what a start-up with no reco
 # ... on a GPU, where a step of many requests costs little more to time and is what serving meets: the batch the
 # costs are fitted to reaches the concurrency they size trees for, instead of extrapolating from four requests
 QUICK_REQUESTS_GPU = (1, 4, 16)
-
-
-def quick_requests(decoder: Decoder) -> tuple[int, ...]:
-    """The batch sizes a start-up with no recorded step costs times on this decoder's device."""
-    return QUICK_REQUESTS_GPU if decoder.target.device.type == "cuda" else QUICK_REQUESTS
 MEASURED_STEPS = 10
 WARM_UP_STEPS = 2
 # tokens each request decodes before its steps are timed: a served request's context is its prompt and half its
@@ -111,6 +106,11 @@ def least_squares(timed: dict[tuple, list[float]], columns: dict[str, Callable[[
         if not negative:
             return {name: fitted.get(name, 0.0) for name in columns}
         kept.remove(min(negative, key=fitted.get))
+
+
+def quick_requests(decoder: Decoder) -> tuple[int, ...]:
+    """The batch sizes a start-up with no recorded step costs times on this decoder's device."""
+    return QUICK_REQUESTS_GPU if decoder.target.device.type == "cuda" else QUICK_REQUESTS
 
 
 def time_step_costs(decoder: Decoder, prompts: list[list[int]], requests: tuple[int, ...] = GRID_REQUESTS,

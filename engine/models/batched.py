@@ -35,6 +35,7 @@ GROWTH = 512  # cache columns come in multiples of this many
 # (``engine.loop.draft_pass.GraphedBatchDraft``) is recorded again
 ROW_GROWTH = 8
 
+
 def filled(layout: BatchLayout, tokens: int) -> BatchLayout:
     """``layout`` run as ``tokens`` tokens: filler tokens after the batch's own, each a copy of the last token
     whose keys and values land past every column the pass reads and whose output rows repeat the last one's
