@@ -469,3 +469,6 @@ def test_the_batch_profile_decodes_every_request_and_reports_each_stage(oracle32
     assert set(run.stages) == {"draft", "tree_build", "tree_compile", "verify", "commit"}
     assert run.steps < run.tokens and len(run.rounds) >= run.steps / 3
     assert run.line("ddtree x 3").startswith(f"ddtree x 3: {run.tokens / run.seconds:.1f} tokens/s, τ ")
+    assert run.nodes > 1 and 0 < run.grown <= 1 and f"{run.nodes:.1f} nodes a request a step" in run.line("x")
+    ar = decode_batch(decoder, Budgeting(CHEAP_NODES), asked[:2], DecodeSettings("ar", max_new_tokens=8))
+    assert (ar.nodes, ar.grown) == (0.0, 0.0)

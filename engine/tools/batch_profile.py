@@ -5,11 +5,12 @@
 
 For each number of requests and each method ("auto" trees for those that draft), that many prompts join one batch
 at once (``engine.loop.remote_batch.open_batch``: on the vLLM engine, in its workers) and decode to the end: once
-to warm up, once timed. Prints tokens/s, τ, the rounds and their median, and each stage's median per step as the
-traces record it (draft, tree_build, tree_compile, verify, commit); ``--profile`` adds a third run under cProfile and
-prints its heaviest functions. On the vLLM engine the workers run in this process (vLLM's multiprocessing off), so
-the profile sees their Python as well: the time a served step spends outside this (its process boundary, the
-server) is what a serve bench's time per token shows beyond it.
+to warm up, once timed. Prints tokens/s, τ, the rounds and their median, how many nodes the requests' trees got
+and how often they grew one, and each stage's median per step as the traces record it (draft, tree_build,
+tree_compile, verify, commit); ``--profile`` adds a third run under cProfile and prints its heaviest functions.
+On the vLLM engine the workers run in this process (vLLM's multiprocessing off), so the profile sees their Python
+as well: the time a served step spends outside this (its process boundary, the server) is what a serve bench's
+time per token shows beyond it.
 """
 
 from __future__ import annotations
@@ -41,12 +42,15 @@ class BatchRun:
     seconds: float
     rounds: list[float]  # each round's seconds
     stages: dict[str, float]  # each stage's median seconds a step
+    nodes: float  # draft nodes a request verified a step, on average
+    grown: float  # the share of its steps in which a request verified a tree (any node past its root)
 
     def line(self, label: str) -> str:
         stages = ", ".join(f"{stage} {1000 * seconds:.2f}" for stage, seconds in self.stages.items())
         return (f"{label}: {self.tokens / self.seconds:.1f} tokens/s, τ {self.tokens / max(self.steps, 1):.2f}, "
                 f"{len(self.rounds)} rounds (median {1000 * statistics.median(self.rounds):.1f} ms, mean "
-                f"{1000 * statistics.mean(self.rounds):.1f}); a step's stages (median ms): {stages}")
+                f"{1000 * statistics.mean(self.rounds):.1f}); {self.nodes:.1f} nodes a request a step, a tree in "
+                f"{100 * self.grown:.0f}% of them; a step's stages (median ms): {stages}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,8 +81,10 @@ def decode_batch(decoder, budgeting, prompts: list[list[int]], settings: DecodeS
     for step in steps:
         for stage, spent in step.stage_s.items():
             stages.setdefault(stage, []).append(spent)
+    nodes = [len(step.tree_tokens) for step in steps]
     return BatchRun(sum(len(request.trace.output_ids) for request in requests), len(steps), seconds, rounds,
-                    {stage: statistics.median(spent) for stage, spent in stages.items()})
+                    {stage: statistics.median(spent) for stage, spent in stages.items()},
+                    statistics.mean(nodes) if nodes else 0.0, sum(n > 0 for n in nodes) / max(len(nodes), 1))
 
 
 def main(args: argparse.Namespace) -> int:
