@@ -163,7 +163,7 @@ class PagedBatchKV:
         ends = torch.zeros(self.tables.table.shape[0], dtype=torch.long, device=layout.kv_rows.device)
         ends.scatter_reduce_(0, layout.kv_rows, layout.kv_columns + 1, reduce="amax")  # [rows]
         held = ends.tolist()  # one read, not one a request
-        for row in layout.rows.tolist():
+        for row in sorted(set(layout.rows.tolist())):  # once a row: a prompt's chunk is many requests of one row
             self.hold([row], held[row])
 
     def packed(self, layout: BatchLayout) -> PagedRows:

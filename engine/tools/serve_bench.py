@@ -138,10 +138,10 @@ def merged(rounds: list[Run]) -> Run:
     identical = (f"{sum(int(a) for a, _ in same)}/{sum(int(b) for _, b in same)}" if same else "-")
     if any("reference" in run.identical for run in rounds):
         identical += " (the reference)"
-    first = rounds[0]
+    first, timed = rounds[0], [Answer(**a) for a in answers]
     return Run(first.mode, first.label, first.concurrency, statistics.median(run.tokens_per_s for run in rounds),
-               *latencies([Answer(**a) for a in answers]), statistics.mean(run.tau for run in rounds), identical,
-               answers, [run.tokens_per_s for run in rounds], engine_tpot([Answer(**a) for a in answers]))
+               *latencies(timed), statistics.mean(run.tau for run in rounds), identical, answers,
+               [run.tokens_per_s for run in rounds], engine_tpot(timed))
 
 
 def measure(served: Served, prompts: list[dict], label: Label, concurrency: int, max_tokens: int, mode: str,
