@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+import ddtree.fixed
 from ddtree.batch import grouped_rows
 from ddtree.tree import DraftTree
 
@@ -161,6 +162,15 @@ def in_worth_order(tree: DraftTree, worth: torch.Tensor) -> tuple[DraftTree, tor
     return tree.reordered(order), capped_t[order]
 
 
+def worth_order(worth: torch.Tensor, parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``in_worth_order``'s tensor form, for trees laid out as ``ddtree.fixed`` lays them (any leading batch
+    dimensions, nodes in heap order): ``(order [..., n], worth [..., n])``, each row's nodes most valuable first and
+    their worth, every node's worth capped at its parent's."""
+    capped = ddtree.fixed.ancestors_min(worth, parents, max_depth)
+    order = torch.sort(capped, dim=-1, descending=True, stable=True).indices
+    return order, capped.gather(-1, order)
+
+
 @dataclass(frozen=True)
 class Offer:
     """What one request of the batch could verify: the worth of its nodes in the order they would be
@@ -222,15 +232,9 @@ def plan_drafts(offers: list[Offer | None], cost: StepCost, requests: int) -> li
     their best bundle's rate (their top k nodes' worth over the draft and k nodes' time), and the longest
     prefix of that order whose allocation runs fastest drafts. ``cost`` counts drafted rows as the step will
     draft them (``StepCost.before_drafting``)."""
-    def density(offer: Offer) -> float:
-        worth = torch.tensor(offer.worth[:offer.available], dtype=torch.float64)
-        if offer.fixed:
-            return float("inf")
-        spend = cost.per_draft_s + cost.per_node_s * torch.arange(1, len(worth) + 1)
-        return float((worth.cumsum(0) / spend).max()) if len(worth) else 0.0
-
     able = [r for r, offer in enumerate(offers) if offer is not None]
-    ranked = sorted(able, key=lambda r: -density(offers[r]))
+    density = dict(zip(able, densities([offers[r] for r in able], cost)))
+    ranked = sorted(able, key=lambda r: -density[r])
     best, chosen = allocate([], cost, requests, 0).tokens_per_s, 0
     rates = prefix_rates([offers[r] for r in ranked], cost, requests)
     for count, rate in enumerate(rates, start=1):
@@ -238,6 +242,21 @@ def plan_drafts(offers: list[Offer | None], cost: StepCost, requests: int) -> li
             best, chosen = max(best, rate), count
     drafted = set(ranked[:chosen])
     return [r in drafted for r in range(len(offers))]
+
+
+def densities(offers: list[Offer], cost: StepCost) -> list[float]:
+    """Each offer's best bundle's rate: its top k nodes' worth over the time of a draft and k nodes, at the best k
+    (0 with no nodes; a fixed offer drafts whatever the rate: infinite). The offers' worth is padded with zeros to
+    one length, which no bundle's best rate takes: a zero node adds time and no worth."""
+    if not offers:
+        return []
+    longest = max(offer.available for offer in offers)
+    worth = torch.zeros(len(offers), longest + 1, dtype=torch.float64)  # a column of zeros past the longest
+    for row, offer in enumerate(offers):
+        worth[row, :offer.available] = torch.tensor(offer.worth[:offer.available], dtype=torch.float64)
+    spend = cost.per_draft_s + cost.per_node_s * torch.arange(1, longest + 2, dtype=torch.float64)
+    best = (worth.cumsum(1) / spend).max(dim=1).values
+    return [math.inf if offer.fixed else rate for offer, rate in zip(offers, best.tolist())]
 
 
 def prefix_rates(offers: list[Offer], cost: StepCost, requests: int) -> list[float]:

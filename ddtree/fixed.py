@@ -15,6 +15,8 @@ shape fixed by the budget. The readable forms stay the reference; tests hold the
 - ``ancestor_mask``: the ancestors-and-self mask by repeated squaring of the parent relation.
 - ``follow_tree``: the walk, from the ancestor mask: a node is on the path when it and
   all its ancestors hold the target's choice after their parents; the deepest is the leaf.
+- ``heap_order`` and ``on_first_choices``: a beam's tree in the heap's order, and the nodes on the drafter's
+  first-choice path (``DraftTree.on_first_choices``), for pricing many requests' trees at once.
 - ``compaction_rows``: the KV rows that move so the accepted path follows the past, as a
   fixed number of (source, target) pairs.
 
@@ -24,7 +26,7 @@ program; the decoding loops here run one request, without them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -43,6 +45,9 @@ class FixedTree:
     path_log_probs: torch.Tensor  # [B] float32
     ranks: torch.Tensor  # [B] long
     valid: torch.Tensor  # [B] bool
+
+    def cpu(self) -> FixedTree:
+        return FixedTree(*(getattr(self, field.name).cpu() for field in fields(self)))
 
     @staticmethod
     def empty(device: torch.device) -> FixedTree:
@@ -97,6 +102,41 @@ def chain_tree(log_probs: torch.Tensor) -> FixedTree:
     return FixedTree(tokens=tokens, parents=nodes, depths=nodes + 1, log_probs=top_lp,
                      path_log_probs=torch.cumsum(top_lp, -1), ranks=torch.zeros_like(nodes),
                      valid=torch.ones_like(tokens, dtype=torch.bool))
+
+
+def reordered(tree: FixedTree, order: torch.Tensor) -> FixedTree:
+    """``DraftTree.reordered``'s batched form: each row's nodes in its ``order [..., n]`` (old node indices, 0-based,
+    parents before their children), parent indices renumbered to match."""
+    numbers = torch.arange(1, order.shape[-1] + 1, device=order.device).expand_as(order)
+    renumbered = torch.zeros(*order.shape[:-1], order.shape[-1] + 1, dtype=torch.long,
+                             device=order.device).scatter_(-1, order + 1, numbers)  # old node (root 0) -> new node
+    taken = [field.gather(-1, order) for field in (tree.tokens, tree.parents, tree.depths, tree.log_probs,
+                                                   tree.path_log_probs, tree.ranks, tree.valid)]
+    taken[1] = renumbered.gather(-1, taken[1])
+    return FixedTree(*taken)
+
+
+def heap_order(tree: FixedTree) -> FixedTree:
+    """The tree's nodes in the order ``ddtree.tree.build_tree``'s heap pops them: by path probability, best first;
+    the beam lays them out by depth, so a stable sort keeps a parent ahead of a child of the same probability, and
+    padding nodes go last."""
+    return reordered(tree, torch.sort(tree.path_log_probs, dim=-1, descending=True, stable=True).indices)
+
+
+def ancestors_min(values: torch.Tensor, parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[..., n]``: each node's least value among itself and its ancestors (``parents``: 0 the root, else 1 + the
+    parent's index), one depth further up the tree a round."""
+    top = torch.full_like(values[..., :1], torch.finfo(values.dtype).max if values.is_floating_point()
+                          else torch.iinfo(values.dtype).max)
+    for _ in range(max_depth - 1):
+        values = torch.minimum(values, torch.cat([top, values], dim=-1).gather(-1, parents))
+    return values
+
+
+def on_first_choices(tree: FixedTree, max_depth: int) -> torch.Tensor:
+    """``DraftTree.on_first_choices``' fixed-shape form: ``[..., n]`` bool, every node whose path from the root takes
+    its depth's most probable token at every depth."""
+    return ancestors_min((tree.ranks == 0).int(), tree.parents, max_depth) > 0
 
 
 def _pad(values: torch.Tensor, size: int, fill=NEG_INF) -> torch.Tensor:

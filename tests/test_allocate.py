@@ -19,6 +19,7 @@ from ddtree.allocate import (
     Offer,
     StepCost,
     allocate,
+    densities,
     in_worth_order,
     plan_drafts,
     prefix_rates,
@@ -26,7 +27,7 @@ from ddtree.allocate import (
 )
 from ddtree.batch import pack_trees
 from engine.loop.budgeting import AUTO_NODES, Budgeting
-from engine.methods import DDTREE
+from engine.methods import DDTREE, DFLASH
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED_TRACE = ROOT / "assets" / "traces" / "cpu-python-reverse.json"
@@ -158,6 +159,39 @@ def test_every_first_count_of_a_tree_in_worth_order_is_a_tree_of_its_best_nodes(
     assert {(t, p) for t, p in zip(ordered.tokens.tolist(), ordered.path_log_probs.tolist())} == same
     with pytest.raises(ValueError, match="parent before its children"):
         tree.reordered(torch.arange(tree.size).flip(0))
+
+
+@pytest.mark.parametrize(("depth", "vocab"), [(15, 300), (4, 80), (2, 5), (1, 7)])
+def test_auto_candidates_built_for_many_requests_at_once_are_each_requests_own(depth, vocab):
+    """``Budgeting.auto_candidates`` (one beam for every request, priced and ordered together) against
+    ``Budgeting.candidates`` request by request: the same nodes in the same order, the same offers; a block too small
+    for ``AUTO_NODES`` candidates (2 x 5, 1 x 7) gives as many nodes as it holds."""
+    generator = torch.Generator().manual_seed(depth * vocab)
+    budgeting = Budgeting()
+    budgeting.calibration.observe(torch.rand(500, generator=generator), torch.rand(500, generator=generator) < 0.5,
+                                  torch.rand(500, generator=generator) < 0.4)
+    log_probs = torch.log_softmax(3 * torch.randn(6, depth, vocab, generator=generator), dim=-1)
+    for row in (DDTREE, DFLASH):
+        together = budgeting.auto_candidates(row, log_probs)
+        assert len(together) == len(log_probs)
+        for own_draft, (tree, offer) in zip(log_probs, together):
+            alone, alone_offer = budgeting.candidates(row, own_draft, None, auto=True)
+            assert tree.size == alone.size == min(row.nodes(AUTO_NODES, depth), sum(vocab ** d for d in
+                                                                                    range(1, depth + 1)))
+            for name in ("tokens", "parents", "depths", "ranks"):
+                assert getattr(tree, name).equal(getattr(alone, name)), name
+            assert tree.path_log_probs == pytest.approx(alone.path_log_probs, abs=1e-5)
+            assert offer.cap == alone_offer.cap and not offer.fixed
+            assert offer.worth == pytest.approx(alone_offer.worth)
+
+
+def test_a_request_s_best_bundle_rate_is_its_best_prefix_over_a_draft_and_its_nodes():
+    cost = StepCost(fixed_s=0.01, per_request_s=0.01, per_node_s=0.002, per_draft_s=0.005)
+    offers = [Offer((0.9, 0.5, 0.1), 3), Offer((), 0), Offer((0.3,), 1, fixed=True), Offer((0.8, 0.7, 0.6), 2)]
+    rates = densities(offers, cost)
+    assert rates[1] == 0.0 and rates[2] == float("inf")
+    assert rates[0] == pytest.approx(max((0.9, 1.4, 1.5)[k] / (0.005 + 0.002 * (k + 1)) for k in range(3)))
+    assert rates[3] == pytest.approx(1.5 / (0.005 + 0.004))  # past its cap a node is not offered
 
 
 def recorded_drafts() -> list[torch.Tensor]:

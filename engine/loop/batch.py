@@ -379,6 +379,7 @@ class Batch:
               ) -> tuple[list[Planned], Allocation]:
         """Each request's tree: its candidates (the whole tree an "auto" budget could grow, or its fixed
         budget's), then as many nodes as the allocation gives it."""
+        auto = self.auto_candidates(drafts)
         candidates, offers = [], []
         for request in active:
             log_probs, settings = drafts.get(request), request.settings
@@ -387,8 +388,8 @@ class Batch:
                 if settings.auto_budget:
                     request.expected = self.budgeting.relax(request.row_method, request.expected)
             else:
-                tree, offer = self.budgeting.candidates(request.row_method, log_probs, settings.tree_budget,
-                                                        settings.auto_budget)
+                tree, offer = auto.get(request) or self.budgeting.candidates(request.row_method, log_probs,
+                                                                             settings.tree_budget, False)
                 if settings.auto_budget:
                     request.expected = self.budgeting.learn(request.row_method, request.expected, offer)
                     request.reach = tree.depths.cummax(0).values
@@ -400,6 +401,22 @@ class Batch:
             planned.append(Planned(request, request.root, first_nodes(tree, nodes), drafts.get(request),
                                    self.reason(request, drafts, offer, nodes, allocation)))
         return planned, allocation
+
+    def auto_candidates(self, drafts: dict[BatchRequest, DraftRow]
+                        ) -> dict[BatchRequest, tuple[ddtree.DraftTree, Offer]]:
+        """The drafted "auto" requests' candidate trees and offers, built and priced together for each method
+        (``Budgeting.auto_candidates``): a request's host work would otherwise grow the step by its own tree's."""
+        by_method: dict = {}
+        for request, row in drafts.items():
+            if request.settings.auto_budget:
+                by_method.setdefault(request.row_method, []).append((request, row.index))
+        built = {}
+        for method_row, chosen in by_method.items():
+            log_probs = next(iter(drafts.values())).drafts.log_probs  # [b, D, V]: every drafted request's
+            rows = torch.tensor([index for _, index in chosen], device=log_probs.device)
+            built.update(zip([request for request, _ in chosen],
+                             self.budgeting.auto_candidates(method_row, log_probs.index_select(0, rows))))
+        return built
 
     def reason(self, request: BatchRequest, drafts: dict, offer: Offer, nodes: int, allocation: Allocation) -> str:
         """Why the request's tree has the size it has, in a few words (the trace keeps it)."""

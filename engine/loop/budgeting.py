@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 import ddtree
-from ddtree.allocate import Calibration, Offer, StepCost, allocate, in_worth_order
+import ddtree.fixed
+from ddtree.allocate import Calibration, Offer, StepCost, allocate, in_worth_order, worth_order
 from ddtree.tree import DraftRow
 from engine.methods import Method
 
@@ -76,6 +77,21 @@ class Budgeting:
         if auto:
             tree, worth = in_worth_order(tree, worth)
         return tree, Offer(tuple(worth.tolist()), tree.size, fixed=not auto)
+
+    def auto_candidates(self, row: Method, log_probs: torch.Tensor) -> list[tuple[ddtree.DraftTree, Offer]]:
+        """``candidates`` of many "auto" requests of one method at once, from their drafts ``[b, D, V]``: the trees
+        built as one fixed-shape program (``row.fixed``), put in the heap's order, then read to the host once, and
+        priced and ordered by worth for all of them together. ``candidates`` is the reference (equal but for ties
+        and the last bits of a path's probability, which the two sum in different orders)."""
+        depth = log_probs.shape[-2]
+        tree = ddtree.fixed.heap_order(row.fixed(log_probs, row.nodes(AUTO_NODES, depth))).cpu()
+        worth = self.calibration.worth(tree.path_log_probs.exp(), ddtree.fixed.on_first_choices(tree, depth))
+        order, worth = worth_order(worth.masked_fill(~tree.valid, -1.0), tree.parents, depth)
+        tree = ddtree.fixed.reordered(tree, order)
+        counts = tree.valid.sum(-1).tolist()  # padding: a block too small for the budget, its nodes last
+        trees = [ddtree.DraftTree(tree.tokens[r, :n], tree.parents[r, :n], tree.depths[r, :n], tree.log_probs[r, :n],
+                                  tree.path_log_probs[r, :n], tree.ranks[r, :n]) for r, n in enumerate(counts)]
+        return [(own, Offer(tuple(worth[r, :n].tolist()), n)) for r, (own, n) in enumerate(zip(trees, counts))]
 
     def alone(self, row: Method, log_probs: torch.Tensor) -> ddtree.DraftTree:
         """An "auto" tree for a request that runs alone: a batch of one, drafting."""
