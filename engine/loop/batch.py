@@ -44,6 +44,9 @@ from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace
 PREFILL_TOKENS = 128  # prompt tokens a round prefills at most, so the running requests wait at most that long
 DEPTH_MARGIN = 2  # depths an "auto" request drafts past the nodes it is expected to get
 INITIAL_ROWS = 4
+# ... where the drafter's pass replays from CUDA graphs, which go whenever its context's buffers move: room for
+# a busy server's requests (and the padding's scratch row) from the start
+GRAPHED_CONTEXT_ROWS = 40
 KEPT_SHAPES = 256
 INITIAL_COLUMNS = 512
 
@@ -142,6 +145,8 @@ class Batch:
         self.graphed_draft = (GraphedBatchDraft(self.drafter, *decoder.draft_weights, self.context)
                               if self.drafter is not None and self.drafter.graphable and decoder.cuda_graphs
                               and target.device.type == "cuda" else None)
+        if self.graphed_draft is not None:
+            self.context.reserve(GRAPHED_CONTEXT_ROWS, 0)
         self.waiting: list[BatchRequest] = []  # joined, prompt not yet all in the cache
         self.requests: list[BatchRequest] = []  # in rows 0..n-1, in row order
         self.steps_taken = 0

@@ -126,21 +126,25 @@ class BatchDraftInputs:
                                 torch.zeros(count, block_size, **long), torch.zeros(count, **long),
                                 torch.zeros(count, **long))
 
-    def load(self, block, positions, features, feature_positions, added, rows) -> None:
-        """The step's inputs (``features [count, new, width]``, ``new`` at most a block: the rest stays padding)."""
-        new = features.shape[1]
-        self.block.copy_(block)
-        self.positions.copy_(positions)
-        self.features.zero_()[:, :new].copy_(features)  # padding as the eager pass pads
-        self.feature_positions.zero_()[:, :new].copy_(feature_positions)
-        self.added.copy_(added)
-        self.rows.copy_(rows)
+    def load(self, block, positions, features, feature_positions, added, rows, scratch: int) -> None:
+        """The step's inputs for its ``c`` requests (``features [c, new, width]``, ``new`` at most a block: the rest
+        stays padding). The slots past ``c`` are padding requests: no new rows, in the context's ``scratch`` row, which
+        no request of the pass is in (a row written twice in one pass keeps either write)."""
+        count, new = block.shape[0], features.shape[1]
+        for buffer, values in ((self.block, block), (self.positions, positions), (self.added, added),
+                               (self.rows, rows)):
+            buffer[count:] = 0
+            buffer[:count].copy_(values)
+        self.rows[count:] = scratch
+        self.features.zero_()[:count, :new].copy_(features)  # padding as the eager pass pads
+        self.feature_positions.zero_()[:count, :new].copy_(feature_positions)
 
 
 class GraphedBatchDraft:
     """The batched step's drafter pass over a ``BatchDraftContext`` at fixed shapes, replayed as a CUDA graph, one
-    per number of drafting requests and block size: each request brings a block's worth of new context rows
-    (padded, and masked past its real ones), the pass reads every column of the context's buffers and drafts the
+    per block size and bucket of drafting requests (``count_bucket``: the slots past the requests are padding, so
+    a step's count seldom records a graph): each request brings a block's worth of new context rows (padded,
+    and masked past its real ones), the pass reads every column of the context's buffers and drafts the
     whole block, and the caller keeps the depth it asked for. The graphs read the context's buffers in place, so
     they go when the buffers grow. ``replay`` False runs the same fixed-shape pass eagerly every time (where no GPU
     records it)."""
@@ -163,24 +167,30 @@ class GraphedBatchDraft:
         arguments, ``block [count, block_size]``; ``rows``: the requests' rows of the context)."""
         context, index = self.context, torch.tensor(rows, device=self.embedding.device)
         count, block_size = block.shape
-        shape = (count, block_size)
-        context.reserve(max(rows) + 1, int(context.lengths[index].max()) + block_size)
+        shape = (count_bucket(count), block_size)
+        context.reserve(max(rows) + 2, int(context.lengths[index].max()) + block_size)  # a scratch row past them
         if context.generation != self.generation:
             self.shapes.clear()
             self.generation = context.generation
         if shape not in self.shapes:
-            inputs = BatchDraftInputs.allocate(count, block_size, features.shape[-1], self.embedding.device,
+            inputs = BatchDraftInputs.allocate(shape[0], block_size, features.shape[-1], self.embedding.device,
                                                self.embedding.dtype)
             graphed = GraphedCall(partial(self._pass, inputs), synchronize=True) if self.replay else None
             self.shapes[shape] = inputs, graphed
         inputs, graphed = self.shapes[shape]
-        inputs.load(block, positions, features, feature_positions, added, index)
-        return graphed() if graphed is not None else self._pass(inputs)
+        inputs.load(block, positions, features, feature_positions, added, index, scratch=context.rows - 1)
+        return (graphed() if graphed is not None else self._pass(inputs))[:count]
 
     def _pass(self, inputs: BatchDraftInputs) -> torch.Tensor:
         return draft_log_probs(self.drafter, self.embedding, self.lm_head, inputs.block, inputs.positions,
                                inputs.features, inputs.feature_positions, self.context.fixed_view(inputs.rows),
                                inputs.added)
+
+
+def count_bucket(count: int) -> int:
+    """The drafting requests a recorded drafter pass of ``count`` runs: the next power of two, so that a batch's
+    steps, whose counts vary step by step, record a handful of graphs rather than one a count."""
+    return 1 << (count - 1).bit_length()
 
 
 def draft_log_probs(drafter, embedding, lm_head, block, positions, features, feature_positions, context, added=None,

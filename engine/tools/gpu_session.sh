@@ -27,8 +27,8 @@
 #   serve-float32  the endpoint in float32 at 1 and 8 clients, vLLM's batch-invariant mode on (--batch-invariant): each
 #              output against the same prompt's AR at 1 client (LIMIT 32 prompts, 64 tokens) (~3 min)
 #   batch      the batched step's checks and profile: the path attention tests (padding included), the batch in vLLM's
-#              workers against each request's solo AR (float32), then batch_profile at REQUESTS (16) for AR and DDTree
-#              (auto) with the Studio's CUDA graphs and, with EAGER=1, without them (~4 min, ~6 with EAGER=1)
+#              workers against each request's solo AR (float32), then batch_profile at REQUESTS (4,16) for AR, DFlash and
+#              DDTree (auto) with the Studio's CUDA graphs and, with EAGER=1, without them (~4 min, ~6 with EAGER=1)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
 #              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
@@ -152,10 +152,10 @@ batch)
       -k batch_in_the_workers > "$OUT/pytest-batch.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed|Error' "$OUT/pytest-batch.txt" | tail -n 6
   for graphs in on $([ "${EAGER:-0}" = 1 ] && echo off); do
-    timeout 200 python3 -m engine.tools.batch_profile --engine vllm $MODELS --requests "${REQUESTS:-16}" \
-        --methods ar,ddtree --tokens 96 $([ $graphs = off ] && echo --no-cuda-graphs) \
+    timeout 200 python3 -m engine.tools.batch_profile --engine vllm $MODELS --requests "${REQUESTS:-4,16}" \
+        --methods ar,dflash,ddtree --tokens 96 $([ $graphs = off ] && echo --no-cuda-graphs) \
         > "$OUT/batch-profile-graphs-$graphs.txt" 2>&1
-    echo "graphs $graphs:"; grep -E 'trees sized|x [0-9]+:|Error' "$OUT/batch-profile-graphs-$graphs.txt" | tail -n 4
+    echo "graphs $graphs:"; grep -E 'trees sized|x [0-9]+:|Error' "$OUT/batch-profile-graphs-$graphs.txt" | tail -n 7
   done ;;
 humaneval)
   timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress $MODELS --native ar,dflash $STEP \
