@@ -4,6 +4,10 @@ input never takes its batch down. On the tiny models (``tests/tiny.py``), float6
 
 from __future__ import annotations
 
+import statistics
+import time
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -313,6 +317,55 @@ def test_auto_trees_grow_where_nodes_are_cheap_and_fall_to_ar_where_they_are_not
         assert all(step.batch.reason.startswith("auto: not drafted") for step in shrunk.steps[1:])
     assert max(step.batch.budget for step in cheap[0].steps) > 15  # a tree, wider than DFlash's chain
     assert max(step.batch.budget for step in cheap[1].steps) <= 15  # a chain never exceeds its block
+
+
+class SlowHop(Batch):
+    """A batch whose rounds, as a server's clients wait for them, cost ``hop_s`` beyond the step (a hop to the model's
+    process), told to it as measured, so the test does not wait for it."""
+
+    hop_s = 1.0
+
+    def step(self) -> None:
+        self.gaps.clear()
+        self.gaps.append(self.hop_s)
+        super().step()
+
+
+def test_auto_trees_grow_where_a_round_costs_more_than_its_step(oracle64):
+    """Nodes that do not pay against the step alone (``DEAR_NODES``) pay once every round costs a second more than
+    its step: the clients wait that second whatever the trees, so the tokens a tree adds come at the step's price.
+    Every output stays its solo AR's."""
+    decoder, asked = oracle64
+    auto = [DecodeSettings(method, max_new_tokens=TOKENS, tree_budget="auto") for method in ("ddtree", "dflash")]
+    quick = Batch(decoder, Budgeting(DEAR_NODES)).run(list(zip(asked, auto)))
+    slow = SlowHop(decoder, Budgeting(DEAR_NODES)).run(list(zip(asked, auto)))
+    for ids, near, far in zip(asked, quick, slow):
+        assert near.output_ids == far.output_ids == alone(decoder, ids, DecodeSettings("ar", max_new_tokens=TOKENS)
+                                                          ).output_ids
+        assert near.summary.tau < 1.2 and far.summary.tau > 2.0
+        assert sum(step.batch.budget > 0 for step in far.steps) > len(far.steps) // 2
+
+
+def test_a_round_s_cost_beyond_its_step_is_the_median_gap_between_steps_while_requests_decode(oracle64):
+    decoder, asked = oracle64
+    batch = Batch(decoder, Budgeting(DEAR_NODES))
+    assert batch.round_cost == DEAR_NODES  # nothing measured yet
+    batch.admit(asked[0], DecodeSettings("ar", max_new_tokens=6))
+    while not batch.requests:
+        batch.advance()
+    for _ in range(3):
+        time.sleep(0.05)
+        batch.advance()
+    assert len(batch.gaps) == 3 and min(batch.gaps) >= 0.05
+    assert batch.round_cost.fixed_s == pytest.approx(DEAR_NODES.fixed_s + statistics.median(batch.gaps))
+    assert replace(batch.round_cost, fixed_s=DEAR_NODES.fixed_s) == DEAR_NODES
+    while not batch.idle:
+        batch.advance()
+    time.sleep(0.2)  # idle: no round is waited for
+    batch.admit(asked[1], DecodeSettings("ar", max_new_tokens=6))
+    while not batch.idle:
+        batch.advance()
+    assert max(batch.gaps) < 0.2
 
 
 def test_an_auto_tree_drafts_as_deep_as_its_expected_nodes_reach(oracle64):

@@ -4,7 +4,8 @@ verifies every request's tree, and each request walks and commits its own.
 Every method is a tree with a budget, so requests of any method share a step: AR verifies its root alone,
 DFlash a chain, DDTree the best-first tree. A request with a fixed budget verifies that many nodes; one
 with ``tree_budget`` "auto" gets the nodes the batch can afford (``ddtree.allocate``): its tree's nodes
-in heap order, worth their calibrated path probabilities, against the step's cost model on this machine.
+in heap order, worth their calibrated path probabilities, against the step's cost model on this machine and what
+a round costs here beyond its step (``Batch.round_cost``).
 
 ``Batch.advance`` is one round of continuous batching: it prefills the prompts of requests that joined
 (a bounded number of prompt tokens a round, so a long prompt cannot stall the running requests), then
@@ -20,15 +21,16 @@ trace, recorded step by step as a single run records them, plus what the batch d
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import ddtree
-from ddtree.allocate import Allocation, Offer, allocate, plan_drafts
+from ddtree.allocate import Allocation, Offer, StepCost, allocate, plan_drafts
 from ddtree.batch import BatchLayout, pack_trees
 from ddtree.tree import DraftRow, Drafts
 from engine.errors import EngineError
@@ -48,6 +50,7 @@ INITIAL_ROWS = 4
 # a busy server's requests (and the padding's scratch row) from the start
 GRAPHED_CONTEXT_ROWS = 40
 KEPT_SHAPES = 256
+KEPT_GAPS = 32  # the last gaps between consecutive steps, whose median is what a round costs beyond its step
 INITIAL_COLUMNS = 512
 
 
@@ -151,6 +154,8 @@ class Batch:
         self.requests: list[BatchRequest] = []  # in rows 0..n-1, in row order
         self.steps_taken = 0
         self.shapes: deque[StepShape] = deque(maxlen=KEPT_SHAPES)  # the last steps' sizes and times
+        self.gaps: deque[float] = deque(maxlen=KEPT_GAPS)  # seconds from a step's end to the next one's start
+        self.last_step_end: float | None = None  # while requests are decoding
         self._names = 0
 
     # -- joining and leaving
@@ -226,6 +231,8 @@ class Batch:
         if self.requests:
             self.step()
         self.settle(finished)
+        if not self.requests:
+            self.last_step_end = None  # the time until the next request arrives is no round's
         return finished
 
     def settle(self, finished: list[BatchRequest]) -> None:
@@ -295,6 +302,8 @@ class Batch:
         pack them, verify them in one pass, walk and commit each, record each request's step."""
         active = list(self.requests)
         t_start = self.clock.now()
+        if self.last_step_end is not None:
+            self.gaps.append(t_start - self.last_step_end)
         with self.clock.stage("draft"):
             drafts = self.draft(active, self.plan(active))
         with self.clock.stage("tree_build"):
@@ -310,9 +319,19 @@ class Batch:
         for p, outcome in zip(planned, outcomes):
             self.record(p, outcome, layout, allocation, active, t_start, stage_s)
         # the step's time as a request waits it, its record and stream included: what the cost model is fitted to
+        self.last_step_end = self.clock.now()
         self.shapes.append(StepShape(len(active), layout.tokens - len(active), len(drafts), drafted_rows(drafts),
-                                     self.clock.now() - t_start, stage_s["draft"]))
+                                     self.last_step_end - t_start, stage_s["draft"]))
         self.steps_taken += 1
+
+    @property
+    def round_cost(self) -> StepCost:
+        """The step cost trees are sized by: the machine's (``Budgeting.cost``, fitted to steps alone) plus what a
+        round costs here beyond its step (the median gap between steps: a server's hop to the model's process, its
+        streams, a prompt's chunk), which every client waits for once a round and a larger tree spreads over more
+        tokens."""
+        cost = self.budgeting.cost
+        return replace(cost, fixed_s=cost.fixed_s + statistics.median(self.gaps)) if self.gaps else cost
 
     def plan(self, active: list[BatchRequest]) -> list[int]:
         """How deep each request drafts this step (0: not at all). A fixed budget drafts as deep as its tree can
@@ -330,7 +349,7 @@ class Batch:
                 offers.append(Offer(tuple(expected.tolist()), AUTO_NODES))
             else:
                 offers.append(Offer((1.0,), 1, fixed=True))
-        cost = self.budgeting.cost.before_drafting(DEPTH_MARGIN)
+        cost = self.round_cost.before_drafting(DEPTH_MARGIN)
         drafting = plan_drafts(offers, cost, len(active))
         chosen = [offer for offer, draft in zip(offers, drafting) if draft]
         expected = iter(allocate(chosen, cost, len(active), len(chosen)).nodes)
@@ -400,7 +419,7 @@ class Batch:
                     request.reach = tree.depths.cummax(0).values
             candidates.append(tree)
             offers.append(offer)
-        allocation = allocate(offers, self.budgeting.cost, len(active), len(drafts), drafted_rows(drafts))
+        allocation = allocate(offers, self.round_cost, len(active), len(drafts), drafted_rows(drafts))
         planned = []
         for request, tree, offer, nodes in zip(active, candidates, offers, allocation.nodes):
             planned.append(Planned(request, request.root, first_nodes(tree, nodes), drafts.get(request),
@@ -492,7 +511,7 @@ class Batch:
                               draft_top(planned.log_probs, request.settings.record_top_k) if full else ([], []),
                               outcome, dict(stage_s))
         rows = 0 if planned.log_probs is None else planned.log_probs.shape[0]
-        alone = self.budgeting.cost.seconds(1, planned.tree.size, int(planned.log_probs is not None), rows)
+        alone = self.round_cost.seconds(1, planned.tree.size, int(planned.log_probs is not None), rows)
         step.batch = StepBatch(size=len(active), nodes=layout.tokens - len(active), budget=planned.tree.size,
                                reason=planned.reason, neighbours=[r.name for r in active if r is not request],
                                alone_s=alone)
