@@ -65,6 +65,13 @@ class BatchLayout:
     def to(self, device: torch.device) -> BatchLayout:
         return BatchLayout(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
 
+    @staticmethod
+    def empty() -> BatchLayout:
+        """A pass of no requests: what a recorded pass of padding alone is loaded with (``ddtree.padded_verify``)."""
+        none = torch.zeros(0, dtype=torch.long)
+        return BatchLayout(none, torch.zeros(1, dtype=torch.long), none, none, none, none,
+                           torch.zeros(0, 0, dtype=torch.long), none, torch.zeros(0, 0, 0, dtype=torch.bool))
+
 
 def pack_trees(trees: list[DraftTree], roots: list[int], pasts: list[int], rows: list[int] | None = None
                ) -> BatchLayout:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.batch import pack_trees
+from ddtree.batch import BatchLayout, pack_trees
 from tests.tiny import tiny_decoder
 
 
@@ -254,6 +254,14 @@ def test_a_padded_verify_keeps_every_real_token_and_gives_the_padding_a_request_
     sizes = layout.query_start_loc.diff().tolist()
     assert padded.seq_lens.tolist() == [40 + sizes[0], 3 + sizes[1], 17 + sizes[2], 5, 0, 0]
     assert padded.requests.tolist() == [0] * sizes[0] + [1] * sizes[1] + [2] * sizes[2] + [3] * 5
+
+
+def test_a_pass_of_no_requests_pads_to_the_padding_request_alone():
+    """What a recorded verify is first loaded with, before any request: every token the padding's, in slot 0."""
+    padded = ddtree.padded_verify(BatchLayout.empty(), tokens=16, requests=4, width=8)
+    assert padded.query_start.tolist() == [0, 16, 16, 16, 16] and padded.seq_lens.tolist() == [16, 0, 0, 0]
+    assert not padded.requests.any() and not padded.input_ids.any() and not padded.columns.any()
+    assert padded.paths.shape == (16, 8) and not padded.paths.any() and not padded.depth.any()
 
 
 def test_a_verify_that_does_not_fit_its_padding_says_why():

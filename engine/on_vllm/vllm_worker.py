@@ -42,7 +42,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import ddtree
 from ddtree.allocate import Calibration, StepCost
-from ddtree.batch import pack_trees
+from ddtree.batch import BatchLayout, pack_trees
 from ddtree.fixed import compaction_rows
 from ddtree.forks import depths, path_table
 from engine.errors import EngineError
@@ -438,13 +438,22 @@ class PagedTarget(Target):
         if (not self.use_cuda_graphs or bucket is None or layout.requests >= BATCH_REQUEST_SLOTS
                 or table.shape[1] > self.graph_blocks):
             return self.verify_batch_eager(kv, layout, table, hidden_states)
-        if bucket not in self.batch_forwards:
-            self.batch_forwards[bucket] = _BatchForward(self, bucket, self.graph_blocks)
+        if not self.batch_forwards:
+            self.record_batch_graphs(kv.tables.scratch)
         forward = self.batch_forwards[bucket]
         forward.load(layout, table, kv.tables.scratch)
         logits, taps = forward.run()
         tokens = layout.tokens
         return logits[:tokens], self.tapped([tap[:tokens] for tap in taps]) if hidden_states else None
+
+    def record_batch_graphs(self, scratch: int) -> None:
+        """Every padded size's verify recorded at once, each from a pass of padding alone in the ``scratch`` block, so
+        that a serving batch never stops to record one when its trees first reach a size."""
+        none = torch.zeros(0, self.graph_blocks, dtype=torch.int32, device=self.device)
+        for bucket in sorted({batch_bucket(tokens) for tokens in range(1, BATCH_BUCKETS[-1][0] + 1)}):
+            forward = self.batch_forwards[bucket] = _BatchForward(self, bucket, self.graph_blocks)
+            forward.load(BatchLayout.empty(), none, scratch)
+            forward.run()  # the eager pass, then the recording
 
     def verify_batch_eager(self, kv: PagedBatchKV, layout, table: torch.Tensor, hidden_states: bool):
         """``verify_batch`` as one eager pass of exactly the batch's tokens."""
