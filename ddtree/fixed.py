@@ -26,7 +26,7 @@ program; the decoding loops here run one request, without them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +47,11 @@ class FixedTree:
     valid: torch.Tensor  # [B] bool
 
     def cpu(self) -> FixedTree:
-        return FixedTree(*(getattr(self, field.name).cpu() for field in fields(self)))
+        """The tree on the host, in two reads (its whole numbers, then its log-probabilities), not one a field."""
+        tokens, parents, depths, ranks, valid = torch.stack([self.tokens, self.parents, self.depths, self.ranks,
+                                                             self.valid.long()]).cpu()
+        log_probs, path_log_probs = torch.stack([self.log_probs, self.path_log_probs]).cpu()
+        return FixedTree(tokens, parents, depths, log_probs, path_log_probs, ranks, valid.bool())
 
     @staticmethod
     def empty(device: torch.device) -> FixedTree:
