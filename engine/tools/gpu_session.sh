@@ -24,6 +24,8 @@
 #   app        the app on the vLLM engine through its API (carry [".whl-app"]: gradio's wheels) (~4 min)
 #   serve      the endpoint through the openai client at 1-16 clients beside vLLM's own AR and DFlash (carry
 #              [".whl-serve"]): SERVE_PART=1 then SERVE_PART=2, back to back (~4.5 and ~4 min on an H200)
+#   serve-hop  the endpoint at CLIENTS (16), AR and DDTree (auto), vLLM's engine core in the server's process and then in
+#              its own: what the hop to it costs a round (~4 min)
 #   serve-float32  the endpoint in float32 at 1 and 8 clients, vLLM's batch-invariant mode on (--batch-invariant): each
 #              output against the same prompt's AR at 1 client (LIMIT 32 prompts, 64 tokens) (~3 min)
 #   batch      the batched step's checks and profile: the path attention tests (padding included), the batch in vLLM's
@@ -78,7 +80,7 @@
 # does a hybrid by default, which --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile
 # limit; STEP=--no-vllm-compile: a hybrid's layers eager).
 set -uo pipefail
-PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, serve-float32, batch, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
+PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, serve-hop, serve-float32, batch, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -138,6 +140,15 @@ serve)  # the endpoint under 1-16 clients beside vLLM's own AR and DFlash, in tw
       --server-args "--engine vllm $MODELS $STEP" > "$OUT/serve-bench-$part.txt" 2>&1
   [ -f "$part1" ] && cp "$part1" "$OUT/"
   grep -E '^\| ' "$OUT/serve-bench-$part.txt" | tail -n 26 ;;
+serve-hop)  # the hop to vLLM's engine core: AR and DDTree (auto) at CLIENTS (16) with the engine core in the server's
+  # process (VLLM_ENABLE_V1_MULTIPROCESSING=0), then in its own process (vLLM's default, as serve runs it)
+  for core in inproc own; do
+    env $([ $core = inproc ] && echo VLLM_ENABLE_V1_MULTIPROCESSING=0) timeout 240 python3 -m engine.tools.serve_bench \
+        --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-32}" --max-tokens "$TOKENS" --methods ar,ddtree@auto \
+        --modes batched --concurrency "${CLIENTS:-16}" --server-args "--engine vllm $MODELS $STEP" \
+        --out "$OUT/gpu-serve-hop-$core$TAG.json" > "$OUT/serve-bench-hop-$core.txt" 2>&1
+    echo "engine core $core:"; grep -E '^\| batched' "$OUT/serve-bench-hop-$core.txt"
+  done ;;
 serve-float32)
   timeout 420 python3 -m engine.tools.serve_bench --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-32}" \
       --max-tokens 64 --concurrency 1,8 --methods ar,dflash,ddtree@auto --modes batched \
