@@ -67,12 +67,54 @@ class StepCost:
                 + self.per_draft_row_s * draft_rows + self.draft_pass_s * drafting
                 + trees * (self.tree_step_s + self.per_tree_request_s * requests))
 
+    def parts(self, requests: int, nodes: int, drafts: int, draft_rows: int = 0) -> tuple[float, float]:
+        """A step's ``seconds`` in two parts: its roots' (the fixed part and each request's row), and what its drafts
+        and nodes add to them."""
+        roots = self.fixed_s + self.per_request_s * requests
+        return roots, self.seconds(requests, nodes, drafts, draft_rows) - roots
+
+    def scaled(self, roots: float, trees: float) -> StepCost:
+        """The cost with its roots' part (``parts``) ``roots`` times as long and its drafts' and nodes' ``trees``
+        times."""
+        return replace(self, fixed_s=self.fixed_s * roots, per_request_s=self.per_request_s * roots,
+                       per_node_s=self.per_node_s * trees, per_draft_s=self.per_draft_s * trees,
+                       draft_pass_s=self.draft_pass_s * trees, per_draft_row_s=self.per_draft_row_s * trees,
+                       tree_step_s=self.tree_step_s * trees, per_tree_request_s=self.per_tree_request_s * trees)
+
     def before_drafting(self, margin: int) -> StepCost:
         """The cost as a step sees it before its drafts are sized: a request drafts as deep as its nodes and
         ``margin`` slots more, so each node brings at most one drafted row and each draft ``margin`` rows (a chain
         brings exactly one a node; a tree's nodes share depths, so it is a bound)."""
         return replace(self, per_node_s=self.per_node_s + self.per_draft_row_s,
                        per_draft_s=self.per_draft_s + margin * self.per_draft_row_s, per_draft_row_s=0.0)
+
+
+SCALE_PRIOR_STEPS = 8.0  # steps' worth of belief that a cost's parts are as fitted, before measured steps say
+SCALE_BOUNDS = (0.25, 4.0)  # how far measured steps may scale a part
+STALL = 3.0  # a step slower than this many times the steps' median ratio to the cost counts as this slow
+
+
+def measured_scales(cost: StepCost, steps: list[tuple[int, int, int, int, float]]) -> tuple[float, float]:
+    """How much longer than ``cost`` predicts measured steps took, part by part (``StepCost.parts``): ``(roots,
+    trees)`` multipliers, least squares on each step's relative error (``steps``: requests, nodes, drafts, drafted
+    rows and seconds each), pulled towards (1, 1) as if ``SCALE_PRIOR_STEPS`` steps had taken what ``cost`` says, so
+    that a few steps, or steps that never drafted, leave a part as it was. A step that stalled (a recording, a
+    compilation) counts as ``STALL`` times the steps' usual ratio to the cost, not as long as it took.
+
+    What it is for: the fitted cost times steps of fixed budgets alone, where a served step also sizes, prices and
+    records its trees; measured against its own steps the allocation prices nodes at what they cost here."""
+    if not steps:
+        return 1.0, 1.0
+    parts = torch.tensor([cost.parts(*shape[:4]) for shape in steps], dtype=torch.float64)  # [S, 2]
+    predicted = parts.sum(1).clamp_min(1e-12)
+    ratio = torch.tensor([shape[4] for shape in steps], dtype=torch.float64) / predicted  # [S]
+    ratio = ratio.clamp(max=STALL * float(ratio.median()))
+    rows = parts / predicted[:, None]  # [S, 2]: each step's parts as shares of its prediction, so each weighs alike
+    # the prior: each part as sure as SCALE_PRIOR_STEPS typical steps of it (barely, for a part no step had)
+    prior = SCALE_PRIOR_STEPS * (rows ** 2).mean(0).clamp_min(1e-6)
+    normal = rows.T @ rows + torch.diag(prior)
+    roots, trees = torch.linalg.solve(normal, rows.T @ ratio + prior).clamp(*SCALE_BOUNDS).tolist()
+    return roots, trees
 
 
 CALIBRATION_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

@@ -15,12 +15,14 @@ import torch
 
 import ddtree
 from ddtree.allocate import (
+    SCALE_BOUNDS,
     Calibration,
     Offer,
     StepCost,
     allocate,
     densities,
     in_worth_order,
+    measured_scales,
     plan_drafts,
     prefix_rates,
     prefix_rates_readable,
@@ -192,6 +194,44 @@ def test_a_request_s_best_bundle_rate_is_its_best_prefix_over_a_draft_and_its_no
     assert rates[1] == 0.0 and rates[2] == float("inf")
     assert rates[0] == pytest.approx(max((0.9, 1.4, 1.5)[k] / (0.005 + 0.002 * (k + 1)) for k in range(3)))
     assert rates[3] == pytest.approx(1.5 / (0.005 + 0.004))  # past its cap a node is not offered
+
+
+MEASURED = StepCost(fixed_s=0.004, per_request_s=0.0002, per_node_s=0.00003, per_draft_s=0.0001, draft_pass_s=0.003,
+                    per_draft_row_s=0.00001, tree_step_s=0.001, per_tree_request_s=0.0001)
+
+
+def measured_steps(roots: float, trees: float) -> list[tuple[int, int, int, int, float]]:
+    """Steps of AR, chains and trees at 4-16 requests that took ``roots`` times ``MEASURED``'s roots' part and
+    ``trees`` times the rest."""
+    steps = []
+    for requests, per in itertools.product((4, 8, 16), (0, 5, 20, 50)):
+        nodes, drafts = requests * per, requests if per else 0
+        own_roots, own_trees = MEASURED.parts(requests, nodes, drafts, drafts * 8)
+        steps.append((requests, nodes, drafts, drafts * 8, roots * own_roots + trees * own_trees))
+    return steps
+
+
+def test_measured_steps_scale_a_costs_roots_and_its_trees_apart():
+    """``measured_scales``: steps that took 1.3 times the roots' part and twice the trees' give those scales back,
+    pulled a little towards 1 by the prior; steps that never drafted leave the trees' part as fitted; a stalled step
+    counts as a few times the usual; no part scales past its bounds."""
+    roots, trees = 3.0, 5.0
+    assert MEASURED.scaled(roots, trees).parts(8, 40, 8, 64) == pytest.approx(
+        tuple(scale * part for scale, part in zip((roots, trees), MEASURED.parts(8, 40, 8, 64))))
+    assert measured_scales(MEASURED, []) == (1.0, 1.0)
+    steps = measured_steps(1.3, 2.0) * 8
+    roots, trees = measured_scales(MEASURED, steps)
+    assert roots == pytest.approx(1.3, rel=0.05) and trees == pytest.approx(2.0, rel=0.08) and trees < 2.0
+    few_roots, few_trees = measured_scales(MEASURED, steps[:6])
+    assert 1.0 < few_trees < trees  # a few steps move the prior less far
+    ar = [step for step in measured_steps(1.5, 9.0) if not step[2]] * 8
+    roots, trees = measured_scales(MEASURED, ar)
+    assert roots == pytest.approx(1.5, rel=0.1) and trees == pytest.approx(1.0)
+    stalled = list(steps)
+    stalled[5] = (*stalled[5][:4], stalled[5][4] * 100)  # a recording or a compilation
+    assert measured_scales(MEASURED, stalled) == pytest.approx(measured_scales(MEASURED, steps), abs=0.15)
+    assert measured_scales(MEASURED, measured_steps(10.0, 10.0) * 8) == (SCALE_BOUNDS[1], SCALE_BOUNDS[1])
+    assert measured_scales(MEASURED, measured_steps(0.05, 0.05) * 8) == (SCALE_BOUNDS[0], SCALE_BOUNDS[0])
 
 
 def recorded_drafts() -> list[torch.Tensor]:

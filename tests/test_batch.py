@@ -16,7 +16,7 @@ from ddtree.allocate import Offer, StepCost, plan_drafts
 from ddtree.batch import pack_trees
 from engine.errors import EngineError
 from engine.gpu.triton_support import triton_runs_on
-from engine.loop.batch import DEPTH_MARGIN, PREFILL_TOKENS, Batch
+from engine.loop.batch import DEPTH_MARGIN, PREFILL_TOKENS, Batch, StepShape
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth
 from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.draft_pass import GraphedBatchDraft
@@ -32,6 +32,12 @@ VOCAB = 48
 TOKENS = 40
 CHEAP_NODES = StepCost(fixed_s=0.05, per_request_s=0.001, per_node_s=0.0005, per_draft_s=0.002)  # trees pay
 DEAR_NODES = StepCost(fixed_s=0.001, per_request_s=0.01, per_node_s=0.01, per_draft_s=0.05)  # nothing pays
+
+
+def pinned(cost: StepCost) -> Budgeting:
+    """A budgeting whose cost stays as given (a batch does not scale it to its own steps' times), so that what a test
+    asserts of the allocation's choices does not turn on this machine's speed."""
+    return Budgeting(cost, follow_steps=False)
 
 
 def prompts(count: int, seed: int = 1) -> list[list[int]]:
@@ -77,7 +83,7 @@ def alone(decoder: Decoder, ids: list[int], settings: DecodeSettings):
 @pytest.mark.parametrize("precision", ["oracle64", "oracle32"])
 def test_a_batch_of_three_methods_gives_each_request_what_it_gives_alone(request, precision, verify, cache):
     decoder, asked = request.getfixturevalue(precision)
-    batch = Batch(decoder, Budgeting(CHEAP_NODES), verify=verify, cache=cache)
+    batch = Batch(decoder, pinned(CHEAP_NODES), verify=verify, cache=cache)
     traces = batch.run(list(zip(asked, MIXED)))
     for ids, settings, trace in zip(asked, MIXED, traces):
         single = alone(decoder, ids, settings)
@@ -97,7 +103,7 @@ def test_a_fixed_budget_drafts_no_deeper_than_its_tree_can_reach(oracle64):
     decoder, asked = oracle64
     jobs = [(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=5)),
             (asked[1], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=3))]
-    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    batch = Batch(decoder, pinned(CHEAP_NODES))
     traces = batch.run(jobs)
     assert [len(trace.steps[0].draft_top_tokens) for trace in traces] == [5, 5]
     assert batch.shapes[0].draft_rows == 10
@@ -107,7 +113,7 @@ def test_a_fixed_budget_drafts_no_deeper_than_its_tree_can_reach(oracle64):
 
 def prefilled(decoder: Decoder, asked: list[list[int]], **kind) -> Batch:
     """A batch of ``MIXED``'s requests whose prompts are all in (a step taken by those prefilled first)."""
-    batch = Batch(decoder, Budgeting(CHEAP_NODES), **kind)
+    batch = Batch(decoder, pinned(CHEAP_NODES), **kind)
     for ids, settings in zip(asked, MIXED):
         batch.admit(ids, settings)
     while batch.waiting:
@@ -234,7 +240,7 @@ def test_seeded_sampling_in_a_batch_draws_what_the_request_draws_alone(oracle64)
     decoder, asked = oracle64
     sampled = [DecodeSettings(method, max_new_tokens=TOKENS, temperature=0.9, seed=seed, tree_budget=12)
                for method, seed in (("ddtree", 3), ("dflash", 4), ("ar", 5), ("ddtree", 6))]
-    traces = Batch(decoder, Budgeting(CHEAP_NODES)).run(list(zip(asked, sampled)))
+    traces = Batch(decoder, pinned(CHEAP_NODES)).run(list(zip(asked, sampled)))
     for ids, settings, trace in zip(asked, sampled, traces):
         assert trace.output_ids == alone(decoder, ids, settings).output_ids, settings.label
 
@@ -242,7 +248,7 @@ def test_seeded_sampling_in_a_batch_draws_what_the_request_draws_alone(oracle64)
 @pytest.mark.parametrize("cache", ["rows", "paged"])
 def test_requests_join_mid_batch_and_leave_done_stopped_or_abandoned(oracle64, cache):
     decoder, asked = oracle64
-    batch = Batch(decoder, Budgeting(CHEAP_NODES), cache=cache)
+    batch = Batch(decoder, pinned(CHEAP_NODES), cache=cache)
     stop_flags = {"stopped": False, "left": False}
     long_one = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=16))
     short = batch.admit(asked[1], DecodeSettings("dflash", max_new_tokens=6))
@@ -274,7 +280,7 @@ def test_requests_join_mid_batch_and_leave_done_stopped_or_abandoned(oracle64, c
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_stepping(oracle64):
     decoder, asked = oracle64
-    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    batch = Batch(decoder, pinned(CHEAP_NODES))
     running = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8))
     long_prompt = (asked[1] * 40)[: 2 * PREFILL_TOKENS + 17]
     late = batch.admit(long_prompt, DecodeSettings("ar", max_new_tokens=8))
@@ -294,7 +300,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_stepping(ora
 
 def test_a_request_that_cannot_run_is_refused_alone(oracle64):
     decoder, asked = oracle64
-    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    batch = Batch(decoder, pinned(CHEAP_NODES))
     fine = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8))
     with pytest.raises(EngineError, match="exceeds the model's context of 512 tokens"):
         batch.admit([3] * 500, DecodeSettings("ar", max_new_tokens=TOKENS))
@@ -306,8 +312,8 @@ def test_a_request_that_cannot_run_is_refused_alone(oracle64):
 def test_auto_trees_grow_where_nodes_are_cheap_and_fall_to_ar_where_they_are_not(oracle64):
     decoder, asked = oracle64
     auto = [DecodeSettings(method, max_new_tokens=TOKENS, tree_budget="auto") for method in ("ddtree", "dflash")]
-    cheap = Batch(decoder, Budgeting(CHEAP_NODES)).run(list(zip(asked, auto)))
-    dear = Batch(decoder, Budgeting(DEAR_NODES)).run(list(zip(asked, auto)))
+    cheap = Batch(decoder, pinned(CHEAP_NODES)).run(list(zip(asked, auto)))
+    dear = Batch(decoder, pinned(DEAR_NODES)).run(list(zip(asked, auto)))
     for ids, settings, grown, shrunk in zip(asked, auto, cheap, dear):
         reference = alone(decoder, ids, DecodeSettings("ar", max_new_tokens=TOKENS)).output_ids
         assert grown.output_ids == shrunk.output_ids == reference
@@ -319,16 +325,25 @@ def test_auto_trees_grow_where_nodes_are_cheap_and_fall_to_ar_where_they_are_not
     assert max(step.batch.budget for step in cheap[1].steps) <= 15  # a chain never exceeds its block
 
 
-class SlowHop(Batch):
-    """A batch whose rounds, as a server's clients wait for them, cost ``hop_s`` beyond the step (a hop to the model's
-    process), told to it as measured, so the test does not wait for it."""
+class Told(Batch):
+    """A batch told what its rounds take instead of timing them, so that a test of how its trees follow the machine
+    neither waits nor turns on this machine's speed: each step ``roots`` times its cost's roots' part and ``trees``
+    times the rest (``StepCost.parts``), each round ``hop_s`` beyond its step (a server's hop to the model's
+    process)."""
 
-    hop_s = 1.0
+    def __init__(self, decoder, budgeting: Budgeting, roots: float = 1.0, trees: float = 1.0, hop_s: float = 0.0):
+        super().__init__(decoder, budgeting)
+        self.told = roots, trees, hop_s
 
     def step(self) -> None:
+        self.last_step_end = None  # no gap timed: the told one stands
         self.gaps.clear()
-        self.gaps.append(self.hop_s)
+        self.gaps.append(self.told[2])
         super().step()
+
+    def measured(self, shape: StepShape) -> None:
+        roots, trees = self.budgeting.cost.parts(shape.requests, shape.nodes, shape.drafts, shape.draft_rows)
+        super().measured(replace(shape, seconds=self.told[0] * roots + self.told[1] * trees))
 
 
 def test_auto_trees_grow_where_a_round_costs_more_than_its_step(oracle64):
@@ -337,18 +352,41 @@ def test_auto_trees_grow_where_a_round_costs_more_than_its_step(oracle64):
     Every output stays its solo AR's."""
     decoder, asked = oracle64
     auto = [DecodeSettings(method, max_new_tokens=TOKENS, tree_budget="auto") for method in ("ddtree", "dflash")]
-    quick = Batch(decoder, Budgeting(DEAR_NODES)).run(list(zip(asked, auto)))
-    slow = SlowHop(decoder, Budgeting(DEAR_NODES)).run(list(zip(asked, auto)))
-    for ids, near, far in zip(asked, quick, slow):
-        assert near.output_ids == far.output_ids == alone(decoder, ids, DecodeSettings("ar", max_new_tokens=TOKENS)
-                                                          ).output_ids
-        assert near.summary.tau < 1.2 and far.summary.tau > 2.0
-        assert sum(step.batch.budget > 0 for step in far.steps) > len(far.steps) // 2
+    near = Told(decoder, Budgeting(DEAR_NODES))
+    far = Told(decoder, Budgeting(DEAR_NODES), hop_s=1.0)
+    quick, slow = near.run(list(zip(asked, auto))), far.run(list(zip(asked, auto)))
+    assert near.scales == pytest.approx((1.0, 1.0)) and far.scales == pytest.approx((1.0, 1.0))  # steps as costed
+    for ids, alone_quick, alone_slow in zip(asked, quick, slow):
+        assert alone_quick.output_ids == alone_slow.output_ids == alone(
+            decoder, ids, DecodeSettings("ar", max_new_tokens=TOKENS)).output_ids
+        assert alone_quick.summary.tau < 1.2 and alone_slow.summary.tau > 2.0
+        assert sum(step.batch.budget > 0 for step in alone_slow.steps) > len(alone_slow.steps) // 2
+
+
+def test_trees_grow_once_the_batch_s_own_steps_show_its_rows_cost_more_than_fitted(oracle64, monkeypatch):
+    """A cost under which nothing pays (``DEAR_NODES``) is scaled to the batch's own steps: once they show each
+    request's row costs more than was fitted, a node's worth pays for it and the requests draft again. A pinned cost
+    (``follow_steps`` False) never moves, and its requests never draft after their first step. Every output stays
+    its solo AR's."""
+    monkeypatch.setattr("engine.loop.batch.REFIT_STEPS", 4)
+    decoder, asked = oracle64
+    auto = [DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto")] * 3
+    held, following = Told(decoder, pinned(DEAR_NODES), roots=4.0), Told(decoder, Budgeting(DEAR_NODES), roots=4.0)
+    traces = {kind: batch.run(list(zip(asked, auto))) for kind, batch in (("held", held), ("following", following))}
+    assert held.scales == (1.0, 1.0) and held.round_cost == DEAR_NODES
+    assert following.scales[0] > 2.0 and following.scales[1] == pytest.approx(1.0, abs=0.2)
+    for ids, stayed, moved in zip(asked, traces["held"], traces["following"]):
+        assert stayed.output_ids == moved.output_ids == alone(decoder, ids, DecodeSettings("ar", max_new_tokens=TOKENS)
+                                                              ).output_ids
+        assert all(step.batch.budget == 0 for step in stayed.steps[1:] + moved.steps[1:4])  # the first: no record yet
+    later_trees = [step.batch.budget for trace in traces["following"] for step in trace.steps[4:]]
+    assert sum(budget > 1 for budget in later_trees) >= 3
+    assert sum(len(trace.steps) for trace in traces["following"]) < sum(len(trace.steps) for trace in traces["held"])
 
 
 def test_a_round_s_cost_beyond_its_step_is_the_median_gap_between_steps_while_requests_decode(oracle64):
     decoder, asked = oracle64
-    batch = Batch(decoder, Budgeting(DEAR_NODES))
+    batch = Batch(decoder, Budgeting(DEAR_NODES))  # fewer steps than a refit: the cost's parts stay
     assert batch.round_cost == DEAR_NODES  # nothing measured yet
     batch.admit(asked[0], DecodeSettings("ar", max_new_tokens=6))
     while not batch.requests:
@@ -372,7 +410,7 @@ def test_an_auto_tree_drafts_as_deep_as_its_expected_nodes_reach(oracle64):
     """A best-first tree's first n nodes reach fewer than n depths: an "auto" request drafts as deep as its last
     candidate tree's first n nodes reached, and DEPTH_MARGIN more, n the nodes it is expected to get."""
     decoder, asked = oracle64
-    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    batch = Batch(decoder, pinned(CHEAP_NODES))
     request = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto"))
     while batch.waiting:
         batch.advance()
@@ -397,7 +435,7 @@ def test_the_page_says_what_batch_a_step_ran_in_and_what_sharing_cost_the_reques
     from viz.figures import economics_text, explain_stop
 
     decoder, asked = oracle64
-    traces = Batch(decoder, Budgeting(CHEAP_NODES)).run(list(zip(asked, MIXED)))
+    traces = Batch(decoder, pinned(CHEAP_NODES)).run(list(zip(asked, MIXED)))
     step = traces[0].steps[0]
     said = explain_stop(step, lambda token: f"t{token}")
     assert said.endswith(f"In a batch of **5** requests ({step.batch.nodes} draft nodes verified in all), its tree "
@@ -415,7 +453,7 @@ def test_a_request_in_a_row_another_left_reads_only_its_own_context():
     its context (a random one, not the scripted oracle) shows it at every depth."""
     target = tiny_target(0, vocab=VOCAB)
     decoder = Decoder(target, tiny_drafter(target, 0), DrafterInfo("random", trained=False))
-    batch = Batch(decoder, Budgeting(CHEAP_NODES))
+    batch = Batch(decoder, pinned(CHEAP_NODES))
     settings = DecodeSettings("ddtree", max_new_tokens=12, tree_budget=16)  # drafts its whole block, as alone
     for ids in prompts(3):
         request = batch.admit(ids, settings)
@@ -456,7 +494,7 @@ def test_the_drafters_fixed_shape_pass_drafts_what_the_eager_pass_drafts():
     asked = prompts(6, seed=4)
     runs = []
     for fixed in (False, True):
-        batch = Batch(decoder, Budgeting(CHEAP_NODES))
+        batch = Batch(decoder, pinned(CHEAP_NODES))
         assert batch.graphed_draft is None  # no GPU here: eager unless asked
         if fixed:
             batch.graphed_draft = GraphedBatchDraft(decoder.drafter, *decoder.draft_weights, batch.context,
@@ -518,11 +556,11 @@ def test_the_batch_profile_decodes_every_request_and_reports_each_stage(oracle32
 
     decoder, asked = oracle32
     settings = DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto")
-    run = decode_batch(decoder, Budgeting(CHEAP_NODES), asked[:3], settings)
+    run = decode_batch(decoder, pinned(CHEAP_NODES), asked[:3], settings)
     assert run.tokens == sum(len(alone(decoder, ids, settings).output_ids) for ids in asked[:3])
     assert set(run.stages) == {"draft", "tree_build", "tree_compile", "verify", "commit"}
     assert run.steps < run.tokens and len(run.rounds) >= run.steps / 3
     assert run.line("ddtree x 3").startswith(f"ddtree x 3: {run.tokens / run.seconds:.1f} tokens/s, τ ")
     assert run.nodes > 1 and 0 < run.grown <= 1 and f"{run.nodes:.1f} nodes a request a step" in run.line("x")
-    ar = decode_batch(decoder, Budgeting(CHEAP_NODES), asked[:2], DecodeSettings("ar", max_new_tokens=8))
+    ar = decode_batch(decoder, pinned(CHEAP_NODES), asked[:2], DecodeSettings("ar", max_new_tokens=8))
     assert (ar.nodes, ar.grown) == (0.0, 0.0)

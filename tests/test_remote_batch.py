@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 from engine.loop.batch import Batch
-from engine.loop.budgeting import Budgeting
 from engine.loop.remote_batch import BatchHost, RemoteBatch
 from engine.loop.settings import DecodeSettings
-from tests.test_batch import CHEAP_NODES, TOKENS, alone, oracle_decoder
+from tests.test_batch import CHEAP_NODES, TOKENS, alone, oracle_decoder, pinned
 
 
 def through_json(host: BatchHost):
@@ -22,7 +21,7 @@ def through_json(host: BatchHost):
 
 def test_a_remote_batch_streams_each_requests_steps_and_stops_the_ones_whose_clients_left():
     decoder, asked = oracle_decoder()
-    host = BatchHost(Batch(decoder, Budgeting(CHEAP_NODES)))
+    host = BatchHost(Batch(decoder, pinned(CHEAP_NODES)))
     remote = RemoteBatch(through_json(host))
     seen: dict[str, list[int]] = {}
 

@@ -30,7 +30,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import ddtree
-from ddtree.allocate import Allocation, Offer, StepCost, allocate, plan_drafts
+from ddtree.allocate import Allocation, Offer, StepCost, allocate, measured_scales, plan_drafts
 from ddtree.batch import BatchLayout, pack_trees
 from ddtree.tree import DraftRow, Drafts
 from engine.errors import EngineError
@@ -51,6 +51,7 @@ INITIAL_ROWS = 4
 GRAPHED_CONTEXT_ROWS = 40
 KEPT_SHAPES = 256
 KEPT_GAPS = 32  # the last gaps between consecutive steps, whose median is what a round costs beyond its step
+REFIT_STEPS = 16  # steps between two measurings of how the steps' time compares with the cost model's
 INITIAL_COLUMNS = 512
 
 
@@ -156,6 +157,7 @@ class Batch:
         self.shapes: deque[StepShape] = deque(maxlen=KEPT_SHAPES)  # the last steps' sizes and times
         self.gaps: deque[float] = deque(maxlen=KEPT_GAPS)  # seconds from a step's end to the next one's start
         self.last_step_end: float | None = None  # while requests are decoding
+        self.scales = (1.0, 1.0)  # the measured steps against the cost model's parts (``ddtree.measured_scales``)
         self._names = 0
 
     # -- joining and leaving
@@ -320,17 +322,29 @@ class Batch:
             self.record(p, outcome, layout, allocation, active, t_start, stage_s)
         # the step's time as a request waits it, its record and stream included: what the cost model is fitted to
         self.last_step_end = self.clock.now()
-        self.shapes.append(StepShape(len(active), layout.tokens - len(active), len(drafts), drafted_rows(drafts),
-                                     self.last_step_end - t_start, stage_s["draft"]))
+        self.measured(StepShape(len(active), layout.tokens - len(active), len(drafts), drafted_rows(drafts),
+                                self.last_step_end - t_start, stage_s["draft"]))
+
+    def measured(self, shape: StepShape) -> None:
+        """A step taken: its size and time kept, and every ``REFIT_STEPS`` steps the cost's parts scaled to the steps
+        kept (where the budgeting follows them)."""
+        self.shapes.append(shape)
         self.steps_taken += 1
+        if self.budgeting.follow_steps and self.steps_taken % REFIT_STEPS == 0:
+            self.scales = measured_scales(self.budgeting.cost, [(kept.requests, kept.nodes, kept.drafts,
+                                                                 kept.draft_rows, kept.seconds)
+                                                                for kept in self.shapes])
 
     @property
     def round_cost(self) -> StepCost:
-        """The step cost trees are sized by: the machine's (``Budgeting.cost``, fitted to steps alone) plus what a
-        round costs here beyond its step (the median gap between steps: a server's hop to the model's process, its
-        streams, a prompt's chunk), which every client waits for once a round and a larger tree spreads over more
-        tokens."""
-        cost = self.budgeting.cost
+        """The step cost trees are sized by: the machine's (``Budgeting.cost``, fitted to steps of fixed budgets),
+        its roots' and its trees' parts each scaled to what this batch's own steps took (``scales``: a served step
+        also sizes, prices and records its trees), plus what a round costs here beyond its step (the median gap
+        between steps: a server's hop to the model's process, its streams, a prompt's chunk), which every client
+        waits for once a round and a larger tree spreads over more tokens."""
+        if not self.budgeting.follow_steps:
+            return self.budgeting.cost
+        cost = self.budgeting.cost.scaled(*self.scales)
         return replace(cost, fixed_s=cost.fixed_s + statistics.median(self.gaps)) if self.gaps else cost
 
     def plan(self, active: list[BatchRequest]) -> list[int]:

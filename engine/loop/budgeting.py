@@ -44,6 +44,9 @@ class Budgeting:
     source: str = "provisional: no step costs recorded or timed for this machine"
     prior: dict[str, torch.Tensor] = field(default_factory=dict)  # method name -> [AUTO_NODES] worth, best first
     typical: dict[str, torch.Tensor] = field(default_factory=dict)  # likewise, learned
+    # whether a batch sizes trees by what its own rounds take (``Batch.round_cost``: the cost scaled to its steps,
+    # and the gap between them); False holds the cost as given
+    follow_steps: bool = True
 
     def expectation(self, row: Method) -> torch.Tensor | None:
         """What a draft of this method is expected to be worth before the request's own drafts say."""
