@@ -25,7 +25,7 @@
 #   serve      the endpoint through the openai client at 1-16 clients beside vLLM's own AR and DFlash (carry
 #              [".whl-serve"]): SERVE_PART=1 then SERVE_PART=2, back to back (~4.5 and ~4 min on an H200)
 #   serve-hop  the endpoint at CLIENTS (16), AR and DDTree (auto), vLLM's engine core in the server's process and then in
-#              its own: what the hop to it costs a round (~4 min)
+#              its own (CORES=own: the default alone, ~2 min): what the hop to it costs a round (~4 min)
 #   serve-float32  the endpoint in float32 at 1 and 8 clients, vLLM's batch-invariant mode on (--batch-invariant): each
 #              output against the same prompt's AR at 1 client (LIMIT 32 prompts, 64 tokens) (~3 min)
 #   batch      the batched step's checks and profile: the path attention tests (padding included), the batch in vLLM's
@@ -142,7 +142,7 @@ serve)  # the endpoint under 1-16 clients beside vLLM's own AR and DFlash, in tw
   grep -E '^\| ' "$OUT/serve-bench-$part.txt" | tail -n 26 ;;
 serve-hop)  # the hop to vLLM's engine core: AR and DDTree (auto) at CLIENTS (16) with the engine core in the server's
   # process (VLLM_ENABLE_V1_MULTIPROCESSING=0), then in its own process (vLLM's default, as serve runs it)
-  for core in inproc own; do
+  for core in ${CORES:-inproc own}; do
     env $([ $core = inproc ] && echo VLLM_ENABLE_V1_MULTIPROCESSING=0) timeout 240 python3 -m engine.tools.serve_bench \
         --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-32}" --max-tokens "$TOKENS" --methods ar,ddtree@auto \
         --modes batched --concurrency "${CLIENTS:-16}" --server-args "--engine vllm $MODELS $STEP" \
