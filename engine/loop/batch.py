@@ -158,6 +158,7 @@ class Batch:
         self.gaps: deque[float] = deque(maxlen=KEPT_GAPS)  # seconds from a step's end to the next one's start
         self.last_step_end: float | None = None  # while requests are decoding
         self.scales = (1.0, 1.0)  # the measured steps against the cost model's parts (``ddtree.measured_scales``)
+        self.cost = self.round_cost  # what the step under way sizes its trees by
         self._names = 0
 
     # -- joining and leaving
@@ -306,6 +307,7 @@ class Batch:
         t_start = self.clock.now()
         if self.last_step_end is not None:
             self.gaps.append(t_start - self.last_step_end)
+        self.cost = self.round_cost
         with self.clock.stage("draft"):
             drafts = self.draft(active, self.plan(active))
         with self.clock.stage("tree_build"):
@@ -363,7 +365,7 @@ class Batch:
                 offers.append(Offer(tuple(expected.tolist()), AUTO_NODES))
             else:
                 offers.append(Offer((1.0,), 1, fixed=True))
-        cost = self.round_cost.before_drafting(DEPTH_MARGIN)
+        cost = self.cost.before_drafting(DEPTH_MARGIN)
         drafting = plan_drafts(offers, cost, len(active))
         chosen = [offer for offer, draft in zip(offers, drafting) if draft]
         expected = iter(allocate(chosen, cost, len(active), len(chosen)).nodes)
@@ -433,7 +435,7 @@ class Batch:
                     request.reach = tree.depths.cummax(0).values
             candidates.append(tree)
             offers.append(offer)
-        allocation = allocate(offers, self.round_cost, len(active), len(drafts), drafted_rows(drafts))
+        allocation = allocate(offers, self.cost, len(active), len(drafts), drafted_rows(drafts))
         planned = []
         for request, tree, offer, nodes in zip(active, candidates, offers, allocation.nodes):
             planned.append(Planned(request, request.root, first_nodes(tree, nodes), drafts.get(request),
@@ -449,8 +451,8 @@ class Batch:
             if request.settings.auto_budget:
                 by_method.setdefault(request.row_method, []).append((request, row.index))
         built = {}
+        log_probs = next(iter(drafts.values())).drafts.log_probs if drafts else None  # [b, D, V]: every draft
         for method_row, chosen in by_method.items():
-            log_probs = next(iter(drafts.values())).drafts.log_probs  # [b, D, V]: every drafted request's
             rows = torch.tensor([index for _, index in chosen], device=log_probs.device)
             built.update(zip([request for request, _ in chosen],
                              self.budgeting.auto_candidates(method_row, log_probs.index_select(0, rows))))
@@ -525,7 +527,7 @@ class Batch:
                               draft_top(planned.log_probs, request.settings.record_top_k) if full else ([], []),
                               outcome, dict(stage_s))
         rows = 0 if planned.log_probs is None else planned.log_probs.shape[0]
-        alone = self.round_cost.seconds(1, planned.tree.size, int(planned.log_probs is not None), rows)
+        alone = self.cost.seconds(1, planned.tree.size, int(planned.log_probs is not None), rows)
         step.batch = StepBatch(size=len(active), nodes=layout.tokens - len(active), budget=planned.tree.size,
                                reason=planned.reason, neighbours=[r.name for r in active if r is not request],
                                alone_s=alone)
