@@ -429,7 +429,7 @@ class Batch:
                     request.expected = self.budgeting.relax(request.row_method, request.expected)
             else:
                 tree, offer = auto.get(request) or self.budgeting.candidates(request.row_method, log_probs,
-                                                                             settings.tree_budget, False)
+                                                                             settings.tree_budget, auto=False)
                 if settings.auto_budget:
                     request.expected = self.budgeting.learn(request.row_method, request.expected, offer)
                     request.reach = tree.depths.cummax(0).values

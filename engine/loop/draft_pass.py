@@ -131,11 +131,10 @@ class BatchDraftInputs:
         stays padding). The slots past ``c`` are padding requests: no new rows, in the context's ``scratch`` row, which
         no request of the pass is in (a row written twice in one pass keeps either write)."""
         count, new = block.shape[0], features.shape[1]
-        for buffer, values in ((self.block, block), (self.positions, positions), (self.added, added),
-                               (self.rows, rows)):
-            buffer[count:] = 0
+        for buffer, values, padding in ((self.block, block, 0), (self.positions, positions, 0), (self.added, added, 0),
+                                        (self.rows, rows, scratch)):
+            buffer[count:] = padding
             buffer[:count].copy_(values)
-        self.rows[count:] = scratch
         self.features.zero_()[:count, :new].copy_(features)  # padding as the eager pass pads
         self.feature_positions.zero_()[:count, :new].copy_(feature_positions)
 
