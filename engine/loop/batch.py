@@ -22,6 +22,7 @@ trace, recorded step by step as a single run records them, plus what the batch d
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -53,6 +54,23 @@ KEPT_SHAPES = 256
 KEPT_GAPS = 32  # the last gaps between consecutive steps, whose median is what a round costs beyond its step
 REFIT_STEPS = 16  # steps between two measurings of how the steps' time compares with the cost model's
 INITIAL_COLUMNS = 512
+
+
+@dataclass
+class RoundTimes:
+    """Where a round's seconds went: ``Batch.advance`` times its prompts' chunks and the rest of its round, a host
+    across a process boundary its report, and its driver the way there and back and what it then streams
+    (``engine.loop.remote_batch``). What the server logs, so that a served round's time beyond its step has names."""
+
+    prefill_s: float = 0.0  # the joining prompts' chunks
+    step_s: float = 0.0  # the rest of the round: the step (here also its records and streams) and the leaving
+    report_s: float = 0.0  # the round's news as plain data, on the host
+    hop_s: float = 0.0  # to the host and back, beyond what it did there
+    streams_s: float = 0.0  # the news taken and streamed on the driver's side
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.step_s + self.report_s + self.hop_s + self.streams_s
 
 
 class BatchRequest(Run):
@@ -159,6 +177,7 @@ class Batch:
         self.last_step_end: float | None = None  # while requests are decoding
         self.scales = (1.0, 1.0)  # the measured steps against the cost model's parts (``ddtree.measured_scales``)
         self.cost = self.round_cost  # what the step under way sizes its trees by
+        self.last_round = RoundTimes()
         self._names = 0
 
     # -- joining and leaving
@@ -215,6 +234,7 @@ class Batch:
     def advance(self) -> list[BatchRequest]:
         """One round: prefill what fits of the joining prompts, one step for the decoding requests; returns the
         requests that finished in it (each with its summarized trace), already released."""
+        begun = time.perf_counter()
         finished: list[BatchRequest] = []
         for request in list(self.waiting):
             if request.should_stop is not None and request.should_stop():  # its client left before its first token
@@ -231,11 +251,13 @@ class Batch:
                 self.requests.append(request)
                 self.requests.sort(key=lambda r: r.row)
         self.settle(finished)
+        prefilled = time.perf_counter()
         if self.requests:
             self.step()
         self.settle(finished)
         if not self.requests:
             self.last_step_end = None  # the time until the next request arrives is no round's
+        self.last_round = RoundTimes(prefill_s=prefilled - begun, step_s=time.perf_counter() - prefilled)
         return finished
 
     def settle(self, finished: list[BatchRequest]) -> None:

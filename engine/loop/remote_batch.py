@@ -5,16 +5,19 @@ any ``call(method, *args)`` that reaches a host, so that a request's steps arriv
 (``open_batch``: the one the server's decoder needs).
 
 A round's report names every request that moved: its trace whole the first time (config and prefill, steps so far),
-then only its new steps, and once it is done its summary. A request whose client left is named in the next
-round's call, and the host stops it at that round, as ``Batch`` stops a request whose ``should_stop`` says so.
+then only its new steps, and once it is done its summary; and where the round's time went on the host
+(``RoundTimes``), to which the driver adds the way there and back and its own part. A request whose client left is
+named in the next round's call, and the host stops it at that round, as ``Batch`` stops a request whose
+``should_stop`` says so.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
-from engine.loop.batch import Batch, BatchRequest
+from engine.loop.batch import Batch, BatchRequest, RoundTimes
 from engine.loop.budgeting import Budgeting
 from engine.loop.settings import DecodeSettings
 from engine.trace import Step, Trace
@@ -39,17 +42,20 @@ class BatchHost:
         self.batch.admit_prepared(prompt, prompt_ids, DecodeSettings(**settings), notes, name=name,
                                   should_stop=lambda: name in self.leaving)
 
-    def advance(self, leaving: list[str]) -> dict[str, dict]:
-        """One round (``Batch.advance``) after the requests ``leaving`` are told to stop: for each request that
-        moved, ``{"trace": ...}`` the first time, then ``{"steps": [...]}``, and ``"summary"`` once done (a
-        request that left before its first token: ``{"trace": None, "summary": None}``)."""
+    def advance(self, leaving: list[str]) -> dict:
+        """One round (``Batch.advance``) after the requests ``leaving`` are told to stop: ``"requests"``, for each
+        request that moved, ``{"trace": ...}`` the first time, then ``{"steps": [...]}``, and ``"summary"`` once done
+        (a request that left before its first token: ``{"trace": None, "summary": None}``); ``"times"``, the round's
+        ``RoundTimes`` here."""
         self.leaving.update(leaving)
         finished = self.batch.advance()
+        reporting = time.perf_counter()
         report = {request.name: self.news(request) for request in [*self.batch.requests, *finished]}
         for request in finished:
             self.leaving.discard(request.name)
             self.sent.pop(request.name, None)
-        return {name: news for name, news in report.items() if news}
+        times = replace(self.batch.last_round, report_s=time.perf_counter() - reporting)
+        return {"requests": {name: news for name, news in report.items() if news}, "times": asdict(times)}
 
     def news(self, request: BatchRequest) -> dict:
         trace = request.trace
@@ -98,6 +104,7 @@ class RemoteBatch:
     def __init__(self, call: Call):
         self.call = call
         self.requests: dict[str, RemoteRequest] = {}
+        self.last_round = RoundTimes()
         self._names = 0
 
     @property
@@ -118,10 +125,15 @@ class RemoteBatch:
         token), its streamed steps handed to ``on_step`` on the way."""
         leaving = [name for name, request in self.requests.items()
                    if request.should_stop is not None and request.should_stop()]
-        report = self.call("advance", leaving)
+        called = time.perf_counter()
+        answer = self.call("advance", leaving)
+        answered = time.perf_counter()
         finished = []
-        for name, news in report.items():
+        for name, news in answer["requests"].items():
             request = self.requests[name]
             if request.take(news):
                 finished.append(self.requests.pop(name))
+        there = RoundTimes(**answer["times"])
+        self.last_round = replace(there, hop_s=max(answered - called - there.total_s, 0.0),
+                                  streams_s=time.perf_counter() - answered)
         return finished

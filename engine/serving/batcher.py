@@ -12,13 +12,15 @@ between rounds, and no job ever waits for another (the queue's rules). Requests 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.errors import EngineError
-from engine.loop.batch import Batch
+from engine.loop.batch import Batch, RoundTimes
 from engine.loop.budgeting import Budgeting
 from engine.loop.decode import Decoder
 from engine.loop.remote_batch import RemoteBatch, open_batch
@@ -27,6 +29,8 @@ from engine.serving.model_queue import ModelQueue
 from engine.trace import Step, Trace
 
 log = logging.getLogger("ddtree-serve")
+
+LOGGED_ROUNDS = 256  # rounds a line of the log says where their time went
 
 
 class RequestCancelled(Exception):
@@ -58,6 +62,9 @@ class Batcher:
         self._futures: dict[str, Future] = {}  # by request name, for those admitted
         self._lock = threading.Lock()  # guards the inbox and ``_scheduled``; never held while waiting
         self._scheduled = False
+        self.timed: list[tuple[float, float, RoundTimes]] = []  # rounds since the last line of the log: each one's
+        # seconds, the seconds it waited on the queue after the one before, and where the batch says they went
+        self._last_round_end: float | None = None
 
     def submit(self, name: str, prompt: str, prompt_ids: list[int], settings: DecodeSettings, notes: list[str], *,
                on_step: Callable[[Trace, Step], None] | None = None,
@@ -89,16 +96,30 @@ class Batcher:
     def _round(self) -> None:
         """One round on the model's thread: admit the inbox, advance the batch, settle the finished; queue the
         next round while any work is left."""
+        begun = time.perf_counter()
         try:
             self._admit()
             if self.batch is not None and not self.batch.idle:
                 self._advance()
+                self._timed(begun)
         finally:
             with self._lock:
                 more = bool(self._inbox) or (self.batch is not None and not self.batch.idle)
                 self._scheduled = more
             if more:
                 self.queue.submit(self._round)
+            self._last_round_end = time.perf_counter() if more else None  # no wait is timed across an idle spell
+
+    def _timed(self, begun: float) -> None:
+        """The round just advanced is kept; every ``LOGGED_ROUNDS`` rounds, and when the batch goes idle, a line of
+        the log says where the kept rounds' time went."""
+        if self.batch is None:  # the step failed and the batch was dropped
+            return
+        waited = begun - self._last_round_end if self._last_round_end is not None else 0.0
+        self.timed.append((time.perf_counter() - begun, waited, self.batch.last_round))
+        if len(self.timed) >= LOGGED_ROUNDS or self.batch.idle:
+            log.info("%s", round_times_line(self.timed))
+            self.timed = []
 
     def _admit(self) -> None:
         with self._lock:
@@ -136,3 +157,18 @@ class Batcher:
                 future.set_exception(RequestCancelled(request.name))
             else:
                 future.set_result(request.trace)
+
+
+def round_times_line(timed: list[tuple[float, float, RoundTimes]]) -> str:
+    """Where rounds' time went, as means in ms that add up to the mean round (the rest: admitting joiners, which
+    on a remote batch is a call of its own, and the round's own bookkeeping)."""
+    def mean_ms(values) -> float:
+        return 1000 * statistics.fmean(values)
+
+    parts = {name: mean_ms([getattr(times, name + "_s") for _, _, times in timed])
+             for name in ("prefill", "step", "report", "hop", "streams")}
+    rest = mean_ms([seconds - times.total_s for seconds, _, times in timed])
+    said = ", ".join(f"{name} {ms:.2f}" for name, ms in parts.items())
+    return (f"the last {len(timed)} rounds, mean ms a round: {mean_ms([s for s, _, _ in timed]):.2f} = {said}, "
+            f"admitting and the rest {rest:.2f}; then {mean_ms([w for _, w, _ in timed]):.2f} waiting on the queue "
+            f"(median round {1000 * statistics.median(s for s, _, _ in timed):.2f})")

@@ -148,6 +148,7 @@ serve-hop)  # the hop to vLLM's engine core: AR and DDTree (auto) at CLIENTS (16
         --modes batched --concurrency "${CLIENTS:-16}" --server-args "--engine vllm $MODELS $STEP" \
         --out "$OUT/gpu-serve-hop-$core$TAG.json" > "$OUT/serve-bench-hop-$core.txt" 2>&1
     echo "engine core $core:"; grep -E '^\| batched' "$OUT/serve-bench-hop-$core.txt"
+    grep -oE 'the last [0-9]+ rounds, mean ms.*' "$OUT/serve-bench-hop-$core.txt" | head -n 16  # AR's, then DDTree's
   done ;;
 serve-float32)
   timeout 420 python3 -m engine.tools.serve_bench --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-32}" \
