@@ -335,11 +335,11 @@ class Told(Batch):
         super().__init__(decoder, budgeting)
         self.told = roots, trees, hop_s
 
-    def step(self) -> None:
+    def step(self) -> dict[str, float]:
         self.last_step_end = None  # no gap timed: the told one stands
         self.gaps.clear()
         self.gaps.append(self.told[2])
-        super().step()
+        return super().step()
 
     def measured(self, shape: StepShape) -> None:
         roots, trees = self.budgeting.cost.parts(shape.requests, shape.nodes, shape.drafts, shape.draft_rows)

@@ -258,3 +258,18 @@ def test_vllm_own_engine_starts_only_after_the_studio_gave_the_gpu_back(decoder,
                                 progress=False)
     assert programs_at_start == [(0, 8)] and notes == ["vllm-ar not timed: vLLM did not start it: no GPU here"]
     assert fixed.run(prompt_ids=[3, 4], settings=settings).output_ids == before  # a closed torch decoder runs again
+
+
+def test_the_studios_vllm_engine_core_runs_in_its_process_unless_the_environment_places_it(monkeypatch):
+    """The Studio's ``vllm.LLM`` is made with vLLM's engine core in this process (no hop a round), and the switch is
+    put back afterwards so that vLLM's own runs keep vLLM's default; a place the environment names stands."""
+    from engine.on_vllm.vllm_engine import ENGINE_CORE_PROCESS, engine_core_here
+
+    monkeypatch.delenv(ENGINE_CORE_PROCESS, raising=False)
+    with engine_core_here():
+        assert os.environ[ENGINE_CORE_PROCESS] == "0"
+    assert ENGINE_CORE_PROCESS not in os.environ
+    monkeypatch.setenv(ENGINE_CORE_PROCESS, "1")
+    with engine_core_here():
+        assert os.environ[ENGINE_CORE_PROCESS] == "1"
+    assert os.environ[ENGINE_CORE_PROCESS] == "1"

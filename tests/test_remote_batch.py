@@ -81,16 +81,22 @@ def test_a_remote_round_says_where_its_time_went_the_way_to_the_host_and_back_ap
     for seconds, times in rounds:
         assert hop_s <= times.hop_s <= seconds and times.report_s > 0 and times.streams_s > 0
         assert times.total_s == pytest.approx(seconds, abs=0.005)
+        assert set(times.stage_s) == {"draft", "tree_build", "tree_compile", "verify", "commit"}
+        assert sum(times.stage_s.values()) <= times.step_s
 
 
 def test_the_servers_line_of_round_times_adds_up_to_its_mean_round():
-    timed = [(0.030, 0.001, RoundTimes(prefill_s=0.010, step_s=0.012, report_s=0.001, hop_s=0.004, streams_s=0.002)),
-             (0.020, 0.003, RoundTimes(step_s=0.014, report_s=0.001, hop_s=0.002, streams_s=0.001))]
+    timed = [(0.030, 0.001, RoundTimes(prefill_s=0.010, step_s=0.012, report_s=0.001, hop_s=0.004, streams_s=0.002,
+                                       stage_s={"draft": 0.004, "verify": 0.006})),
+             (0.020, 0.003, RoundTimes(step_s=0.014, report_s=0.001, hop_s=0.002, streams_s=0.001,
+                                       stage_s={"draft": 0.002, "verify": 0.008})),
+             (0.010, 0.002, RoundTimes(prefill_s=0.009))]  # a round of prompts alone: no step
     line = round_times_line(timed)
     numbers = [float(n) for n in re.findall(r"\d+\.\d+", line)]
-    mean, parts, waiting, median = numbers[0], numbers[1:7], numbers[7], numbers[8]
-    assert line.startswith("the last 2 rounds") and mean == 25.0 and sum(parts) == pytest.approx(mean, abs=0.02)
-    assert parts == [5.0, 13.0, 1.0, 3.0, 1.5, 1.5] and waiting == 2.0 and median == 25.0
+    mean, parts, waiting, median, stages = numbers[0], numbers[1:7], numbers[7], numbers[8], numbers[9:]
+    assert line.startswith("the last 3 rounds") and mean == 20.0 and sum(parts) == pytest.approx(mean, abs=0.02)
+    assert parts == [6.33, 8.67, 0.67, 2.0, 1.0, 1.33] and waiting == 2.0 and median == 20.0
+    assert stages == [3.0, 7.0, 3.0], "the stages of the rounds that stepped, the rest of their step its records"
 
 
 def test_a_served_batch_logs_where_its_rounds_went_once_it_goes_idle(caplog):

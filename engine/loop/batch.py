@@ -25,7 +25,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -67,6 +67,7 @@ class RoundTimes:
     report_s: float = 0.0  # the round's news as plain data, on the host
     hop_s: float = 0.0  # to the host and back, beyond what it did there
     streams_s: float = 0.0  # the news taken and streamed on the driver's side
+    stage_s: dict[str, float] = field(default_factory=dict)  # the step's stages (``Batch.step``), where it took one
 
     @property
     def total_s(self) -> float:
@@ -252,12 +253,12 @@ class Batch:
                 self.requests.sort(key=lambda r: r.row)
         self.settle(finished)
         prefilled = time.perf_counter()
-        if self.requests:
-            self.step()
+        stage_s = self.step() if self.requests else {}
         self.settle(finished)
         if not self.requests:
             self.last_step_end = None  # the time until the next request arrives is no round's
-        self.last_round = RoundTimes(prefill_s=prefilled - begun, step_s=time.perf_counter() - prefilled)
+        self.last_round = RoundTimes(prefill_s=prefilled - begun, step_s=time.perf_counter() - prefilled,
+                                     stage_s=stage_s)
         return finished
 
     def settle(self, finished: list[BatchRequest]) -> None:
@@ -322,9 +323,9 @@ class Batch:
 
     # -- the step
 
-    def step(self) -> None:
+    def step(self) -> dict[str, float]:
         """One batched step for every decoding request: plan who drafts, draft, size and build the trees,
-        pack them, verify them in one pass, walk and commit each, record each request's step."""
+        pack them, verify them in one pass, walk and commit each, record each request's step; its stages' seconds."""
         active = list(self.requests)
         t_start = self.clock.now()
         if self.last_step_end is not None:
@@ -348,6 +349,7 @@ class Batch:
         self.last_step_end = self.clock.now()
         self.measured(StepShape(len(active), layout.tokens - len(active), len(drafts), drafted_rows(drafts),
                                 self.last_step_end - t_start, stage_s["draft"]))
+        return stage_s
 
     def measured(self, shape: StepShape) -> None:
         """A step taken: its size and time kept, and every ``REFIT_STEPS`` steps the cost's parts scaled to the steps

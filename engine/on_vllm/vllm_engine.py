@@ -16,7 +16,8 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -92,6 +93,25 @@ def require_vllm():
     # the torch engine beside it) must spawn it instead
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     return vllm
+
+
+ENGINE_CORE_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's switch: its engine core in a process of its own
+
+
+@contextmanager
+def engine_core_here() -> Iterator[None]:
+    """vLLM's engine core in this process while a ``vllm.LLM`` is made, unless the environment names a place for
+    it. The Studio calls its workers once a round (``RemoteBatch``); a core in a process of its own adds to every
+    round the way there and back, its report serialized both ways, which grows with the trees (the server's log of
+    its rounds names that "hop"). vLLM's own runs (``native_llm``) keep vLLM's default."""
+    chosen = ENGINE_CORE_PROCESS in os.environ
+    if not chosen:
+        os.environ[ENGINE_CORE_PROCESS] = "0"
+    try:
+        yield
+    finally:
+        if not chosen:
+            del os.environ[ENGINE_CORE_PROCESS]
 
 
 def model_folder(name: str | None, tensor_parallel_size: int = 1) -> str:
@@ -267,12 +287,14 @@ class VllmDecoder(Decoder):
             taps = drafter.hidden_state_indices if drafter is not None else []
             settings["additional_config"] = settings.get("additional_config", {}) | {"ddtree_taps": taps}
             settings["compilation_config"] = {"cudagraph_mode": "NONE"}  # the Studio records its own graphs
-        self.llm = vllm.LLM(
-            model=folder, dtype=dtype, seed=seed, tensor_parallel_size=options.tensor_parallel_size,
-            enforce_eager=not options.vllm_compile, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
-            gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
-            tokenizer=tokenizer_folder(folder), load_format="dummy" if options.random_weights else "auto", **settings,
-        )
+        with engine_core_here():
+            self.llm = vllm.LLM(
+                model=folder, dtype=dtype, seed=seed, tensor_parallel_size=options.tensor_parallel_size,
+                enforce_eager=not options.vllm_compile, attention_backend="TRITON_ATTN", enable_prefix_caching=False,
+                gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
+                tokenizer=tokenizer_folder(folder), load_format="dummy" if options.random_weights else "auto",
+                **settings,
+            )
         loaded = self.llm.collective_rpc("studio_load", args=(model or BUNDLED_MODEL, drafter_path,
                                                               drafter_info.name, options.cuda_graphs,
                                                               options.fixed_step, options.compile_step,

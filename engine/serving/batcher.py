@@ -169,6 +169,12 @@ def round_times_line(timed: list[tuple[float, float, RoundTimes]]) -> str:
              for name in ("prefill", "step", "report", "hop", "streams")}
     rest = mean_ms([seconds - times.total_s for seconds, _, times in timed])
     said = ", ".join(f"{name} {ms:.2f}" for name, ms in parts.items())
-    return (f"the last {len(timed)} rounds, mean ms a round: {mean_ms([s for s, _, _ in timed]):.2f} = {said}, "
+    line = (f"the last {len(timed)} rounds, mean ms a round: {mean_ms([s for s, _, _ in timed]):.2f} = {said}, "
             f"admitting and the rest {rest:.2f}; then {mean_ms([w for _, w, _ in timed]):.2f} waiting on the queue "
             f"(median round {1000 * statistics.median(s for s, _, _ in timed):.2f})")
+    stepped = [times for _, _, times in timed if times.stage_s]
+    if not stepped:
+        return line
+    stages = {stage: mean_ms([times.stage_s[stage] for times in stepped]) for stage in stepped[0].stage_s}
+    stages["records and leaving"] = mean_ms([times.step_s - sum(times.stage_s.values()) for times in stepped])
+    return f"{line}; a step's stages, mean ms: " + ", ".join(f"{stage} {ms:.2f}" for stage, ms in stages.items())

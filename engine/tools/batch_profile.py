@@ -8,9 +8,8 @@ at once (``engine.loop.remote_batch.open_batch``: on the vLLM engine, in its wor
 to warm up, once timed. Prints tokens/s, τ, the rounds and their median, how many nodes the requests' trees got
 and how often they grew one, and each stage's median per step as the traces record it (draft, tree_build,
 tree_compile, verify, commit); ``--profile`` adds a third run under cProfile and prints its heaviest functions.
-On the vLLM engine the workers run in this process (vLLM's multiprocessing off), so the profile sees their Python
-as well: the time a served step spends outside this (its process boundary, the server) is what a serve bench's
-time per token shows beyond it.
+On the vLLM engine the workers run in this process (as they do by default: ``engine_core_here``), so the profile
+sees their Python as well; the server's log of its rounds says what a served round adds to this.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import sys
@@ -88,7 +86,6 @@ def decode_batch(decoder, budgeting, prompts: list[list[int]], settings: DecodeS
 
 
 def main(args: argparse.Namespace) -> int:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the vLLM engine's workers in this process
     decoder = load_studio_decoder(args)
     budgeting = batch_budgeting(decoder, time_here=True)
     print(f"trees sized by {budgeting.source}: {budgeting.cost}")

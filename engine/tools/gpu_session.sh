@@ -24,8 +24,9 @@
 #   app        the app on the vLLM engine through its API (carry [".whl-app"]: gradio's wheels) (~4 min)
 #   serve      the endpoint through the openai client at 1-16 clients beside vLLM's own AR and DFlash (carry
 #              [".whl-serve"]): SERVE_PART=1 then SERVE_PART=2, back to back (~4.5 and ~4 min on an H200)
-#   serve-hop  the endpoint at CLIENTS (16), AR and DDTree (auto), vLLM's engine core in the server's process and then in
-#              its own (CORES=own: the default alone, ~2 min): what the hop to it costs a round (~4 min)
+#   serve-hop  the endpoint at CLIENTS (16), AR and DDTree (auto), vLLM's engine core in the server's process (the
+#              Studio's default) and then in its own (CORES=own: that alone, ~2 min): what the hop to it costs a round,
+#              and the server's log of where its rounds' time went (~4 min)
 #   serve-float32  the endpoint in float32 at 1 and 8 clients, vLLM's batch-invariant mode on (--batch-invariant): each
 #              output against the same prompt's AR at 1 client (LIMIT 32 prompts, 64 tokens) (~3 min)
 #   batch      the batched step's checks and profile: the path attention tests (padding included), the batch in vLLM's
@@ -141,9 +142,9 @@ serve)  # the endpoint under 1-16 clients beside vLLM's own AR and DFlash, in tw
   [ -f "$part1" ] && cp "$part1" "$OUT/"
   grep -E '^\| ' "$OUT/serve-bench-$part.txt" | tail -n 26 ;;
 serve-hop)  # the hop to vLLM's engine core: AR and DDTree (auto) at CLIENTS (16) with the engine core in the server's
-  # process (VLLM_ENABLE_V1_MULTIPROCESSING=0), then in its own process (vLLM's default, as serve runs it)
+  # process (the Studio's default), then in its own process (vLLM's default: VLLM_ENABLE_V1_MULTIPROCESSING=1)
   for core in ${CORES:-inproc own}; do
-    env $([ $core = inproc ] && echo VLLM_ENABLE_V1_MULTIPROCESSING=0) timeout 240 python3 -m engine.tools.serve_bench \
+    VLLM_ENABLE_V1_MULTIPROCESSING=$([ $core = inproc ] && echo 0 || echo 1) timeout 240 python3 -m engine.tools.serve_bench \
         --prompts assets/prompts/fresh.jsonl --limit "${LIMIT:-32}" --max-tokens "$TOKENS" --methods ar,ddtree@auto \
         --modes batched --concurrency "${CLIENTS:-16}" --server-args "--engine vllm $MODELS $STEP" \
         --out "$OUT/gpu-serve-hop-$core$TAG.json" > "$OUT/serve-bench-hop-$core.txt" 2>&1
