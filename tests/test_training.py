@@ -22,7 +22,14 @@ from engine.training import data as data_module, objective, prompts as prompt_mo
 from engine.training.data import DataSettings, SequenceData, repetition_cut, user_turn_ids
 from engine.training.export import export_drafter
 from engine.training.generation import Sampling, TransformersGenerator, as_completion
-from engine.training.objective import block_loss, distillation_kl, fused_block_loss, target_logits
+from engine.training.objective import (
+    block_loss,
+    distillation_kl,
+    fused_block_loss,
+    target_logits,
+    topk_hinge,
+    within_top_k,
+)
 from engine.training.run import Plan
 from engine.training.settings import TrainSettings
 from engine.training.train import (
@@ -211,24 +218,75 @@ def loss_and_gradients(loss, drafter, target, settings: TrainSettings, seed: int
     return metrics, [p.grad.clone() for p in drafter.parameters()]
 
 
-@pytest.mark.parametrize("distill_weight, multiplier, softcap", [(0.5, 1.0, None), (0.0, 1.0, None), (1.0, 0.7, 3.0)])
-def test_the_fused_loss_has_the_references_loss_metrics_and_gradients(monkeypatch, distill_weight, multiplier, softcap):
+def tiny_loss_setup(multiplier: float = 1.0, softcap: float | None = None):
+    target = tiny_target(0, dtype=torch.float64)
+    drafter = tiny_drafter(target, block_size=8)
+    drafter.config.output_multiplier, drafter.config.final_logit_softcapping = multiplier, softcap
+    return drafter, target
+
+
+@pytest.mark.parametrize("distill_weight, multiplier, softcap, topk_weight, topk, topk_margin", [
+    (0.5, 1.0, None, 0.0, 4, 1.0), (0.0, 1.0, None, 0.0, 4, 1.0), (1.0, 0.7, 3.0, 0.0, 4, 1.0),
+    # the hinge on: k and margins where it is zero for some slots and positive for the others
+    (0.5, 1.0, None, 0.4, 24, 0.5), (0.0, 0.7, 3.0, 1.0, 4, 0.05)])
+def test_the_fused_loss_has_the_references_loss_metrics_and_gradients(monkeypatch, distill_weight, multiplier, softcap,
+                                                                       topk_weight, topk, topk_margin):
     """Closed-form gradients, chunked (7 slots a chunk, the last one padded), against autograd
     through whole log-softmaxes: every metric and every parameter's gradient, to float32's
     precision (both take their softmaxes in float32, as training does)."""
     monkeypatch.setattr(objective, "CHUNK_ROWS", 7)
-    target = tiny_target(0, dtype=torch.float64)
-    drafter = tiny_drafter(target, block_size=8)
-    drafter.config.output_multiplier, drafter.config.final_logit_softcapping = multiplier, softcap
-    settings = TrainSettings(blocks_per_sequence=3, distill_weight=distill_weight)
+    drafter, target = tiny_loss_setup(multiplier, softcap)
+    settings = TrainSettings(blocks_per_sequence=3, distill_weight=distill_weight, topk_weight=topk_weight, topk=topk,
+                             topk_margin=topk_margin)
     reference, reference_grads = loss_and_gradients(block_loss, drafter, target, settings)
     fused, fused_grads = loss_and_gradients(fused_block_loss, drafter, target, settings)
     assert int(reference.counted.sum()) > 7 and int(reference.counted.sum()) % 7, "several chunks, the last padded"
-    for name in ("loss", "ce", "kl", "correct", "counted", "accepted", "blocks"):
+    for name in ("loss", "ce", "kl", "hinge", "correct", "correct_topk", "counted", "accepted", "blocks"):
         torch.testing.assert_close(getattr(fused, name), getattr(reference, name), msg=name)
     assert float(reference.kl) > 0 or distill_weight == 0
+    assert (float(reference.hinge) > 0) == (topk_weight > 0)
+    assert 0 < int(reference.correct_topk.sum()) < int(reference.counted.sum())
     for a, b in zip(fused_grads, reference_grads):
         torch.testing.assert_close(a.float(), b.float())
+
+
+@pytest.mark.parametrize("loss", [block_loss, fused_block_loss])
+def test_with_weight_0_the_topk_term_leaves_the_loss_and_gradients_as_they_were(loss):
+    """Off, the term is not computed: CE and KL alone, bit for bit, whatever its k and margin; the
+    top-k accuracy is logged all the same (top-1's at k = 1, every slot at k = the vocabulary)."""
+    drafter, target = tiny_loss_setup()
+    runs = [loss_and_gradients(loss, drafter, target, TrainSettings(blocks_per_sequence=3, topk=k, topk_margin=margin))
+            for k, margin in [(4, 1.0), (1, 5.0), (VOCAB, 0.0)]]
+    (metrics, grads), *others = runs
+    assert torch.equal(metrics.loss, 0.5 * metrics.ce + 0.5 * metrics.kl) and float(metrics.hinge) == 0
+    for other, other_grads in others:
+        assert torch.equal(other.loss, metrics.loss)
+        assert all(torch.equal(a, b) for a, b in zip(grads, other_grads))
+    assert torch.equal(runs[1][0].correct_topk, metrics.correct)
+    assert torch.equal(runs[2][0].correct_topk, metrics.counted)
+    assert (metrics.correct_topk >= metrics.correct).all()
+
+
+def test_the_topk_hinge_is_zero_where_the_label_leads_the_kth_other_logit_by_the_margin():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]]).expand(4, 5)
+    labels = torch.tensor([0, 1, 2, 4])
+    hinge, rival = topk_hinge(logits, labels, k=2, margin=1.5)
+    # the 2nd largest other logit: 3 for labels 0 and 1, 4 for labels 2 and 4
+    assert hinge.tolist() == [0.0, 0.5, 2.5, 4.5], "0: leads by 2; 1: in the top 2 by less than the margin; 2, 4: out"
+    assert rival.tolist() == [2, 2, 1, 1]
+    assert within_top_k(logits, labels, 2).tolist() == [True, True, False, False]
+    assert topk_hinge(logits, labels, k=2, margin=0.5)[0].tolist() == [0.0, 0.0, 1.5, 3.5]
+    assert topk_hinge(logits, labels, k=1, margin=0.5)[0].tolist() == [0.0, 1.5, 2.5, 4.5], \
+        "k = 1: the multiclass hinge against the strongest other logit"
+
+
+def test_the_topk_term_is_set_from_the_command_line():
+    from engine.training.train import parse_args
+
+    args = parse_args(["--data", "d", "--out", "o", "--topk-weight", "0.3", "--topk", "8", "--topk-margin", "0.5"])
+    assert (args.topk_weight, args.topk, args.topk_margin) == (0.3, 8, 0.5)
+    defaults = parse_args(["--data", "d", "--out", "o"])
+    assert defaults.topk_weight == 0.0, "off unless asked for"
 
 
 @pytest.mark.slow
@@ -329,6 +387,75 @@ def test_training_can_start_from_an_exported_drafter(tmp_path):
     for name, value in started.state_dict().items():
         assert value.dtype == torch.float32, "trained in float32 whatever the export's dtype"
         torch.testing.assert_close(value, drafter.state_dict()[name].to(torch.bfloat16).float())
+
+
+def learning_rates(log: Path) -> list[tuple[int, float]]:
+    return [(line["step"], line["lr"]) for line in map(json.loads, log.read_text().splitlines())]
+
+
+def logged_trainer(tmp_path, name: str, steps: int) -> Trainer:
+    """tiny_trainer, logging every step's learning rate to ``tmp_path/name.jsonl``."""
+    trainer = tiny_trainer(steps=steps)
+    trainer.settings.log_every, trainer.log_path = 1, tmp_path / f"{name}.jsonl"
+    return trainer
+
+
+def a_later_session(tmp_path, *flags: str):
+    """start() on a fresh machine from the first session's exported drafter, with tiny_trainer's settings."""
+    from engine.training.train import parse_args, start
+
+    args = parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "later"), "--init-from",
+                       str(tmp_path / "first" / "drafter"), "--lr", "3e-3", "--batch-size", "4",
+                       "--blocks-per-sequence", "4", "--log-every", "1", *flags])
+    return start(args, tiny_target(0, dtype=torch.float32))
+
+
+def test_a_later_session_continues_the_learning_rate_schedule_of_the_exported_drafter(tmp_path, capsys):
+    """Three steps of an eight-step schedule, exported; a later session from the export alone (a new
+    optimizer) trains the other five at the learning rates of one uninterrupted run, warmup not repeated."""
+    from engine.training.train import SCHEDULE_FILE, save_outputs
+
+    straight = logged_trainer(tmp_path, "straight", steps=8)
+    straight.run()
+    first = logged_trainer(tmp_path, "first-log", steps=8)
+    first.run(max_steps=3)
+    (tmp_path / "first").mkdir()
+    save_outputs(first, tmp_path / "first", shard_mb=None)
+    record = json.loads((tmp_path / "first" / "drafter" / SCHEDULE_FILE).read_text())
+    assert (record["kind"], record["planned"], record["steps"]) == ("steps", 8, 3)
+    assert record["tokens"] == first.progress.tokens > 0
+    drafter, settings, progress, optimizer_state = a_later_session(tmp_path, "--schedule-steps", "3")
+    assert optimizer_state is None and (progress.step, progress.schedule_steps) == (3, 8), \
+        "the schedule's own length, not this session's plan"
+    assert "its learning rate jumps" not in capsys.readouterr().out, "the same curve"
+    later = Trainer.new(drafter, tiny_target(0, dtype=torch.float32), tiny_data(0), settings, progress,
+                        log=lambda line: None, log_path=tmp_path / "later.jsonl")
+    later.run()
+    assert later.progress.step == 8
+    rates = learning_rates(tmp_path / "first-log.jsonl") + learning_rates(tmp_path / "later.jsonl")
+    assert rates == learning_rates(tmp_path / "straight.jsonl")
+    line = json.loads((tmp_path / "later.jsonl").read_text().splitlines()[-1])
+    assert all(k >= one for k, one in zip(line["slot_topk_accuracy"], line["slot_accuracy"]))
+
+
+def test_without_its_schedule_file_an_exported_drafter_starts_a_new_schedule(tmp_path, capsys):
+    """The shipped drafters and folders put together by hand have no schedule file: a new schedule, as before.
+    A schedule that is complete is refused unless a longer plan is given; another learning rate is pointed out."""
+    from engine.training.train import SCHEDULE_FILE, save_outputs
+
+    first = tiny_trainer(steps=3)
+    first.run()
+    (tmp_path / "first").mkdir()
+    save_outputs(first, tmp_path / "first", shard_mb=None)
+    with pytest.raises(SystemExit, match="is complete"):
+        a_later_session(tmp_path, "--schedule-steps", "5")
+    *_, progress, _ = a_later_session(tmp_path, "--planned-minutes", "2", "--lr", "1e-3")
+    assert progress.step == 3 and progress.schedule_steps is None and progress.schedule_seconds == 120
+    assert progress.trained_seconds == pytest.approx(first.progress.trained_seconds)
+    assert "its learning rate jumps" in capsys.readouterr().out
+    (tmp_path / "first" / "drafter" / SCHEDULE_FILE).unlink()
+    *_, progress, _ = a_later_session(tmp_path, "--schedule-steps", "5")
+    assert (progress.step, progress.tokens, progress.schedule_steps) == (0, 0, 5)
 
 
 def test_export_splits_weights_into_small_bf16_shards_that_load_back(tmp_path):

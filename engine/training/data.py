@@ -2,19 +2,25 @@
 
 Prompts come from the target itself, which finishes user turns that start with a
 persona and a request (sampled, so they vary), from requests about real text and
-code (Python's standard library), and from templates (``prompts``). Near-duplicates
-of the evaluation prompts are removed by word n-gram overlap (``overlap``). Replies
+code (Python's standard library), from templates (``prompts``), and where asked for from
+requests written for this project (``composed``) and a prompt set a package ships
+(``packaged``). Near-duplicates of the evaluation prompts are removed by word n-gram
+overlap (``overlap``). Replies
 are encoded with the app's chat template (``Target.chat_ids``): most greedy, as the app
-decodes by default, a share sampled at a moderate temperature. After each chunk a
-second round adds follow-up turns to some conversations and hands some replies back
-as text to rewrite or summarise.
+decodes by default, shares sampled at the temperatures users pick (``--reply-temperatures``).
+After each chunk a second round adds follow-up turns to some conversations and hands some
+replies back as text to rewrite or summarise.
 
 Files written to the output folder (or to ``part-K/`` folders, one per worker):
   prompts.jsonl          training prompts  {"id", "prompt", "source"}
   heldout.jsonl          held-out prompts (never trained on), same fields, for the bench
   responses-NNNNN.pt     one shard per chunk of prompts: flat token ids + per-sequence
-                         lengths and the offset where the trained reply begins
+                         lengths, the offset where the trained reply begins and the temperature
+                         each reply was sampled at
   data-stats.json        counts, the overlap report and timings; marks the stage as done
+
+Workers (and later top-ups) write their prompts apart, so one prompt can be answered in several
+folders: reading the data keeps the first folder's replies to it (``read_corpus``).
 
     python -m engine.training.data --model /tmp/smol-hf --out /tmp/dflash --backend vllm --workers 3
 """
@@ -47,6 +53,7 @@ from engine.training.generation import (
     device_and_dtype,
 )
 from engine.training.overlap import OverlapIndex, OverlapReport
+from engine.training.packaged import chatterbot_requests
 from engine.training.prompts import (
     FOLLOW_UPS,
     FORMATS,
@@ -87,6 +94,7 @@ class DataSettings:
     asked_fraction: float = 0.0  # items of question lists the target writes about a seed word
     composed_fraction: float = 0.0  # requests from ``composed_file``, written apart from these templates
     composed_file: str = str(REPO / "assets" / "training" / "composed-prompts.jsonl")
+    chatterbot_fraction: float = 0.0  # first turns of the chatterbot-corpus package's conversations (packaged.py)
     code_fraction: float = 0.07
     polyglot_fraction: float = 0.08
     math_fraction: float = 0.07
@@ -99,6 +107,8 @@ class DataSettings:
     max_prompt_tokens: int = 1536  # longer requests are skipped (vLLM's context is 2048)
     sampled_fraction: float = 0.25  # replies sampled at reply_temperature; the rest are greedy
     reply_temperature: float = 0.7
+    # the whole mix instead of the two above: "temperature:share,...", e.g. "0:0.6,0.7:0.2,1.0:0.2"
+    reply_temperatures: str = ""
     follow_up_fraction: float = 0.10  # finished conversations that get a second user turn
     reread_fraction: float = 0.05  # replies handed back as a passage to rewrite or summarise
     prompt_max_tokens: int = 64
@@ -196,7 +206,7 @@ def build_prompts(generator: Generator, chat: Target, settings: DataSettings) ->
     rng = random.Random(settings.seed)
     n = settings.num_prompts
     fractions = {"self": settings.self_written_fraction, "asked": settings.asked_fraction,
-                 "composed": settings.composed_fraction,
+                 "composed": settings.composed_fraction, "chatterbot": settings.chatterbot_fraction,
                  "code": settings.code_fraction, "polyglot": settings.polyglot_fraction, "math": settings.math_fraction,
                  "arithmetic": settings.arithmetic_fraction, "passage": settings.passage_fraction,
                  "function": settings.function_fraction}
@@ -208,7 +218,10 @@ def build_prompts(generator: Generator, chat: Target, settings: DataSettings) ->
     asked = asked_prompts(generator, chat, math.ceil(counts["asked"] * 1.25), settings, rng)
     composed = (composed_prompts(read_composed(settings.composed_file), counts["composed"], rng)
                 if counts["composed"] else [])
+    packaged = (composed_prompts(chatterbot_requests(), counts["chatterbot"], rng, source="chatterbot")
+                if counts["chatterbot"] else [])
     prompts = deduplicated(deduplicated(written)[: counts["self"]] + deduplicated(asked)[: counts["asked"]] + composed
+                           + packaged
                            + general_prompts(counts["general"], rng)
                            + code_prompts(counts["code"], rng) + polyglot_prompts(counts["polyglot"], rng)
                            + math_prompts(counts["math"], rng) + arithmetic_prompts(counts["arithmetic"], rng)
@@ -247,6 +260,61 @@ def read_prompts(path: Path) -> list[Prompt]:
 
 # ---- replies ---------------------------------------------------------------------------------
 
+ReplyMix = tuple[tuple[float, float], ...]  # (temperature, share) pairs; 0 is greedy; the shares add up to 1
+
+
+def reply_mix(settings: DataSettings) -> ReplyMix:
+    """The replies' temperatures and shares: ``reply_temperatures``, or else ``sampled_fraction`` at
+    ``reply_temperature`` and greedy for the rest, in that order: a draw under ``sampled_fraction`` samples,
+    so a seed samples the prompts it sampled when these two settings were the only ones."""
+    if settings.reply_temperatures:
+        return parse_reply_temperatures(settings.reply_temperatures)
+    return checked_mix([(settings.reply_temperature, settings.sampled_fraction),
+                        (0.0, 1 - settings.sampled_fraction)], "--sampled-fraction and --reply-temperature")
+
+
+def parse_reply_temperatures(text: str) -> ReplyMix:
+    """``"0:0.6,0.7:0.2,1.0:0.2"`` -> ((0.0, 0.6), (0.7, 0.2), (1.0, 0.2)); a ValueError says what is wrong."""
+    pairs = []
+    for piece in text.split(","):
+        try:
+            temperature, share = (float(number) for number in piece.split(":"))
+        except ValueError:
+            raise ValueError(f"--reply-temperatures {text!r}: {piece.strip()!r} is not temperature:share, "
+                             f"e.g. \"0:0.6,0.7:0.2,1.0:0.2\"") from None
+        pairs.append((temperature, share))
+    return checked_mix(pairs, f"--reply-temperatures {text!r}")
+
+
+def checked_mix(pairs: list[tuple[float, float]], name: str) -> ReplyMix:
+    """The pairs without zero shares, once each is a finite temperature >= 0 named once and the shares
+    (each >= 0) add up to 1."""
+    temperatures = [temperature for temperature, _ in pairs]
+    for temperature, share in pairs:
+        if not (math.isfinite(temperature) and math.isfinite(share)):
+            raise ValueError(f"{name}: {temperature}:{share} is not a number")
+        if temperature < 0:
+            raise ValueError(f"{name}: temperature {temperature} is negative (0 is greedy)")
+        if share < 0:
+            raise ValueError(f"{name}: share {share} of temperature {temperature} is negative")
+        if temperatures.count(temperature) > 1:
+            raise ValueError(f"{name}: temperature {temperature} is named twice")
+    total = sum(share for _, share in pairs)
+    if abs(total - 1) > 1e-6:
+        raise ValueError(f"{name}: the shares add up to {total:g}, not 1")
+    return tuple((temperature, share) for temperature, share in pairs if share > 0)
+
+
+def pick_temperature(mix: ReplyMix, rng: random.Random) -> float:
+    """One draw: the temperature whose share it falls in, taking the shares in the mix's order."""
+    roll, upto = rng.random(), 0.0
+    for temperature, share in mix:
+        upto += share
+        if roll < upto:
+            return temperature
+    return mix[-1][0]  # shares that add up to a hair under 1
+
+
 def repetition_cut(ids: list[int], n: int, max_repeats: int) -> int:
     """How many tokens to keep: all, or up to where some ``n``-gram starts its
     ``max_repeats + 1``-th occurrence. Greedy small models fall into loops; the first
@@ -272,7 +340,7 @@ class Request:
 
     prompt: Prompt
     ids: list[int]
-    sampled: bool = False
+    temperature: float = 0.0  # 0: greedy
     kind: str = "single"  # "single" | "follow_up" (a second user turn) | "reread" (a reply handed back)
 
 
@@ -284,6 +352,7 @@ class ShardBuilder:
     lengths: list[int] = field(default_factory=list)
     response_starts: list[int] = field(default_factory=list)
     prompt_ids: list[str] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
 
     def add(self, request: Request, completion: Completion, settings: DataSettings):
@@ -296,7 +365,7 @@ class ShardBuilder:
         self.counts["trimmed"] += keep < len(reply)
         self.counts["stopped"] += completion.stopped and keep == len(reply)
         self.counts["reply_tokens"] += keep
-        self.counts["sampled"] += request.sampled
+        self.counts["sampled"] += request.temperature > 0
         self.counts["follow_ups"] += request.kind == "follow_up"
         self.counts["rereads"] += request.kind == "reread"
         sequence = request.ids + reply[:keep]
@@ -304,6 +373,7 @@ class ShardBuilder:
         self.lengths.append(len(sequence))
         self.response_starts.append(len(request.ids))
         self.prompt_ids.append(prompt_id(request.prompt.text))
+        self.temperatures.append(request.temperature)
 
     def save(self, path: Path, prompt_range: tuple[int, int], seconds: float) -> None:
         torch.save({
@@ -311,6 +381,7 @@ class ShardBuilder:
             "lengths": torch.tensor(self.lengths, dtype=torch.int64),
             "response_starts": torch.tensor(self.response_starts, dtype=torch.int64),
             "prompt_ids": self.prompt_ids,
+            "temperatures": torch.tensor(self.temperatures, dtype=torch.float32),
             "prompt_range": prompt_range,
             "counts": self.counts,
             "seconds": seconds,
@@ -318,14 +389,13 @@ class ShardBuilder:
 
 
 def answer(generator: Generator, requests: list[Request], settings: DataSettings) -> list[Completion]:
-    """Every request's reply: greedy ones in one batch, sampled ones in another."""
+    """Every request's reply: one batch per temperature, greedy first."""
     completions: list[Completion | None] = [None] * len(requests)
-    for sampled, sampling in ((False, Sampling(settings.max_new_tokens)),
-                              (True, Sampling(settings.max_new_tokens, settings.reply_temperature))):
-        chosen = [i for i, request in enumerate(requests) if request.sampled == sampled]
-        if chosen:
-            for i, completion in zip(chosen, generator.complete([requests[i].ids for i in chosen], sampling)):
-                completions[i] = completion
+    for temperature in sorted({request.temperature for request in requests}):
+        chosen = [i for i, request in enumerate(requests) if request.temperature == temperature]
+        sampling = Sampling(settings.max_new_tokens, temperature)
+        for i, completion in zip(chosen, generator.complete([requests[i].ids for i in chosen], sampling)):
+            completions[i] = completion
     return completions
 
 
@@ -370,6 +440,7 @@ def generate_responses(generator: Generator, chat: Target, prompts: list[Prompt]
     sized so they end before ``deadline`` (``time.monotonic()`` seconds): a chunk cannot be cut short."""
     start, index = answered_so_far(folder)
     done, busy_seconds = 0, 0.0
+    mix = reply_mix(settings)
     while start < len(prompts):
         size = min(chunk_size(settings, done / busy_seconds if done else None, deadline - time.monotonic()),
                    len(prompts) - start)
@@ -378,7 +449,7 @@ def generate_responses(generator: Generator, chat: Target, prompts: list[Prompt]
             return
         chunk_began = time.monotonic()
         rng = random.Random(f"{settings.seed}-{index}")  # a chunk's choices do not depend on earlier runs
-        requests = [Request(p, chat.chat_ids(p.text), sampled=rng.random() < settings.sampled_fraction)
+        requests = [Request(p, chat.chat_ids(p.text), temperature=pick_temperature(mix, rng))
                     for p in prompts[start:start + size]]
         requests = [r for r in requests if len(r.ids) <= settings.max_prompt_tokens]
         answered = list(zip(requests, answer(generator, requests, settings)))
@@ -445,15 +516,18 @@ class SequenceData:
 
     @staticmethod
     def load(folder: str | Path) -> SequenceData:
-        shards = [torch.load(p) for p in shard_paths(Path(folder))]
-        if not shards:
+        """Every sequence the shards under ``folder`` hold, less those ``read_corpus`` drops."""
+        corpus = read_corpus(Path(folder))
+        if not corpus.shards:
             raise FileNotFoundError(f"no {SHARD_PATTERN} in {folder}: run the data stage first")
-        lengths = torch.cat([s["lengths"] for s in shards])
+        pairs = list(zip(corpus.shards, corpus.keep))
+        lengths = torch.cat([s["lengths"][keep] for s, keep in pairs])
         return SequenceData(
-            tokens=torch.cat([s["tokens"] for s in shards]).to(torch.int64),
+            tokens=torch.cat([s["tokens"][torch.repeat_interleave(keep, s["lengths"])] for s, keep in pairs])
+            .to(torch.int64),
             offsets=torch.cumsum(lengths, 0) - lengths,
             lengths=lengths,
-            response_starts=torch.cat([s["response_starts"] for s in shards]),
+            response_starts=torch.cat([s["response_starts"][keep] for s, keep in pairs]),
         )
 
     def to(self, device) -> SequenceData:
@@ -465,11 +539,89 @@ def shard_paths(folder: Path) -> list[Path]:
     return sorted(folder.rglob(SHARD_PATTERN))
 
 
+@dataclass
+class Corpus:
+    """The shards under a data folder and which of their sequences training reads. Each folder of shards
+    (a worker's ``part-K/``, a top-up's) wrote its prompts apart from the others, so a prompt can be answered
+    in several (kept in the first only) or held out in one and answered in another (dropped: held-out prompts
+    are never trained on). Within one folder everything is kept: its prompts were deduplicated when written."""
+
+    shards: list[dict]
+    keep: list[torch.Tensor]  # per shard, bool [its sequences]
+    repeats: int  # sequences dropped: an earlier folder answered their prompt
+    held_out: int  # sequences dropped: another folder holds their prompt out
+
+
+def read_corpus(folder: Path) -> Corpus:
+    """Every shard under ``folder``, in ``shard_paths`` order; a prompt answered in several folders is kept
+    in the first of them in that order, so the same files always give the same sequences."""
+    paths = shard_paths(folder)
+    shards = [torch.load(path) for path in paths]
+    folders = list(dict.fromkeys(path.parent for path in paths))
+    held_out = {key for f in folders for key in text_keys(f / "heldout.jsonl").values()}
+    answered: set[str] = set()
+    keep: list[list[bool]] = [[] for _ in paths]
+    repeats = held = 0
+    for f in folders:
+        keys, here = text_keys(f / "prompts.jsonl"), set()
+        for index in (i for i, path in enumerate(paths) if path.parent == f):
+            for key in sequence_keys(shards[index], keys):
+                keep[index].append(key not in held_out and key not in answered)
+                held += key in held_out
+                repeats += key in answered and key not in held_out
+                if key is not None:
+                    here.add(key)
+        answered |= here
+    return Corpus(shards, [torch.tensor(flags, dtype=torch.bool) for flags in keep], repeats, held)
+
+
+def text_keys(path: Path) -> dict[str, str]:
+    """For the prompts a folder wrote: prompt id -> the id of its text with case and spacing ignored."""
+    if not path.exists():
+        return {}
+    return {prompt_id(p.text): prompt_id(normalized(p.text)) for p in read_prompts(path)}
+
+
+def sequence_keys(shard: dict, keys: dict[str, str]) -> list[str | None]:
+    """What each sequence of a shard is a reply to: its prompt's text key where the folder's prompts list it,
+    else (a follow-up or a re-read, written in the second round) the id of its exact text; None for a shard
+    put together without prompt ids."""
+    ids = shard["prompt_ids"]
+    if len(ids) != len(shard["lengths"]):
+        return [None] * len(shard["lengths"])
+    return [keys.get(i, i) for i in ids]
+
+
+def reply_temperature_counts(corpus: Corpus) -> dict[str, int]:
+    """Kept sequences by the temperature their reply was sampled at (0: greedy), where the shard records it."""
+    counts: dict[str, int] = {}
+    for shard, keep in zip(corpus.shards, corpus.keep):
+        temperatures = shard.get("temperatures", torch.zeros(0))
+        if len(temperatures) == len(keep):
+            for temperature in temperatures[keep].tolist():
+                counts[f"{temperature:g}"] = counts.get(f"{temperature:g}", 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: float(item[0])))
+
+
+def corpus_counts(corpus: Corpus) -> dict:
+    """What training reads (sequences, tokens, replies by temperature) and what it leaves out."""
+    lengths = [s["lengths"][keep] for s, keep in zip(corpus.shards, corpus.keep)]
+    starts = [s["response_starts"][keep] for s, keep in zip(corpus.shards, corpus.keep)]
+    sequences = sum(len(n) for n in lengths)
+    return {
+        "sequences": sequences, "cross_part_repeats": corpus.repeats, "held_out_elsewhere": corpus.held_out,
+        "replies_by_temperature": reply_temperature_counts(corpus),
+        "tokens": sum(int(n.sum()) for n in lengths),
+        "mean_reply_tokens": sum(int((n - start).sum()) for n, start in zip(lengths, starts)) / max(sequences, 1),
+    }
+
+
 def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timings: dict[str, float],
                overlap: OverlapReport) -> dict:
-    shards = [torch.load(p) for p in shard_paths(folder)]
+    """The shards' counters describe what was generated; ``corpus_counts`` what training reads."""
+    corpus = read_corpus(folder)
+    shards = corpus.shards
     counts = {key: sum(s["counts"][key] for s in shards) for key in COUNTS}
-    sequences = sum(len(s["lengths"]) for s in shards)
     reply_seconds = sum(s["seconds"] for s in shards)
     by_source: dict[str, int] = {}
     for p in prompts:
@@ -477,9 +629,7 @@ def data_stats(folder: Path, prompts: list[Prompt], heldout: list[Prompt], timin
     return {
         "train_prompts": len(prompts), "heldout_prompts": len(heldout), "prompts_by_source": by_source,
         "prompts_answered": sum(s["prompt_range"][1] - s["prompt_range"][0] for s in shards),
-        "sequences": sequences, **counts,
-        "tokens": int(sum(int(s["lengths"].sum()) for s in shards)),
-        "mean_reply_tokens": counts["reply_tokens"] / max(sequences, 1),
+        **counts, **corpus_counts(corpus),
         "reply_seconds": reply_seconds, "generated_tokens_per_s": counts["generated_tokens"] / max(reply_seconds, 1e-9),
         "overlap": asdict(overlap),
         **{f"{stage}_seconds": seconds for stage, seconds in timings.items()},
@@ -532,7 +682,8 @@ def run(generator: Generator, chat: Target, folder: Path, settings: DataSettings
 def run_workers(argv: list[str], out: Path, workers: int, log=print) -> dict:
     """The data stage as ``workers`` processes sharing the GPU, each with its own prompts (another
     seed) in ``out/part-K``: a small target leaves vLLM bound by its host-side scheduling, so
-    several engines side by side generate several times faster than one. Then merged stats."""
+    several engines side by side generate several times faster than one. Then merged stats (a prompt
+    that several parts answered counts once: ``read_corpus``) and held-out prompts."""
     children = []
     for part in range(workers):
         env = os.environ | {"VLLM_CACHE_ROOT": os.path.join(os.environ.get("VLLM_CACHE_ROOT", "/tmp/vcache"),
@@ -546,7 +697,7 @@ def run_workers(argv: list[str], out: Path, workers: int, log=print) -> dict:
     if failed:
         log(f"data: workers {failed} failed; keeping the other {len(parts)}")
     prompts = [p for part in parts for p in read_prompts(part / "prompts.jsonl")]
-    heldout = [p for part in parts for p in read_prompts(part / "heldout.jsonl")]
+    heldout = deduplicated([p for part in parts for p in read_prompts(part / "heldout.jsonl")])
     write_prompts(out / "heldout.jsonl", heldout)
     overlap = OverlapReport()
     for part in parts:
@@ -579,6 +730,10 @@ def parse_args(argv=None):
         parser.add_argument(flag, type=type(value) if value is not None else float, default=value)
     args = parser.parse_args(argv)
     settings = DataSettings(**{name: getattr(args, name) for name in asdict(defaults)})
+    try:
+        reply_mix(settings)  # refused here, before an engine starts
+    except ValueError as error:
+        parser.error(str(error))
     return args, settings
 
 

@@ -340,15 +340,15 @@ FORMATS = ["", "", "", "", "", "", " Answer in three sentences.", " Please use a
            " Write for a beginner.", " Use plain English.", " Give pros and cons."]
 
 
-def composed_prompts(texts: list[str], count: int, rng: random.Random) -> list[Prompt]:
+def composed_prompts(texts: list[str], count: int, rng: random.Random, source: str = "composed") -> list[Prompt]:
     """``count`` prompts from requests written apart from these templates, in a random order: each as
     written once, and beyond that again with a format request (distinct texts, so they survive
     deduplication and draw other replies)."""
     order = rng.sample(texts, len(texts))
-    prompts = [Prompt(text, "composed") for text in order[:count]]
+    prompts = [Prompt(text, source) for text in order[:count]]
     while len(prompts) < count:
         text = order[len(prompts) % len(order)]
-        prompts.append(Prompt(text + rng.choice([f for f in FORMATS if f]), "composed"))
+        prompts.append(Prompt(text + rng.choice([f for f in FORMATS if f]), source))
     return prompts
 
 

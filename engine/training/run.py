@@ -17,6 +17,7 @@ Flags this command does not know go to ``engine.training.train``; data flags go 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.training.data import STATS_FILE
+from engine.training.data import STATS_FILE, corpus_counts, read_corpus
 from engine.training.train import STATE_FILE
 
 TRAIN_FOLDER = "train"
@@ -114,7 +115,8 @@ def make_data(args, plan: Plan, elapsed) -> None:
 
 def more_data(args, plan: Plan, elapsed) -> None:
     """A top-up before resumed training: new prompts (another seed) answered into ``more-K/``,
-    which training reads beside the first data. A failure costs this call its data, not its training."""
+    which training reads beside the first data (less the prompts the first data answered or held out:
+    the line printed after the top-up counts them). A failure costs this call its data, not its training."""
     count = 1 + sum(1 for folder in args.out.glob(f"{MORE_FOLDER}-*") if (folder / STATS_FILE).exists())
     folder = args.out / f"{MORE_FOLDER}-{count}"
     minutes = min(args.more_data_minutes, plan.data_budget(elapsed()))
@@ -123,6 +125,8 @@ def more_data(args, plan: Plan, elapsed) -> None:
                                                               args.data_seed + 1000 * count), minutes + OVERRUN_MINUTES)
     except StageFailed as failure:
         print(f"== more data: {failure}; training on what is there", flush=True)
+        return
+    print("== corpus: " + json.dumps(corpus_counts(read_corpus(args.out))), flush=True)
 
 
 def data_command(args, backend: str, minutes: float, out: Path | None = None, seed: int | None = None) -> list[str]:

@@ -18,6 +18,9 @@ class TrainSettings:
     gamma: float = 7.0  # slot k weighs exp(-(k-1)/gamma)
     distill_weight: float = 0.5  # 0: cross-entropy on the label only; 1: KL to the target only
     labels: str = "data"  # "data": the reply's own tokens; "greedy": the target's argmax at each position
+    topk_weight: float = 0.0  # weight of the top-k hinge (objective.topk_hinge); 0: off, the loss is CE and KL alone
+    topk: int = 4  # a tree holds a slot's label if it is among the drafter's top k there: the hinge's k and the log's
+    topk_margin: float = 1.0  # the hinge is zero once the label's logit leads the k-th other logit by this much
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 50

@@ -20,7 +20,9 @@ One step, for a batch of self-distilled sequences (prompt + the target's greedy 
 The target's embedding and lm_head are shared and frozen; only the drafter learns.
 Training is time-bounded (``--max-minutes``) and resumable (``--resume``), so it can be
 carried over several short GPU calls; the learning-rate schedule runs on trained time
-(or steps) stored in the checkpoint.
+(or steps) stored in the checkpoint. The exported drafter's folder also gets ``schedule.json``
+(how far the schedule got, its length): ``--init-from`` a folder with it continues that schedule
+on a fresh machine, where only the folder came back.
 
     python -m engine.training.train --model /tmp/smol-hf --data /tmp/dflash --out /tmp/dflash/train \\
         --max-minutes 8 --schedule-minutes 11
@@ -60,6 +62,8 @@ from engine.training.settings import TrainSettings
 STATE_FILE = "train-state.pt"
 LOG_FILE = "train-log.jsonl"
 EXPORT_FOLDER = "drafter"
+SCHEDULE_FILE = "schedule.json"  # in the exported drafter's folder: it travels back with the weights
+SCHEDULE_SHAPE = ("lr", "warmup_fraction", "min_lr_ratio")  # the settings that draw the learning-rate curve
 LABEL_SOURCES = ("data", "greedy")
 
 
@@ -79,6 +83,39 @@ class Progress:
         if self.schedule_steps:
             return self.step / self.schedule_steps
         return self.trained_seconds / self.schedule_seconds
+
+
+@dataclass
+class ScheduleState:
+    """How far a learning-rate schedule got, for a later session to continue it. A GPU session's machine
+    starts bare and only the exported drafter comes back (the checkpoint with Adam's moments is too big),
+    so without this every session would warm up and decay again from the start of its own schedule."""
+
+    kind: str  # "minutes" (the schedule runs on trained time) or "steps"
+    planned: float  # the schedule's whole length over every session, in minutes or steps
+    steps: int  # trained so far, over every session
+    tokens: int
+    trained_minutes: float
+    shape: dict  # SCHEDULE_SHAPE's settings: a continuation drawn with others is told it changes the curve
+
+    @staticmethod
+    def of(progress: Progress, settings: TrainSettings) -> ScheduleState:
+        kind = "steps" if progress.schedule_steps else "minutes"
+        planned = progress.schedule_steps if kind == "steps" else progress.schedule_seconds / 60
+        return ScheduleState(kind, planned, progress.step, progress.tokens, progress.trained_seconds / 60,
+                             {name: getattr(settings, name) for name in SCHEDULE_SHAPE})
+
+    def progress(self, planned_minutes: float | None = None) -> Progress:
+        """A new run's progress at this point of the schedule (its data from the first batch: a new session
+        brings new data); ``planned_minutes`` replaces the length, e.g. for more sessions than first planned."""
+        progress = Progress(step=self.steps, trained_seconds=self.trained_minutes * 60, tokens=self.tokens)
+        if planned_minutes:
+            progress.schedule_seconds = planned_minutes * 60
+        elif self.kind == "steps":
+            progress.schedule_steps = int(self.planned)
+        else:
+            progress.schedule_seconds = self.planned * 60
+        return progress
 
 
 def learning_rate(settings: TrainSettings, fraction: float) -> float:
@@ -234,19 +271,23 @@ class LogWindow:
         return {
             "step": progress.step, "epoch": progress.epoch, "minutes": round(progress.trained_seconds / 60, 2),
             "lr": lr, "loss": float(sums["loss"]) / self.steps, "ce": float(sums["ce"]) / self.steps,
-            "kl": float(sums["kl"]) / self.steps,
+            "kl": float(sums["kl"]) / self.steps, "hinge": float(sums["hinge"]) / self.steps,
             "tau_chain": 1 + float(sums["accepted"] / sums["blocks"].clamp(min=1)),
             "slot_accuracy": [round(float(a), 3) for a in sums["correct"] / sums["counted"].clamp(min=1)],
+            "slot_topk_accuracy": [round(float(a), 3) for a in sums["correct_topk"] / sums["counted"].clamp(min=1)],
             "tokens_per_s": self.tokens / seconds, "steps_per_s": self.steps / seconds,
             "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
         }
 
 
 def format_line(line: dict) -> str:
-    accuracy = " ".join(f"{100 * a:.0f}" for a in line["slot_accuracy"])
+    accuracy, topk = (" ".join(f"{100 * a:.0f}" for a in line[name])
+                      for name in ("slot_accuracy", "slot_topk_accuracy"))
+    hinge = f" hinge {line['hinge']:.3f}" if line["hinge"] else ""  # only where the term is on
     return (f"step {line['step']:6d} | {line['minutes']:6.2f} min | lr {line['lr']:.2e} | loss {line['loss']:.3f} "
-            f"(ce {line['ce']:.3f} kl {line['kl']:.3f}) | tau~ {line['tau_chain']:.2f} | acc% {accuracy} | "
-            f"{line['tokens_per_s'] / 1000:.0f}k tok/s {line['steps_per_s']:.1f} it/s | peak {line['peak_gb']:.0f} GB")
+            f"(ce {line['ce']:.3f} kl {line['kl']:.3f}{hinge}) | tau~ {line['tau_chain']:.2f} | acc% {accuracy} | "
+            f"top-k% {topk} | {line['tokens_per_s'] / 1000:.0f}k tok/s {line['steps_per_s']:.1f} it/s | "
+            f"peak {line['peak_gb']:.0f} GB")
 
 
 @dataclass
@@ -411,7 +452,7 @@ def load_state(path: Path, device) -> dict:
 
 
 def save_outputs(trainer: Trainer, out: Path, shard_mb: float | None) -> None:
-    """The resumable state and the exported (bf16, sharded) drafter."""
+    """The resumable state, the exported (bf16, sharded) drafter and, in its folder, the schedule's state."""
     save_state(trainer, out / STATE_FILE)
     progress = trainer.progress
     extra = {"training": {"steps": progress.step, "tokens": progress.tokens,
@@ -419,6 +460,14 @@ def save_outputs(trainer: Trainer, out: Path, shard_mb: float | None) -> None:
                           "distill_weight": trainer.settings.distill_weight, "labels": trainer.settings.labels,
                           "blocks_per_sequence": trainer.settings.blocks_per_sequence}}
     export_drafter(trainer.drafter, out / EXPORT_FOLDER, shard_mb=shard_mb, extra=extra)
+    schedule = ScheduleState.of(progress, trainer.settings)
+    (out / EXPORT_FOLDER / SCHEDULE_FILE).write_text(json.dumps(asdict(schedule), indent=1) + "\n")
+
+
+def read_schedule(folder: Path) -> ScheduleState | None:
+    """The schedule an exported drafter's folder continues, if its ``SCHEDULE_FILE`` came with it."""
+    path = folder / SCHEDULE_FILE
+    return ScheduleState(**json.loads(path.read_text())) if path.is_file() else None
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -430,8 +479,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, type=Path, help=f"gets {STATE_FILE}, {EXPORT_FOLDER}/, {LOG_FILE}")
     parser.add_argument("--resume", type=Path, help=f"a {STATE_FILE} to continue (its settings are kept)")
     parser.add_argument("--init-from", type=Path,
-                        help="an exported drafter folder to start from (a new optimizer and schedule): how training "
-                             "carries over GPU sessions, whose checkpoints must come back small")
+                        help="an exported drafter folder to start from (a new optimizer): how training carries over "
+                             f"GPU sessions, whose checkpoints must come back small; with its {SCHEDULE_FILE} the "
+                             "learning-rate schedule goes on where it stopped, without it a new one starts")
     parser.add_argument("--grow-layers", type=int, default=0,
                         help="with --init-from: append this many layers whose outputs start at zero (the drafts "
                              "are unchanged at the first step; training grows the drafter from there)")
@@ -447,6 +497,11 @@ def parse_args(argv=None):
                         help="lr schedule length in trained minutes over all runs (default: --max-minutes; "
                              "a resumed run keeps its own unless this is given)")
     parser.add_argument("--schedule-steps", type=int, default=None, help="schedule on steps instead of time")
+    parser.add_argument("--planned-minutes", type=float, default=None,
+                        help="the schedule's whole length in trained minutes over every session that continues it "
+                             f"(--init-from a folder with {SCHEDULE_FILE}): a continued schedule keeps its own "
+                             "length unless this is given (engine.training.run's --schedule-minutes is one call's "
+                             "plan); it also replaces --schedule-minutes")
     parser.add_argument("--shard-mb", type=float, default=15.0, help="max MiB per weight file; 0: one file")
     parser.add_argument("--loss", choices=["auto", *LOSSES], default="auto",
                         help="how the loss is computed (the same loss and gradients); auto: train a few steps "
@@ -467,8 +522,9 @@ def start(args, target: Target) -> tuple[DFlashDrafter, TrainSettings, Progress,
         drafter = DFlashDrafter(state["drafter_config"]).to(target.device)
         drafter.load_state_dict(state["drafter"])
         progress, settings = state["progress"], state["settings"]
-        if args.schedule_minutes:
-            progress.schedule_seconds, progress.schedule_steps = args.schedule_minutes * 60, None
+        minutes = args.planned_minutes or args.schedule_minutes
+        if minutes:
+            progress.schedule_seconds, progress.schedule_steps = minutes * 60, None
         return drafter, settings, progress, state["optimizer"]
     settings = TrainSettings(**{name: getattr(args, name) for name in asdict(TrainSettings())})
     if args.grow_layers and not args.init_from:
@@ -483,12 +539,31 @@ def start(args, target: Target) -> tuple[DFlashDrafter, TrainSettings, Progress,
                               block_size=args.block_size, num_taps=args.num_taps,
                               target_layer_ids=args.target_layer_ids)
         drafter = DFlashDrafter(config).initialize(settings.seed).to(target.device)
-    schedule_minutes = args.schedule_minutes or args.max_minutes
+    schedule = read_schedule(args.init_from) if args.init_from else None
+    progress = new_progress(args) if schedule is None else continued_progress(schedule, args, settings)
+    return drafter, settings, progress, None
+
+
+def new_progress(args) -> Progress:
+    schedule_minutes = args.planned_minutes or args.schedule_minutes or args.max_minutes
     if not (args.schedule_steps or schedule_minutes):
         raise SystemExit("give --max-minutes, --schedule-minutes or --schedule-steps: the schedule needs a length")
-    progress = Progress(schedule_seconds=schedule_minutes * 60 if schedule_minutes else None,
-                        schedule_steps=args.schedule_steps)
-    return drafter, settings, progress, None
+    return Progress(schedule_seconds=schedule_minutes * 60 if schedule_minutes else None,
+                    schedule_steps=args.schedule_steps)
+
+
+def continued_progress(schedule: ScheduleState, args, settings: TrainSettings) -> Progress:
+    """The progress of ``--init-from``'s schedule, at the point it reached: a warmup done is not repeated."""
+    progress = schedule.progress(args.planned_minutes)
+    if progress.fraction() >= 1:
+        raise SystemExit(f"the schedule in {args.init_from / SCHEDULE_FILE} is complete ({schedule.steps} steps, "
+                         f"{schedule.trained_minutes:.1f} trained minutes of {schedule.planned:g} {schedule.kind}): "
+                         "give a longer --planned-minutes, or leave the file out to start a new schedule")
+    shape = {name: getattr(settings, name) for name in SCHEDULE_SHAPE}
+    if shape != schedule.shape:
+        print(f"train: the continued schedule was drawn with {schedule.shape}, this run with {shape}: "
+              "its learning rate jumps", flush=True)
+    return progress
 
 
 def main(argv=None) -> None:
@@ -502,8 +577,12 @@ def main(argv=None) -> None:
     if optimizer_state is not None:
         trainer.optimizer.load_state_dict(optimizer_state)
     config = drafter.config
-    origin = (f"resuming at step {progress.step}" if args.resume
-              else f"from {args.init_from}" if args.init_from else "fresh")
+    origin = "fresh"
+    if args.resume:
+        origin = f"resuming at step {progress.step}"
+    elif args.init_from:
+        origin = f"from {args.init_from}" + (f", its schedule continued at step {progress.step}"
+                                             if progress.step else "")
     print(f"train: {len(data)} sequences, {int(data.lengths.sum())} tokens; "
           f"drafter {parameter_count(drafter) / 1e6:.2f}M params, {config.num_hidden_layers} layers, "
           f"taps {config.target_layer_ids}; {origin}; "
