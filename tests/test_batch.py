@@ -518,6 +518,51 @@ def test_the_drafters_fixed_shape_pass_drafts_what_the_eager_pass_drafts():
                                        rtol=1e-9, atol=1e-12)
 
 
+def test_context_rows_read_a_block_at_a_time_fill_the_drafters_cache_as_one_eager_pass_does():
+    """Where the drafter's pass is recorded, a prompt's rows (and the rows an "auto" request piled up while it did not
+    draft) go in a block at a time through that pass (``Batch.read_rows``): the same keys and values in the request's
+    row of the drafter's cache as the eager pass writes, and the same drafts after, for prompts of several blocks."""
+    target = tiny_target(0, vocab=VOCAB, dtype=torch.float64)
+    decoder = Decoder(target, tiny_drafter(target, 0).to(torch.float64), DrafterInfo("random", trained=False))
+    config = decoder.drafter.config
+    width = len(config.target_layer_ids) * config.hidden_size
+    features = torch.randn(40, width, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    caches = []
+    for fixed in (False, True):
+        batch = Batch(decoder, pinned(CHEAP_NODES))
+        if fixed:
+            batch.graphed_draft = GraphedBatchDraft(decoder.drafter, *decoder.draft_weights, batch.context,
+                                                    replay=False)
+            passes = batch.graphed_draft._pass = counted(batch.graphed_draft._pass)
+        request = batch.admit([5, 6, 7], DecodeSettings("ddtree", max_new_tokens=4, tree_budget=4))
+        with torch.inference_mode():  # as a round reads them
+            batch.read_rows(request, features[:30], torch.arange(30))
+            rows, at = (batch.behind(request, features[30:], torch.arange(30, 40), block_size=4) if fixed else
+                        (None, None))
+        caches.append((batch, request, rows, at))
+    (eager, first, _, _), (fixed, second, rows, at) = caches
+    assert passes.calls == 2 + 1, "30 rows in blocks of 16, then the 6 behind the last 4 in one"
+    assert int(eager.context.lengths[first.row]) == 30 and int(fixed.context.lengths[second.row]) == 36
+    assert torch.equal(rows, features[36:]) and at.tolist() == [36, 37, 38, 39]
+    for layer in range(config.num_hidden_layers):
+        for cache in ("keys", "values"):
+            torch.testing.assert_close(getattr(fixed.context, cache)[layer][second.row, :, :30],
+                                       getattr(eager.context, cache)[layer][first.row, :, :30], rtol=1e-12, atol=1e-12)
+    long_prompts = [list(range(2, 46)), [3 + (7 * i) % 40 for i in range(37)]]
+    settings = DecodeSettings("ddtree", max_new_tokens=12, tree_budget=8)
+    traces = []
+    for fixed in (False, True):
+        batch = Batch(decoder, pinned(CHEAP_NODES))
+        if fixed:
+            batch.graphed_draft = GraphedBatchDraft(decoder.drafter, *decoder.draft_weights, batch.context,
+                                                    replay=False)
+        traces.append(batch.run([(ids, settings) for ids in long_prompts]))
+    for ids, eager_trace, fixed_trace in zip(long_prompts, *traces):
+        assert fixed_trace.output_ids == eager_trace.output_ids == alone(decoder, ids, settings).output_ids
+        for one, other in zip(eager_trace.steps, fixed_trace.steps, strict=True):
+            assert one.tree_tokens == other.tree_tokens
+
+
 def test_a_drafters_record_becomes_what_each_methods_draft_is_worth_before_any_is_seen():
     recorded = {"ddtree": {"4": 2.6, "8": 3.0}, "dflash": 2.62}
     tree = expected_worth(recorded, DDTREE, 15)

@@ -297,21 +297,32 @@ class Batch:
                                                  last_logits=True)
         request.prefilled = end
         if request.drafts:
-            with request.clock.stage("context"):
-                self.read_prompt_context(request, self.drafter.context_features(hidden)[0], positions[0])
+            with request.clock.stage("context"):  # the steps' drafter passes then bring at most a block of rows each
+                self.read_rows(request, self.drafter.context_features(hidden)[0], positions[0])
         if end == len(ids):
             self.first_token(request, logits)
         return end - begin
 
-    def read_prompt_context(self, request: BatchRequest, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """The prompt's rows into the drafter's context cache now, with a pass over a block of one slot whose
-        output is dropped: the steps' drafter passes then bring at most a block of new rows each."""
-        rows = self.context.rows_view([request.row], features.shape[0])
+    def read_rows(self, request: BatchRequest, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Context rows (``features [n, width]`` at ``positions [n]``) into ``request``'s row of the drafter's cache
+        now, by passes whose drafts are dropped: where the drafter's pass is recorded, a block of rows a replay (on a
+        GPU an eager pass of a prompt's rows costs many replays' time); else one eager pass over a block of one
+        slot."""
         embedding, _ = self.decoder.draft_weights
-        block = torch.tensor([[self.drafter.mask_token_id]], device=features.device)
-        self.drafter(self.drafter.embed(block, embedding), features[None].to(embedding.dtype),
-                     block_positions=positions[-1:][None] + 1, context_positions=positions[None], cache=rows,
-                     context_count=torch.tensor([features.shape[0]], device=features.device))
+        device, mask = features.device, self.drafter.mask_token_id
+        if self.graphed_draft is None:
+            rows = self.context.rows_view([request.row], features.shape[0])
+            self.drafter(self.drafter.embed(torch.tensor([[mask]], device=device), embedding),
+                         features[None].to(embedding.dtype), block_positions=positions[-1:][None] + 1,
+                         context_positions=positions[None], cache=rows,
+                         context_count=torch.tensor([features.shape[0]], device=device))
+            return
+        block_size = request.settings.block_size
+        block = torch.full((1, block_size), mask, device=device)
+        for begin in range(0, features.shape[0], block_size):
+            piece, at = features[begin:begin + block_size], positions[begin:begin + block_size].to(device)
+            self.graphed_draft(block, at[-1] + 1 + torch.arange(block_size, device=device)[None], piece[None],
+                               at[None], torch.tensor([piece.shape[0]], device=device), [request.row])
 
     def first_token(self, request: BatchRequest, logits: torch.Tensor) -> None:
         first = int(ddtree.sample_tokens(logits[-1:], request.settings.temperature, request.generator)[0])
@@ -420,6 +431,8 @@ class Batch:
         config = self.drafter.config
         width = len(config.target_layer_ids) * config.hidden_size
         features = [r.context_rows(width) for r in chosen]
+        if self.graphed_draft is not None:  # a recorded pass brings a block of rows a request: the older ones first
+            features = [self.behind(r, rows, at, block_size) for r, (rows, at) in zip(chosen, features)]
         padded = pad_sequence([rows.to(self.target.dtype) for rows, _ in features], batch_first=True)  # [b, new, width]
         positions = pad_sequence([at for _, at in features], batch_first=True).to(device)  # [b, new]
         new = padded.shape[1]
@@ -429,7 +442,7 @@ class Batch:
         block_positions = torch.tensor([r.start for r in chosen], device=device)[:, None] + torch.arange(
             block_size, device=device)
         rows, depth = [r.row for r in chosen], max(depths)
-        if self.graphed_draft is not None and self.graphed_draft.fits(new, block_size):
+        if self.graphed_draft is not None:
             log_probs = self.graphed_draft(block, block_positions, padded, positions, added, rows)[:, :depth]
         else:
             embedding, lm_head = self.decoder.draft_weights
@@ -438,6 +451,16 @@ class Batch:
         for request in chosen:
             request.read_context()
         return dict(zip(chosen, Drafts(log_probs).rows()))
+
+    def behind(self, request: BatchRequest, rows: torch.Tensor, at: torch.Tensor, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last block of a request's unread context rows, the ones before them read now (``read_rows``): rows
+        pile up while an "auto" request does not draft."""
+        behind = rows.shape[0] - block_size
+        if behind <= 0:
+            return rows, at
+        self.read_rows(request, rows[:behind], at[:behind])
+        return rows[behind:], at[behind:]
 
     def build(self, active: list[BatchRequest], drafts: dict[BatchRequest, DraftRow]
               ) -> tuple[list[Planned], Allocation]:

@@ -155,11 +155,6 @@ class GraphedBatchDraft:
         self.shapes: dict[tuple[int, int], tuple[BatchDraftInputs, GraphedCall | None]] = {}  # by (count, block)
         self.generation = context.generation
 
-    @staticmethod
-    def fits(new: int, block_size: int) -> bool:
-        """Whether a pass bringing ``new`` context rows a request runs here (more: eagerly, through the caller)."""
-        return new <= block_size
-
     def __call__(self, block: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
                  feature_positions: torch.Tensor, added: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Log-probabilities ``[count, block_size - 1, vocab]`` for every request's block (``draft_log_probs``'
