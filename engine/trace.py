@@ -236,6 +236,23 @@ class Trace:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def plain(self) -> dict:
+        """The trace as plain data for a hop between the engine's own processes (``engine.loop.remote_batch``), as
+        ``Step.plain`` gives its steps: ``to_dict``'s fields, its steps' lists not copied."""
+        return {"config": asdict(self.config), "prefill": asdict(self.prefill),
+                "steps": [step.plain() for step in self.steps],
+                "summary": None if self.summary is None else asdict(self.summary),
+                "schema_version": self.schema_version, "token_texts": self.token_texts}
+
+    @staticmethod
+    def from_plain(data: dict) -> Trace:
+        """``plain``'s inverse. Trusted, as ``Step.from_plain`` is: no field checked (``from_dict`` checks them)."""
+        return Trace(config=RunConfig(**data["config"]), prefill=Prefill(**data["prefill"]),
+                     steps=[Step.from_plain(step) for step in data["steps"]],
+                     summary=None if data["summary"] is None else Summary(**data["summary"]),
+                     schema_version=data["schema_version"],
+                     token_texts={int(token): text for token, text in data["token_texts"].items()})
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 

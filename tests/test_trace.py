@@ -36,7 +36,7 @@ def test_every_shape_the_studio_writes_reads_back(traces, tmp_path):
     assert read_trace_file(listed) == traces
 
 
-def test_a_step_crosses_between_processes_as_the_checked_reading_reads_it():
+def test_a_step_and_a_trace_cross_between_processes_as_the_checked_reading_reads_them():
     decoder = tiny_decoder()
     traces = Batch(decoder, Budgeting()).run([([5, 6, 7], DecodeSettings("ddtree", max_new_tokens=8, tree_budget=6)),
                                              ([9, 8], DecodeSettings("ar", max_new_tokens=4))])
@@ -48,6 +48,11 @@ def test_a_step_crosses_between_processes_as_the_checked_reading_reads_it():
             assert Step.from_plain(sent) == Trace.from_dict(trace.to_dict() | {"steps": [sent]}).steps[0]
             checked += step.batch is not None and len(step.tree_tokens) > 0
     assert checked, "some step of a batch verified a tree"
+    for trace in traces:
+        trace.carry_token_texts(str)
+        sent = json.loads(json.dumps(trace.plain()))  # token ids as keys become strings on the way
+        assert Trace.from_plain(sent) == trace == Trace.from_dict(trace.to_dict()) and trace.summary is not None
+        assert Trace.from_plain(trace.plain()) == trace
 
 
 @pytest.mark.parametrize("nesting", ["[" * 100_000 + "]" * 100_000, '{"traces": ' * 100_000 + "1" + "}" * 100_000])

@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 from engine.loop.batch import Batch, BatchRequest, RoundTimes
 from engine.loop.budgeting import Budgeting
 from engine.loop.settings import DecodeSettings
-from engine.trace import Step, Trace
+from engine.trace import Step, Summary, Trace
 
 Call = Callable[..., object]  # call(method name, *arguments) on the host, plain data both ways
 
@@ -63,7 +63,7 @@ class BatchHost:
             return {"trace": None, "summary": None} if request.finished else {}
         seen = self.sent.get(request.name)
         self.sent[request.name] = len(trace.steps)
-        news = ({"trace": trace.to_dict() | {"summary": None, "token_texts": {}}} if seen is None else
+        news = ({"trace": trace.plain() | {"summary": None, "token_texts": {}}} if seen is None else
                 {"steps": [step.plain() for step in trace.steps[seen:]]} if len(trace.steps) > seen else {})
         if trace.summary is not None:
             news |= {"summary": asdict(trace.summary), "token_texts": trace.token_texts}
@@ -77,21 +77,18 @@ class RemoteRequest:
                  should_stop: Callable[[], bool] | None):
         self.name, self.on_step, self.should_stop = name, on_step, should_stop
         self.trace: Trace | None = None
-        self.head: dict | None = None  # the trace's config and prefill as the host sent them
 
     def take(self, news: dict) -> bool:
         """A round's news of it; whether it is done."""
         if "trace" in news:
-            self.head = news["trace"]
-            self.trace = None if self.head is None else Trace.from_dict(self.head)
+            self.trace = None if news["trace"] is None else Trace.from_plain(news["trace"])
             fresh = [] if self.trace is None else self.trace.steps
         else:
             fresh = [Step.from_plain(step) for step in news.get("steps", [])]
             self.trace.steps.extend(fresh)
         if self.trace is not None and news.get("summary") is not None:
-            done = Trace.from_dict(self.head | {"steps": [], "summary": news["summary"],
-                                                "token_texts": news["token_texts"]})
-            self.trace.summary, self.trace.token_texts = done.summary, done.token_texts
+            self.trace.summary = Summary(**news["summary"])
+            self.trace.token_texts = {int(token): text for token, text in news["token_texts"].items()}
         if self.on_step is not None:
             for step in fresh:
                 self.on_step(self.trace, step)
