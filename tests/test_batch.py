@@ -483,6 +483,15 @@ def counted(function):
     return call
 
 
+def eager_or_fixed(decoder: Decoder, fixed: bool) -> Batch:
+    """A batch whose drafter pass is eager, or (``fixed``) the fixed-shape pass a GPU records, run eagerly here."""
+    batch = Batch(decoder, pinned(CHEAP_NODES))
+    assert batch.graphed_draft is None  # no GPU here: eager unless asked
+    if fixed:
+        batch.graphed_draft = GraphedBatchDraft(decoder.drafter, *decoder.draft_weights, batch.context, replay=False)
+    return batch
+
+
 def test_the_drafters_fixed_shape_pass_drafts_what_the_eager_pass_drafts():
     """``GraphedBatchDraft`` (what a GPU records: a block of new context rows a request, every context column read,
     the whole block drafted) run eagerly here: the same drafts as the eager pass, step by step, through requests
@@ -494,11 +503,8 @@ def test_the_drafters_fixed_shape_pass_drafts_what_the_eager_pass_drafts():
     asked = prompts(6, seed=4)
     runs = []
     for fixed in (False, True):
-        batch = Batch(decoder, pinned(CHEAP_NODES))
-        assert batch.graphed_draft is None  # no GPU here: eager unless asked
+        batch = eager_or_fixed(decoder, fixed)
         if fixed:
-            batch.graphed_draft = GraphedBatchDraft(decoder.drafter, *decoder.draft_weights, batch.context,
-                                                    replay=False)
             passes = batch.graphed_draft._pass = counted(batch.graphed_draft._pass)
         requests = [batch.admit(ids, kinds[i % len(kinds)]) for i, ids in enumerate(asked[:4])]
         for _ in range(3):
@@ -529,10 +535,8 @@ def test_context_rows_read_a_block_at_a_time_fill_the_drafters_cache_as_one_eage
     features = torch.randn(40, width, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     caches = []
     for fixed in (False, True):
-        batch = Batch(decoder, pinned(CHEAP_NODES))
+        batch = eager_or_fixed(decoder, fixed)
         if fixed:
-            batch.graphed_draft = GraphedBatchDraft(decoder.drafter, *decoder.draft_weights, batch.context,
-                                                    replay=False)
             passes = batch.graphed_draft._pass = counted(batch.graphed_draft._pass)
         request = batch.admit([5, 6, 7], DecodeSettings("ddtree", max_new_tokens=4, tree_budget=4))
         with torch.inference_mode():  # as a round reads them
@@ -552,11 +556,7 @@ def test_context_rows_read_a_block_at_a_time_fill_the_drafters_cache_as_one_eage
     settings = DecodeSettings("ddtree", max_new_tokens=12, tree_budget=8)
     traces = []
     for fixed in (False, True):
-        batch = Batch(decoder, pinned(CHEAP_NODES))
-        if fixed:
-            batch.graphed_draft = GraphedBatchDraft(decoder.drafter, *decoder.draft_weights, batch.context,
-                                                    replay=False)
-        traces.append(batch.run([(ids, settings) for ids in long_prompts]))
+        traces.append(eager_or_fixed(decoder, fixed).run([(ids, settings) for ids in long_prompts]))
     for ids, eager_trace, fixed_trace in zip(long_prompts, *traces):
         assert fixed_trace.output_ids == eager_trace.output_ids == alone(decoder, ids, settings).output_ids
         for one, other in zip(eager_trace.steps, fixed_trace.steps, strict=True):
