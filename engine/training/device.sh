@@ -4,7 +4,8 @@
 #   call A: install vLLM, convert the GGUF, generate the data, train until the deadline
 #   call B: resume training until the deadline
 # Every call ends by DEADLINE_MIN minutes after it starts and leaves in $OUT:
-#   drafter/          config.json + bf16 safetensors shards (<= 15 MiB each): load_drafter() reads it
+#   drafter/          config.json + bf16 safetensors shards (<= 15 MiB each): load_drafter() reads it; and
+#                     schedule.json, how far the learning-rate schedule got (--init-from continues it)
 #   data-stats.json   the corpus: prompts by family, replies, tokens, the evaluation-overlap report
 #   train-log.jsonl   one line per 50 training steps (loss, per-slot accuracy, tau~)
 #   run.log           everything printed: stage timings, data stats, training log lines
