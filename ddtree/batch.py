@@ -97,7 +97,7 @@ def pack_trees(trees: list[DraftTree], roots: list[int], pasts: list[int], rows:
 
     last = torch.minimum(slot[None, :], sizes[:, None] - 1)  # [B, T_max]: a padding row repeats the last token
     own = ancestor_masks(parents).gather(1, last[:, :, None].expand(requests, widest, widest))  # [B, T_max, T_max]
-    wide = (torch.arange(width + widest)[None, None, :] < past[:, None, None]).expand(requests, widest, -1).clone()
+    wide = (torch.arange(width + widest)[None, :] < past[:, None])[:, None, :].repeat(1, widest, 1)  # the past
     wide.scatter_(2, (past[:, None] + slot)[:, None, :].expand(requests, widest, widest), own)  # after its past
 
     rows_t = torch.arange(requests) if rows is None else torch.tensor(rows, dtype=torch.long)
