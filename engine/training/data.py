@@ -36,6 +36,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -594,12 +595,9 @@ def sequence_keys(shard: dict, keys: dict[str, str]) -> list[str | None]:
 
 def reply_temperature_counts(corpus: Corpus) -> dict[str, int]:
     """Kept sequences by the temperature their reply was sampled at (0: greedy), where the shard records it."""
-    counts: dict[str, int] = {}
-    for shard, keep in zip(corpus.shards, corpus.keep):
-        temperatures = shard.get("temperatures", torch.zeros(0))
-        if len(temperatures) == len(keep):
-            for temperature in temperatures[keep].tolist():
-                counts[f"{temperature:g}"] = counts.get(f"{temperature:g}", 0) + 1
+    counts = Counter(f"{temperature:g}" for shard, keep in zip(corpus.shards, corpus.keep)
+                     if len(temperatures := shard.get("temperatures", torch.zeros(0))) == len(keep)
+                     for temperature in temperatures[keep].tolist())
     return dict(sorted(counts.items(), key=lambda item: float(item[0])))
 
 
