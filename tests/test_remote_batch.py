@@ -101,13 +101,16 @@ def test_the_servers_line_of_round_times_adds_up_to_its_mean_round():
 
 def test_a_served_batch_logs_where_its_rounds_went_once_it_goes_idle(caplog):
     decoder, asked = oracle_decoder()
-    batcher = Batcher(decoder, ModelQueue(), pinned(CHEAP_NODES))
+    queue = ModelQueue()
+    batcher = Batcher(decoder, queue, pinned(CHEAP_NODES))
     settings = DecodeSettings("dflash", max_new_tokens=8)
     with caplog.at_level(logging.INFO, logger="ddtree-serve"):
         futures = [batcher.submit(f"request-{n}", "", ids, *decoder.prepare(settings, len(ids)))
                    for n, ids in enumerate(asked[:2])]
         for future in futures:
             future.result(timeout=60)
+        # the round that settled them logs after settling them: a job queued behind it runs once it is done
+        queue.submit(lambda: None).result(timeout=60)
     lines = [record.getMessage() for record in caplog.records if "mean ms a round" in record.getMessage()]
     rounds = sum(int(re.match(r"the last (\d+) rounds", line).group(1)) for line in lines)
     assert lines and rounds >= max(len(future.result().steps) for future in futures) and not batcher.timed

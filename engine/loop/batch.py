@@ -37,11 +37,13 @@ from ddtree.tree import DraftRow, Drafts
 from engine.errors import EngineError
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth, first_nodes
 from engine.loop.decode import READABLE_SAMPLING
-from engine.loop.draft_pass import GraphedBatchDraft, draft_log_probs
+from engine.loop.draft_pass import GraphedBatchDraft, count_bucket, draft_log_probs
+from engine.loop.fixed_batch import AcceptedRows, FixedBatchProgram, SlotInputs, node_bucket, slot_kind
+from engine.loop.fixed_step import record_top, record_tree
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import METHODS, method
-from engine.models.batched import BatchDraftContext, packed_pass, padded_pass
+from engine.models.batched import BatchDraftContext, BatchKV, packed_pass, padded_pass
 from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace
 
 PREFILL_TOKENS = 128  # prompt tokens a round prefills at most, so the running requests wait at most that long
@@ -170,6 +172,11 @@ class Batch:
                               and target.device.type == "cuda" else None)
         if self.graphed_draft is not None:
             self.context.reserve(GRAPHED_CONTEXT_ROWS, 0)
+        # greedy requests of fixed budgets step as fixed-shape programs (``engine.loop.fixed_batch``) where the decoder
+        # runs the fixed step and the target's cache is rows
+        self.fixed = decoder.fixed_step and isinstance(self.kv, BatchKV)
+        self.programs: dict[tuple[int, int, int], FixedBatchProgram] = {}  # by (nodes, block size, top-k)
+        self.accepted: AcceptedRows | None = None  # what the fixed steps' requests accepted last, for their drafts
         self.waiting: list[BatchRequest] = []  # joined, prompt not yet all in the cache
         self.requests: list[BatchRequest] = []  # in rows 0..n-1, in row order
         self.steps_taken = 0
@@ -198,7 +205,9 @@ class Batch:
                        should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
         """``admit`` for settings ``Decoder.prepare`` already checked for this prompt (with its notes)."""
         notes = [note for note in notes if note != READABLE_SAMPLING]  # every batched step samples as it must
-        config = self.decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + self.verify_kind)
+        step = "fixed" if self.fixed and fixed_budget_greedy(settings) else self.verify_kind  # while all its
+        # neighbours can take the fixed step too
+        config = self.decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + step)
         self._names += 1
         request = BatchRequest(self.decoder, settings, config, on_step, should_stop,
                                name or f"request-{self._names}")
@@ -207,6 +216,8 @@ class Batch:
         if self.context is not None:
             self.context.reserve(request.row + 1, 0)
             self.context.lengths[request.row] = 0  # the row's last request's context is no longer read
+        if self.accepted is not None:
+            self.accepted.take(request.row)  # ... nor what its last fixed step accepted
         self.waiting.append(request)
         return request
 
@@ -219,6 +230,8 @@ class Batch:
         if last is not request:
             if self.context is not None:
                 self.context.move_row(last.row, request.row)
+            if self.accepted is not None:
+                self.accepted.move_row(last.row, request.row)
             last.row = request.row
         for rows in (self.requests, self.waiting):
             if request in rows:
@@ -336,12 +349,17 @@ class Batch:
 
     def step(self) -> dict[str, float]:
         """One batched step for every decoding request: plan who drafts, draft, size and build the trees,
-        pack them, verify them in one pass, walk and commit each, record each request's step; its stages' seconds."""
+        pack them, verify them in one pass, walk and commit each, record each request's step; its stages' seconds.
+        Where every request can, the same step as fixed-shape programs (``fixed_step``)."""
         active = list(self.requests)
         t_start = self.clock.now()
         if self.last_step_end is not None:
             self.gaps.append(t_start - self.last_step_end)
         self.cost = self.round_cost
+        if self.fixed and all(fixed_budget_greedy(r.settings) for r in active) and len(
+                {r.settings.block_size for r in active if r.drafts}) <= 1:
+            return self.fixed_step(active, t_start)
+        self.hand_back(active)
         with self.clock.stage("draft"):
             drafts = self.draft(active, self.plan(active))
         with self.clock.stage("tree_build"):
@@ -355,12 +373,100 @@ class Batch:
             outcomes = self.commit(planned, layout.query_start_loc.tolist(), logits, hidden)
         stage_s = self.clock.take()
         for p, outcome in zip(planned, outcomes):
-            self.record(p, outcome, layout, allocation, active, t_start, stage_s)
+            request = p.request
+            full = request.settings.trace_detail == "full"
+            top = draft_top(p.log_probs, request.settings.record_top_k) if full else ([], [])
+            self.record_step(request, p.root, top, outcome, layout.tokens - len(active), active, t_start, stage_s,
+                             p.reason, 0 if p.log_probs is None else p.log_probs.shape[0])
         # the step's time as a request waits it, its record and stream included: what the cost model is fitted to
         self.last_step_end = self.clock.now()
         self.measured(StepShape(len(active), layout.tokens - len(active), len(drafts), drafted_rows(drafts),
                                 self.last_step_end - t_start, stage_s["draft"]))
         return stage_s
+
+    def fixed_step(self, active: list[BatchRequest], t_start: float) -> dict[str, float]:
+        """The step as fixed-shape programs (``engine.loop.fixed_batch``): the host tells them each request's root,
+        past, budget, method and row in one copy and reads their record once; the rest is the device's."""
+        nodes = node_bucket(max(fixed_nodes(r) for r in active))
+        full = [r for r in active if r.settings.trace_detail == "full"]
+        block_size = max(r.settings.block_size for r in active)  # the drafting requests' (AR's is 1)
+        program = self.fixed_program(nodes, block_size, max((r.settings.record_top_k for r in full if r.drafts),
+                                                            default=0))
+        with self.clock.stage("draft"):  # the rows a readable step left go to the device, a block a request
+            if program.drafts:
+                self.hand_over(active, program)
+            count, spare = count_bucket(len(active)), len(self.requests) + len(self.waiting)  # rows past everyone's
+            program.room(spare + count - len(active), max(r.start for r in active))
+            inputs = SlotInputs.of([(r.root, r.start, fixed_nodes(r), slot_kind(r.settings), r.row) for r in active],
+                                   count, spare, self.target.device)
+            log_probs = program.draft(inputs) if program.drafts else None
+        with self.clock.stage("verify"):  # the trees, the pass, the walks, the compaction: one program, one read
+            records = program.advance(inputs, log_probs)[:len(active)].tolist()
+        roots = [r.root for r in active]
+        with self.clock.stage("commit"):
+            outcomes = [self.fixed_outcome(r, program.layout.unpack(values)) for r, values in zip(active, records)]
+        stage_s = self.clock.take()
+        verified = sum(outcome.tree.size for outcome, _ in outcomes)
+        drafted = sum(1 for r in active if r.row_method.drafts)
+        for request, root, (outcome, top) in zip(active, roots, outcomes):
+            self.record_step(request, root, top, outcome, verified, active, t_start, stage_s, fixed_reason(request),
+                             program.layout.depth if request.row_method.drafts else 0)
+        self.last_step_end = self.clock.now()
+        self.measured(StepShape(len(active), verified, drafted, drafted * program.layout.depth,
+                                self.last_step_end - t_start, stage_s["draft"]))
+        return stage_s
+
+    def fixed_program(self, nodes: int, block_size: int, top_k: int) -> FixedBatchProgram:
+        key = (nodes, block_size, top_k)
+        if key not in self.programs:
+            if nodes and self.accepted is None:
+                config = self.drafter.config
+                self.accepted = AcceptedRows(block_size, len(config.target_layer_ids) * config.hidden_size,
+                                             self.drafter.dtype, self.target.device)
+            self.programs[key] = FixedBatchProgram(self.decoder, self.kv, self.context, self.accepted, nodes,
+                                                   block_size, top_k)
+        return self.programs[key]
+
+    def hand_over(self, active: list[BatchRequest], program: FixedBatchProgram) -> None:
+        """The context rows a drafting request's drafter has not read, into the fixed steps' keeping: the last block
+        of them (the ones before it read now, ``behind``)."""
+        config = self.drafter.config
+        width = len(config.target_layer_ids) * config.hidden_size
+        for request in active:
+            if request.drafts and request.pending_context:
+                rows, at = self.behind(request, *request.context_rows(width), program.depth + 1)
+                program.accepted.load(request.row, rows, at)
+                request.read_context()
+
+    def hand_back(self, active: list[BatchRequest]) -> None:
+        """What the fixed steps kept of each request's accepted rows, back to the request: the readable step drafts
+        from its own list."""
+        if self.accepted is None:
+            return
+        for request in active:
+            kept = self.accepted.take(request.row)
+            if kept is not None:
+                features, positions = kept
+                first = int(positions[0])
+                request.pending_context.append(features)
+                request.pending_positions.append(range(first, first + features.shape[0]))
+
+    def fixed_outcome(self, request: BatchRequest, step: dict[str, list[float]]
+                      ) -> tuple[Outcome, tuple[list[list[int]], list[list[float]]]]:
+        """A request's part of a fixed step's record, committed: its outcome and its draft's top tokens."""
+        length = int(step["length"][0])
+        tokens = [int(t) for t in step["committed"][:length]]
+        tree = record_tree(step)
+        committed = request.clip(tokens)
+        request.output_ids.extend(committed)
+        outcome = Outcome(tree, [int(t) for t in step["target_tokens"][:tree.size + 1]],
+                          [int(i) for i in step["path"][:length]], tokens[-1], committed,
+                          pieces=[request.text.push(token) for token in committed],
+                          margins=step["margins"][:len(committed)])
+        request.start += length
+        request.root = tokens[-1]
+        full = request.settings.trace_detail == "full" and request.drafts
+        return outcome, record_top(step, request.settings.record_top_k) if full else ([], [])
 
     def measured(self, shape: StepShape) -> None:
         """A step taken: its size and time kept, and every ``REFIT_STEPS`` steps the cost's parts scaled to the steps
@@ -565,23 +671,37 @@ class Batch:
                 if p.request.settings.temperature else greedy[begin:end]
                 for p, begin, end in zip(planned, bounds, bounds[1:])]
 
-    def record(self, planned: Planned, outcome: Outcome, layout: BatchLayout, allocation: Allocation,
-               active: list[BatchRequest], t_start: float, stage_s: dict[str, float]) -> None:
-        """The request's step as its trace keeps it, with the batch it ran in; its stop reason, if it has one."""
-        request = planned.request
-        full = request.settings.trace_detail == "full"
-        step = request.record(len(request.trace.steps), t_start - request.t0, planned.root,
-                              draft_top(planned.log_probs, request.settings.record_top_k) if full else ([], []),
-                              outcome, dict(stage_s))
-        rows = 0 if planned.log_probs is None else planned.log_probs.shape[0]
-        alone = self.cost.seconds(1, planned.tree.size, int(planned.log_probs is not None), rows)
-        step.batch = StepBatch(size=len(active), nodes=layout.tokens - len(active), budget=planned.tree.size,
-                               reason=planned.reason, neighbours=[r.name for r in active if r is not request],
-                               alone_s=alone)
+    def record_step(self, request: BatchRequest, root: int, top: tuple[list[list[int]], list[list[float]]],
+                    outcome: Outcome, verified: int, active: list[BatchRequest], t_start: float,
+                    stage_s: dict[str, float], reason: str, draft_rows: int) -> None:
+        """The request's step as its trace keeps it (below ``root``, its draft's ``top`` tokens per depth), with the
+        batch it ran in (``verified`` nodes in all; the request's own tree drafted ``draft_rows`` slots deep); its
+        stop reason, if it has one."""
+        step = request.record(len(request.trace.steps), t_start - request.t0, root, top, outcome, dict(stage_s))
+        alone = self.cost.seconds(1, outcome.tree.size, int(draft_rows > 0), draft_rows)
+        step.batch = StepBatch(size=len(active), nodes=verified, budget=outcome.tree.size, reason=reason,
+                               neighbours=[r.name for r in active if r is not request], alone_s=alone)
         request.trace.steps.append(step)
         if request.on_step is not None:
             request.on_step(request.trace, step)
         request.finished = request.stop_reason()
+
+
+def fixed_budget_greedy(settings: DecodeSettings) -> bool:
+    """Whether a request's steps can run as fixed-shape programs: greedy, its budget its own."""
+    return not settings.temperature and not settings.auto_budget
+
+
+def fixed_nodes(request: BatchRequest) -> int:
+    """The nodes below its root a request of a fixed budget verifies each step."""
+    return request.row_method.nodes(request.settings.tree_budget, request.settings.block_size - 1)
+
+
+def fixed_reason(request: BatchRequest) -> str:
+    """What a trace says of a fixed budget's tree (``Batch.reason`` of the readable step)."""
+    if not request.row_method.drafts:
+        return f"{request.row_method.title}: the root alone"
+    return f"its own budget: {fixed_nodes(request)} nodes"
 
 
 def drafted_rows(drafts: dict[BatchRequest, DraftRow]) -> int:

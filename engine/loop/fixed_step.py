@@ -371,18 +371,18 @@ class FixedRun(Run):
         tokens = [int(t) for t in step["committed"][:length]]
         committed = self.clip(tokens)
         self.output_ids.extend(committed)
-        tree = _draft_tree(step) if full else ddtree.DraftTree.empty()
+        tree = record_tree(step) if full else ddtree.DraftTree.empty()
         outcome = Outcome(tree, [int(t) for t in step["target_tokens"]], [int(i) for i in step["path"][:length]],
                            tokens[-1], committed, pieces=[self.text.push(token) for token in committed],
                            margins=step["margins"][: len(committed)])
         self.start += length
         self.root = tokens[-1]
         stage_s = launched.marks.seconds() | {"commit": time.perf_counter() - began}
-        return self.record(launched.index, launched.t_start, root, _draft_top(step, layout) if full else ([], []),
+        return self.record(launched.index, launched.t_start, root, record_top(step, layout.top_k) if full else ([], []),
                            outcome, stage_s)
 
 
-def _draft_tree(step: dict[str, list[float]]) -> ddtree.DraftTree:
+def record_tree(step: dict[str, list[float]]) -> ddtree.DraftTree:
     """The record's real tree nodes as the readable ``DraftTree`` (what a trace records)."""
     keep = torch.tensor(step["tree_valid"], dtype=torch.bool)
 
@@ -394,10 +394,13 @@ def _draft_tree(step: dict[str, list[float]]) -> ddtree.DraftTree:
                             column("tree_path_log_probs", torch.float32), column("tree_ranks", torch.long))
 
 
-def _draft_top(step: dict[str, list[float]], layout: StepLayout) -> tuple[list[list[int]], list[list[float]]]:
-    k = layout.top_k
-    if not k:
+def record_top(step: dict[str, list[float]], k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The record's draft top tokens per depth and their probabilities, the first ``k`` of each depth's (the record
+    keeps as many per depth as ``top_tokens`` holds over the depths of ``tree_depths``' record)."""
+    kept = len(step["top_tokens"]) // max(len(step["committed"]) - 1, 1)
+    if not kept or not k:
         return [], []
     tokens = [int(t) for t in step["top_tokens"]]
     probs = torch.tensor(step["top_log_probs"]).exp().tolist()
-    return [tokens[i: i + k] for i in range(0, len(tokens), k)], [probs[i: i + k] for i in range(0, len(probs), k)]
+    return ([tokens[i: i + min(k, kept)] for i in range(0, len(tokens), kept)],
+            [probs[i: i + min(k, kept)] for i in range(0, len(probs), kept)])

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import ddtree
+import ddtree.fixed
 from ddtree.batch import BatchLayout, layout_bias
 from engine.models.drafter import DrafterConfig, narrowed
 from engine.models.rows import run_rows
@@ -138,6 +139,23 @@ class BatchKV(_Rows):
         width = int(columns.max()) + 1
         self.reserve(int(layout.rows.max()) + 1, width)
         return _PaddedWrite(self, layout.rows, columns, rows_read(layout.rows), width)
+
+    def slots(self, rows: torch.Tensor, read: slice | torch.Tensor, past: torch.Tensor, width: int) -> _PaddedWrite:
+        """The cache a fixed-shape pass over slots writes into and reads (``slots_pass``): slot s's ``width`` tokens at
+        row ``rows[s]``'s columns ``past[s]`` on, the rows read as ``read`` says (a view, or gathered), every column
+        of the buffers, so the pass's shapes depend on the buffers alone."""
+        columns = past[:, None] + torch.arange(width, device=past.device)  # [b, width]
+        return _PaddedWrite(self, rows, columns, read, self.capacity)
+
+    def compact_slots(self, rows: torch.Tensor, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:
+        """``compact`` for slots as device tensors (``rows``, ``past [b]``, ``path [b, D+1]``, ``length [b]``): the
+        accepted rows move down behind each past, the rows past a path's length to the buffers' last column, which
+        no pass of slots reads (``ddtree.fixed.compaction_rows``)."""
+        sources, targets = ddtree.fixed.compaction_rows(past, path, length, self.capacity - 1)  # [b, D+1] each
+        row = rows[:, None].expand_as(sources)
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[row, :, targets] = buffer[row, :, sources]  # the read is a copy: a source may be a target
 
     def prompt(self, row: int, start: int, length: int) -> _PackedWrite:
         """The cache a prompt's chunk writes into: ``length`` tokens of request ``row`` from column ``start``."""
@@ -258,6 +276,25 @@ def padded_pass(model, cache_argument: str, kv: BatchKV, layout: BatchLayout, dt
     return unpad(out.logits), hidden
 
 
+def slots_pass(model, cache_argument: str, kv: BatchKV, rows: torch.Tensor, read: slice | torch.Tensor,
+               ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor,
+               dtype: torch.dtype, hidden_states: bool):
+    """One pass over slots of ``kv`` at shapes fixed by the slots, the tree's width and the cache's capacity, with no
+    host read (``engine.loop.fixed_batch``): slot s's ``ids [b, n]`` at ``positions [b, n]`` in row ``rows[s]`` (the
+    rows read as ``read`` says) after its ``past[s]`` columns, its queries seeing that past and, among its own
+    tokens, ``visible [b, n, n]`` (the tree's ancestor mask); its keys and values written at columns
+    ``past[s]..past[s]+n-1``. Returns logits ``[b, n, vocab]`` and, if asked, the hidden states (each
+    ``[b, n, hidden]``)."""
+    count, width = ids.shape
+    cache = kv.slots(rows, read, past, width)
+    columns = torch.arange(kv.capacity, device=ids.device)
+    seen = (columns[None, None, :] < past[:, None, None]).repeat(1, width, 1)  # [b, n, capacity]: the past
+    seen.scatter_(2, cache.columns[:, None, :].expand(count, width, width), visible)  # ... then its own tree
+    out = model(input_ids=ids, position_ids=positions, attention_mask=layout_bias(seen, dtype), use_cache=True,
+                output_hidden_states=hidden_states, **{cache_argument: cache})
+    return out.logits, (out.hidden_states if hidden_states else None)
+
+
 # ---------------------------------------------------------------- the drafter's context
 
 class BatchDraftContext(_Rows):
@@ -287,11 +324,11 @@ class BatchDraftContext(_Rows):
         self.reserve(0, width)
         return _DraftRows(self, index, rows_read(index), width)
 
-    def fixed_view(self, rows: torch.Tensor) -> _DraftRows:
+    def fixed_view(self, rows: torch.Tensor, read: slice | torch.Tensor | None = None) -> _DraftRows:
         """The context of requests ``rows`` ([count] long, on the device) read whole: every column of the buffers,
-        the rows gathered, so a recorded pass reads whichever rows its ``rows`` name at its next replay. The caller
-        reserves room for the pass's new rows first."""
-        return _DraftRows(self, rows, rows, self.capacity)
+        the rows gathered (so a recorded pass reads whichever rows its ``rows`` name at its next replay) or read
+        as ``read`` says. The caller reserves room for the pass's new rows first."""
+        return _DraftRows(self, rows, rows if read is None else read, self.capacity)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import ddtree
 from ddtree.fixed import compaction_rows
 from engine.errors import EngineError
 from engine.models import hybrid
-from engine.models.batched import BatchKV
+from engine.models.batched import BatchKV, slots_pass
 from engine.models.paged import PagedBatchKV
 
 BUNDLED_MODEL = "smollm2"
@@ -147,6 +147,14 @@ class Target:
         Logits ``[T, vocab]`` and, if asked, the hidden states (each ``[1, T, hidden]``)."""
         return verify_pass(self.model, hybrid.cache_argument(type(self.model)), kv, layout.to(self.device),
                            self.dtype, hidden_states)
+
+    def verify_slots(self, kv, rows, read, ids, positions, past, visible, hidden_states: bool):
+        """Slots of the batch's rows cache ``kv`` through one fixed-shape pass, each in its row ``rows [b]`` (read as
+        ``read`` says) its ``ids [b, n]`` at ``positions`` after its ``past [b]``, ``visible [b, n, n]`` among them
+        (``engine.models.batched.slots_pass``): logits ``[b, n, vocab]`` and, if asked, the hidden states (each
+        ``[b, n, hidden]``)."""
+        return slots_pass(self.model, hybrid.cache_argument(type(self.model)), kv, rows, read, ids, positions, past,
+                          visible, self.dtype, hidden_states)
 
     def fixed_kv(self, capacity: int, compiled: bool = False):
         """The KV cache of the fixed-shape step (``engine.loop.fixed_step``): ``capacity`` rows in fixed buffers.

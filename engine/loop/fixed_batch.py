@@ -1,0 +1,271 @@
+"""The batched step's fast path: every request's draft, tree, verify, walk and commit as fixed-shape programs on
+the device, and one host read a step.
+
+``Batch.step`` (``engine.loop.batch``) is the readable batched step: it builds each request's tree on the host,
+packs the trees into a layout and walks each request's own. Here the same step for a batch of greedy requests of
+fixed budgets runs as two programs over slots (a slot a request, in its row of the batch's caches; their count
+rounded up to a power of two, ``count_bucket``, the slots past the requests padding of budget 0 in rows of their own,
+whose work nobody reads), whose shapes depend on the slots, the nodes and the caches' buffers alone, so that each
+can be recorded as a CUDA graph (on the GPU they run eagerly for now):
+
+- ``draft``: the drafter's pass over every slot's block (its root, then mask tokens, at its past), fed the rows
+  the request accepted last step (``AcceptedRows``: ``[rows, block, taps*hidden]``, how many of them real), which the
+  ``advance`` before left on the device;
+- ``advance``: each slot's tree of ``nodes`` nodes below its root (its method's: the best-first tree in the heap's
+  order, DFlash's chain, or none), cut to the slot's own budget by the tree's ``valid`` mask; one target pass over
+  ``[b, nodes + 1]`` tokens (``TargetModel.verify_slots``: each slot's past, then its tree, ancestors only); the
+  walk (``ddtree.fixed.follow_tree``); the KV compaction of each accepted path; the accepted rows' features kept
+  for the next draft; and the step's record, ``[b, StepLayout.size]`` float64, which the host reads once.
+
+Worked example, nodes 4, block 4 (depth 3), two requests and so two slots: slot 0 a DDTree request of budget 3 at
+past 10 in row 0, slot 1 an AR request at past 7 (budget 0) in row 1. Slot 0's tree of 4 nodes in heap order is cut to its first 3
+(valid [1, 1, 1, 0]); slot 1's nodes are all invalid, so its walk accepts the root alone. The pass writes slot 0's
+5 tokens at its row's columns 10..14 and slot 1's at 7..11; slot 0 accepts path [0, 2] (length 2): column 12 moves
+to 11 and past becomes 12, root the target's token after node 2; slot 1's past becomes 8.
+
+Requests that sample, or whose budget the batch chooses ("auto"), take the readable step, and while any of them is
+in the batch so do their neighbours; a batch moves between the two steps between rounds, each request's accepted
+rows going with it (``AcceptedRows.take`` and ``load``; ``Batch.hand_back`` and ``hand_over``). Tests hold the fast
+path to the readable step and to each request alone, token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import ddtree.fixed
+from ddtree.fixed import FixedTree
+from engine.loop.draft_pass import draft_log_probs
+from engine.loop.fixed_step import StepLayout
+from engine.methods import method as method_row
+
+# a slot's method, as ``advance`` tells them apart: the tree's nodes, the chain's, or none
+TREE, CHAIN, NO_TREE = 0, 1, 2
+
+
+def node_bucket(nodes: int) -> int:
+    """The nodes a step's program verifies below each root, for requests asking up to ``nodes``: the next power of
+    two (0 stays 0), so that a handful of programs serve every mix of budgets."""
+    return 0 if nodes <= 0 else 1 << (nodes - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class SlotInputs:
+    """What the host tells a step about its slots, in one copy: ``[5, S]`` long, rows root, past, budget, method
+    (``TREE``, ``CHAIN``, ``NO_TREE``) and the slot's row of the batch's caches; and how the pass reads those rows
+    (``read``: a view of the caches where they are consecutive, as they are while no request is joining)."""
+
+    values: torch.Tensor
+    read: slice | torch.Tensor
+
+    @property
+    def root(self) -> torch.Tensor:
+        return self.values[0]
+
+    @property
+    def past(self) -> torch.Tensor:
+        return self.values[1]
+
+    @property
+    def budget(self) -> torch.Tensor:
+        return self.values[2]
+
+    @property
+    def kind(self) -> torch.Tensor:
+        return self.values[3]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.values[4]
+
+    @staticmethod
+    def of(slots: list[tuple[int, int, int, int, int]], count: int, spare: int, device: torch.device) -> SlotInputs:
+        """``slots``: each request's (root, past, budget, kind, row); the ``count - len(slots)`` padding slots verify
+        a root of nothing at past 0, each in a row of its own from ``spare`` on, where no request is.
+
+        E.g. 3 requests in rows 0, 1, 2 and spare row 3: 4 slots over rows 0..3, read as a view; requests in rows 0,
+        2, 3 (row 1 still joining) and spare row 4: rows [0, 2, 3, 4], gathered."""
+        padding = [(0, 0, 0, NO_TREE, spare + extra) for extra in range(count - len(slots))]
+        values = torch.tensor(slots + padding, dtype=torch.long).T.contiguous()
+        rows = values[4].tolist()
+        consecutive = rows == list(range(rows[0], rows[0] + count))
+        values = values.to(device)
+        return SlotInputs(values, slice(rows[0], rows[0] + count) if consecutive else values[4])
+
+
+def fitted(tree: FixedTree, nodes: int) -> FixedTree:
+    """``tree`` cut or padded to ``nodes`` nodes; a padding node hangs below the root, invalid."""
+    have = tree.tokens.shape[-1]
+    if have >= nodes:
+        return FixedTree(*(getattr(tree, name)[..., :nodes] for name in FixedTree.__dataclass_fields__))
+    extra = (*tree.tokens.shape[:-1], nodes - have)
+    long = dict(dtype=torch.long, device=tree.tokens.device)
+    padding = {"tokens": torch.zeros(extra, **long), "parents": torch.zeros(extra, **long),
+               "depths": torch.ones(extra, **long), "log_probs": torch.full(extra, ddtree.fixed.NEG_INF,
+                                                                            device=tree.tokens.device),
+               "path_log_probs": torch.full(extra, ddtree.fixed.NEG_INF, device=tree.tokens.device),
+               "ranks": torch.zeros(extra, **long), "valid": torch.zeros(extra, dtype=torch.bool,
+                                                                         device=tree.tokens.device)}
+    return FixedTree(*(torch.cat([getattr(tree, name), padding[name]], dim=-1)
+                       for name in FixedTree.__dataclass_fields__))
+
+
+def slot_trees(log_probs: torch.Tensor, kind: torch.Tensor, budget: torch.Tensor, nodes: int) -> FixedTree:
+    """Each slot's tree of ``nodes`` nodes from its draft ``log_probs [b, D, V]``: the best-first tree in the heap's
+    order or the chain by ``kind [b]``, its nodes past ``budget [b]`` invalid (a prefix of the heap's order is the
+    best-first tree of that many nodes, of a chain the chain that deep), so one program holds every budget."""
+    best = ddtree.fixed.heap_order(ddtree.fixed.build_tree(log_probs, nodes))
+    chain = fitted(ddtree.fixed.chain_tree(log_probs), nodes)
+    is_chain = (kind == CHAIN)[:, None]
+    tree = FixedTree(*(torch.where(is_chain, getattr(chain, name), getattr(best, name))
+                       for name in FixedTree.__dataclass_fields__))
+    within = torch.arange(nodes, device=kind.device)[None, :] < budget[:, None]
+    return FixedTree(tree.tokens, tree.parents, tree.depths, tree.log_probs, tree.path_log_probs, tree.ranks,
+                     tree.valid & within & (kind != NO_TREE)[:, None])
+
+
+class AcceptedRows:
+    """The rows each request accepted in its last fixed-shape step, kept on the device for its next draft (its
+    target features ``[rows, block, taps*hidden]``, their positions and how many are real), by the request's row of
+    the batch's caches; shared by the batch's programs, whatever their nodes."""
+
+    def __init__(self, block_size: int, width: int, dtype: torch.dtype, device: torch.device):
+        self.features = torch.zeros(0, block_size, width, dtype=dtype, device=device)
+        self.positions = torch.zeros(0, block_size, dtype=torch.long, device=device)
+        self.added = torch.zeros(0, dtype=torch.long, device=device)
+
+    def reserve(self, rows: int) -> None:
+        """Room for the requests in ``rows`` rows (what is kept stays)."""
+        extra = rows - self.added.numel()
+        if extra <= 0:
+            return
+        self.features = torch.cat([self.features, self.features.new_zeros(extra, *self.features.shape[1:])])
+        self.positions = torch.cat([self.positions, self.positions.new_zeros(extra, self.positions.shape[1])])
+        self.added = torch.cat([self.added, self.added.new_zeros(extra)])
+
+    def take(self, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows the next draft of the request in ``row`` has not read (``[c, width]``, positions ``[c]``), handed
+        over and forgotten here: the request goes on by the readable step."""
+        if row >= self.added.numel():
+            return None
+        count = int(self.added[row])
+        self.added[row] = 0
+        return (self.features[row, :count], self.positions[row, :count]) if count else None
+
+    def load(self, row: int, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rows the next draft of the request in ``row`` reads: at most a block, ``features [c, width]`` at
+        ``positions [c]`` (none forgets what the row's last request left)."""
+        self.reserve(row + 1)
+        count = features.shape[0]
+        self.features[row, :count] = features.to(self.features.dtype)
+        self.positions[row, :count] = positions.to(self.positions.device)
+        self.added[row] = count
+
+    def move_row(self, source: int, target: int) -> None:
+        """The request in row ``source`` moved to ``target`` (``Batch.release``)."""
+        if max(source, target) < self.added.numel():
+            for buffer in (self.features, self.positions, self.added):
+                buffer[target] = buffer[source]
+            self.added[source] = 0
+
+
+class FixedBatchProgram:
+    """The two programs of a batch's fixed-shape step for one ``nodes`` (module docstring), over the batch's own
+    caches: the target's rows (``BatchKV``), the drafter's context (``BatchDraftContext``) and the rows each request
+    accepted last (``AcceptedRows``)."""
+
+    def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, nodes: int, block_size: int, top_k: int):
+        self.target, self.drafter, self.kv, self.context = decoder.target, decoder.drafter, kv, context
+        self.accepted = accepted
+        self.nodes, self.depth = nodes, block_size - 1
+        self.drafts = nodes > 0  # a batch of AR requests alone verifies roots, and drafts nothing
+        if self.drafts and self.drafter is None:
+            raise ValueError("a program with tree nodes needs the decoder's drafter")
+        top_k = min(top_k, self.target.config.vocab_size) if self.drafts else 0
+        self.layout = StepLayout(self.depth if self.drafts else 0, nodes, top_k)
+        device = self.target.device
+        self.slots = torch.arange(self.depth + 1, device=device)
+        if self.drafts:
+            self.embedding, self.lm_head = decoder.draft_weights
+
+    # -- a step
+
+    def room(self, rows: int, longest: int) -> None:
+        """Before a step over the caches' first ``rows`` rows (the padding slots' among them), the longest past
+        ``longest``: room for every slot's tree and its compaction's scratch column in the target's cache, and for a
+        block past every context in the drafter's. Sizes move buffers, so they are the host's to know, not read from
+        the device."""
+        self.kv.reserve(rows, longest + self.nodes + 2)
+        if self.drafts:
+            self.accepted.reserve(rows)
+            self.context.reserve(rows, longest + self.depth + 2)
+
+    def draft(self, inputs: SlotInputs) -> torch.Tensor:
+        """``[S, depth, vocab]``: every slot's block drafted at once, from the rows it accepted last."""
+        rows = inputs.rows
+        block = torch.full((rows.numel(), self.depth + 1), self.drafter.mask_token_id, device=self.slots.device)
+        block[:, 0] = inputs.root
+        positions = inputs.past[:, None] + self.slots  # [S, block]
+        # a slot that drafts nothing (AR, padding) reads no rows: the scratch row's context stays empty
+        accepted = self.accepted
+        added = torch.where(inputs.kind == NO_TREE, 0, accepted.added[rows])
+        log_probs = draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions,
+                                    accepted.features[rows], accepted.positions[rows],
+                                    self.context.fixed_view(rows, inputs.read), added)
+        accepted.added[rows] = 0
+        return log_probs
+
+    def advance(self, inputs: SlotInputs, log_probs: torch.Tensor | None) -> torch.Tensor:
+        """The step after its draft: trees, verify, walk, compaction, the next draft's rows; the record."""
+        root, past, rows = inputs.root, inputs.past, inputs.rows
+        count = root.numel()
+        if log_probs is None:
+            tree = FixedTree(*(getattr(FixedTree.empty(root.device), name).expand(count, 0)
+                               for name in FixedTree.__dataclass_fields__))
+        else:
+            tree = slot_trees(log_probs, inputs.kind, inputs.budget, self.nodes)
+        ids = torch.cat([root[:, None], tree.tokens], dim=1)  # [count, nodes + 1]
+        positions = past[:, None] + torch.cat([torch.zeros_like(root)[:, None], tree.depths], dim=1)
+        visible = ddtree.fixed.ancestor_mask(tree.parents, max(self.depth, 1))  # [count, nodes + 1, nodes + 1]
+        logits, hidden = self.target.verify_slots(self.kv, rows, inputs.read, ids, positions, past, visible,
+                                                  self.drafts)
+        target_tokens = logits.argmax(dim=-1)  # [count, nodes + 1]
+        depth = max(self.layout.depth, 1) if self.nodes else 0
+        path, length, bonus = ddtree.fixed.follow_tree(tree, target_tokens, visible, depth)  # path [count, depth+1]
+        self.kv.compact_slots(rows, past, path, length)
+        if self.drafts:
+            features = self.drafter.context_features(hidden)  # [count, nodes + 1, width]
+            kept = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))  # [count, depth + 1, width]
+            self.accepted.features[rows] = kept
+            self.accepted.positions[rows] = past[:, None] + self.slots
+            self.accepted.added[rows] = length
+        return self.record(tree, ids, path, length, bonus, logits, target_tokens, log_probs)
+
+    def record(self, tree: FixedTree, ids, path, length, bonus, logits, target_tokens, log_probs) -> torch.Tensor:
+        """Each slot's step in ``StepLayout`` order, float64: ``[count, size]``, one read for the host."""
+        count, slots = ids.shape[0], torch.arange(path.shape[1], device=ids.device)
+        along = ids.gather(1, torch.cat([path[:, 1:], path[:, -1:]], dim=1))
+        committed = torch.where(slots[None, :] < (length - 1)[:, None], along, bonus[:, None])
+        top2 = logits.gather(1, path[..., None].expand(-1, -1, logits.shape[-1])).float().topk(2, dim=-1).values
+        margins = top2[..., 0] - top2[..., 1]
+        if self.layout.top_k:
+            top_log_probs, top_tokens = log_probs.topk(self.layout.top_k, dim=-1)
+        else:
+            top_log_probs = torch.zeros(count, 0, device=ids.device)
+            top_tokens = torch.zeros(count, 0, dtype=torch.long, device=ids.device)
+        wide = self.layout.depth + 1  # a step without drafts records a path of the root alone
+        whole = torch.cat([length[:, None], committed[:, :wide], path[:, :wide]], dim=1).double()
+        tail = torch.cat([target_tokens, tree.tokens, tree.parents, tree.depths, tree.ranks, tree.valid.long(),
+                          top_tokens.reshape(count, -1)], dim=1).double()
+        reals = torch.cat([tree.log_probs, tree.path_log_probs, top_log_probs.reshape(count, -1)], dim=1).double()
+        return torch.cat([whole, margins[:, :wide].double(), tail, reals], dim=1)
+
+
+def slot_kind(settings) -> int:
+    """How a request's step builds its tree in a fixed-shape program."""
+    row = method_row(settings.method)
+    if not row.drafts:
+        return NO_TREE
+    return TREE if row.budgeted else CHAIN

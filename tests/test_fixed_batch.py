@@ -1,0 +1,128 @@
+"""The batched step as fixed-shape programs (``engine.loop.fixed_batch``): the same tokens, acceptances and trees as
+the readable batched step and as each request alone; requests joining, leaving, and moving between the two steps;
+the programs' parts against their readable forms. On the tiny models (``tests/tiny.py``), float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree
+import ddtree.fixed
+from engine.loop.batch import Batch
+from engine.loop.decode import Decoder
+from engine.loop.fixed_batch import CHAIN, NO_TREE, TREE, SlotInputs, node_bucket, slot_trees
+from engine.loop.settings import DecodeSettings
+from engine.models.batched import BatchKV
+from tests.test_batch import CHEAP_NODES, MIXED, TOKENS, alone, oracle_decoder, pinned
+
+
+@pytest.fixture(scope="module")
+def fixed64():
+    """The oracle decoder with the fixed step on, and the plain one (each request alone runs the readable loop)."""
+    decoder, asked = oracle_decoder(torch.float64)
+    return Decoder(decoder.target, decoder.drafter, decoder.drafter_info, fixed_step=True), decoder, asked
+
+
+def tree_worth(step) -> list[float]:
+    """A step's tree as its nodes' path probabilities, sorted: what the best-first tree of its size is, whatever the
+    order of its nodes and whichever of two tokens of equal probability it took."""
+    return sorted(step.tree_path_probs)
+
+
+def same_steps(batched, single) -> None:
+    assert batched.output_ids == single.output_ids
+    assert [s.acceptance_length for s in batched.steps] == [s.acceptance_length for s in single.steps]
+    for mine, theirs in zip(batched.steps, single.steps):  # float32 sums of the same log-probabilities, in two orders
+        assert tree_worth(mine) == pytest.approx(tree_worth(theirs), rel=1e-6)
+    assert [s.committed_text for s in batched.steps] == [s.committed_text for s in single.steps]
+
+
+def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(fixed64):
+    fixed, plain, asked = fixed64
+    batch = Batch(fixed, pinned(CHEAP_NODES))
+    traces = batch.run(list(zip(asked, MIXED)))
+    readable = Batch(plain, pinned(CHEAP_NODES)).run(list(zip(asked, MIXED)))
+    for ids, settings, trace, other in zip(asked, MIXED, traces, readable):
+        same_steps(trace, alone(plain, ids, settings))
+        same_steps(trace, other)
+        assert trace.config.step == "batched fixed" and set(trace.steps[0].stage_s) == {"draft", "verify", "commit"}
+        assert trace.steps[0].draft_top_tokens == other.steps[0].draft_top_tokens, settings.label
+    first = traces[0].steps[0].batch
+    assert first.nodes == 16 + 15 + 0 + 5 + 40 and first.reason == "its own budget: 16 nodes"
+    assert traces[2].steps[0].batch.reason.endswith("the root alone") and traces[2].steps[0].tree_tokens == []
+    assert traces[4].summary.new_tokens == TOKENS - 9
+
+
+def test_requests_join_leave_and_move_between_the_fixed_and_the_readable_step(fixed64):
+    fixed, plain, asked = fixed64
+    batch = Batch(fixed, pinned(CHEAP_NODES))
+    first = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8))
+    second = batch.admit(asked[1], DecodeSettings("dflash", max_new_tokens=TOKENS))
+    for _ in range(3):
+        batch.advance()
+    # a sampled request joins: every step runs readably while it is in the batch, and it leaves early
+    sampled = batch.admit(asked[2], DecodeSettings("ddtree", max_new_tokens=6, tree_budget=4, temperature=0.8,
+                                                   seed=3))
+    while sampled.finished is None:
+        batch.advance()
+    # a long prompt joins in the middle rows while the others step (rows no longer consecutive), then an AR request
+    long_prompt = (asked[3] * 30)[:150]
+    late = batch.admit(long_prompt, DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=16))
+    after = batch.admit(asked[4], DecodeSettings("ar", max_new_tokens=TOKENS))
+    while not batch.idle:
+        batch.advance()
+    kinds = [set(step.stage_s) for step in first.trace.steps]
+    assert {"draft", "verify", "commit"} in kinds and any("tree_build" in kind for kind in kinds)  # both steps ran
+    assert sampled.trace.output_ids == alone(plain, asked[2], sampled.settings).output_ids
+    for request, ids in ((first, asked[0]), (second, asked[1]), (late, long_prompt), (after, asked[4])):
+        same_steps(request.trace, alone(plain, ids, request.settings))
+
+
+def test_a_budget_cuts_the_slots_tree_to_the_best_first_tree_of_that_many_nodes():
+    generator = torch.Generator().manual_seed(0)
+    log_probs = torch.log_softmax(torch.randn(4, 6, 30, generator=generator, dtype=torch.float64), dim=-1)
+    kind = torch.tensor([TREE, TREE, CHAIN, NO_TREE])
+    budget = torch.tensor([16, 5, 6, 16])
+    trees = slot_trees(log_probs, kind, budget, 16)
+    for slot, nodes in ((0, 16), (1, 5)):
+        valid = trees.valid[slot]
+        assert valid.tolist() == [True] * nodes + [False] * (16 - nodes)  # a prefix: any count is a tree
+        readable = ddtree.build_tree(log_probs[slot], nodes)
+        assert sorted(trees.tokens[slot][valid].tolist()) == sorted(readable.tokens.tolist())
+        assert torch.allclose(trees.path_log_probs[slot][valid].sort().values,
+                              readable.path_log_probs.double().sort().values.float().to(trees.path_log_probs.dtype))
+        assert bool((trees.parents[slot][valid] < torch.arange(1, nodes + 1)).all())  # parents come first
+    chain = trees.valid[2]
+    assert chain.tolist() == [True] * 6 + [False] * 10  # the chain is as deep as the block, padded to 16 nodes
+    assert trees.tokens[2][:6].tolist() == log_probs[2].argmax(-1).tolist()
+    assert trees.parents[2][:6].tolist() == list(range(6))
+    assert not bool(trees.valid[3].any())  # AR: the root alone
+
+
+def test_slots_read_the_caches_rows_as_a_view_unless_a_joining_request_sits_between_them():
+    together = SlotInputs.of([(5, 10, 4, TREE, 0), (6, 7, 0, NO_TREE, 1), (7, 3, 15, CHAIN, 2)], 4, 3,
+                             torch.device("cpu"))
+    assert together.read == slice(0, 4) and together.rows.tolist() == [0, 1, 2, 3]
+    assert together.kind.tolist() == [TREE, NO_TREE, CHAIN, NO_TREE] and together.past.tolist() == [10, 7, 3, 0]
+    apart = SlotInputs.of([(5, 10, 4, TREE, 0), (6, 7, 0, NO_TREE, 2), (7, 3, 15, CHAIN, 3)], 4, 4,
+                          torch.device("cpu"))
+    assert torch.equal(apart.read, torch.tensor([0, 2, 3, 4]))
+    assert [node_bucket(n) for n in (0, 1, 5, 15, 16, 17, 40)] == [0, 1, 8, 16, 16, 32, 64]
+
+
+def test_the_slots_compaction_moves_each_rows_accepted_path_as_the_readable_compaction_does(fixed64):
+    config = fixed64[0].target.config
+    together, alone_kv = (BatchKV(config, 4, 64, torch.float64, torch.device("cpu")) for _ in range(2))
+    for kv in (together, alone_kv):
+        for buffers in (kv.keys, kv.values):
+            for buffer in buffers:
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(buffer.numel()),
+                                         dtype=buffer.dtype))
+    rows, pasts = [2, 0, 1], [6, 3, 9]
+    paths = [[0, 2, 3, 7], [0, 1], [0, 5]]
+    padded = torch.tensor([path + [path[-1]] * (4 - len(path)) for path in paths])
+    together.compact_slots(torch.tensor(rows), torch.tensor(pasts), padded, torch.tensor([len(p) for p in paths]))
+    alone_kv.compact(rows, pasts, paths)
+    for mine, theirs in zip(together.keys + together.values, alone_kv.keys + alone_kv.values):
+        assert torch.equal(mine[:, :, :-1], theirs[:, :, :-1])  # the last column is the slots' scratch
