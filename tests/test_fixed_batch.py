@@ -38,11 +38,12 @@ def same_steps(batched, single) -> None:
     assert [s.committed_text for s in batched.steps] == [s.committed_text for s in single.steps]
 
 
-def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(fixed64):
+@pytest.mark.parametrize("cache", ["rows", "paged"])
+def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(fixed64, cache):
     fixed, plain, asked = fixed64
-    batch = Batch(fixed, pinned(CHEAP_NODES))
+    batch = Batch(fixed, pinned(CHEAP_NODES), cache=cache)
     traces = batch.run(list(zip(asked, MIXED)))
-    readable = Batch(plain, pinned(CHEAP_NODES)).run(list(zip(asked, MIXED)))
+    readable = Batch(plain, pinned(CHEAP_NODES), cache=cache).run(list(zip(asked, MIXED)))
     for ids, settings, trace, other in zip(asked, MIXED, traces, readable):
         same_steps(trace, alone(plain, ids, settings))
         same_steps(trace, other)
@@ -54,9 +55,10 @@ def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(f
     assert traces[4].summary.new_tokens == TOKENS - 9
 
 
-def test_requests_join_leave_and_move_between_the_fixed_and_the_readable_step(fixed64):
+@pytest.mark.parametrize("cache", ["rows", "paged"])
+def test_requests_join_leave_and_move_between_the_fixed_and_the_readable_step(fixed64, cache):
     fixed, plain, asked = fixed64
-    batch = Batch(fixed, pinned(CHEAP_NODES))
+    batch = Batch(fixed, pinned(CHEAP_NODES), cache=cache)
     first = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8))
     second = batch.admit(asked[1], DecodeSettings("dflash", max_new_tokens=TOKENS))
     for _ in range(3):
@@ -77,6 +79,9 @@ def test_requests_join_leave_and_move_between_the_fixed_and_the_readable_step(fi
     assert sampled.trace.output_ids == alone(plain, asked[2], sampled.settings).output_ids
     for request, ids in ((first, asked[0]), (second, asked[1]), (late, long_prompt), (after, asked[4])):
         same_steps(request.trace, alone(plain, ids, request.settings))
+    if cache == "paged":  # every block back in the pool, the padding slots' too
+        tables = batch.kv.tables
+        assert sorted(tables.free) == list(range(batch.kv.blocks - 1)) and not any(tables.held)
 
 
 def test_a_budget_cuts_the_slots_tree_to_the_best_first_tree_of_that_many_nodes():

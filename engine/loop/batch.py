@@ -43,7 +43,7 @@ from engine.loop.fixed_step import record_top, record_tree
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import METHODS, method
-from engine.models.batched import BatchDraftContext, BatchKV, packed_pass, padded_pass
+from engine.models.batched import BatchDraftContext, packed_pass, padded_pass
 from engine.trace import Prefill, RunConfig, Step, StepBatch, Trace
 
 PREFILL_TOKENS = 128  # prompt tokens a round prefills at most, so the running requests wait at most that long
@@ -173,8 +173,8 @@ class Batch:
         if self.graphed_draft is not None:
             self.context.reserve(GRAPHED_CONTEXT_ROWS, 0)
         # greedy requests of fixed budgets step as fixed-shape programs (``engine.loop.fixed_batch``) where the decoder
-        # runs the fixed step and the target's cache is rows
-        self.fixed = decoder.fixed_step and isinstance(self.kv, BatchKV)
+        # runs the fixed step and the target verifies slots
+        self.fixed = decoder.fixed_step and target.verifies_slots
         self.programs: dict[tuple[int, int, int], FixedBatchProgram] = {}  # by (nodes, block size, top-k)
         self.accepted: AcceptedRows | None = None  # what the fixed steps' requests accepted last, for their drafts
         self.waiting: list[BatchRequest] = []  # joined, prompt not yet all in the cache
@@ -396,9 +396,9 @@ class Batch:
             if program.drafts:
                 self.hand_over(active, program)
             count, spare = count_bucket(len(active)), len(self.requests) + len(self.waiting)  # rows past everyone's
-            program.room(spare + count - len(active), max(r.start for r in active))
-            inputs = SlotInputs.of([(r.root, r.start, fixed_nodes(r), slot_kind(r.settings), r.row) for r in active],
-                                   count, spare, self.target.device)
+            slots = [(r.root, r.start, fixed_nodes(r), slot_kind(r.settings), r.row) for r in active]
+            inputs = SlotInputs.of(slots, count, spare, self.target.device)
+            program.room([r.row for r in active], [r.start for r in active], range(spare, spare + count - len(active)))
             log_probs = program.draft(inputs) if program.drafts else None
         with self.clock.stage("verify"):  # the trees, the pass, the walks, the compaction: one program, one read
             records = program.advance(inputs, log_probs)[:len(active)].tolist()

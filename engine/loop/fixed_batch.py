@@ -18,10 +18,11 @@ can be recorded as a CUDA graph (on the GPU they run eagerly for now):
   for the next draft; and the step's record, ``[b, StepLayout.size]`` float64, which the host reads once.
 
 Worked example, nodes 4, block 4 (depth 3), two requests and so two slots: slot 0 a DDTree request of budget 3 at
-past 10 in row 0, slot 1 an AR request at past 7 (budget 0) in row 1. Slot 0's tree of 4 nodes in heap order is cut to its first 3
-(valid [1, 1, 1, 0]); slot 1's nodes are all invalid, so its walk accepts the root alone. The pass writes slot 0's
-5 tokens at its row's columns 10..14 and slot 1's at 7..11; slot 0 accepts path [0, 2] (length 2): column 12 moves
-to 11 and past becomes 12, root the target's token after node 2; slot 1's past becomes 8.
+past 10 in row 0, slot 1 an AR request at past 7 (budget 0) in row 1. Slot 0's tree of 4 nodes in heap order is
+cut to its first 3 (valid [1, 1, 1, 0]); slot 1's nodes are all invalid, so its walk accepts the root alone. The
+pass writes slot 0's 5 tokens at its row's columns 10..14 and slot 1's at 7..11; slot 0 accepts path [0, 2]
+(length 2): column 12 moves to 11 and past becomes 12, root the target's token after node 2; slot 1's past
+becomes 8.
 
 Requests that sample, or whose budget the batch chooses ("auto"), take the readable step, and while any of them is
 in the batch so do their neighbours; a batch moves between the two steps between rounds, each request's accepted
@@ -192,15 +193,15 @@ class FixedBatchProgram:
 
     # -- a step
 
-    def room(self, rows: int, longest: int) -> None:
-        """Before a step over the caches' first ``rows`` rows (the padding slots' among them), the longest past
-        ``longest``: room for every slot's tree and its compaction's scratch column in the target's cache, and for a
-        block past every context in the drafter's. Sizes move buffers, so they are the host's to know, not read from
-        the device."""
-        self.kv.reserve(rows, longest + self.nodes + 2)
+    def room(self, rows: list[int], pasts: list[int], padding: range) -> None:
+        """Before a step over the requests in ``rows`` at ``pasts`` and padding slots in ``padding`` rows: room for
+        every tree (and the compaction's scratch) in the target's cache, and for a block past every context in the
+        drafter's. Sizes move buffers, so they are the host's to know, not read from the device."""
+        self.kv.hold_slots(rows, [past + self.nodes + 1 for past in pasts], padding)
         if self.drafts:
-            self.accepted.reserve(rows)
-            self.context.reserve(rows, longest + self.depth + 2)
+            last = max([*rows, *padding])
+            self.accepted.reserve(last + 1)
+            self.context.reserve(last + 1, max(pasts) + self.depth + 2)
 
     def draft(self, inputs: SlotInputs) -> torch.Tensor:
         """``[S, depth, vocab]``: every slot's block drafted at once, from the rows it accepted last."""

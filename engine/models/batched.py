@@ -140,6 +140,11 @@ class BatchKV(_Rows):
         self.reserve(int(layout.rows.max()) + 1, width)
         return _PaddedWrite(self, layout.rows, columns, rows_read(layout.rows), width)
 
+    def hold_slots(self, rows: list[int], ends: list[int], padding: range) -> None:
+        """Room for a pass of slots (``slots``) whose row ``rows[s]`` it writes up to column ``ends[s]``, for its
+        padding slots' ``padding`` rows, and for the compaction's scratch column past them all."""
+        self.reserve(max([*rows, *padding]) + 1, max(ends) + 1)
+
     def slots(self, rows: torch.Tensor, read: slice | torch.Tensor, past: torch.Tensor, width: int) -> _PaddedWrite:
         """The cache a fixed-shape pass over slots writes into and reads (``slots_pass``): slot s's ``width`` tokens at
         row ``rows[s]``'s columns ``past[s]`` on, the rows read as ``read`` says (a view, or gathered), every column
@@ -289,7 +294,8 @@ def slots_pass(model, cache_argument: str, kv: BatchKV, rows: torch.Tensor, read
     cache = kv.slots(rows, read, past, width)
     columns = torch.arange(kv.capacity, device=ids.device)
     seen = (columns[None, None, :] < past[:, None, None]).repeat(1, width, 1)  # [b, n, capacity]: the past
-    seen.scatter_(2, cache.columns[:, None, :].expand(count, width, width), visible)  # ... then its own tree
+    own = past[:, None, None] + torch.arange(width, device=ids.device)  # [b, 1, n]: its tree's columns
+    seen.scatter_(2, own.expand(count, width, width), visible)  # ... then its own tree
     out = model(input_ids=ids, position_ids=positions, attention_mask=layout_bias(seen, dtype), use_cache=True,
                 output_hidden_states=hidden_states, **{cache_argument: cache})
     return out.logits, (out.hidden_states if hidden_states else None)

@@ -158,6 +158,33 @@ class PagedBatchKV:
             row, source, target = row.to(self.device), source.to(self.device), target.to(self.device)
             self.move_rows(self.tables.slots(row, source), self.tables.slots(row, target))
 
+    @property
+    def capacity(self) -> int:
+        """The cache columns a pass of slots reads of each row: as many as the widest row's blocks hold."""
+        return self.tables.table.shape[1] * self.tables.block_size
+
+    def hold_slots(self, rows: list[int], ends: list[int], padding: range) -> None:
+        """Blocks for a pass of slots (``slots``) whose row ``rows[s]`` it writes up to column ``ends[s]``; its padding
+        slots' ``padding`` rows hold none, so their table rows name the scratch block, where they write."""
+        self.tables.rows_for(max([*rows, *padding]) + 1)
+        for row, end in zip(rows, ends):
+            self.hold([row], end)
+
+    def slots(self, rows: torch.Tensor, read: slice | torch.Tensor, past: torch.Tensor, width: int) -> PagedRows:
+        """The cache a fixed-shape pass over slots writes into (slot s's ``width`` tokens at row ``rows[s]``'s columns
+        ``past[s]`` on) and reads (each row's every column, ``capacity``, through its table: ``read`` is the rows
+        cache's view, which a paged cache has no use for)."""
+        columns = past[:, None] + torch.arange(width, device=past.device)  # [b, width]
+        return PagedRows(self, rows, self.tables.slots(rows[:, None].expand_as(columns), columns),
+                         self.tables.read_slots(rows, self.capacity))
+
+    def compact_slots(self, rows: torch.Tensor, past: torch.Tensor, path: torch.Tensor, length: torch.Tensor) -> None:
+        """``compact`` for slots as device tensors (``ddtree.compaction_slots``): the rows past a path's length move
+        into the scratch block."""
+        size = self.tables.block_size
+        self.move_rows(*ddtree.compaction_slots(self.tables.table[rows], past, path, length, size,
+                                                self.tables.scratch * size))
+
     def hold_layout(self, layout: BatchLayout) -> None:
         """Blocks for every cache row a pass over ``layout`` writes (filler tokens' too)."""
         ends = torch.zeros(self.tables.table.shape[0], dtype=torch.long, device=layout.kv_rows.device)

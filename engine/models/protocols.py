@@ -50,6 +50,9 @@ class TargetModel(Protocol):
     @property
     def runs_batched(self) -> bool: ...  # whether ``verify_batch`` can verify many requests' trees in one pass
 
+    @property
+    def verifies_slots(self) -> bool: ...  # whether ``verify_slots`` runs a batch's fixed-shape step
+
     def chat_ids(self, prompt: str) -> list[int]: ...
 
     def conversation_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
@@ -72,6 +75,10 @@ class TargetModel(Protocol):
     def fixed_kv(self, capacity: int, compiled: bool = False) -> FixedKV: ...
 
     def verify_batch(self, verify_pass, kv, layout, hidden_states: bool) -> tuple[torch.Tensor, tuple | None]: ...
+
+    def verify_slots(self, kv, rows: torch.Tensor, read, ids: torch.Tensor, positions: torch.Tensor,
+                     past: torch.Tensor, visible: torch.Tensor, hidden_states: bool
+                     ) -> tuple[torch.Tensor, tuple | None]: ...
 
 
 @runtime_checkable

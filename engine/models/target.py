@@ -148,6 +148,8 @@ class Target:
         return verify_pass(self.model, hybrid.cache_argument(type(self.model)), kv, layout.to(self.device),
                            self.dtype, hidden_states)
 
+    verifies_slots = True  # the batch's fixed-shape step (``verify_slots``) runs on this target
+
     def verify_slots(self, kv, rows, read, ids, positions, past, visible, hidden_states: bool):
         """Slots of the batch's rows cache ``kv`` through one fixed-shape pass, each in its row ``rows [b]`` (read as
         ``read`` says) its ``ids [b, n]`` at ``positions`` after its ``past [b]``, ``visible [b, n, n]`` among them

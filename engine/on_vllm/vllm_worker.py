@@ -327,6 +327,7 @@ class PagedTarget(Target):
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
     runs_fixed_step = True  # a hybrid's linear layers fork and commit their states inside the step's programs too
+    verifies_slots = False  # its batch steps readably: a pass of slots through vLLM's attention is not written yet
 
     @property
     def config(self):
