@@ -186,6 +186,38 @@ def padded_verify(layout: BatchLayout, tokens: int, requests: int, width: int) -
                         padded(layout.kv_columns, torch.long))
 
 
+def slots_verify(ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor, tokens: int,
+                 requests: int, width: int) -> PaddedVerify:
+    """``padded_verify`` of a fixed-shape pass of slots (``engine.loop.fixed_batch``), on the device with no host
+    read: slot s's ``ids [b, n]`` at ``positions [b, n]`` after its ``past [b]`` columns, ``visible [b, n, n]`` its
+    tree's ancestors-and-self mask; the same padded pass as ``padded_verify(pack_trees(...))`` of those trees, every
+    slot's ``n`` tokens (a slot's nodes past its budget too: the walk ignores them). ``tokens`` must hold ``b * n``
+    and ``requests`` exceed ``b``."""
+    count, size = ids.shape
+    device = ids.device
+    real = count * size
+    nodes = torch.arange(size, device=device)
+    depth = visible.sum(dim=2) - 1  # [b, n]
+    at = torch.where(visible, depth[:, None, :], size)  # an ancestor's depth, or a spare column
+    table = nodes[None, :, None].expand(count, size, size + 1).contiguous()
+    table.scatter_(2, at, nodes[None, None, :].expand(count, size, size))
+    paths = torch.nn.functional.pad(table[:, :, :min(size, width)].reshape(real, -1), (0, max(0, width - size)))
+    slots = torch.arange(requests + 1, device=device)
+    query_start = torch.where(slots <= count, slots * size, tokens).to(torch.int32)
+    seq_lens = torch.where(slots[:-1] < count, torch.cat([past, past.new_zeros(requests - count)]) + size,
+                           torch.where(slots[:-1] == count, tokens - real, 0)).to(torch.int32)
+    owner = torch.cat([torch.repeat_interleave(torch.arange(count, device=device), size),
+                       torch.full((tokens - real,), count, dtype=torch.long, device=device)])
+
+    def padded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [b * n, ...] -> [tokens, ...]
+        values = values.to(dtype)
+        return torch.cat([values, values.new_zeros(tokens - real, *values.shape[1:])])
+
+    return PaddedVerify(padded(ids.reshape(-1), torch.long), padded(positions.reshape(-1), torch.long), query_start,
+                        seq_lens, padded(paths, torch.int32), padded(depth.reshape(-1), torch.int32), owner,
+                        padded((past[:, None] + nodes).reshape(-1), torch.long))
+
+
 def paged_slots(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(block, offset)`` of each cache row when the block table is the identity (row r lives
     in block r // block_size); computed once for all layers of a compaction."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ddtree
+import ddtree.fixed
 from ddtree.batch import BatchLayout, pack_trees
 from tests.tiny import tiny_decoder
 
@@ -284,3 +285,22 @@ def test_every_tree_packed_at_once_lays_out_as_each_tree_compiled_alone(budgets)
         together, apart = pack_trees(trees, roots, pasts, rows), pack_trees_readable(trees, roots, pasts, rows)
         for field in dataclasses.fields(apart):
             assert torch.equal(getattr(together, field.name), getattr(apart, field.name)), field.name
+
+
+@pytest.mark.parametrize("width", [8, 24])
+def test_a_pass_of_slots_pads_as_the_same_trees_packed_do(width):
+    """``slots_verify``: every slot's tree of the same size, laid out on the device from the fixed step's tensors (its
+    ids, positions, pasts and ancestor masks), gives what ``padded_verify`` gives those trees packed."""
+    trees = [random_tree(seed, 12) for seed in (1, 4, 5)]  # 12 nodes each (7 tokens a depth: room for them)
+    roots, pasts = [5, 6, 7], [40, 3, 17]
+    layout = pack_trees(trees, roots, pasts)
+    ids = torch.stack([torch.cat([torch.tensor([root]), tree.tokens]) for root, tree in zip(roots, trees)])
+    past = torch.tensor(pasts)
+    positions = past[:, None] + torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
+                                             for tree in trees])
+    visible = ddtree.fixed.ancestor_mask(torch.stack([tree.parents for tree in trees]), 5)
+    fixed = ddtree.slots_verify(ids, positions, past, visible, tokens=layout.tokens + 6, requests=6, width=width)
+    packed = ddtree.padded_verify(layout, tokens=layout.tokens + 6, requests=6, width=width)
+    for name in ddtree.paged.PaddedVerify.__dataclass_fields__:
+        mine, theirs = getattr(fixed, name), getattr(packed, name)
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name

@@ -243,6 +243,37 @@ def test_a_batch_in_the_workers_gives_every_request_its_solo_ar_output_in_float3
     assert studio.run(texts[0], DecodeSettings("ar", 4)).summary.new_tokens == 4
 
 
+@pytest.mark.skipif(os.environ.get("DDTREE_BATCH_STEP") != "fixed",
+                    reason="the vLLM engine's batch takes the fixed step where DDTREE_BATCH_STEP=fixed "
+                           "(gpu_session.sh fixed-batch)")
+def test_a_fixed_batch_in_the_workers_gives_every_request_its_solo_ar_output_in_float32(studio):
+    """The batched step as fixed-shape programs in vLLM's workers (``engine.loop.fixed_batch``, its pass
+    ``PagedTarget.verify_slots``): greedy requests of every method at fixed budgets, two joining late; each request's
+    output is its own AR run's, and every step it took was the fixed one."""
+    texts = prompts(8)
+    ids = [studio.target.chat_ids(text) for text in texts]
+    solo = [studio.run(text, DecodeSettings("ar", NEW_TOKENS)).output_ids for text in texts]
+    kinds = [DecodeSettings("ar", NEW_TOKENS), DecodeSettings("dflash", NEW_TOKENS),
+             DecodeSettings("ddtree", NEW_TOKENS, tree_budget=16), DecodeSettings("ddtree", NEW_TOKENS, tree_budget=64)]
+    batch = studio.remote_batch(studio.budgeting)
+
+    def admit(index: int):
+        settings, notes = studio.prepare(kinds[index % len(kinds)], len(ids[index]))
+        return batch.admit_prepared(texts[index], ids[index], settings, notes, name=f"r{index}")
+
+    requests = [admit(index) for index in range(6)]
+    batch.advance()
+    batch.advance()
+    requests += [admit(6), admit(7)]
+    while not batch.idle:
+        batch.advance()
+    for index, request in enumerate(requests):
+        trace = request.trace
+        assert trace.output_ids == solo[index], f"{trace.config.label} left its solo AR output"
+        assert trace.config.step == "batched fixed" and all(set(step.stage_s) == {"draft", "verify", "commit"}
+                                                            for step in trace.steps)
+
+
 def test_bad_settings_fail_in_the_driver_and_the_engine_keeps_serving(studio):
     with pytest.raises(EngineError, match="block size 99"):
         studio.run(prompts(1)[0], DecodeSettings("dflash", 8, block_size=99))

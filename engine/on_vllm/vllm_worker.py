@@ -45,6 +45,7 @@ from ddtree.allocate import Calibration, StepCost
 from ddtree.batch import BatchLayout, pack_trees
 from ddtree.fixed import compaction_rows
 from ddtree.forks import depths, path_table
+from ddtree.paged import PaddedVerify
 from engine.errors import EngineError
 from engine.gpu.graphs import GraphedCall, record
 from engine.gpu.kv_moves import RowMover
@@ -242,7 +243,11 @@ class _BatchForward:
 
     def load(self, layout, table: torch.Tensor, scratch: int) -> None:
         """The batch's trees (``layout`` on the host) and their requests' rows of the block table (``table [R, b]``)."""
-        padded = ddtree.padded_verify(layout, self.tokens, self.requests, MAX_PATH)
+        self.load_padded(ddtree.padded_verify(layout, self.tokens, self.requests, MAX_PATH), table, scratch)
+
+    def load_padded(self, padded: PaddedVerify, table: torch.Tensor, scratch: int) -> None:
+        """The pass padded to this size (``ddtree.padded_verify``, or ``slots_verify`` on the device) and its requests'
+        rows of the block table (``table [R, b]``)."""
         self.ids.copy_(padded.input_ids)
         self.positions.copy_(padded.position_ids)
         self.query_start.copy_(padded.query_start)
@@ -327,7 +332,8 @@ class PagedTarget(Target):
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
     runs_fixed_step = True  # a hybrid's linear layers fork and commit their states inside the step's programs too
-    verifies_slots = False  # its batch steps readably: a pass of slots through vLLM's attention is not written yet
+    # the batch's fixed-shape step (``verify_slots``), not yet run on a GPU: the batch steps readably unless asked
+    verifies_slots = os.environ.get("DDTREE_BATCH_STEP") == "fixed"
 
     @property
     def config(self):
@@ -455,6 +461,28 @@ class PagedTarget(Target):
             forward = self.batch_forwards[bucket] = _BatchForward(self, bucket, self.graph_blocks)
             forward.load(BatchLayout.empty(), none, scratch)
             forward.run()  # the eager pass, then the recording
+
+    def verify_slots(self, kv: PagedBatchKV, rows, read, ids, positions, past, visible, hidden_states: bool):
+        """The batch's fixed-shape step's pass (``engine.loop.fixed_batch``): slot s's ``ids [b, n]`` at ``positions``
+        after its ``past [b]`` through its row ``rows[s]`` of the block table, ``visible [b, n, n]`` its tree, as a
+        batch's verify of its padded size (``_BatchForward``) loaded on the device (``ddtree.slots_verify``). Logits
+        ``[b, n, vocab]`` and, if asked, the tapped layers (each ``[b, n, hidden]``)."""
+        count, size = ids.shape
+        tokens = count * size
+        bucket = batch_bucket(tokens)
+        table = kv.tables.table[rows]  # [b, blocks]
+        if bucket is None or count >= BATCH_REQUEST_SLOTS or table.shape[1] > self.graph_blocks:
+            raise EngineError(f"a fixed batched step of {count} slots of {size} tokens, {table.shape[1]} blocks a "
+                              f"row, is past the recorded verify's sizes")
+        if self.use_cuda_graphs and not self.batch_forwards:
+            self.record_batch_graphs(kv.tables.scratch)
+        forward = self.batch_forwards.get(bucket) or _BatchForward(self, bucket, self.graph_blocks)
+        forward.load_padded(ddtree.slots_verify(ids, positions, past, visible, bucket, BATCH_REQUEST_SLOTS, MAX_PATH),
+                            table, kv.tables.scratch)
+        logits, taps = forward.run() if self.use_cuda_graphs else forward.program()
+        hidden = ({index: tap[0].view(count, size, -1) for index, tap in
+                   self.tapped([tap[:tokens] for tap in taps]).items()} if hidden_states else None)
+        return logits[:tokens].view(count, size, -1), hidden
 
     def verify_batch_eager(self, kv: PagedBatchKV, layout, table: torch.Tensor, hidden_states: bool):
         """``verify_batch`` as one eager pass of exactly the batch's tokens."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from engine.errors import run_command
 from engine.loop.remote_batch import open_batch
 from engine.loop.settings import DecodeSettings
-from engine.methods import AUTO, method
+from engine.methods import AUTO, Label
 from engine.serving.startup import add_model_arguments, batch_budgeting, check_model_arguments, load_studio_decoder
 from engine.tools.bench import read_prompts
 
@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_arguments(parser)
     parser.add_argument("--prompts", default="assets/prompts/fresh.jsonl")
     parser.add_argument("--requests", default="16", help="batch sizes, comma-separated")
-    parser.add_argument("--methods", default="ar,ddtree", help="methods, comma-separated (drafting ones: auto trees)")
+    parser.add_argument("--methods", default="ar,ddtree",
+                        help="methods, comma-separated; a drafting one's budget after @ (ddtree@16), else auto trees")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens a request")
     parser.add_argument("--profile", action="store_true", help="a third run under cProfile, its heaviest functions")
     args = parser.parse_args(argv)
@@ -92,8 +93,12 @@ def main(args: argparse.Namespace) -> int:
     prompts = [decoder.target.chat_ids(row["prompt"]) for row in read_prompts(args.prompts)]
     for size in (int(size) for size in args.requests.split(",")):
         for name in args.methods.split(","):
-            row = method(name)
-            settings = DecodeSettings(name, max_new_tokens=args.tokens, **({"tree_budget": AUTO} if row.drafts else {}))
+            label = Label.parse(name)
+            if label.method is None:
+                raise SystemExit(f"--methods: {name!r} names no method")
+            budget = label.budget if label.budget is not None else AUTO  # a drafting method's bare name: auto trees
+            settings = DecodeSettings(label.method.name, max_new_tokens=args.tokens,
+                                      **({"tree_budget": budget} if label.method.drafts else {}))
             chosen = [prompts[i % len(prompts)] for i in range(size)]
             decode_batch(decoder, budgeting, chosen, settings)  # warm-up: first shapes, kernels compiled
             print(decode_batch(decoder, budgeting, chosen, settings).line(f"{name} x {size}"), flush=True)
