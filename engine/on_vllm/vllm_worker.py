@@ -60,7 +60,7 @@ from engine.measure.row_check import check as row_check
 from engine.measure.step_cost import time_step_costs
 from engine.models.drafter import load_drafter
 from engine.models.paged import PagedBatchKV, PagedRows
-from engine.models.target import Target, stop_token_ids
+from engine.models.target import BATCH_STEP_VARIABLE, Target, stop_token_ids
 from engine.on_vllm.path_attention import path_attention
 from engine.on_vllm.vllm_engine import MAX_PATH
 
@@ -333,7 +333,7 @@ class PagedTarget(Target):
 
     runs_fixed_step = True  # a hybrid's linear layers fork and commit their states inside the step's programs too
     # the batch's fixed-shape step (``verify_slots``), not yet run on a GPU: the batch steps readably unless asked
-    verifies_slots = os.environ.get("DDTREE_BATCH_STEP") == "fixed"
+    verifies_slots = property(lambda self: os.environ.get(BATCH_STEP_VARIABLE) == "fixed")
 
     @property
     def config(self):
