@@ -55,6 +55,29 @@ def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(f
     assert traces[4].summary.new_tokens == TOKENS - 9
 
 
+def test_auto_requests_take_the_fixed_step_sized_before_they_draft_and_learn_from_their_candidates(fixed64):
+    fixed, plain, asked = fixed64
+    kinds = [DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto"),
+             DecodeSettings("dflash", max_new_tokens=TOKENS, tree_budget="auto"),
+             DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8),
+             DecodeSettings("ar", max_new_tokens=TOKENS),
+             DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto")]
+    batch = Batch(fixed, pinned(CHEAP_NODES))
+    requests = [batch.admit(ids, settings) for ids, settings in zip(asked, kinds)]
+    while not batch.idle:
+        batch.advance()
+    for request, ids in zip(requests, asked):
+        trace = request.trace
+        assert trace.output_ids == alone(plain, ids, DecodeSettings("ar", max_new_tokens=TOKENS)).output_ids
+        assert trace.config.step == "batched fixed" and all("tree_build" not in step.stage_s for step in trace.steps)
+    for request in (requests[0], requests[1], requests[4]):
+        sizes = [step.batch.budget for step in request.trace.steps]
+        assert request.expected is not None and request.reach is not None and max(sizes) > 1
+        assert request.trace.steps[-1].batch.reason.startswith("auto: ")
+        assert request.trace.summary.tau > 1.5  # the oracle drafts deep: the trees the batch gave them paid
+    assert {step.batch.budget for step in requests[2].trace.steps} == {8}
+
+
 @pytest.mark.parametrize("cache", ["rows", "paged"])
 def test_requests_join_leave_and_move_between_the_fixed_and_the_readable_step(fixed64, cache):
     fixed, plain, asked = fixed64
@@ -89,7 +112,9 @@ def test_a_budget_cuts_the_slots_tree_to_the_best_first_tree_of_that_many_nodes(
     log_probs = torch.log_softmax(torch.randn(4, 6, 30, generator=generator, dtype=torch.float64), dim=-1)
     kind = torch.tensor([TREE, TREE, CHAIN, NO_TREE])
     budget = torch.tensor([16, 5, 6, 16])
-    trees = slot_trees(log_probs, kind, budget, 16)
+    trees, candidates = slot_trees(log_probs, kind, budget, 16, 24)
+    assert candidates.tokens.shape == (4, 24) and bool(candidates.valid[:2].all())
+    assert torch.equal(candidates.tokens[:, :16], trees.tokens)  # what a step verifies: its candidates' first
     for slot, nodes in ((0, 16), (1, 5)):
         valid = trees.valid[slot]
         assert valid.tolist() == [True] * nodes + [False] * (16 - nodes)  # a prefix: any count is a tree
@@ -100,6 +125,7 @@ def test_a_budget_cuts_the_slots_tree_to_the_best_first_tree_of_that_many_nodes(
         assert bool((trees.parents[slot][valid] < torch.arange(1, nodes + 1)).all())  # parents come first
     chain = trees.valid[2]
     assert chain.tolist() == [True] * 6 + [False] * 10  # the chain is as deep as the block, padded to 16 nodes
+    assert candidates.valid[2].tolist() == [True] * 6 + [False] * 18
     assert trees.tokens[2][:6].tolist() == log_probs[2].argmax(-1).tolist()
     assert trees.parents[2][:6].tolist() == list(range(6))
     assert not bool(trees.valid[3].any())  # AR: the root alone

@@ -33,6 +33,7 @@ from torch.nn.utils.rnn import pad_sequence
 import ddtree
 from ddtree.allocate import Allocation, Offer, StepCost, allocate, measured_scales, plan_drafts
 from ddtree.batch import BatchLayout, pack_trees
+from ddtree.fixed import FixedTree
 from ddtree.tree import DraftRow, Drafts
 from engine.errors import EngineError
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth, first_nodes
@@ -205,7 +206,7 @@ class Batch:
                        should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
         """``admit`` for settings ``Decoder.prepare`` already checked for this prompt (with its notes)."""
         notes = [note for note in notes if note != READABLE_SAMPLING]  # every batched step samples as it must
-        step = "fixed" if self.fixed and fixed_budget_greedy(settings) else self.verify_kind  # while all its
+        step = "fixed" if self.fixed and greedy(settings) else self.verify_kind  # while all its
         # neighbours can take the fixed step too
         config = self.decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + step)
         self._names += 1
@@ -356,7 +357,7 @@ class Batch:
         if self.last_step_end is not None:
             self.gaps.append(t_start - self.last_step_end)
         self.cost = self.round_cost
-        if self.fixed and all(fixed_budget_greedy(r.settings) for r in active) and len(
+        if self.fixed and all(greedy(r.settings) for r in active) and len(
                 {r.settings.block_size for r in active if r.drafts}) <= 1:
             return self.fixed_step(active, t_start)
         self.hand_back(active)
@@ -386,17 +387,22 @@ class Batch:
 
     def fixed_step(self, active: list[BatchRequest], t_start: float) -> dict[str, float]:
         """The step as fixed-shape programs (``engine.loop.fixed_batch``): the host tells them each request's root,
-        past, budget, method and row in one copy and reads their record once; the rest is the device's."""
-        nodes = node_bucket(max(fixed_nodes(r) for r in active))
-        full = [r for r in active if r.settings.trace_detail == "full"]
-        block_size = max(r.settings.block_size for r in active)  # the drafting requests' (AR's is 1)
-        program = self.fixed_program(nodes, block_size, max((r.settings.record_top_k for r in full if r.drafts),
-                                                            default=0))
+        past, budget, method and row in one copy and reads their record once; the rest is the device's. An "auto"
+        request's budget is the nodes the batch is expected to give it before it drafts (``expected_nodes``); it
+        drafts ``AUTO_NODES`` candidates, and learns from them what its next draft is worth."""
+        _, _, expected = self.expected_nodes(active)
+        budgets = [count if r.settings.auto_budget else fixed_nodes(r) for r, count in zip(active, expected)]
+        drafting = [r for r in active if r.row_method.drafts]
+        nodes = node_bucket(max(budgets))
+        candidates = AUTO_NODES if any(r.settings.auto_budget for r in drafting) else nodes if drafting else 0
+        full = [r for r in drafting if r.settings.trace_detail == "full"]
+        program = self.fixed_program(nodes, candidates, max(r.settings.block_size for r in active),
+                                     max((r.settings.record_top_k for r in full), default=0))
         with self.clock.stage("draft"):  # the rows a readable step left go to the device, a block a request
             if program.drafts:
                 self.hand_over(active, program)
             count, spare = count_bucket(len(active)), len(self.requests) + len(self.waiting)  # rows past everyone's
-            slots = [(r.root, r.start, fixed_nodes(r), slot_kind(r.settings), r.row) for r in active]
+            slots = [(r.root, r.start, budget, slot_kind(r.settings), r.row) for r, budget in zip(active, budgets)]
             inputs = SlotInputs.of(slots, count, spare, self.target.device)
             program.room([r.row for r in active], [r.start for r in active], range(spare, spare + count - len(active)))
             log_probs = program.draft(inputs) if program.drafts else None
@@ -404,27 +410,45 @@ class Batch:
             records = program.advance(inputs, log_probs)[:len(active)].tolist()
         roots = [r.root for r in active]
         with self.clock.stage("commit"):
-            outcomes = [self.fixed_outcome(r, program.layout.unpack(values)) for r, values in zip(active, records)]
+            split = [program.split(values) for values in records]
+            outcomes = [self.fixed_outcome(r, step) for r, (step, _) in zip(active, split)]
+            verified = [outcome for outcome, _ in outcomes]
+            self.budgeting.observe([outcome.tree for outcome in verified], [outcome.accepted for outcome in verified])
+            self.learn_fixed(active, [candidates for _, candidates in split], program.depth)
         stage_s = self.clock.take()
-        verified = sum(outcome.tree.size for outcome, _ in outcomes)
-        drafted = sum(1 for r in active if r.row_method.drafts)
+        nodes_verified = sum(outcome.tree.size for outcome in verified)
         for request, root, (outcome, top) in zip(active, roots, outcomes):
-            self.record_step(request, root, top, outcome, verified, active, t_start, stage_s, fixed_reason(request),
+            self.record_step(request, root, top, outcome, nodes_verified, active, t_start, stage_s,
+                             fixed_reason(request, outcome.tree.size),
                              program.layout.depth if request.row_method.drafts else 0)
         self.last_step_end = self.clock.now()
-        self.measured(StepShape(len(active), verified, drafted, drafted * program.layout.depth,
+        self.measured(StepShape(len(active), nodes_verified, len(drafting), len(drafting) * program.layout.depth,
                                 self.last_step_end - t_start, stage_s["draft"]))
         return stage_s
 
-    def fixed_program(self, nodes: int, block_size: int, top_k: int) -> FixedBatchProgram:
-        key = (nodes, block_size, top_k)
+    def learn_fixed(self, active: list[BatchRequest], candidates: list, depth: int) -> None:
+        """Each drafting "auto" request's expectation and reach, from the candidates its fixed step drafted (each
+        method's requests priced together, ``Budgeting.learn_fixed``)."""
+        by_method: dict = {}
+        for request, own in zip(active, candidates):
+            if own is not None and request.drafts and request.settings.auto_budget:
+                by_method.setdefault(request.row_method, []).append((request, own))
+        for row, chosen in by_method.items():
+            stacked = FixedTree(*(torch.stack([getattr(own, name) for _, own in chosen])
+                                  for name in FixedTree.__dataclass_fields__))
+            learned = self.budgeting.learn_fixed(row, [request.expected for request, _ in chosen], stacked, depth)
+            for (request, _), (expected, reach) in zip(chosen, learned):
+                request.expected, request.reach = expected, reach
+
+    def fixed_program(self, nodes: int, candidates: int, block_size: int, top_k: int) -> FixedBatchProgram:
+        key = (nodes, candidates, block_size, top_k)
         if key not in self.programs:
-            if nodes and self.accepted is None:
+            if candidates and self.accepted is None:
                 config = self.drafter.config
                 self.accepted = AcceptedRows(block_size, len(config.target_layer_ids) * config.hidden_size,
                                              self.drafter.dtype, self.target.device)
             self.programs[key] = FixedBatchProgram(self.decoder, self.kv, self.context, self.accepted, nodes,
-                                                   block_size, top_k)
+                                                   candidates, block_size, top_k)
         return self.programs[key]
 
     def hand_over(self, active: list[BatchRequest], program: FixedBatchProgram) -> None:
@@ -492,10 +516,28 @@ class Batch:
 
     def plan(self, active: list[BatchRequest]) -> list[int]:
         """How deep each request drafts this step (0: not at all). A fixed budget drafts as deep as its tree can
-        reach; an "auto" one by what its draft is expected to be worth (``Budgeting.learn``; before its
-        first, its method's typical draft, and with neither it drafts its whole block): as deep as the nodes the batch
-        is expected to give it reach (``BatchRequest.depth_for``), and a little deeper, since the drafter's lm_head
-        costs per depth; AR never."""
+        reach; an "auto" one by what its draft is expected to be worth (``expected_nodes``): as deep as the nodes the
+        batch is expected to give it reach (``BatchRequest.depth_for``), and a little deeper, since the drafter's
+        lm_head costs per depth; AR never."""
+        offers, drafting, nodes = self.expected_nodes(active)
+        depths = []
+        for request, offer, draft, count in zip(active, offers, drafting, nodes):
+            full = request.settings.block_size - 1
+            if not draft:
+                own = 0
+            elif not offer.fixed:
+                own = request.depth_for(count) + DEPTH_MARGIN
+            else:  # as deep as its tree can reach: a chain its block, a tree of n nodes n depths
+                own = full if request.settings.auto_budget else request.row_method.nodes(request.settings.tree_budget,
+                                                                                           full)
+            depths.append(min(full, own))
+        return depths
+
+    def expected_nodes(self, active: list[BatchRequest]) -> tuple[list[Offer | None], list[bool], list[int]]:
+        """Before the drafts: each request's offer (an "auto" one's what its draft is expected to be worth,
+        ``Budgeting.learn``; before its first, its method's typical draft; with neither, and for a fixed budget, a
+        draft of its whole block), whether it drafts (``plan_drafts``) and the nodes the batch is expected to give
+        it (``allocate``)."""
         offers: list[Offer | None] = []
         for request in active:
             expected = (request.expected if request.expected is not None else
@@ -510,19 +552,7 @@ class Batch:
         drafting = plan_drafts(offers, cost, len(active))
         chosen = [offer for offer, draft in zip(offers, drafting) if draft]
         expected = iter(allocate(chosen, cost, len(active), len(chosen)).nodes)
-        depths = []
-        for request, offer, draft in zip(active, offers, drafting):
-            nodes = next(expected) if draft else 0
-            full = request.settings.block_size - 1
-            if not draft:
-                own = 0
-            elif not offer.fixed:
-                own = request.depth_for(nodes) + DEPTH_MARGIN
-            else:  # as deep as its tree can reach: a chain its block, a tree of n nodes n depths
-                own = full if request.settings.auto_budget else request.row_method.nodes(request.settings.tree_budget,
-                                                                                           full)
-            depths.append(min(full, own))
-        return depths
+        return offers, drafting, [next(expected) if draft else 0 for draft in drafting]
 
     def draft(self, active: list[BatchRequest], depths: list[int]) -> dict[BatchRequest, DraftRow]:
         """One drafter pass over the drafting requests' blocks (those with a depth): log-probabilities
@@ -687,9 +717,9 @@ class Batch:
         request.finished = request.stop_reason()
 
 
-def fixed_budget_greedy(settings: DecodeSettings) -> bool:
-    """Whether a request's steps can run as fixed-shape programs: greedy, its budget its own."""
-    return not settings.temperature and not settings.auto_budget
+def greedy(settings: DecodeSettings) -> bool:
+    """Whether a request's steps can run as fixed-shape programs (whose walk takes the target's first choices)."""
+    return not settings.temperature
 
 
 def fixed_nodes(request: BatchRequest) -> int:
@@ -697,11 +727,13 @@ def fixed_nodes(request: BatchRequest) -> int:
     return request.row_method.nodes(request.settings.tree_budget, request.settings.block_size - 1)
 
 
-def fixed_reason(request: BatchRequest) -> str:
-    """What a trace says of a fixed budget's tree (``Batch.reason`` of the readable step)."""
+def fixed_reason(request: BatchRequest, nodes: int) -> str:
+    """What a trace says of a fixed step's tree of ``nodes`` nodes (``Batch.reason`` of the readable step)."""
     if not request.row_method.drafts:
         return f"{request.row_method.title}: the root alone"
-    return f"its own budget: {fixed_nodes(request)} nodes"
+    if not request.settings.auto_budget:
+        return f"its own budget: {fixed_nodes(request)} nodes"
+    return f"auto: {nodes} nodes, what the batch was expected to give its draft before it drafted"
 
 
 def drafted_rows(drafts: dict[BatchRequest, DraftRow]) -> int:

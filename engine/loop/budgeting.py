@@ -88,13 +88,28 @@ class Budgeting:
         and the last bits of a path's probability, which the two sum in different orders)."""
         depth = log_probs.shape[-2]
         tree = ddtree.fixed.heap_order(row.fixed(log_probs, row.nodes(AUTO_NODES, depth))).cpu()
-        worth = self.calibration.worth(tree.path_log_probs.exp(), ddtree.fixed.on_first_choices(tree, depth))
-        order, worth = worth_order(worth.masked_fill(~tree.valid, -1.0), tree.parents, depth)
-        tree = ddtree.fixed.reordered(tree, order)
-        counts = tree.valid.sum(-1).tolist()  # padding: a block too small for the budget, its nodes last
+        tree, worth, counts = self.priced(tree, depth)
         trees = [ddtree.DraftTree(tree.tokens[r, :n], tree.parents[r, :n], tree.depths[r, :n], tree.log_probs[r, :n],
                                   tree.path_log_probs[r, :n], tree.ranks[r, :n]) for r, n in enumerate(counts)]
         return [(own, Offer(tuple(worth[r, :n].tolist()), n)) for r, (own, n) in enumerate(zip(trees, counts))]
+
+    def priced(self, tree: ddtree.fixed.FixedTree, depth: int
+               ) -> tuple[ddtree.fixed.FixedTree, torch.Tensor, list[int]]:
+        """Candidate trees on the host (``[a, n]``, the heap's order, blocks of ``depth`` slots): each node's worth
+        (its calibrated path probability), the trees in order of worth, and how many real nodes each has (padding:
+        a block too small for the budget, its nodes last)."""
+        worth = self.calibration.worth(tree.path_log_probs.exp(), ddtree.fixed.on_first_choices(tree, depth))
+        order, worth = worth_order(worth.masked_fill(~tree.valid, -1.0), tree.parents, depth)
+        return ddtree.fixed.reordered(tree, order), worth, tree.valid.sum(-1).tolist()
+
+    def learn_fixed(self, row: Method, expected: list[torch.Tensor | None], tree: ddtree.fixed.FixedTree, depth: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``learn`` for "auto" requests of one method whose candidates a fixed-shape step drafted (``tree [a, n]`` on
+        the host, ``engine.loop.fixed_batch``): each one's next expectation and how deep its candidates reach
+        (``BatchRequest.reach``), priced together."""
+        ordered, worth, counts = self.priced(tree, depth)
+        return [(self.learn(row, own, Offer(tuple(worth[r, :n].tolist()), n)), ordered.depths[r, :n].cummax(0).values)
+                for r, (own, n) in enumerate(zip(expected, counts))]
 
     def alone(self, row: Method, log_probs: torch.Tensor) -> ddtree.DraftTree:
         """An "auto" tree for a request that runs alone: a batch of one, drafting."""

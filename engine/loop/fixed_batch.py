@@ -113,18 +113,23 @@ def fitted(tree: FixedTree, nodes: int) -> FixedTree:
                        for name in FixedTree.__dataclass_fields__))
 
 
-def slot_trees(log_probs: torch.Tensor, kind: torch.Tensor, budget: torch.Tensor, nodes: int) -> FixedTree:
-    """Each slot's tree of ``nodes`` nodes from its draft ``log_probs [b, D, V]``: the best-first tree in the heap's
-    order or the chain by ``kind [b]``, its nodes past ``budget [b]`` invalid (a prefix of the heap's order is the
-    best-first tree of that many nodes, of a chain the chain that deep), so one program holds every budget."""
-    best = ddtree.fixed.heap_order(ddtree.fixed.build_tree(log_probs, nodes))
-    chain = fitted(ddtree.fixed.chain_tree(log_probs), nodes)
+def slot_trees(log_probs: torch.Tensor, kind: torch.Tensor, budget: torch.Tensor, nodes: int, candidates: int
+               ) -> tuple[FixedTree, FixedTree]:
+    """Each slot's candidates from its draft ``log_probs [b, D, V]``, ``candidates`` nodes (at least ``nodes``): the
+    best-first tree in the heap's order or the chain by ``kind [b]``; and the tree it verifies, their first ``nodes``,
+    those past ``budget [b]`` invalid (a prefix of the heap's order is the best-first tree of that many nodes, of a
+    chain the chain that deep), so one program holds every budget. An "auto" request learns what its drafts are worth
+    from its candidates (``Budgeting.learn_fixed``)."""
+    width = max(candidates, nodes)
+    best = ddtree.fixed.heap_order(ddtree.fixed.build_tree(log_probs, width))
+    chain = fitted(ddtree.fixed.chain_tree(log_probs), width)
     is_chain = (kind == CHAIN)[:, None]
-    tree = FixedTree(*(torch.where(is_chain, getattr(chain, name), getattr(best, name))
-                       for name in FixedTree.__dataclass_fields__))
+    whole = FixedTree(*(torch.where(is_chain, getattr(chain, name), getattr(best, name))
+                        for name in FixedTree.__dataclass_fields__))
+    tree = fitted(whole, nodes)
     within = torch.arange(nodes, device=kind.device)[None, :] < budget[:, None]
     return FixedTree(tree.tokens, tree.parents, tree.depths, tree.log_probs, tree.path_log_probs, tree.ranks,
-                     tree.valid & within & (kind != NO_TREE)[:, None])
+                     tree.valid & within & (kind != NO_TREE)[:, None]), whole
 
 
 class AcceptedRows:
@@ -177,13 +182,17 @@ class FixedBatchProgram:
     caches: the target's rows (``BatchKV``), the drafter's context (``BatchDraftContext``) and the rows each request
     accepted last (``AcceptedRows``)."""
 
-    def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, nodes: int, block_size: int, top_k: int):
+    def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, nodes: int, candidates: int,
+                 block_size: int, top_k: int):
         self.target, self.drafter, self.kv, self.context = decoder.target, decoder.drafter, kv, context
         self.accepted = accepted
         self.nodes, self.depth = nodes, block_size - 1
-        self.drafts = nodes > 0  # a batch of AR requests alone verifies roots, and drafts nothing
+        # a batch of AR requests alone verifies roots and drafts nothing; where any request drafts, every drafting
+        # request drafts every step (its accepted rows are read at once), ``nodes`` of its ``candidates`` verified
+        self.drafts = candidates > 0
+        self.candidates = max(candidates, nodes) if self.drafts else 0
         if self.drafts and self.drafter is None:
-            raise ValueError("a program with tree nodes needs the decoder's drafter")
+            raise ValueError("a program that drafts needs the decoder's drafter")
         top_k = min(top_k, self.target.config.vocab_size) if self.drafts else 0
         self.layout = StepLayout(self.depth if self.drafts else 0, nodes, top_k)
         device = self.target.device
@@ -223,18 +232,17 @@ class FixedBatchProgram:
         root, past, rows = inputs.root, inputs.past, inputs.rows
         count = root.numel()
         if log_probs is None:
-            tree = FixedTree(*(getattr(FixedTree.empty(root.device), name).expand(count, 0)
-                               for name in FixedTree.__dataclass_fields__))
+            tree = best = FixedTree(*(getattr(FixedTree.empty(root.device), name).expand(count, 0)
+                                      for name in FixedTree.__dataclass_fields__))
         else:
-            tree = slot_trees(log_probs, inputs.kind, inputs.budget, self.nodes)
+            tree, best = slot_trees(log_probs, inputs.kind, inputs.budget, self.nodes, self.candidates)
         ids = torch.cat([root[:, None], tree.tokens], dim=1)  # [count, nodes + 1]
         positions = past[:, None] + torch.cat([torch.zeros_like(root)[:, None], tree.depths], dim=1)
         visible = ddtree.fixed.ancestor_mask(tree.parents, max(self.depth, 1))  # [count, nodes + 1, nodes + 1]
         logits, hidden = self.target.verify_slots(self.kv, rows, inputs.read, ids, positions, past, visible,
                                                   self.drafts)
         target_tokens = logits.argmax(dim=-1)  # [count, nodes + 1]
-        depth = max(self.layout.depth, 1) if self.nodes else 0
-        path, length, bonus = ddtree.fixed.follow_tree(tree, target_tokens, visible, depth)  # path [count, depth+1]
+        path, length, bonus = ddtree.fixed.follow_tree(tree, target_tokens, visible, self.layout.depth)  # [count, D+1]
         self.kv.compact_slots(rows, past, path, length)
         if self.drafts:
             features = self.drafter.context_features(hidden)  # [count, nodes + 1, width]
@@ -242,7 +250,23 @@ class FixedBatchProgram:
             self.accepted.features[rows] = kept
             self.accepted.positions[rows] = past[:, None] + self.slots
             self.accepted.added[rows] = length
-        return self.record(tree, ids, path, length, bonus, logits, target_tokens, log_probs)
+        record = self.record(tree, ids, path, length, bonus, logits, target_tokens, log_probs)
+        if self.candidates <= self.nodes:
+            return record
+        priced = torch.cat([best.path_log_probs.double(), best.ranks, best.parents, best.valid, best.depths], dim=1)
+        return torch.cat([record, priced.double()], dim=1)  # [count, size + 5 * candidates]
+
+    def split(self, values: list[float]) -> tuple[dict[str, list[float]], FixedTree | None]:
+        """A slot's row of ``advance``'s record: its step (``StepLayout.unpack``) and, where the program drafts more
+        candidates than it verifies, the candidates' tree on the host (their path log-probabilities, ranks, parents,
+        depths and valid: what ``Budgeting.learn_fixed`` prices; no tokens)."""
+        size = self.layout.size
+        step = self.layout.unpack(values[:size])
+        if self.candidates <= self.nodes:
+            return step, None
+        rest = torch.tensor(values[size:], dtype=torch.float64).view(5, self.candidates)
+        return step, FixedTree(torch.zeros(self.candidates, dtype=torch.long), rest[2].long(), rest[4].long(),
+                               rest[0].float(), rest[0].float(), rest[1].long(), rest[3].bool())
 
     def record(self, tree: FixedTree, ids, path, length, bonus, logits, target_tokens, log_probs) -> torch.Tensor:
         """Each slot's step in ``StepLayout`` order, float64: ``[count, size]``, one read for the host."""
