@@ -325,6 +325,7 @@ class PagedTarget(Target):
         self.prefills: dict[tuple[int, bool], _Forward] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
         self.batch_forwards: dict[int, _BatchForward] = {}  # a batch's verify passes by padded size
+        self.slot_forwards: dict[tuple[int, int], _BatchForward] = {}  # the fixed batched step's past those, eager
         # a recorded batch verify's block table width: a request's context and its tree at most
         self.graph_blocks = -(-(self.context_length + BATCH_BUCKETS[-1][0]) // self.block_size)
         # move_rows(sources, targets): cache rows of every layer, in one launch where Triton runs
@@ -465,21 +466,25 @@ class PagedTarget(Target):
     def verify_slots(self, kv: PagedBatchKV, rows, read, ids, positions, past, visible, hidden_states: bool):
         """The batch's fixed-shape step's pass (``engine.loop.fixed_batch``): slot s's ``ids [b, n]`` at ``positions``
         after its ``past [b]`` through its row ``rows[s]`` of the block table, ``visible [b, n, n]`` its tree, as a
-        batch's verify of its padded size (``_BatchForward``) loaded on the device (``ddtree.slots_verify``). Logits
-        ``[b, n, vocab]`` and, if asked, the tapped layers (each ``[b, n, hidden]``)."""
+        batch's verify loaded on the device (``ddtree.slots_verify``): replayed from the CUDA graph of its padded size
+        (``_BatchForward``), or past the recorded sizes run eagerly at its own. Logits ``[b, n, vocab]`` and, if asked,
+        the tapped layers (each ``[b, n, hidden]``)."""
         count, size = ids.shape
         tokens = count * size
-        bucket = batch_bucket(tokens)
+        if count >= BATCH_REQUEST_SLOTS:
+            raise EngineError(f"a batch of {count} requests is past the {BATCH_REQUEST_SLOTS - 1} a verify holds")
         table = kv.tables.table[rows]  # [b, blocks]
-        if bucket is None or count >= BATCH_REQUEST_SLOTS or table.shape[1] > self.graph_blocks:
-            raise EngineError(f"a fixed batched step of {count} slots of {size} tokens, {table.shape[1]} blocks a "
-                              f"row, is past the recorded verify's sizes")
-        if self.use_cuda_graphs and not self.batch_forwards:
+        bucket = batch_bucket(tokens)
+        recorded = self.use_cuda_graphs and bucket is not None and table.shape[1] <= self.graph_blocks
+        if recorded and not self.batch_forwards:
             self.record_batch_graphs(kv.tables.scratch)
-        forward = self.batch_forwards.get(bucket) or _BatchForward(self, bucket, self.graph_blocks)
-        forward.load_padded(ddtree.slots_verify(ids, positions, past, visible, bucket, BATCH_REQUEST_SLOTS, MAX_PATH),
-                            table, kv.tables.scratch)
-        logits, taps = forward.run() if self.use_cuda_graphs else forward.program()
+        key = (tokens, table.shape[1])
+        if not recorded and key not in self.slot_forwards:
+            self.slot_forwards[key] = _BatchForward(self, tokens, table.shape[1])
+        forward = self.batch_forwards[bucket] if recorded else self.slot_forwards[key]
+        forward.load_padded(ddtree.slots_verify(ids, positions, past, visible, forward.tokens, BATCH_REQUEST_SLOTS,
+                                                MAX_PATH), table, kv.tables.scratch)
+        logits, taps = forward.run() if recorded else forward.program()
         hidden = ({index: tap[0].view(count, size, -1) for index, tap in
                    self.tapped([tap[:tokens] for tap in taps]).items()} if hidden_states else None)
         return logits[:tokens].view(count, size, -1), hidden
