@@ -173,10 +173,10 @@ class Batch:
                               and target.device.type == "cuda" else None)
         if self.graphed_draft is not None:
             self.context.reserve(GRAPHED_CONTEXT_ROWS, 0)
-        # greedy requests of fixed budgets step as fixed-shape programs (``engine.loop.fixed_batch``) where the decoder
-        # runs the fixed step and the target verifies slots
+        # greedy requests step as fixed-shape programs (``engine.loop.fixed_batch``) where the decoder runs the fixed
+        # step and the target verifies slots
         self.fixed = decoder.fixed_step and target.verifies_slots
-        self.programs: dict[tuple[int, int, int], FixedBatchProgram] = {}  # by (nodes, block size, top-k)
+        self.programs: dict[tuple, FixedBatchProgram] = {}  # by (nodes, candidates, block, top-k, learns)
         self.accepted: AcceptedRows | None = None  # what the fixed steps' requests accepted last, for their drafts
         self.waiting: list[BatchRequest] = []  # joined, prompt not yet all in the cache
         self.requests: list[BatchRequest] = []  # in rows 0..n-1, in row order
@@ -206,8 +206,8 @@ class Batch:
                        should_stop: Callable[[], bool] | None = None, name: str | None = None) -> BatchRequest:
         """``admit`` for settings ``Decoder.prepare`` already checked for this prompt (with its notes)."""
         notes = [note for note in notes if note != READABLE_SAMPLING]  # every batched step samples as it must
-        step = "fixed" if self.fixed and greedy(settings) else self.verify_kind  # while all its
-        # neighbours can take the fixed step too
+        # the step it asks for: the fixed one takes it while its neighbours are greedy too
+        step = "fixed" if self.fixed and steps_greedily(settings) else self.verify_kind
         config = self.decoder.run_config(prompt, prompt_ids, settings, notes, step="batched " + step)
         self._names += 1
         request = BatchRequest(self.decoder, settings, config, on_step, should_stop,
@@ -357,7 +357,7 @@ class Batch:
         if self.last_step_end is not None:
             self.gaps.append(t_start - self.last_step_end)
         self.cost = self.round_cost
-        if self.fixed and all(greedy(r.settings) for r in active) and len(
+        if self.fixed and all(steps_greedily(r.settings) for r in active) and len(
                 {r.settings.block_size for r in active if r.drafts}) <= 1:
             return self.fixed_step(active, t_start)
         self.hand_back(active)
@@ -394,10 +394,11 @@ class Batch:
         budgets = [count if r.settings.auto_budget else fixed_nodes(r) for r, count in zip(active, expected)]
         drafting = [r for r in active if r.row_method.drafts]
         nodes = node_bucket(max(budgets))
-        candidates = AUTO_NODES if any(r.settings.auto_budget for r in drafting) else nodes if drafting else 0
+        learns = any(r.settings.auto_budget for r in drafting)
+        candidates = AUTO_NODES if learns else nodes if drafting else 0
         full = [r for r in drafting if r.settings.trace_detail == "full"]
         program = self.fixed_program(nodes, candidates, max(r.settings.block_size for r in active),
-                                     max((r.settings.record_top_k for r in full), default=0))
+                                     max((r.settings.record_top_k for r in full), default=0), learns)
         marks = StageMarks(self.target.device.type == "cuda")  # the device's own clock: no waits between stages
         with marks.stage("draft"):  # the rows a readable step left go to the device, a block a request
             if program.drafts:
@@ -441,15 +442,16 @@ class Batch:
             for (request, _), (expected, reach) in zip(chosen, learned):
                 request.expected, request.reach = expected, reach
 
-    def fixed_program(self, nodes: int, candidates: int, block_size: int, top_k: int) -> FixedBatchProgram:
-        key = (nodes, candidates, block_size, top_k)
+    def fixed_program(self, nodes: int, candidates: int, block_size: int, top_k: int, learns: bool
+                      ) -> FixedBatchProgram:
+        key = (nodes, candidates, block_size, top_k, learns)
         if key not in self.programs:
             if candidates and self.accepted is None:
                 config = self.drafter.config
                 self.accepted = AcceptedRows(block_size, len(config.target_layer_ids) * config.hidden_size,
                                              self.drafter.dtype, self.target.device)
             self.programs[key] = FixedBatchProgram(self.decoder, self.kv, self.context, self.accepted, nodes,
-                                                   candidates, block_size, top_k)
+                                                   candidates, block_size, top_k, learns)
         return self.programs[key]
 
     def hand_over(self, active: list[BatchRequest], program: FixedBatchProgram) -> None:
@@ -718,7 +720,7 @@ class Batch:
         request.finished = request.stop_reason()
 
 
-def greedy(settings: DecodeSettings) -> bool:
+def steps_greedily(settings: DecodeSettings) -> bool:
     """Whether a request's steps can run as fixed-shape programs (whose walk takes the target's first choices)."""
     return not settings.temperature
 

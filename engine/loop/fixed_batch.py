@@ -40,6 +40,7 @@ import ddtree.fixed
 from ddtree.fixed import FixedTree
 from engine.loop.draft_pass import draft_log_probs
 from engine.loop.fixed_step import StepLayout
+from engine.loop.settings import DecodeSettings
 from engine.methods import method as method_row
 
 # a slot's method, as ``advance`` tells them apart: the tree's nodes, the chain's, or none
@@ -183,7 +184,7 @@ class FixedBatchProgram:
     accepted last (``AcceptedRows``)."""
 
     def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, nodes: int, candidates: int,
-                 block_size: int, top_k: int):
+                 block_size: int, top_k: int, learns: bool = False):
         self.target, self.drafter, self.kv, self.context = decoder.target, decoder.drafter, kv, context
         self.accepted = accepted
         self.nodes, self.depth = nodes, block_size - 1
@@ -191,6 +192,7 @@ class FixedBatchProgram:
         # request drafts every step (its accepted rows are read at once), ``nodes`` of its ``candidates`` verified
         self.drafts = candidates > 0
         self.candidates = max(candidates, nodes) if self.drafts else 0
+        self.learns = learns and self.drafts  # the record brings every slot's candidates back ("auto" requests)
         if self.drafts and self.drafter is None:
             raise ValueError("a program that drafts needs the decoder's drafter")
         top_k = min(top_k, self.target.config.vocab_size) if self.drafts else 0
@@ -218,7 +220,7 @@ class FixedBatchProgram:
         block = torch.full((rows.numel(), self.depth + 1), self.drafter.mask_token_id, device=self.slots.device)
         block[:, 0] = inputs.root
         positions = inputs.past[:, None] + self.slots  # [S, block]
-        # a slot that drafts nothing (AR, padding) reads no rows: the scratch row's context stays empty
+        # a slot that drafts nothing (AR, padding) reads no rows: a padding slot's row keeps an empty context
         accepted = self.accepted
         added = torch.where(inputs.kind == NO_TREE, 0, accepted.added[rows])
         log_probs = draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions,
@@ -251,18 +253,18 @@ class FixedBatchProgram:
             self.accepted.positions[rows] = past[:, None] + self.slots
             self.accepted.added[rows] = length
         record = self.record(tree, ids, path, length, bonus, logits, target_tokens, log_probs)
-        if self.candidates <= self.nodes:
+        if not self.learns:
             return record
         priced = torch.cat([best.path_log_probs.double(), best.ranks, best.parents, best.valid, best.depths], dim=1)
         return torch.cat([record, priced.double()], dim=1)  # [count, size + 5 * candidates]
 
     def split(self, values: list[float]) -> tuple[dict[str, list[float]], FixedTree | None]:
-        """A slot's row of ``advance``'s record: its step (``StepLayout.unpack``) and, where the program drafts more
-        candidates than it verifies, the candidates' tree on the host (their path log-probabilities, ranks, parents,
-        depths and valid: what ``Budgeting.learn_fixed`` prices; no tokens)."""
+        """A slot's row of ``advance``'s record: its step (``StepLayout.unpack``) and, where the program ``learns``, its
+        candidates' tree on the host (their path log-probabilities, ranks, parents, depths and valid: what
+        ``Budgeting.learn_fixed`` prices; no tokens)."""
         size = self.layout.size
         step = self.layout.unpack(values[:size])
-        if self.candidates <= self.nodes:
+        if not self.learns:
             return step, None
         rest = torch.tensor(values[size:], dtype=torch.float64).view(5, self.candidates)
         return step, FixedTree(torch.zeros(self.candidates, dtype=torch.long), rest[2].long(), rest[4].long(),
@@ -288,7 +290,7 @@ class FixedBatchProgram:
         return torch.cat([whole, margins[:, :wide].double(), tail, reals], dim=1)
 
 
-def slot_kind(settings) -> int:
+def slot_kind(settings: DecodeSettings) -> int:
     """How a request's step builds its tree in a fixed-shape program."""
     row = method_row(settings.method)
     if not row.drafts:
