@@ -11,6 +11,7 @@ import ddtree
 import ddtree.fixed
 from engine.loop.batch import Batch
 from engine.loop.decode import Decoder
+from engine.loop.draft_pass import GraphedBatchDraft
 from engine.loop.fixed_batch import CHAIN, NO_TREE, TREE, SlotInputs, node_bucket, slot_trees
 from engine.loop.settings import DecodeSettings
 from engine.models.batched import BatchKV
@@ -38,10 +39,12 @@ def same_steps(batched, single) -> None:
     assert [s.committed_text for s in batched.steps] == [s.committed_text for s in single.steps]
 
 
-@pytest.mark.parametrize("cache", ["rows", "paged"])
-def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(fixed64, cache):
+@pytest.mark.parametrize("cache, recorded_draft", [("rows", False), ("paged", False), ("rows", True)])
+def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(fixed64, cache, recorded_draft):
     fixed, plain, asked = fixed64
     batch = Batch(fixed, pinned(CHEAP_NODES), cache=cache)
+    if recorded_draft:  # the drafter's pass a GPU records (a bucket of slots, every context column), run eagerly
+        batch.graphed_draft = GraphedBatchDraft(fixed.drafter, *fixed.draft_weights, batch.context, replay=False)
     traces = batch.run(list(zip(asked, MIXED)))
     readable = Batch(plain, pinned(CHEAP_NODES), cache=cache).run(list(zip(asked, MIXED)))
     for ids, settings, trace, other in zip(asked, MIXED, traces, readable):

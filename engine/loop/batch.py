@@ -451,7 +451,7 @@ class Batch:
                 self.accepted = AcceptedRows(block_size, len(config.target_layer_ids) * config.hidden_size,
                                              self.drafter.dtype, self.target.device)
             self.programs[key] = FixedBatchProgram(self.decoder, self.kv, self.context, self.accepted, nodes,
-                                                   candidates, block_size, top_k, learns)
+                                                   candidates, block_size, top_k, learns, self.graphed_draft)
         return self.programs[key]
 
     def hand_over(self, active: list[BatchRequest], program: FixedBatchProgram) -> None:

@@ -38,7 +38,7 @@ import torch
 
 import ddtree.fixed
 from ddtree.fixed import FixedTree
-from engine.loop.draft_pass import draft_log_probs
+from engine.loop.draft_pass import GraphedBatchDraft, draft_log_probs
 from engine.loop.fixed_step import StepLayout
 from engine.loop.settings import DecodeSettings
 from engine.methods import method as method_row
@@ -61,6 +61,7 @@ class SlotInputs:
 
     values: torch.Tensor
     read: slice | torch.Tensor
+    row_list: list[int]  # the rows, on the host: what the drafter's recorded pass is told (``GraphedBatchDraft``)
 
     @property
     def root(self) -> torch.Tensor:
@@ -94,7 +95,7 @@ class SlotInputs:
         rows = values[4].tolist()
         consecutive = rows == list(range(rows[0], rows[0] + count))
         values = values.to(device)
-        return SlotInputs(values, slice(rows[0], rows[0] + count) if consecutive else values[4])
+        return SlotInputs(values, slice(rows[0], rows[0] + count) if consecutive else values[4], rows)
 
 
 def fitted(tree: FixedTree, nodes: int) -> FixedTree:
@@ -184,9 +185,10 @@ class FixedBatchProgram:
     accepted last (``AcceptedRows``)."""
 
     def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, nodes: int, candidates: int,
-                 block_size: int, top_k: int, learns: bool = False):
+                 block_size: int, top_k: int, learns: bool = False, graphed_draft: GraphedBatchDraft | None = None):
         self.target, self.drafter, self.kv, self.context = decoder.target, decoder.drafter, kv, context
         self.accepted = accepted
+        self.graphed_draft = graphed_draft  # the batch's recorded drafter pass, where a GPU records it
         self.nodes, self.depth = nodes, block_size - 1
         # a batch of AR requests alone verifies roots and drafts nothing; where any request drafts, every drafting
         # request drafts every step (its accepted rows are read at once), ``nodes`` of its ``candidates`` verified
@@ -223,9 +225,12 @@ class FixedBatchProgram:
         # a slot that drafts nothing (AR, padding) reads no rows: a padding slot's row keeps an empty context
         accepted = self.accepted
         added = torch.where(inputs.kind == NO_TREE, 0, accepted.added[rows])
-        log_probs = draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions,
-                                    accepted.features[rows], accepted.positions[rows],
-                                    self.context.fixed_view(rows, inputs.read), added)
+        features, at = accepted.features[rows], accepted.positions[rows]
+        if self.graphed_draft is not None:  # replayed from the graph of its bucket of slots, as the readable step's
+            log_probs = self.graphed_draft(block, positions, features, at, added, inputs.row_list)
+        else:
+            log_probs = draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions, features, at,
+                                        self.context.fixed_view(rows, inputs.read), added)
         accepted.added[rows] = 0
         return log_probs
 
