@@ -390,11 +390,11 @@ class Batch:
         past, budget, method and row in one copy and reads their record once; the rest is the device's. An "auto"
         request's budget is the nodes the batch is expected to give it before it drafts (``expected_nodes``); it
         drafts ``AUTO_NODES`` candidates, and learns from them what its next draft is worth."""
-        _, _, expected = self.expected_nodes(active)
-        budgets = [count if r.settings.auto_budget else fixed_nodes(r) for r, count in zip(active, expected)]
         drafting = [r for r in active if r.row_method.drafts]
-        nodes = node_bucket(max(budgets))
         learns = any(r.settings.auto_budget for r in drafting)
+        expected = self.expected_nodes(active)[2] if learns else [0] * len(active)
+        budgets = [count if r.settings.auto_budget else fixed_nodes(r) for r, count in zip(active, expected)]
+        nodes = node_bucket(max(budgets))
         candidates = AUTO_NODES if learns else nodes if drafting else 0
         full = [r for r in drafting if r.settings.trace_detail == "full"]
         program = self.fixed_program(nodes, candidates, max(r.settings.block_size for r in active),

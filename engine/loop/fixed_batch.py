@@ -291,7 +291,7 @@ class FixedBatchProgram:
         whole = torch.cat([length[:, None], committed[:, :wide], path[:, :wide]], dim=1).double()
         tail = torch.cat([target_tokens, tree.tokens, tree.parents, tree.depths, tree.ranks, tree.valid.long(),
                           top_tokens.reshape(count, -1)], dim=1).double()
-        reals = torch.cat([tree.log_probs, tree.path_log_probs, top_log_probs.reshape(count, -1)], dim=1).double()
+        reals = torch.cat([tree.log_probs, tree.path_log_probs, top_log_probs.exp().reshape(count, -1)], dim=1).double()
         return torch.cat([whole, margins[:, :wide].double(), tail, reals], dim=1)
 
 

@@ -74,7 +74,7 @@ class StepLayout:
         d1, n, dk = self.depth + 1, self.nodes, self.depth * self.top_k
         return (("length", 1), ("committed", d1), ("path", d1), ("margins", d1), ("target_tokens", n + 1),
                 ("tree_tokens", n), ("tree_parents", n), ("tree_depths", n), ("tree_ranks", n), ("tree_valid", n),
-                ("top_tokens", dk), ("tree_log_probs", n), ("tree_path_log_probs", n), ("top_log_probs", dk))
+                ("top_tokens", dk), ("tree_log_probs", n), ("tree_path_log_probs", n), ("top_probs", dk))
 
     @property
     def size(self) -> int:
@@ -241,7 +241,7 @@ class FixedProgram:
         head = torch.cat([length[None], committed, path])
         tail = torch.cat([target_tokens, tree.tokens, tree.parents, tree.depths, tree.ranks, tree.valid.long(),
                           top_tokens.reshape(-1)])
-        reals = torch.cat([tree.log_probs, tree.path_log_probs, top_log_probs.reshape(-1)])
+        reals = torch.cat([tree.log_probs, tree.path_log_probs, top_log_probs.exp().reshape(-1)])
         return torch.cat([head.double(), margins.double(), tail.double(), reals.double()])
 
     def _run(self, name: str, program):
@@ -383,15 +383,14 @@ class FixedRun(Run):
 
 
 def record_tree(step: dict[str, list[float]]) -> ddtree.DraftTree:
-    """The record's real tree nodes as the readable ``DraftTree`` (what a trace records)."""
-    keep = torch.tensor(step["tree_valid"], dtype=torch.bool)
-
-    def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(step[name], dtype=dtype)[keep]
-
-    return ddtree.DraftTree(column("tree_tokens", torch.long), column("tree_parents", torch.long),
-                            column("tree_depths", torch.long), column("tree_log_probs", torch.float32),
-                            column("tree_path_log_probs", torch.float32), column("tree_ranks", torch.long))
+    """The record's real tree nodes as the readable ``DraftTree`` (what a trace records), its columns made as one
+    tensor."""
+    columns = torch.tensor([step[name] for name in ("tree_tokens", "tree_parents", "tree_depths", "tree_ranks",
+                                                    "tree_log_probs", "tree_path_log_probs", "tree_valid")],
+                           dtype=torch.float64)  # [7, n]
+    kept = columns[:, columns[6].bool()]
+    return ddtree.DraftTree(kept[0].long(), kept[1].long(), kept[2].long(), kept[4].float(), kept[5].float(),
+                            kept[3].long())
 
 
 def record_top(step: dict[str, list[float]], k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -400,7 +399,6 @@ def record_top(step: dict[str, list[float]], k: int) -> tuple[list[list[int]], l
     kept = len(step["top_tokens"]) // max(len(step["committed"]) - 1, 1)
     if not kept or not k:
         return [], []
-    tokens = [int(t) for t in step["top_tokens"]]
-    probs = torch.tensor(step["top_log_probs"]).exp().tolist()
+    tokens, probs = [int(t) for t in step["top_tokens"]], step["top_probs"]
     return ([tokens[i: i + min(k, kept)] for i in range(0, len(tokens), kept)],
             [probs[i: i + min(k, kept)] for i in range(0, len(probs), kept)])
