@@ -12,7 +12,7 @@ import ddtree.fixed
 from engine.loop.batch import Batch
 from engine.loop.decode import Decoder
 from engine.loop.draft_pass import GraphedBatchDraft
-from engine.loop.fixed_batch import CHAIN, NO_TREE, TREE, SlotInputs, node_bucket, slot_trees
+from engine.loop.fixed_batch import CHAIN, NO_TREE, TREE, RowState, SlotInputs, node_bucket, slot_trees
 from engine.loop.settings import DecodeSettings
 from engine.models.batched import BatchKV
 from tests.test_batch import CHEAP_NODES, MIXED, TOKENS, alone, oracle_decoder, pinned
@@ -135,13 +135,15 @@ def test_a_budget_cuts_the_slots_tree_to_the_best_first_tree_of_that_many_nodes(
 
 
 def test_slots_read_the_caches_rows_as_a_view_unless_a_joining_request_sits_between_them():
-    together = SlotInputs.of([(5, 10, 4, TREE, 0), (6, 7, 0, NO_TREE, 1), (7, 3, 15, CHAIN, 2)], 4, 3,
-                             torch.device("cpu"))
+    state = RowState(torch.device("cpu"))
+    for row, (root, past) in enumerate([(5, 10), (6, 7), (7, 3), (8, 4)]):
+        state.set(row, root, past)
+    together = SlotInputs.of([(4, TREE, 0), (0, NO_TREE, 1), (15, CHAIN, 2)], 4, 3, state)
     assert together.read == slice(0, 4) and together.rows.tolist() == [0, 1, 2, 3]
-    assert together.kind.tolist() == [TREE, NO_TREE, CHAIN, NO_TREE] and together.past.tolist() == [10, 7, 3, 0]
-    apart = SlotInputs.of([(5, 10, 4, TREE, 0), (6, 7, 0, NO_TREE, 2), (7, 3, 15, CHAIN, 3)], 4, 4,
-                          torch.device("cpu"))
-    assert torch.equal(apart.read, torch.tensor([0, 2, 3, 4]))
+    assert together.kind.tolist() == [TREE, NO_TREE, CHAIN, NO_TREE]
+    assert together.past.tolist() == [10, 7, 3, 0] and together.root.tolist() == [5, 6, 7, 0]  # padding: 0, 0
+    apart = SlotInputs.of([(4, TREE, 0), (0, NO_TREE, 2), (15, CHAIN, 3)], 4, 4, state)
+    assert torch.equal(apart.read, torch.tensor([0, 2, 3, 4])) and apart.past.tolist() == [10, 3, 4, 0]
     assert [node_bucket(n) for n in (0, 1, 5, 15, 16, 17, 40)] == [0, 1, 8, 16, 16, 32, 64]
 
 

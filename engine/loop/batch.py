@@ -39,7 +39,7 @@ from engine.errors import EngineError
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth, first_nodes
 from engine.loop.decode import READABLE_SAMPLING
 from engine.loop.draft_pass import GraphedBatchDraft, count_bucket, draft_log_probs
-from engine.loop.fixed_batch import AcceptedRows, FixedBatchProgram, SlotInputs, node_bucket, slot_kind
+from engine.loop.fixed_batch import AcceptedRows, FixedBatchProgram, RowState, SlotInputs, node_bucket, slot_kind
 from engine.loop.fixed_step import StageMarks, record_top, record_tree
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
@@ -116,6 +116,9 @@ class BatchRequest(Run):
     def read_context(self) -> None:
         self.pending_context, self.pending_positions = [], []
 
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0  # no device sync: a fixed step may be running ahead of its record
+
     def finish(self) -> Trace | None:
         """Its trace, summarized (None: it left before its first token)."""
         return None if self.trace is None else self.conclude(self.finished)
@@ -142,6 +145,18 @@ class Planned:
     tree: ddtree.DraftTree
     log_probs: DraftRow | None  # [D, V] its draft, or None (not drafted)
     reason: str
+
+
+@dataclass
+class LaunchedStep:
+    """A fixed step on its way (``Batch.launch_fixed``): the device runs it while the host finishes the one before."""
+
+    active: list[BatchRequest]  # its slots' requests, in slot order
+    program: FixedBatchProgram
+    marks: StageMarks
+    record: torch.Tensor  # [requests, size]: in host memory once ``arrived`` (on the CPU, at once)
+    arrived: torch.cuda.Event | None
+    t_start: float
 
 
 class Batch:
@@ -178,6 +193,9 @@ class Batch:
         self.fixed = decoder.fixed_step and target.verifies_slots
         self.programs: dict[tuple, FixedBatchProgram] = {}  # by (nodes, candidates, block, top-k, learns)
         self.accepted: AcceptedRows | None = None  # what the fixed steps' requests accepted last, for their drafts
+        self.row_state = RowState(target.device)  # ... and their roots and pasts, for the next step
+        self.on_device: set[BatchRequest] = set()  # the requests whose root and past ``row_state`` holds
+        self.in_flight: LaunchedStep | None = None  # the fixed step launched and not yet finished
         self.waiting: list[BatchRequest] = []  # joined, prompt not yet all in the cache
         self.requests: list[BatchRequest] = []  # in rows 0..n-1, in row order
         self.steps_taken = 0
@@ -227,12 +245,15 @@ class Batch:
         batch stays the rows' prefix."""
         everyone = self.requests + self.waiting
         last = max(everyone, key=lambda r: r.row)
-        self.kv.release(request.row, last.row, max(last.start, last.prefilled))
+        lag = last.settings.block_size if self.in_flight is not None else 0  # the host's past lags the step in flight
+        self.kv.release(request.row, last.row, max(last.start + lag, last.prefilled))
+        self.on_device.discard(request)
         if last is not request:
             if self.context is not None:
                 self.context.move_row(last.row, request.row)
             if self.accepted is not None:
                 self.accepted.move_row(last.row, request.row)
+            self.row_state.move_row(last.row, request.row)
             last.row = request.row
         for rows in (self.requests, self.waiting):
             if request in rows:
@@ -270,6 +291,7 @@ class Batch:
         stage_s = self.step() if self.requests else {}
         self.settle(finished)
         if not self.requests:
+            self.in_flight = None  # a step launched for requests that have all finished since: nobody reads it
             self.last_step_end = None  # the time until the next request arrives is no round's
         self.last_round = RoundTimes(prefill_s=prefilled - begun, step_s=time.perf_counter() - prefilled,
                                      stage_s=stage_s)
@@ -353,14 +375,18 @@ class Batch:
         pack them, verify them in one pass, walk and commit each, record each request's step; its stages' seconds.
         Where every request can, the same step as fixed-shape programs (``fixed_step``)."""
         active = list(self.requests)
-        t_start = self.clock.now()
+        fixed = self.fixed and all(steps_greedily(r.settings) for r in active) and len(
+            {r.settings.block_size for r in active if r.drafts}) <= 1
+        t_start = time.perf_counter() if fixed else self.clock.now()  # a fixed step never waits for the device here
         if self.last_step_end is not None:
             self.gaps.append(t_start - self.last_step_end)
         self.cost = self.round_cost
-        if self.fixed and all(steps_greedily(r.settings) for r in active) and len(
-                {r.settings.block_size for r in active if r.drafts}) <= 1:
+        if fixed:
             return self.fixed_step(active, t_start)
+        if self.in_flight is not None:  # this round finishes the fixed step in flight, the next steps readably
+            return self.drain()
         self.hand_back(active)
+        self.on_device.clear()  # the readable step moves the host's roots and pasts, not the device's
         with self.clock.stage("draft"):
             drafts = self.draft(active, self.plan(active))
         with self.clock.stage("tree_build"):
@@ -386,10 +412,19 @@ class Batch:
         return stage_s
 
     def fixed_step(self, active: list[BatchRequest], t_start: float) -> dict[str, float]:
-        """The step as fixed-shape programs (``engine.loop.fixed_batch``): the host tells them each request's root,
-        past, budget, method and row in one copy and reads their record once; the rest is the device's. An "auto"
-        request's budget is the nodes the batch is expected to give it before it drafts (``expected_nodes``); it
-        drafts ``AUTO_NODES`` candidates, and learns from them what its next draft is worth."""
+        """The step as fixed-shape programs (``engine.loop.fixed_batch``), pipelined: this round launches a step for
+        every decoding request, then finishes the one the round before launched (reads its record, commits, records,
+        learns) while the device runs the new one; its stages' seconds. The first round finishes none."""
+        launched = self.launch_fixed(active, t_start)
+        previous, self.in_flight = self.in_flight, launched
+        return self.finish_fixed(previous) if previous is not None else {}
+
+    def launch_fixed(self, active: list[BatchRequest], t_start: float) -> LaunchedStep:
+        """A fixed step launched on the device: the host tells it each request's budget, method and row in one copy
+        (its root and past are where the step before left them, ``RowState``), and its record is copied back without
+        waiting. An "auto" request's budget is the nodes the batch is expected to give it before it drafts
+        (``expected_nodes``); it drafts ``AUTO_NODES`` candidates, and learns from them what its next draft is
+        worth."""
         drafting = [r for r in active if r.row_method.drafts]
         learns = any(r.settings.auto_budget for r in drafting)
         expected = self.expected_nodes(active)[2] if learns else [0] * len(active)
@@ -399,34 +434,63 @@ class Batch:
         full = [r for r in drafting if r.settings.trace_detail == "full"]
         program = self.fixed_program(nodes, candidates, max(r.settings.block_size for r in active),
                                      max((r.settings.record_top_k for r in full), default=0), learns)
-        marks = StageMarks(self.target.device.type == "cuda")  # the device's own clock: no waits between stages
+        for request in active:
+            if request not in self.on_device:  # it joined, or stepped readably: the host's root and past are its
+                self.row_state.set(request.row, request.root, request.start)
+                self.on_device.add(request)
+        cuda = self.target.device.type == "cuda"
+        marks = StageMarks(cuda)  # the device's own clock: no waits between stages
         with marks.stage("draft"):  # the rows a readable step left go to the device, a block a request
             if program.drafts:
                 self.hand_over(active, program)
             count, spare = count_bucket(len(active)), len(self.requests) + len(self.waiting)  # rows past everyone's
-            slots = [(r.root, r.start, budget, slot_kind(r.settings), r.row) for r, budget in zip(active, budgets)]
-            inputs = SlotInputs.of(slots, count, spare, self.target.device)
-            program.room([r.row for r in active], [r.start for r in active], range(spare, spare + count - len(active)))
+            inputs = SlotInputs.of([(budget, slot_kind(r.settings), r.row) for r, budget in zip(active, budgets)],
+                                   count, spare, self.row_state)
+            # the host's pasts lag the step in flight by at most a block
+            program.room([r.row for r in active], [r.start + program.depth + 1 for r in active],
+                         range(spare, spare + count - len(active)))
             log_probs = program.draft(inputs) if program.drafts else None
-        with marks.stage("verify"):  # the trees, the pass, the walks, the compaction: one program, one read
-            records = program.advance(inputs, log_probs)[:len(active)].tolist()
-        roots = [r.root for r in active]
+        with marks.stage("verify"):  # the trees, the pass, the walks, the compaction: one program
+            record = program.advance(inputs, log_probs)[:len(active)]
+        arrived = None
+        if cuda:  # into host memory while the host finishes the step before
+            host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)
+            host.copy_(record, non_blocking=True)
+            record, arrived = host, torch.cuda.Event()
+            arrived.record()
+        return LaunchedStep(active, program, marks, record, arrived, t_start)
+
+    def finish_fixed(self, launched: LaunchedStep) -> dict[str, float]:
+        """A launched fixed step read once and committed for the requests still decoding (one that finished in the
+        step before it was stepped too, and its part is dropped); its stages' seconds."""
+        if launched.arrived is not None:
+            launched.arrived.synchronize()
+        rows = launched.record.tolist()
         began = time.perf_counter()  # the commit: the host's alone
-        split = [program.split(values) for values in records]
-        outcomes = [self.fixed_outcome(r, step) for r, (step, _) in zip(active, split)]
+        program = launched.program
+        kept = [(request, values) for request, values in zip(launched.active, rows) if request.finished is None]
+        roots = [request.root for request, _ in kept]
+        split = [program.split(values) for _, values in kept]
+        outcomes = [self.fixed_outcome(request, step) for (request, _), (step, _) in zip(kept, split)]
         verified = [outcome for outcome, _ in outcomes]
         self.budgeting.observe([outcome.tree for outcome in verified], [outcome.accepted for outcome in verified])
-        self.learn_fixed(active, [candidates for _, candidates in split], program.depth)
-        stage_s = marks.seconds() | {"commit": time.perf_counter() - began}
+        self.learn_fixed([request for request, _ in kept], [candidates for _, candidates in split], program.depth)
+        stage_s = launched.marks.seconds() | {"commit": time.perf_counter() - began}
         nodes_verified = sum(outcome.tree.size for outcome in verified)
-        for request, root, (outcome, top) in zip(active, roots, outcomes):
-            self.record_step(request, root, top, outcome, nodes_verified, active, t_start, stage_s,
+        for (request, _), root, (outcome, top) in zip(kept, roots, outcomes):
+            self.record_step(request, root, top, outcome, nodes_verified, launched.active, launched.t_start, stage_s,
                              fixed_reason(request, outcome.tree.size),
                              program.layout.depth if request.row_method.drafts else 0)
-        self.last_step_end = self.clock.now()
-        self.measured(StepShape(len(active), nodes_verified, len(drafting), len(drafting) * program.layout.depth,
-                                self.last_step_end - t_start, stage_s["draft"]))
+        self.last_step_end = time.perf_counter()  # the step launched meanwhile runs on
+        drafting = sum(1 for request in launched.active if request.row_method.drafts)
+        self.measured(StepShape(len(launched.active), nodes_verified, drafting, drafting * program.layout.depth,
+                                self.last_step_end - launched.t_start, stage_s["draft"]))
         return stage_s
+
+    def drain(self) -> dict[str, float]:
+        """The fixed step in flight, finished (before a readable step, or once every request has left)."""
+        launched, self.in_flight = self.in_flight, None
+        return self.finish_fixed(launched) if launched is not None else {}
 
     def learn_fixed(self, active: list[BatchRequest], candidates: list, depth: int) -> None:
         """Each drafting "auto" request's expectation and reach, from the candidates its fixed step drafted (each
@@ -450,8 +514,8 @@ class Batch:
                 config = self.drafter.config
                 self.accepted = AcceptedRows(block_size, len(config.target_layer_ids) * config.hidden_size,
                                              self.drafter.dtype, self.target.device)
-            self.programs[key] = FixedBatchProgram(self.decoder, self.kv, self.context, self.accepted, nodes,
-                                                   candidates, block_size, top_k, learns, self.graphed_draft)
+            self.programs[key] = FixedBatchProgram(self.decoder, self.kv, self.context, self.accepted, self.row_state,
+                                                   nodes, candidates, block_size, top_k, learns, self.graphed_draft)
         return self.programs[key]
 
     def hand_over(self, active: list[BatchRequest], program: FixedBatchProgram) -> None:

@@ -15,7 +15,12 @@ can be recorded as a CUDA graph (on the GPU they run eagerly for now):
   order, DFlash's chain, or none), cut to the slot's own budget by the tree's ``valid`` mask; one target pass over
   ``[b, nodes + 1]`` tokens (``TargetModel.verify_slots``: each slot's past, then its tree, ancestors only); the
   walk (``ddtree.fixed.follow_tree``); the KV compaction of each accepted path; the accepted rows' features kept
-  for the next draft; and the step's record, ``[b, StepLayout.size]`` float64, which the host reads once.
+  for the next draft; each request's new root and past (``RowState``); and the step's record,
+  ``[b, StepLayout.size]`` float64, which the host reads once.
+
+Since a step starts from the roots and pasts the step before left on the device, ``Batch`` launches step k+1 before
+it reads step k's record, and finishes step k (commits, records, streams) while the device runs step k+1, as
+``engine.loop.fixed_step.FixedRun`` does for one request.
 
 Worked example, nodes 4, block 4 (depth 3), two requests and so two slots: slot 0 a DDTree request of budget 3 at
 past 10 in row 0, slot 1 an AR request at past 7 (budget 0) in row 1. Slot 0's tree of 4 nodes in heap order is
@@ -53,11 +58,34 @@ def node_bucket(nodes: int) -> int:
     return 0 if nodes <= 0 else 1 << (nodes - 1).bit_length()
 
 
+class RowState:
+    """Each request's root (its last committed token) and past (its committed cache rows) on the device, by its row
+    of the batch's caches: where a fixed step leaves them for the next, so that the next can be launched before the
+    host has read the one before (the host's own copy then lags a step)."""
+
+    def __init__(self, device: torch.device):
+        self.values = torch.zeros(2, 0, dtype=torch.long, device=device)  # [2, rows]: root, past
+
+    def reserve(self, rows: int) -> None:
+        if rows > self.values.shape[1]:
+            self.values = torch.cat([self.values, self.values.new_zeros(2, rows - self.values.shape[1])], dim=1)
+
+    def set(self, row: int, root: int, past: int) -> None:
+        """The host's root and past for the request in ``row`` (it joined, or stepped readably)."""
+        self.reserve(row + 1)
+        self.values[:, row] = torch.tensor([root, past], device=self.values.device)
+
+    def move_row(self, source: int, target: int) -> None:
+        """The request in row ``source`` moved to ``target`` (``Batch.release``)."""
+        if max(source, target) < self.values.shape[1]:
+            self.values[:, target] = self.values[:, source]
+
+
 @dataclass(frozen=True)
 class SlotInputs:
-    """What the host tells a step about its slots, in one copy: ``[5, S]`` long, rows root, past, budget, method
-    (``TREE``, ``CHAIN``, ``NO_TREE``) and the slot's row of the batch's caches; and how the pass reads those rows
-    (``read``: a view of the caches where they are consecutive, as they are while no request is joining)."""
+    """A step's slots: ``[5, S]`` long on the device, rows root, past, budget, method (``TREE``, ``CHAIN``,
+    ``NO_TREE``) and the slot's row of the batch's caches; and how the pass reads those rows (``read``: a view of the
+    caches where they are consecutive, as they are while no request is joining)."""
 
     values: torch.Tensor
     read: slice | torch.Tensor
@@ -84,17 +112,22 @@ class SlotInputs:
         return self.values[4]
 
     @staticmethod
-    def of(slots: list[tuple[int, int, int, int, int]], count: int, spare: int, device: torch.device) -> SlotInputs:
-        """``slots``: each request's (root, past, budget, kind, row); the ``count - len(slots)`` padding slots verify
-        a root of nothing at past 0, each in a row of its own from ``spare`` on, where no request is.
+    def of(slots: list[tuple[int, int, int]], count: int, spare: int, state: RowState) -> SlotInputs:
+        """``slots``: each request's (budget, kind, row), its root and past from ``state`` (where the step before left
+        them); the ``count - len(slots)`` padding slots verify a root of nothing at past 0, each in a row of its own
+        from ``spare`` on, where no request is.
 
         E.g. 3 requests in rows 0, 1, 2 and spare row 3: 4 slots over rows 0..3, read as a view; requests in rows 0,
         2, 3 (row 1 still joining) and spare row 4: rows [0, 2, 3, 4], gathered."""
-        padding = [(0, 0, 0, NO_TREE, spare + extra) for extra in range(count - len(slots))]
-        values = torch.tensor(slots + padding, dtype=torch.long).T.contiguous()
-        rows = values[4].tolist()
+        padding = [(0, NO_TREE, spare + extra) for extra in range(count - len(slots))]
+        host = torch.tensor(slots + padding, dtype=torch.long).T  # [3, S]: budget, kind, row
+        rows = host[2].tolist()
         consecutive = rows == list(range(rows[0], rows[0] + count))
-        values = values.to(device)
+        state.reserve(max(rows) + 1)
+        host = host.to(state.values.device)
+        real = (torch.arange(count) < len(slots)).to(host.device)
+        root, past = torch.where(real, state.values[:, host[2]], 0)
+        values = torch.stack([root, past, *host])
         return SlotInputs(values, slice(rows[0], rows[0] + count) if consecutive else values[4], rows)
 
 
@@ -184,10 +217,11 @@ class FixedBatchProgram:
     caches: the target's rows (``BatchKV``), the drafter's context (``BatchDraftContext``) and the rows each request
     accepted last (``AcceptedRows``)."""
 
-    def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, nodes: int, candidates: int,
-                 block_size: int, top_k: int, learns: bool = False, graphed_draft: GraphedBatchDraft | None = None):
+    def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, state: RowState, nodes: int,
+                 candidates: int, block_size: int, top_k: int, learns: bool = False,
+                 graphed_draft: GraphedBatchDraft | None = None):
         self.target, self.drafter, self.kv, self.context = decoder.target, decoder.drafter, kv, context
-        self.accepted = accepted
+        self.accepted, self.state = accepted, state
         self.graphed_draft = graphed_draft  # the batch's recorded drafter pass, where a GPU records it
         self.nodes, self.depth = nodes, block_size - 1
         # a batch of AR requests alone verifies roots and drafts nothing; where any request drafts, every drafting
@@ -251,6 +285,7 @@ class FixedBatchProgram:
         target_tokens = logits.argmax(dim=-1)  # [count, nodes + 1]
         path, length, bonus = ddtree.fixed.follow_tree(tree, target_tokens, visible, self.layout.depth)  # [count, D+1]
         self.kv.compact_slots(rows, past, path, length)
+        self.state.values[:, rows] = torch.stack([bonus, past + length])  # what the next step starts from
         if self.drafts:
             features = self.drafter.context_features(hidden)  # [count, nodes + 1, width]
             kept = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))  # [count, depth + 1, width]
