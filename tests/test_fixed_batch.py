@@ -162,3 +162,25 @@ def test_the_slots_compaction_moves_each_rows_accepted_path_as_the_readable_comp
     alone_kv.compact(rows, pasts, paths)
     for mine, theirs in zip(together.keys + together.values, alone_kv.keys + alone_kv.values):
         assert torch.equal(mine[:, :, :-1], theirs[:, :, :-1])  # the last column is the slots' scratch
+
+
+def test_a_round_launches_the_next_fixed_step_before_it_finishes_the_one_in_flight(fixed64):
+    """Pipelined: the round that launches a batch's first fixed step finishes none; each later round finishes the step
+    the round before launched, from roots and pasts that step left on the device; a readable step waits for it."""
+    fixed, plain, asked = fixed64
+    batch = Batch(fixed, pinned(CHEAP_NODES))
+    requests = [batch.admit(ids, DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8)) for ids in asked[:3]]
+    batch.advance()  # the prompts, then the first step launched
+    assert batch.in_flight is not None and all(not r.trace.steps for r in requests)
+    launched = batch.in_flight
+    batch.advance()
+    assert all(len(r.trace.steps) == 1 for r in requests) and batch.in_flight is not launched
+    device = batch.row_state.values[1, [r.row for r in requests]].tolist()
+    assert all(ahead > host for ahead, host in zip(device, [r.start for r in requests]))  # the host a step behind
+    sampled = batch.admit(asked[3], DecodeSettings("ar", max_new_tokens=4, temperature=0.5, seed=1))
+    batch.advance()  # its prompt; the step in flight finished, none launched
+    assert batch.in_flight is None and all(len(r.trace.steps) == 2 for r in requests) and not sampled.trace.steps
+    while not batch.idle:
+        batch.advance()
+    for request, ids in zip(requests, asked):
+        same_steps(request.trace, alone(plain, ids, request.settings))
