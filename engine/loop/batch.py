@@ -595,8 +595,7 @@ class Batch:
             elif not offer.fixed:
                 own = request.depth_for(count) + DEPTH_MARGIN
             else:  # as deep as its tree can reach: a chain its block, a tree of n nodes n depths
-                own = full if request.settings.auto_budget else request.row_method.nodes(request.settings.tree_budget,
-                                                                                           full)
+                own = full if request.settings.auto_budget else fixed_nodes(request)
             depths.append(min(full, own))
         return depths
 

@@ -83,33 +83,16 @@ class RowState:
 
 @dataclass(frozen=True)
 class SlotInputs:
-    """A step's slots: ``[5, S]`` long on the device, rows root, past, budget, method (``TREE``, ``CHAIN``,
-    ``NO_TREE``) and the slot's row of the batch's caches; and how the pass reads those rows (``read``: a view of the
+    """A step's slots on the device, ``[S]`` long each; and how the pass reads their rows (``read``: a view of the
     caches where they are consecutive, as they are while no request is joining)."""
 
-    values: torch.Tensor
+    root: torch.Tensor
+    past: torch.Tensor
+    budget: torch.Tensor
+    kind: torch.Tensor  # ``TREE``, ``CHAIN`` or ``NO_TREE``
+    rows: torch.Tensor  # each slot's row of the batch's caches
     read: slice | torch.Tensor
     row_list: list[int]  # the rows, on the host: what the drafter's recorded pass is told (``GraphedBatchDraft``)
-
-    @property
-    def root(self) -> torch.Tensor:
-        return self.values[0]
-
-    @property
-    def past(self) -> torch.Tensor:
-        return self.values[1]
-
-    @property
-    def budget(self) -> torch.Tensor:
-        return self.values[2]
-
-    @property
-    def kind(self) -> torch.Tensor:
-        return self.values[3]
-
-    @property
-    def rows(self) -> torch.Tensor:
-        return self.values[4]
 
     @staticmethod
     def of(slots: list[tuple[int, int, int]], count: int, spare: int, state: RowState) -> SlotInputs:
@@ -127,8 +110,8 @@ class SlotInputs:
         host = host.to(state.values.device)
         real = (torch.arange(count) < len(slots)).to(host.device)
         root, past = torch.where(real, state.values[:, host[2]], 0)
-        values = torch.stack([root, past, *host])
-        return SlotInputs(values, slice(rows[0], rows[0] + count) if consecutive else values[4], rows)
+        budget, kind, row = host
+        return SlotInputs(root, past, budget, kind, row, slice(rows[0], rows[0] + count) if consecutive else row, rows)
 
 
 def fitted(tree: FixedTree, nodes: int) -> FixedTree:
