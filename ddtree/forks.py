@@ -44,15 +44,20 @@ def leaf_chains(visible: torch.Tensor, table: torch.Tensor, depth: torch.Tensor)
     """``[q]`` long: for each leaf, the depth its chain starts at; -1 for a node with children.
 
     A node's chain runs down through first children (the lowest-numbered child) to a leaf, so
-    every node lies on exactly one leaf's chain: walking each leaf's path from the root and
+    every node lies on exactly one leaf's chain: walking each leaf's path from its root and
     scoring the nodes from its chain's start on scores each node once, with as many walks as
-    the tree has leaves (``table``: ``path_table``, ``depth``: ``depths``)."""
+    the tree has leaves (``table``: ``path_table``, ``depth``: ``depths``). ``visible`` may hold
+    a forest (a batch's trees, block-diagonal): every root starts a chain.
+
+    E.g. two trees packed, parents [-, 0, 0 | -, 3]: node 1 is node 0's first child, so the
+    chains are 0-1 (leaf 1, from depth 0), 2 (leaf 2, from depth 1) and 3-4 (leaf 4, from depth 0)."""
     q, length = table.shape
     nodes = torch.arange(q, device=visible.device)
-    parent = table.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0]
-    first_child = torch.full((q,), q, dtype=nodes.dtype, device=nodes.device)
-    first_child.scatter_reduce_(0, parent[1:], nodes[1:], reduce="amin")
-    starts = (first_child[parent] != nodes) | (nodes == 0)
+    root = depth == 0
+    parent = table.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0]  # a root: itself
+    first_child = torch.full((q + 1,), q, dtype=nodes.dtype, device=nodes.device)  # [q]: a spare entry for roots
+    first_child.scatter_reduce_(0, torch.where(root, q, parent), nodes, reduce="amin")
+    starts = (first_child[parent] != nodes) | root
     columns = torch.arange(length, device=nodes.device)
     on_path = starts[table] & (columns[None, :] <= depth[:, None])
     start_depth = torch.where(on_path, columns[None, :], 0).amax(dim=1)

@@ -71,9 +71,20 @@ needs_reference = pytest.mark.skipif(DEVICE.type == "cuda" and vllm_decode() is 
 def run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b, length: int = 8):
     heads = params.value_dim // params.head_v_dim
     out = torch.zeros(visible.shape[0], heads, params.head_v_dim, dtype=mixed_qkv.dtype, device=DEVICE)
-    kept = gdn_fused.verify(params, mixed_qkv, a, b, conv_state, ssm_state, SLOT,
+    kept = gdn_fused.verify(params, mixed_qkv, a, b, conv_state, ssm_state, slots_of([SLOT], [visible.shape[0]]),
                             gdn_fused.TreePaths.build(visible, length), out)
     return out, kept
+
+
+def slots_of(slots: list[int], counts: list[int]) -> torch.Tensor:
+    """Each node's slot, ``counts[r]`` nodes of request r in ``slots[r]``: int32, as the programs read them."""
+    return torch.tensor(slots, dtype=torch.int32, device=DEVICE).repeat_interleave(torch.tensor(counts, device=DEVICE))
+
+
+def commit_one(params, kept, conv_state, ssm_state, path: torch.Tensor, length: torch.Tensor) -> None:
+    """One request's commit in ``SLOT``: its ``path [L]`` and ``length``."""
+    gdn_fused.commit(params, kept, conv_state, ssm_state, slots_of([SLOT], [1]), path.to(torch.int32)[None],
+                     length.to(torch.int32).reshape(1))
 
 
 @needs_reference
@@ -111,7 +122,7 @@ def test_commit_leaves_the_caches_as_decoding_the_accepted_path(seed, pick):
     path = path_table(visible, 8)[node].to(torch.int32)
 
     _, kept = run_verify(params, conv_state, ssm_state, visible, mixed_qkv, a, b)
-    gdn_fused.commit(params, kept, conv_state, ssm_state, SLOT, path, length.to(torch.int32).reshape(1))
+    commit_one(params, kept, conv_state, ssm_state, path, length)
 
     decoded(params, reference_conv, reference_ssm, mixed_qkv, a, b, path[:int(length)].tolist())
     assert torch.equal(conv_state, reference_conv)  # a window is inputs moved, never computed
@@ -144,7 +155,7 @@ def test_every_leaf_of_a_wide_tree_scores_like_its_path_and_commits_like_it():
                                        path)[-1]), node
     path = torch.tensor([0, 20, 0, 0, 0, 0, 0, 0], dtype=torch.int32, device=DEVICE)
     accepted = torch.tensor([2], dtype=torch.int32, device=DEVICE)
-    gdn_fused.commit(params, kept, conv_state, ssm_state, SLOT, path, accepted)
+    commit_one(params, kept, conv_state, ssm_state, path, accepted)
     decoded(params, reference_conv, reference_ssm, mixed_qkv, a, b, [0, 20])
     assert torch.equal(conv_state, reference_conv) and same(ssm_state, reference_ssm)
 
@@ -166,20 +177,40 @@ def test_real_head_sizes_score_like_decoding(budget):
         assert same(out[node], expected[-1]), node
 
 
-def test_a_slot_of_one_is_a_slot_too():
-    """Triton compiles an integer argument equal to 1 as a constant unless told not to (the programs say so)."""
+def test_a_batchs_trees_in_one_pass_score_and_commit_as_each_alone():
+    """A batch's pass: three requests' trees packed block-diagonally (a wide, deep tree, a chain, a lone root), each
+    from its own slot (slot 1 among them: a slot is read, never compiled in). Every node's output is what its
+    request's tree alone gives, bit for bit, and one commit of the three accepted paths leaves every slot as three
+    commits of one would."""
     params, conv_state, ssm_state = layer(8, DEVICE.type)
-    conv_state[1], ssm_state[1] = conv_state[SLOT], ssm_state[SLOT]
-    visible = torch.ones(4, 4, dtype=torch.bool, device=DEVICE).tril()
-    mixed_qkv, a, b = node_inputs(4, 8, params, DEVICE.type)
+    trees = [tree.to(DEVICE) for tree in (wide_deep_tree(8, budget=12), torch.ones(5, 5, dtype=torch.bool).tril(),
+                                          torch.ones(1, 1, dtype=torch.bool))]
+    slots, counts = [SLOT, 1, 3], [tree.shape[0] for tree in trees]
+    begins = [sum(counts[:index]) for index in range(len(trees))]
+    mixed_qkv, a, b = node_inputs(sum(counts), 8, params, DEVICE.type)
     heads = params.value_dim // params.head_v_dim
-    outs = []
-    for slot in (SLOT, 1):
-        out = torch.zeros(4, heads, params.head_v_dim, dtype=mixed_qkv.dtype, device=DEVICE)
-        paths = gdn_fused.TreePaths.build(visible, 4)
-        gdn_fused.verify(params, mixed_qkv, a, b, conv_state, ssm_state, slot, paths, out)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    out = torch.zeros(sum(counts), heads, params.head_v_dim, dtype=mixed_qkv.dtype, device=DEVICE)
+    committed_conv, committed_ssm = conv_state.clone(), ssm_state.clone()
+    kept = gdn_fused.verify(params, mixed_qkv, a, b, committed_conv, committed_ssm, slots_of(slots, counts),
+                            gdn_fused.TreePaths.build(torch.block_diag(*trees), 8), out)
+    accepted = [path_table(trees[0], 8)[int(depths(trees[0]).argmax())], torch.arange(8).clamp(max=3),
+                torch.zeros(8, dtype=torch.long)]
+    lengths = [int(depths(trees[0]).max()) + 1, 3, 1]
+    gdn_fused.commit(params, kept, committed_conv, committed_ssm, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                     torch.stack([path.to(DEVICE) + begin for path, begin in zip(accepted, begins)]).to(torch.int32),
+                     torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+
+    alone_conv, alone_ssm = conv_state.clone(), ssm_state.clone()
+    for tree, slot, begin, path, length in zip(trees, slots, begins, accepted, lengths):
+        nodes = slice(begin, begin + tree.shape[0])
+        own = torch.zeros_like(out[nodes])
+        own_kept = gdn_fused.verify(params, mixed_qkv[nodes], a[nodes], b[nodes], conv_state, ssm_state,
+                                    slots_of([slot], [tree.shape[0]]), gdn_fused.TreePaths.build(tree, 8), own)
+        assert torch.equal(out[nodes], own), f"the request in slot {slot}"
+        gdn_fused.commit(params, own_kept, alone_conv, alone_ssm, slots_of([slot], [1]),
+                         path.to(DEVICE, torch.int32)[None], torch.tensor([length], dtype=torch.int32, device=DEVICE))
+    assert torch.equal(committed_conv, alone_conv) and torch.equal(committed_ssm, alone_ssm)
+    assert not torch.equal(committed_ssm[1], ssm_state[1]) and torch.equal(committed_ssm[0], ssm_state[0])
 
 
 def test_a_node_forked_from_its_sibling_is_caught():

@@ -129,6 +129,25 @@ def test_leaf_chains_score_every_node_once(seed):
     assert leaf_chains(chain, path_table(chain, 5), depths(chain)).tolist() == [-1, -1, -1, -1, 0]
 
 
+def test_a_batch_of_trees_packed_block_diagonally_keeps_each_trees_paths_and_chains():
+    """A batch's pass holds several trees, each seeing its own nodes alone: every root starts a chain, and each
+    tree's paths and chains are its own, moved to where it sits in the pass (the worked example in
+    ``leaf_chains``, then three wide, deep trees and a lone root)."""
+    pair = torch.block_diag(ddtree.ancestor_mask(torch.tensor([0, 0])), ddtree.ancestor_mask(torch.tensor([0])))
+    assert leaf_chains(pair, path_table(pair, 3), depths(pair)).tolist() == [-1, 0, 1, -1, 0]
+    trees = [wide_deep_tree(seed) for seed in (0, 1, 2)] + [torch.ones(1, 1, dtype=torch.bool)]
+    packed = torch.block_diag(*trees)
+    table, depth = path_table(packed, 8), depths(packed)
+    starts = leaf_chains(packed, table, depth)
+    begin = 0
+    for tree in trees:
+        own_table, own_depth = path_table(tree, 8), depths(tree)
+        end = begin + tree.shape[0]
+        assert torch.equal(table[begin:end], own_table + begin) and torch.equal(depth[begin:end], own_depth)
+        assert torch.equal(starts[begin:end], leaf_chains(tree, own_table, own_depth))
+        begin = end
+
+
 def test_windows_start_in_the_committed_window_and_follow_the_path():
     visible = ddtree.ancestor_mask(torch.tensor([0, 0, 1, 1, 3, 2]))
     table, depth = path_table(visible, 5), depths(visible)

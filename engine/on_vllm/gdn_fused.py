@@ -95,12 +95,14 @@ def verify(
     b: torch.Tensor,  # [nodes, heads]
     conv_state: torch.Tensor,  # [slots, channels, W], any strides, read only
     ssm_state: torch.Tensor,  # [slots, heads, V, K], read only
-    slot: int,
+    slots: torch.Tensor,  # [nodes] int32: each node's request's slot in both caches
     paths: TreePaths,
     out: torch.Tensor,  # [nodes, heads, V]
 ) -> KeptNodes:
     """Every node's core output into ``out [q, heads, V]`` for inputs ``mixed_qkv [q, channels]``,
-    ``a``/``b [q, heads]``; ``conv_state [slots, channels, W]`` (any strides) and ``ssm_state`` are read only."""
+    ``a``/``b [q, heads]``; ``conv_state [slots, channels, W]`` (any strides) and ``ssm_state`` are read only.
+    The pass may hold a batch's trees (``paths`` of a block-diagonal mask), each node starting from its own
+    request's committed state in ``slots``."""
     q, channels = mixed_qkv.shape
     heads = params.value_dim // params.head_v_dim
     kept = KeptNodes(mixed_qkv.new_empty(q, channels), mixed_qkv.new_empty(q, channels), a.new_empty(q, heads),
@@ -108,13 +110,13 @@ def verify(
     _convolve_kernel[(triton.cdiv(channels, CONV_BLOCK), q)](
         mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), params.conv_weight,
         params.conv_weight.stride(0), params.conv_weight.stride(1), params.conv_bias, conv_state, conv_state.stride(0),
-        conv_state.stride(1), conv_state.stride(2), slot, paths.table, paths.depth, kept.inputs, kept.convolved,
+        conv_state.stride(1), conv_state.stride(2), slots, paths.table, paths.depth, kept.inputs, kept.convolved,
         kept.convolved.stride(0), channels, kept.a, kept.b, HV=heads, HEADS=triton.next_power_of_2(heads),
         LENGTH=paths.table.shape[1], BLOCK=CONV_BLOCK, HAS_BIAS=params.conv_bias is not None,
         SILU=params.activation in ("silu", "swish", True))
     block_k, block_v = _blocks(params, q)
     _walk_kernel[(triton.cdiv(params.head_v_dim, block_v), heads, q)](
-        kept.convolved, kept.convolved.stride(0), kept.a, kept.b, params.A_log, params.dt_bias, slot, ssm_state,
+        kept.convolved, kept.convolved.stride(0), kept.a, kept.b, params.A_log, params.dt_bias, slots, ssm_state,
         ssm_state.stride(0), paths.table, paths.depth, paths.chain_start, out, out.stride(0), params.head_k_dim ** -0.5,
         H=params.key_dim // params.head_k_dim, HV=heads, K=params.head_k_dim, V=params.head_v_dim, BK=block_k,
         BV=block_v, LENGTH=paths.table.shape[1], PATH=triton.next_power_of_2(paths.table.shape[1]),
@@ -127,19 +129,19 @@ def commit(
     kept: KeptNodes,
     conv_state: torch.Tensor,  # [slots, channels, W]
     ssm_state: torch.Tensor,  # [slots, heads, V, K]
-    slot: int,
-    path: torch.Tensor,  # [max path length] int32
-    length: torch.Tensor,  # [] int32
+    slots: torch.Tensor,  # [requests] int32
+    path: torch.Tensor,  # [requests, max path length] int32
+    length: torch.Tensor,  # [requests] int32
 ) -> None:
-    """The accepted ``path`` (node indices, root first, int32, padded past the device scalar ``length``)
-    becomes the request's state in ``slot``: the recurrent state and the convolution window."""
+    """Each request's accepted ``path`` (node indices of the pass, root first, int32, padded past its ``length``,
+    on the device) becomes its state in its slot of ``slots``: the recurrent state and the convolution window."""
     heads = params.value_dim // params.head_v_dim
     block_k, block_v = _blocks(params, kept.convolved.shape[0])
-    grid = (triton.cdiv(params.head_v_dim, block_v), heads)
+    grid = (triton.cdiv(params.head_v_dim, block_v), heads, slots.shape[0])
     _commit_kernel[grid](
         kept.inputs, kept.convolved, kept.convolved.stride(0), kept.a, kept.b, params.A_log, params.dt_bias,
-        conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), slot, ssm_state,
-        ssm_state.stride(0), path, length, params.head_k_dim ** -0.5,
+        conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), slots, ssm_state,
+        ssm_state.stride(0), path, path.stride(0), length, params.head_k_dim ** -0.5,
         H=params.key_dim // params.head_k_dim, HV=heads, K=params.head_k_dim, V=params.head_v_dim, BK=block_k,
         BV=block_v, WIDTH=params.conv_weight.shape[1], COLUMNS=triton.next_power_of_2(params.conv_weight.shape[1] - 1),
         SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=WARPS)
@@ -205,14 +207,14 @@ if triton is not None:
                               mask=mask & ~on_path, other=0.0)
         return tl.where(on_path, from_path, from_window.to(from_path.dtype))
 
-    @triton.jit(do_not_specialize=["slot"])  # a slot of 1 would otherwise compile as a constant
+    @triton.jit
     def _convolve_kernel(
         x, stride_x,  # [nodes, channels]: the layer's inputs, q/k/v packed as vLLM packs them
         a, stride_a, b, stride_b,  # [nodes, HV] each: the gates' inputs
         weight, stride_w_dim, stride_w_tap,  # [channels, W]: the convolution's taps
         bias,  # [channels], or None
         conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok,  # [slots, channels, W], read only
-        slot,  # the request's slot in both state caches
+        slots,  # [nodes] int32: each node's request's slot in both state caches
         table,  # [nodes, LENGTH] int32: each node's ancestor at each depth (``ddtree.forks.path_table``)
         depth,  # [nodes] int32
         kept_x, kept_conv, stride_kept,  # [nodes, channels] each: what the walk and the commit read
@@ -226,7 +228,7 @@ if triton is not None:
         block, node = tl.program_id(0), tl.program_id(1)
         channels = block * BLOCK + tl.arange(0, BLOCK)
         mask = channels < channel_count
-        window = conv_state + slot.to(tl.int64) * stride_cs_slot
+        window = conv_state + tl.load(slots + node).to(tl.int64) * stride_cs_slot
         at = tl.load(depth + node)
         oldest = _window_input(x, stride_x, window, stride_cs_dim, stride_cs_tok, table, node, at - 3, channels, mask,
                                LENGTH)
@@ -244,12 +246,12 @@ if triton is not None:
             tl.store(kept_a + node * HV + heads, tl.load(a + node * stride_a + heads, mask=heads < HV), mask=heads < HV)
             tl.store(kept_b + node * HV + heads, tl.load(b + node * stride_b + heads, mask=heads < HV), mask=heads < HV)
 
-    @triton.jit(do_not_specialize=["slot"])
+    @triton.jit
     def _walk_kernel(
         kept_conv, stride_kept,  # [nodes, channels]: every node's convolved q/k/v (``_convolve_kernel``)
         kept_a, kept_b,  # [nodes, HV] each, contiguous
         A_log, dt_bias,  # [HV] each
-        slot,  # the request's slot
+        slots,  # [nodes] int32: each node's request's slot
         ssm_state, stride_state_slot,  # [slots, HV, V, K], read only
         table,  # [nodes, LENGTH] int32, contiguous: each node's ancestor at each depth
         depth,  # [nodes] int32
@@ -277,11 +279,12 @@ if triton is not None:
             path = tl.load(table + node * LENGTH + steps, mask=steps < LENGTH, other=0)
             A_log_val = tl.load(A_log + i_hv).to(tl.float32)
             dt_bias_val = tl.load(dt_bias + i_hv).to(tl.float32)
-            p_h = ssm_state + slot.to(tl.int64) * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+            slot = tl.load(slots + node).to(tl.int64)
+            p_h = ssm_state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
             b_h = tl.load(p_h, mask=mask_v[:, None] & mask_k[None, :], other=0).to(tl.float32)
             # each step's rows are loaded one step ahead, so their latency hides behind the step before; the first
-            # step's token is the root, node 0, on every path: its load waits on no other
-            next_token = tl.zeros((), dtype=tl.int32)
+            # step's token is the path's root (node 0 of a lone tree)
+            next_token = tl.sum(tl.where(steps == 0, path, 0))
             next_q, next_k, next_v, next_a, next_b = _inputs(kept_conv, stride_kept, kept_a, HV, kept_b, HV, next_token,
                                                              i_hv, q_channels, k_channels, v_channels, mask_k, mask_v)
             for t in range(0, steps_to_walk):
@@ -314,21 +317,21 @@ if triton is not None:
         tl.store(window + channels[None, :] * stride_cs_dim + columns[:, None] * stride_cs_tok, shifted,
                  mask=(columns < WIDTH - 1)[:, None] & mask[None, :])
 
-    @triton.jit(do_not_specialize=["slot"])
+    @triton.jit
     def _commit_kernel(
         kept_x, kept_conv, stride_x,  # [nodes, channels] each: the verify's inputs and convolved q/k/v
         kept_a, kept_b,  # [nodes, HV] each, contiguous
         A_log, dt_bias,  # [HV] each
         conv_state, stride_cs_slot, stride_cs_dim, stride_cs_tok,  # [slots, channels, W]: the window is shifted
-        slot,  # the request's slot
+        slots,  # [requests] int32: each request's slot
         ssm_state, stride_state_slot,  # [slots, HV, V, K]: the state is stored
-        path,  # [max path length] int32: the accepted nodes, root first, padded past ``length``
-        length_ptr,  # [] int32: the accepted path's length, on the device
+        paths, stride_path,  # [requests, max path length] int32: the accepted nodes, root first, padded past a length
+        lengths,  # [requests] int32: each accepted path's length, on the device
         scale,  # K ** -0.5
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         WIDTH: tl.constexpr, COLUMNS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr,
     ):
-        i_v, i_hv = tl.program_id(0), tl.program_id(1)
+        i_v, i_hv, request = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_h = i_hv // (HV // H)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -338,16 +341,17 @@ if triton is not None:
         q_channels = i_h * K + o_k
         k_channels = H * K + i_h * K + o_k
         v_channels = 2 * H * K + i_hv * V + o_v
-        length = tl.load(length_ptr)
+        path = paths + request * stride_path
+        length = tl.load(lengths + request)
+        slot = tl.load(slots + request).to(tl.int64)
         A_log_val = tl.load(A_log + i_hv).to(tl.float32)
         dt_bias_val = tl.load(dt_bias + i_hv).to(tl.float32)
-        p_h = ssm_state + slot.to(tl.int64) * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+        p_h = ssm_state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
         b_h = tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
         # each token's rows are loaded one step ahead, as in the verify, starting at the root (past the path's end:
         # the root's again)
-        next_q, next_k, next_v, next_a, next_b = _inputs(kept_conv, stride_x, kept_a, HV, kept_b, HV,
-                                                         tl.zeros((), dtype=tl.int32), i_hv, q_channels, k_channels,
-                                                         v_channels, mask_k, mask_v)
+        next_q, next_k, next_v, next_a, next_b = _inputs(kept_conv, stride_x, kept_a, HV, kept_b, HV, tl.load(path),
+                                                         i_hv, q_channels, k_channels, v_channels, mask_k, mask_v)
         for t in range(0, length):
             b_q, b_k, b_v, a_t, b_t = next_q, next_k, next_v, next_a, next_b
             following = tl.load(path + tl.where(t + 1 < length, t + 1, 0))
@@ -355,7 +359,7 @@ if triton is not None:
                                                              i_hv, q_channels, k_channels, v_channels, mask_k, mask_v)
             b_h, _ = _delta_step(b_h, b_q, b_k, b_v, a_t, b_t, A_log_val, dt_bias_val, scale, SOFTPLUS_THRESHOLD)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
-        window = conv_state + slot.to(tl.int64) * stride_cs_slot
+        window = conv_state + slot * stride_cs_slot
         _shift_window(kept_x, stride_x, window, stride_cs_dim, stride_cs_tok, path, length, v_channels, mask_v,
                       WIDTH, COLUMNS)
         if i_v == 0 and i_hv % (HV // H) == 0:

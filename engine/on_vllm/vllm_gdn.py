@@ -58,6 +58,7 @@ class GDNPass:
     slots: dict[str, int]  # by layer name: its group's state block
     paths: gdn_fused.TreePaths | None
     plans: dict[str, gdn_tree.GDNTreePlan] | None
+    node_slots: dict[str, torch.Tensor] | None = None  # by layer name, the fused programs': each node's block, [q]
     kept: dict[str, gdn_tree.KeptInputs | gdn_fused.KeptNodes] = field(default_factory=dict)
 
     @property
@@ -85,7 +86,7 @@ def _forward_core_with_tree(self, mixed_qkv, b, a, core_attn_out):
     if tree.paths is not None:
         q = tree.paths.depth.shape[0]
         tree.kept[self.prefix] = gdn_fused.verify(params(self), mixed_qkv[:q], a[:q], b[:q], conv_state, ssm_state,
-                                                  tree.slots[self.prefix], tree.paths, core_attn_out[:q])
+                                                  tree.node_slots[self.prefix], tree.paths, core_attn_out[:q])
         return
     plan = tree.plans[self.prefix]
     q = plan.before.shape[0]
@@ -162,6 +163,7 @@ class GDNLayers:
         self.device, self.width = device, conv_state.shape[-1]
         self.fused = FUSED and gdn_fused.fused_fits(device, self.width + 1)
         self.block_tables = [torch.full((1, 1), slot, dtype=torch.int32, device=device) for slot in self.group_slots]
+        self.commit_slots = {slot: table[0] for slot, table in zip(self.group_slots, self.block_tables)}  # [1] each
         self.pending: GDNPass | None = None  # the last verify pass, until its commit
 
     def prefill_metadata(self, size: int, slots: torch.Tensor) -> dict:
@@ -184,7 +186,10 @@ class GDNLayers:
     def begin(self, visible: torch.Tensor, path_length: int) -> GDNPass:
         """A verify pass of the tree ``visible [q, q]`` (on the device); paths at most ``path_length`` long."""
         if self.fused:
-            self.pending = GDNPass(self.slots, gdn_fused.TreePaths.build(visible, path_length), None)
+            nodes = {slot: torch.full(visible.shape[:1], slot, dtype=torch.int32, device=self.device)
+                     for slot in self.group_slots}
+            self.pending = GDNPass(self.slots, gdn_fused.TreePaths.build(visible, path_length), None,
+                                   {name: nodes[slot] for name, slot in self.slots.items()})
         else:
             plan = gdn_tree.GDNTreePlan.build(visible, self.group_slots[0], self.width, path_length)
             by_slot = {slot: plan if slot == plan.slot else plan.for_slot(slot) for slot in self.group_slots}
@@ -212,11 +217,11 @@ class GDNLayers:
         node indices, root first, padded with the leaf past ``length``."""
         tree = self.to_commit()
         if tree.paths is not None:
-            path, length = path.to(torch.int32), length.to(torch.int32).reshape(1)
+            path, length = path.to(torch.int32)[None], length.to(torch.int32).reshape(1)
             for layer, layer_params in zip(self.layers, self.params):
                 conv_state, ssm_state = states(layer)
-                gdn_fused.commit(layer_params, tree.kept[layer.prefix], conv_state, ssm_state, tree.slots[layer.prefix],
-                                 path, length)
+                gdn_fused.commit(layer_params, tree.kept[layer.prefix], conv_state, ssm_state,
+                                 self.commit_slots[tree.slots[layer.prefix]], path, length)
         else:
             accepted_path = gdn_tree.AcceptedPath.build(tree.tree_plan, path, length)
             for layer, layer_params in zip(self.layers, self.params):

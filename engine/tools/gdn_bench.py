@@ -1,7 +1,7 @@
 """What a hybrid's Gated DeltaNet layers cost per decoding step, verify and commit, at a target's shape.
 
     python -m engine.tools.gdn_bench --model assets/shapes/qwen3.6-27b [--trees ar,chain,ddtree@16,ddtree@64] \\
-        [--also engine.on_vllm.other_fused_module] [--out report.json]
+        [--requests 1,4,16] [--also engine.on_vllm.other_fused_module] [--out report.json]
     python -m engine.tools.gdn_bench --table report.json      # its markdown table
 
 A GPU with vLLM: every linear layer of the shape (random weights, its own state slot each), one
@@ -14,6 +14,8 @@ a chain of the drafter's block (DFlash), DDTree's at each budget built from peak
 distributions like a trained drafter's (deep trees: the path walk's worst case), and ``flat@BUDGET``, from
 flat ones: the wide trees a random-weight drafter drafts in the shape runs (``gpu_session.sh shape``).
 Beside each module's timings: the registers a thread and spills of the programs it compiled for that tree size.
+``--requests``: a batch's step, that many requests' trees (each the tree named) in one pass, each request from its own
+state slot (``fused``; ``vllm-decode``, vLLM's AR over as many requests; the readable step is one request's).
 """
 
 from __future__ import annotations
@@ -37,18 +39,19 @@ from engine.models.target import shape_config
 from engine.on_vllm.gdn_tree import AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
 
 BLOCK = 16  # the drafter's block: DFlash's chain, DDTree's depth
-SLOT = 3  # (a slot of 1 would reach Triton as a constant)
+SLOT = 3  # the first request's state slot
 
 
 @dataclass(frozen=True)
 class Timing:
     method: str
     tree: str
-    nodes: int
+    nodes: int  # every request's
     step_us: float  # all linear layers, verify + commit
     layer_us: float
     same_bits: bool | None = None  # an --also module: its nodes' outputs equal ``fused``'s bit for bit
     programs: str | None = None  # a Triton module's programs compiled for this tree: registers a thread, spills
+    requests: int = 1  # trees verified in the pass, each a request's
 
 
 @dataclass
@@ -73,7 +76,7 @@ def linear_layers(model: str) -> tuple[int, dict]:
                        kernel=text.linear_conv_kernel_dim)
 
 
-def make_layer(shape: dict, q: int, dtype: torch.dtype, device: torch.device) -> Layer:
+def make_layer(shape: dict, q: int, dtype: torch.dtype, device: torch.device, requests: int = 1) -> Layer:
     key_dim, value_dim = shape["key_heads"] * shape["head_k"], shape["heads"] * shape["head_v"]
     channels = 2 * key_dim + value_dim
 
@@ -84,8 +87,8 @@ def make_layer(shape: dict, q: int, dtype: torch.dtype, device: torch.device) ->
                        A_log=rand(shape["heads"], scale=0.5, kind=torch.float32),
                        dt_bias=rand(shape["heads"], scale=0.5, kind=torch.float32), key_dim=key_dim,
                        value_dim=value_dim, head_k_dim=shape["head_k"], head_v_dim=shape["head_v"])
-    return Layer(params, rand(SLOT + 1, channels, shape["kernel"] - 1),
-                 rand(SLOT + 1, shape["heads"], shape["head_v"], shape["head_k"], scale=0.1, kind=torch.float32),
+    return Layer(params, rand(SLOT + requests, channels, shape["kernel"] - 1),
+                 rand(SLOT + requests, shape["heads"], shape["head_v"], shape["head_k"], scale=0.1, kind=torch.float32),
                  rand(q, channels), rand(q, shape["heads"]), rand(q, shape["heads"]),
                  torch.zeros(q, shape["heads"], shape["head_v"], dtype=dtype, device=device))
 
@@ -132,16 +135,36 @@ def trees(names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
     return {name: mask.to(device) for name, mask in masks.items()}
 
 
-def fused_step(module, layers: list[Layer], visible: torch.Tensor):
-    paths = module.TreePaths.build(visible, min(visible.shape[0], 32))
-    root = torch.zeros(paths.table.shape[1], dtype=torch.int32, device=visible.device)
-    one = torch.ones(1, dtype=torch.int32, device=visible.device)
+@dataclass(frozen=True)
+class BatchPass:
+    """``requests`` copies of one tree (``visible [q, q]``) in one pass, request r's nodes ``r*q .. r*q + q - 1``
+    from its state slot ``SLOT + r``; each commits its root."""
+
+    visible: torch.Tensor  # [requests * q, requests * q], block-diagonal
+    node_slots: torch.Tensor  # [requests * q] int32
+    slots: torch.Tensor  # [requests] int32
+    roots: torch.Tensor  # [requests, path length] int32: each request's root, repeated
+    length: int  # the paths' table width
+
+    @staticmethod
+    def of(visible: torch.Tensor, requests: int) -> BatchPass:
+        q, device = visible.shape[0], visible.device
+        slots = SLOT + torch.arange(requests, dtype=torch.int32, device=device)
+        length = min(q, 32)
+        roots = (torch.arange(requests, dtype=torch.int32, device=device) * q)[:, None].expand(requests, length)
+        return BatchPass(torch.block_diag(*[visible] * requests), slots.repeat_interleave(q), slots,
+                         roots.contiguous(), length)
+
+
+def fused_step(module, layers: list[Layer], batch: BatchPass):
+    paths = module.TreePaths.build(batch.visible, batch.length)
+    one = torch.ones(batch.slots.shape[0], dtype=torch.int32, device=batch.slots.device)
 
     def step():
         for layer in layers:
             kept = module.verify(layer.params, layer.mixed_qkv, layer.a, layer.b, layer.conv_state, layer.ssm_state,
-                                 SLOT, paths, layer.out)
-            module.commit(layer.params, kept, layer.conv_state, layer.ssm_state, SLOT, root, one)
+                                 batch.node_slots, paths, layer.out)
+            module.commit(layer.params, kept, layer.conv_state, layer.ssm_state, batch.slots, batch.roots, one)
     return step
 
 
@@ -159,11 +182,11 @@ def readable_step(kernels, layers: list[Layer], visible: torch.Tensor):
     return step
 
 
-def vllm_decode_step(layers: list[Layer]):
+def vllm_decode_step(layers: list[Layer], slot: torch.Tensor):
+    """vLLM's AR step of the requests in ``slot [requests]``, one token each."""
     from vllm.model_executor.layers.fla.ops import fused_recurrent_gated_delta_rule_packed_decode
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 
-    slot = torch.tensor([SLOT], dtype=torch.int32, device=layers[0].a.device)
 
     def step():
         for layer in layers:
@@ -172,16 +195,16 @@ def vllm_decode_step(layers: list[Layer]):
                                              p.activation, conv_state_indices=slot)
             fused_recurrent_gated_delta_rule_packed_decode(
                 mixed_qkv=convolved, a=layer.a, b=layer.b, A_log=p.A_log, dt_bias=p.dt_bias, scale=p.head_k_dim ** -0.5,
-                initial_state=layer.ssm_state, out=layer.out[None], ssm_state_indices=slot,
+                initial_state=layer.ssm_state, out=layer.out[:, None], ssm_state_indices=slot,
                 use_qk_l2norm_in_kernel=True)
     return step
 
 
-def outputs(module, layer: Layer, visible: torch.Tensor) -> torch.Tensor:
+def outputs(module, layer: Layer, batch: BatchPass) -> torch.Tensor:
     """Every node's output of one verify on the layer's caches as they are (read only)."""
     out = torch.zeros_like(layer.out)
-    module.verify(layer.params, layer.mixed_qkv, layer.a, layer.b, layer.conv_state, layer.ssm_state, SLOT,
-                  module.TreePaths.build(visible, min(visible.shape[0], 32)), out)
+    module.verify(layer.params, layer.mixed_qkv, layer.a, layer.b, layer.conv_state, layer.ssm_state, batch.node_slots,
+                  module.TreePaths.build(batch.visible, batch.length), out)
     return out
 
 
@@ -219,22 +242,28 @@ def time_graph(step, replays: int) -> float:
 
 
 def table(report: dict) -> str:
-    """A report as markdown: µs a layer per tree (columns) and method (rows)."""
-    trees = list(dict.fromkeys(t["tree"] for t in report["timings"]))
+    """A report as markdown: µs a layer per tree and batch (columns) and method (rows)."""
+
+    def column(timing: dict) -> tuple[str, int]:
+        return timing["tree"], timing.get("requests", 1)
+
+    columns = list(dict.fromkeys(map(column, report["timings"])))
     methods = list(dict.fromkeys(t["method"] for t in report["timings"]))
-    cells = {(t["method"], t["tree"]): t for t in report["timings"]}
-    nodes = {t["tree"]: t["nodes"] for t in report["timings"]}
+    cells = {(t["method"], column(t)): t for t in report["timings"]}
+    nodes = {column(t): t["nodes"] for t in report["timings"]}
     lines = [f"## Gated DeltaNet verify and commit: {report['model']}", "",
              f"µs a layer, verify and commit ({report['linear_layers']} linear layers, {report['dtype']}, one step's "
-             "tree, all layers replayed as one CUDA graph; `engine.tools.gdn_bench`). `same bits`: every node's "
+             "trees, all layers replayed as one CUDA graph; `engine.tools.gdn_bench`). `same bits`: every node's "
              "output equals `fused`'s.", "", f"Command: `{report.get('command', 'python -m engine.tools.gdn_bench')}`",
              *[f"- {note}" for note in report.get("notes", [])], "",
-             "| method | " + " | ".join(f"{tree} ({nodes[tree]} nodes)" for tree in trees) + " |",
-             "|---|" + "---|" * len(trees)]
+             "| method | " + " | ".join(f"{tree} ({nodes[tree, requests]} nodes)" + (f" x{requests}" if requests > 1
+                                                                                      else "")
+                                     for tree, requests in columns) + " |",
+             "|---|" + "---|" * len(columns)]
     for method in methods:
         row = []
-        for tree in trees:
-            timing = cells.get((method, tree))
+        for key in columns:
+            timing = cells.get((method, key))
             same = "" if timing is None or timing["same_bits"] is None else (
                 ", same bits" if timing["same_bits"] else ", OTHER BITS")
             row.append("–" if timing is None else f"{timing['layer_us']:.1f}{same}")
@@ -251,6 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="assets/shapes/qwen3.6-27b")
     parser.add_argument("--trees", default="ar,chain,ddtree@16,ddtree@64,flat@64")
+    parser.add_argument("--requests", default="1", help="requests a pass verifies, each its own tree: e.g. 1,4,16")
     parser.add_argument("--also", default="", help="modules with gdn_fused's verify/commit, timed beside it")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--replays", type=int, default=50)
@@ -275,16 +305,19 @@ def _main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     timings = []
     seen = {name: set() for name in modules}  # each module's programs compiled before the tree at hand
     programs: dict[tuple[str, int], str] = {}
-    for tree, visible in trees(args.trees.split(","), device).items():
-        q = visible.shape[0]
-        layers = [make_layer(shape, q, dtype, device) for _ in range(count)]
-        steps = {name: fused_step(module, layers, visible) for name, module in modules.items()}
-        steps["vllm-kernels"] = readable_step(vllm_gdn.KERNELS, layers, visible)
+    batches = [(tree, visible, requests) for tree, visible in trees(args.trees.split(","), device).items()
+               for requests in map(int, args.requests.split(","))]
+    for tree, visible, requests in batches:
+        q, batch = visible.shape[0], BatchPass.of(visible, requests)
+        layers = [make_layer(shape, q * requests, dtype, device, requests) for _ in range(count)]
+        steps = {name: fused_step(module, layers, batch) for name, module in modules.items()}
+        if requests == 1:
+            steps["vllm-kernels"] = readable_step(vllm_gdn.KERNELS, layers, visible)
         if q == 1:
-            steps["vllm-decode"] = vllm_decode_step(layers)
+            steps["vllm-decode"] = vllm_decode_step(layers, batch.slots)
         # before any timing commits into the states: every module verifies the same caches (a verify writes none)
-        reference = outputs(modules["fused"], layers[0], visible)
-        same_bits = {name: torch.equal(outputs(module, layers[0], visible), reference)
+        reference = outputs(modules["fused"], layers[0], batch)
+        same_bits = {name: torch.equal(outputs(module, layers[0], batch), reference)
                      for name, module in modules.items() if name != "fused"}
         for method, step in steps.items():
             us = time_graph(step, args.replays)
@@ -295,8 +328,10 @@ def _main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                 if found:
                     programs.setdefault((method, q), found)
                 seen[method] = set(compiled)
-            timings.append(Timing(method, tree, q, round(us, 1), round(us / count, 2), same, programs.get((method, q))))
-            print(f"{tree:>10} ({q:>3} nodes)  {method:<34} {us:9.1f} µs a step  {us / count:7.2f} µs a layer"
+            timings.append(Timing(method, tree, q, round(us, 1), round(us / count, 2), same, programs.get((method, q)),
+                                  requests))
+            print(f"{tree:>10} ({q:>3} nodes) x{requests:<3} {method:<34} {us:9.1f} µs a step  "
+                  f"{us / count:7.2f} µs a layer"
                   + ("" if same is None else f"  same bits as fused: {'yes' if same else 'NO'}")
                   + (f"  ({programs[method, q]})" if programs.get((method, q)) else ""), flush=True)
     if args.out:

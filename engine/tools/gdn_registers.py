@@ -59,10 +59,10 @@ def launches(module, tree: torch.Tensor, shape: dict) -> list[Launch]:
     layer = make_layer(shape, q, torch.bfloat16, torch.device("cpu"))
     paths = module.TreePaths.build(tree, min(q, 32))
     with mock.patch.object(triton.runtime.JITFunction, "run", record):
-        kept = module.verify(layer.params, layer.mixed_qkv, layer.a, layer.b, layer.conv_state, layer.ssm_state, SLOT,
-                             paths, layer.out)
-        module.commit(layer.params, kept, layer.conv_state, layer.ssm_state, SLOT, paths.table[0].clone(),
-                      torch.ones(1, dtype=torch.int32))
+        kept = module.verify(layer.params, layer.mixed_qkv, layer.a, layer.b, layer.conv_state, layer.ssm_state,
+                             torch.full((q,), SLOT, dtype=torch.int32), paths, layer.out)
+        module.commit(layer.params, kept, layer.conv_state, layer.ssm_state, torch.tensor([SLOT], dtype=torch.int32),
+                      paths.table[:1].clone(), torch.ones(1, dtype=torch.int32))
     return made
 
 
