@@ -10,7 +10,8 @@
 #   kernels    the Triton fast paths against their references (the tree attention against vLLM's own kernel),
 #              natively (~1 min warm; cold, each tested budget compiles the beam kernel anew: ~2 min)
 #   gdn        the Gated DeltaNet programs' tests natively, and their cost per step at the 27B hybrid's shape
-#              (engine.tools.gdn_bench; carry .whl for vLLM's kernels' imports) (~2 min cold)
+#              (engine.tools.gdn_bench; REQUESTS=1,4,16: a batch's trees in one pass; carry .whl for vLLM's kernels'
+#              imports) (~2 min cold)
 #   gdn-profile  Nsight Compute on one verify of the Gated DeltaNet program at a flat 64-node tree (TREE=...): registers,
 #              occupancy, stalls (with gdn, ~2.5 min cold, staging's install included)
 #   tests      the GPU tests of the fixed step and the vLLM engine (~7 min warm: a call of its own)
@@ -193,6 +194,7 @@ gdn)  # the Gated DeltaNet programs natively (against vLLM's decode kernels), th
       > "$OUT/pytest-gdn.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/pytest-gdn.txt" | tail -n 12
   timeout 240 python3 -m engine.tools.gdn_bench --model "assets/shapes/${SHAPE:-qwen3.6-27b}" ${ALSO:+--also "$ALSO"} \
+      ${REQUESTS:+--requests "$REQUESTS"} \
       --out "$OUT/gdn-bench.json" > "$OUT/gdn-bench.txt" 2>&1
   grep -E 'µs|error' "$OUT/gdn-bench.txt" ;;
 gdn-profile)  # Nsight Compute on one Gated DeltaNet verify of TREE (default flat@64) at SHAPE's size: launch size,
