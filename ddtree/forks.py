@@ -40,29 +40,40 @@ def path_table(visible: torch.Tensor, length: int) -> torch.Tensor:
     return table[:, :length]
 
 
-def leaf_chains(visible: torch.Tensor, table: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+def leaf_chains(table: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     """``[q]`` long: for each leaf, the depth its chain starts at; -1 for a node with children.
 
     A node's chain runs down through first children (the lowest-numbered child) to a leaf, so
     every node lies on exactly one leaf's chain: walking each leaf's path from its root and
     scoring the nodes from its chain's start on scores each node once, with as many walks as
-    the tree has leaves (``table``: ``path_table``, ``depth``: ``depths``). ``visible`` may hold
-    a forest (a batch's trees, block-diagonal): every root starts a chain.
+    the tree has leaves (``table``: ``path_table``, ``depth``: ``depths``). The pass may hold a
+    forest (a batch's trees, block-diagonal): every root starts a chain.
 
     E.g. two trees packed, parents [-, 0, 0 | -, 3]: node 1 is node 0's first child, so the
     chains are 0-1 (leaf 1, from depth 0), 2 (leaf 2, from depth 1) and 3-4 (leaf 4, from depth 0)."""
     q, length = table.shape
-    nodes = torch.arange(q, device=visible.device)
+    nodes = torch.arange(q, device=table.device)
     root = depth == 0
-    parent = table.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0]  # a root: itself
-    first_child = torch.full((q + 1,), q, dtype=nodes.dtype, device=nodes.device)  # [q]: a spare entry for roots
+    parent = table.gather(1, (depth - 1).clamp(min=0)[:, None])[:, 0]  # a root's: itself
+    first_child = torch.full((q + 1,), q, dtype=nodes.dtype, device=nodes.device)  # a spare entry for the roots
     first_child.scatter_reduce_(0, torch.where(root, q, parent), nodes, reduce="amin")
     starts = (first_child[parent] != nodes) | root
     columns = torch.arange(length, device=nodes.device)
     on_path = starts[table] & (columns[None, :] <= depth[:, None])
     start_depth = torch.where(on_path, columns[None, :], 0).amax(dim=1)
-    leaf = visible.sum(dim=0) == 1  # seen by itself only
+    leaf = first_child[:q] == q  # no child
     return torch.where(leaf, start_depth, -1)
+
+
+def packed_paths(local: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """``path_table`` of a batch's pass from each token's path in its own tree's numbering (``local [T, length]``,
+    ``ddtree.verify_paths``' layout, whose columns past a token's depth stay in its tree): the same paths in the
+    pass's numbering, where token i's own local index ``local[i, depth[i]]`` sits at i.
+
+    E.g. two trees of 3 and 2 nodes: token 4 (the second tree's node 1) has local path [0, 1] and becomes [3, 4]."""
+    own = local.gather(1, depth[:, None].long())  # [T, 1]: each token's index in its own tree
+    offset = torch.arange(local.shape[0], device=local.device)[:, None] - own
+    return local.long() + offset
 
 
 def window_columns(table: torch.Tensor, last_depth: torch.Tensor, width: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree.forks import depths, leaf_chains, path_replay, path_table, window_columns
+from ddtree.forks import depths, leaf_chains, packed_paths, path_replay, path_table, window_columns
 from engine.on_vllm import gdn_tree
 from engine.on_vllm.gdn_tree import REFERENCE_KERNELS, AcceptedPath, GDNParams, GDNTreePlan, commit_layer, verify_layer
 
@@ -119,14 +119,14 @@ def test_path_table_lists_each_nodes_ancestors_by_depth():
 def test_leaf_chains_score_every_node_once(seed):
     visible = wide_deep_tree(seed)
     depth, table = depths(visible), path_table(visible, 8)
-    starts = leaf_chains(visible, table, depth)
+    starts = leaf_chains(table, depth)
     scored = [node for leaf in (starts >= 0).nonzero()[:, 0].tolist()
               for node in table[leaf, int(starts[leaf]):int(depth[leaf]) + 1].tolist()]
     assert sorted(scored) == list(range(visible.shape[0]))
     leaves = visible.sum(dim=0) == 1
     assert torch.equal(starts >= 0, leaves) and int(leaves.sum()) < visible.shape[0] - 1  # fewer walks than nodes
     chain = torch.ones(5, 5, dtype=torch.bool).tril()
-    assert leaf_chains(chain, path_table(chain, 5), depths(chain)).tolist() == [-1, -1, -1, -1, 0]
+    assert leaf_chains(path_table(chain, 5), depths(chain)).tolist() == [-1, -1, -1, -1, 0]
 
 
 def test_a_batch_of_trees_packed_block_diagonally_keeps_each_trees_paths_and_chains():
@@ -134,18 +134,35 @@ def test_a_batch_of_trees_packed_block_diagonally_keeps_each_trees_paths_and_cha
     tree's paths and chains are its own, moved to where it sits in the pass (the worked example in
     ``leaf_chains``, then three wide, deep trees and a lone root)."""
     pair = torch.block_diag(ddtree.ancestor_mask(torch.tensor([0, 0])), ddtree.ancestor_mask(torch.tensor([0])))
-    assert leaf_chains(pair, path_table(pair, 3), depths(pair)).tolist() == [-1, 0, 1, -1, 0]
+    assert leaf_chains(path_table(pair, 3), depths(pair)).tolist() == [-1, 0, 1, -1, 0]
     trees = [wide_deep_tree(seed) for seed in (0, 1, 2)] + [torch.ones(1, 1, dtype=torch.bool)]
     packed = torch.block_diag(*trees)
     table, depth = path_table(packed, 8), depths(packed)
-    starts = leaf_chains(packed, table, depth)
+    starts = leaf_chains(table, depth)
     begin = 0
     for tree in trees:
         own_table, own_depth = path_table(tree, 8), depths(tree)
         end = begin + tree.shape[0]
         assert torch.equal(table[begin:end], own_table + begin) and torch.equal(depth[begin:end], own_depth)
-        assert torch.equal(starts[begin:end], leaf_chains(tree, own_table, own_depth))
+        assert torch.equal(starts[begin:end], leaf_chains(own_table, own_depth))
         begin = end
+
+
+def test_a_batch_passs_paths_in_its_own_numbering_match_its_trees_packed():
+    """``packed_paths``: the paths path attention reads (``ddtree.verify_paths``, each tree numbered on its own) in
+    the pass's numbering are the packed trees' own paths up to each token's depth, and their chains the same."""
+    g = torch.Generator().manual_seed(3)
+    trees = [ddtree.build_tree(torch.log_softmax(torch.randn(5, 12, generator=g) * 3, dim=-1), budget)
+             for budget in (9, 0, 4)]
+    layout = ddtree.batch.pack_trees(trees, roots=[1, 2, 3], pasts=[7, 3, 11])
+    local, depth = ddtree.verify_paths(layout)
+    packed = packed_paths(local, depth)
+    visible = torch.block_diag(*[ddtree.ancestor_mask(tree.parents) for tree in trees])
+    expected = path_table(visible, local.shape[1])
+    within = torch.arange(local.shape[1])[None, :] <= depth[:, None]
+    assert torch.equal(torch.where(within, packed, -1), torch.where(within, expected, -1))
+    assert torch.equal(leaf_chains(packed, depth.long()), leaf_chains(expected, depths(visible)))
+    assert int(packed.max()) < visible.shape[0] and int(packed.min()) >= 0  # columns past a depth stay in the pass
 
 
 def test_windows_start_in_the_committed_window_and_follow_the_path():

@@ -13,8 +13,10 @@ import types
 import pytest
 import torch
 
+import ddtree
 from ddtree.forks import depths, path_table
-from engine.on_vllm import gdn_tree
+from engine.models.paged import PagedBatchKV  # imported while Triton's interpreter is on: its row mover runs there
+from engine.on_vllm import gdn_fused, gdn_tree
 from tests import test_gdn_tree as check
 
 BLOCKS, GROUPS = 6, 3
@@ -70,11 +72,11 @@ def vllm_gdn(monkeypatch):
             sys.modules["engine.on_vllm.vllm_gdn"] = previous
 
 
-def shared_layers():
+def shared_layers(blocks: int = BLOCKS):
     """One Gated DeltaNet layer per group, all on the same two cache tensors (vLLM's default conv layout)."""
     channels = 2 * check.KEY_HEADS * check.HEAD_K + check.HEADS * check.HEAD_V
-    conv = torch.zeros(BLOCKS, check.WIDTH, channels)
-    ssm = torch.zeros(BLOCKS, check.HEADS, check.HEAD_V, check.HEAD_K)
+    conv = torch.zeros(blocks, check.WIDTH, channels)
+    ssm = torch.zeros(blocks, check.HEADS, check.HEAD_V, check.HEAD_K)
     layers = []
     for group in range(GROUPS):
         params, _, _ = check.layer(10 + group, "cpu")
@@ -149,3 +151,76 @@ def test_a_float32_prefill_runs_through_the_recurrent_kernel_and_other_dtypes_pa
     expected = gdn_tree.recurrent_prefill(q, k, v, decay, beta, initial, starts, False, gdn_tree.recurrent_reference)
     assert torch.equal(out, expected[0]) and torch.equal(final, expected[1]) and torch.equal(core, out[0])
     assert ChunkGatedDeltaRule().forward(q=q.bfloat16(), **arguments) == "chunked"
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not gdn_fused.fused_fits(torch.device("cpu")), reason="the fused programs need Triton")
+def test_a_batch_keeps_each_requests_states_in_blocks_of_its_own_and_commits_them_in_one_pass(vllm_gdn):
+    """``HybridBatchKV``: each request of a batch holds a state block in every group, apart from the attention rows'
+    blocks and the single request's; one verify of three requests' trees (``GDNLayers.begin_batch``) scores every
+    node as decoding its path from its own request's state, ``compact`` commits each accepted path into that
+    request's blocks alone, and a request leaving hands its blocks back while the last row's request keeps its own."""
+    layers, groups = shared_layers(blocks=40)
+    gdn = vllm_gdn.GDNLayers(groups, {layer.prefix: layer for layer in layers}, device=torch.device("cpu"))
+    kv = vllm_gdn.HybridBatchKV([torch.zeros(40, 2, 4, 1, 2)], 4, gdn)
+    assert isinstance(kv, PagedBatchKV) and kv.blocks == gdn.slot  # the single request's state blocks stay out
+    kv.reserve(3, 6)
+    held = [block for row in range(3) for block in kv.tables.held[row]]
+    states = [block for row in range(3) for block in kv.state_blocks[row]]
+    assert len(set(states)) == 3 * GROUPS and not set(states) & (set(held) | set(gdn.group_slots))
+    assert kv.states.tolist() == [kv.state_blocks[row] for row in range(3)]
+    g = torch.Generator().manual_seed(4)
+    for layer in layers:  # a committed state of its own in every block
+        conv, ssm = vllm_gdn.states(layer)
+        conv.copy_(torch.randn(conv.shape, generator=g))
+        ssm.copy_(torch.randn(ssm.shape, generator=g) * 0.3)
+    before = [tuple(state.clone() for state in vllm_gdn.states(layer)) for layer in layers]
+    trees = [ddtree.build_tree(torch.log_softmax(torch.randn(4, 10, generator=g) * 3, dim=-1), budget)
+             for budget in (6, 0, 3)]
+    layout = ddtree.batch.pack_trees(trees, roots=[1, 2, 3], pasts=[5, 2, 4], rows=[2, 0, 1])
+    kv.hold_layout(layout)
+    local, depth = ddtree.verify_paths(layout)
+    sizes = layout.query_start_loc.diff()
+    owner = torch.repeat_interleave(torch.arange(3), sizes)
+    gdn.reserve_batch(64, torch.float32)  # what every recorded size's pass keeps its nodes in
+    gdn.begin_batch(local, depth, kv.states[layout.rows][owner])
+    inputs = [check.node_inputs(layout.tokens, group, layer.params, "cpu") for group, layer in enumerate(layers)]
+    outs = []
+    for layer, (mixed_qkv, a, b) in zip(layers, inputs):
+        outs.append(torch.zeros(layout.tokens, check.HEADS, check.HEAD_V))
+        layer._forward_core(mixed_qkv=mixed_qkv.clone(), b=b, a=a, core_attn_out=outs[-1])
+    gdn.end()
+    assert all(gdn.pending.kept[name].convolved.data_ptr() == gdn.batch_kept[name].convolved.data_ptr()
+               for name in gdn.names)
+
+    def alone(group: int, request: int, path: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decoding ``path`` (the request's own node indices) from the request's committed state in the group's
+        block, on caches of its own: each token's output, and the state it leaves."""
+        block = kv.state_blocks[int(layout.rows[request])][group]
+        conv, ssm = (state[block:block + 1].expand(check.SLOTS, *state.shape[1:]).clone() for state in before[group])
+        begin = int(layout.query_start_loc[request])
+        mixed_qkv, a, b = (values[begin:begin + int(sizes[request])] for values in inputs[group])
+        out = check.decode_path(layers[group].params, gdn_tree.REFERENCE_KERNELS, conv, ssm, mixed_qkv, a, b, path)
+        return out, conv[check.SLOT], ssm[check.SLOT]
+
+    close = dict(rtol=2e-6, atol=2e-6)  # the fused programs against the torch kernels
+    for token in range(layout.tokens):
+        request, own = int(owner[token]), local[token, :int(depth[token]) + 1].tolist()
+        for group in range(GROUPS):
+            out, _, _ = alone(group, request, own)
+            assert torch.allclose(outs[group][token], out[-1], **close), (token, group)
+    paths = [local[int(layout.query_start_loc[request]) + int(sizes[request]) - 1, :].tolist() for request in range(3)]
+    paths = [path[:int(depth[int(layout.query_start_loc[r]) + int(sizes[r]) - 1]) + 1] for r, path in enumerate(paths)]
+    kv.compact(layout.rows.tolist(), [5, 2, 4], paths)  # each request accepts its last node's path
+    for group, layer in enumerate(layers):
+        conv, ssm = vllm_gdn.states(layer)
+        for request in range(3):
+            block = kv.state_blocks[int(layout.rows[request])][group]
+            _, expected_conv, expected_ssm = alone(group, request, paths[request])
+            assert torch.equal(conv[block], expected_conv) and torch.allclose(ssm[block], expected_ssm, **close)
+        untouched = [block for block in range(40) if block not in states]
+        assert torch.equal(ssm[untouched], before[group][1][untouched])
+    moved = kv.state_blocks[2]
+    kv.release(1, 2, 0)
+    assert kv.state_blocks[1] == moved and kv.state_blocks[2] == [] and kv.states[1].tolist() == moved
+    assert set(states) - set(moved) - set(kv.state_blocks[0]) <= set(kv.tables.free)

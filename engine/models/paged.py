@@ -101,10 +101,11 @@ class PagedBatchKV:
     moved in every layer at once (``engine.gpu.kv_moves.RowMover``). A pool that may not ``grow`` (vLLM's, which
     vLLM allocated) refuses a request it has no blocks for."""
 
-    def __init__(self, caches: list[torch.Tensor], block_size: int, grow: bool = True):
+    def __init__(self, caches: list[torch.Tensor], block_size: int, grow: bool = True, blocks: int | None = None):
+        """``blocks``: the pool's first blocks alone (the rest are someone else's); by default all of them."""
         self.caches, self.can_grow = caches, grow
         self.device = caches[0].device
-        self.tables = BlockTables(caches[0].shape[0], block_size, self.device)
+        self.tables = BlockTables(caches[0].shape[0] if blocks is None else blocks, block_size, self.device)
         self.move_rows = RowMover(caches, block_size)
 
     @staticmethod
@@ -118,7 +119,7 @@ class PagedBatchKV:
 
     @property
     def blocks(self) -> int:
-        return self.caches[0].shape[0]
+        return self.tables.scratch + 1  # the pool's last block is its scratch
 
     def reserve(self, rows: int, columns: int) -> None:
         """Room for ``rows`` requests, each holding ``columns`` cache rows; the pool grows where it must."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.forks import depths, leaf_chains, path_table
+from ddtree.forks import depths, leaf_chains, packed_paths, path_table
 from engine.gpu.triton_support import tl, triton, triton_runs_on
 from engine.on_vllm.gdn_tree import GDNParams
 
@@ -52,9 +52,17 @@ class TreePaths:
 
     @staticmethod
     def build(visible: torch.Tensor, length: int) -> TreePaths:
-        table, depth = path_table(visible, length), depths(visible)
+        return TreePaths.of(path_table(visible, length), depths(visible))
+
+    @staticmethod
+    def packed(local: torch.Tensor, depth: torch.Tensor) -> TreePaths:
+        """A batch's pass from its tokens' paths in their own trees' numbering (``ddtree.verify_paths``)."""
+        return TreePaths.of(packed_paths(local, depth), depth.long())
+
+    @staticmethod
+    def of(table: torch.Tensor, depth: torch.Tensor) -> TreePaths:
         return TreePaths(table.to(torch.int32).contiguous(), depth.to(torch.int32),
-                         leaf_chains(visible, table, depth).to(torch.int32))
+                         leaf_chains(table, depth).to(torch.int32))
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,15 @@ class KeptNodes:
     convolved: torch.Tensor  # [q, channels]: its outputs, q/k/v packed as vLLM packs them
     a: torch.Tensor  # [q, heads]
     b: torch.Tensor  # [q, heads]
+
+    @staticmethod
+    def allocate(q: int, channels: int, heads: int, dtype: torch.dtype, device: torch.device) -> KeptNodes:
+        return KeptNodes(*(torch.empty(q, width, dtype=dtype, device=device)
+                           for width in (channels, channels, heads, heads)))
+
+    def first(self, q: int) -> KeptNodes:
+        """The first ``q`` nodes' rows: a pass of ``q`` nodes keeps its nodes here."""
+        return KeptNodes(self.inputs[:q], self.convolved[:q], self.a[:q], self.b[:q])
 
 
 CONV_KERNEL = 4  # the convolution width the verify program is written for (Qwen3-Next's, Qwen3.5's)
@@ -98,6 +115,7 @@ def verify(
     slots: torch.Tensor,  # [nodes] int32: each node's request's slot in both caches
     paths: TreePaths,
     out: torch.Tensor,  # [nodes, heads, V]
+    into: KeptNodes | None = None,  # where to keep the nodes' rows (at least ``nodes`` of them); by default new
 ) -> KeptNodes:
     """Every node's core output into ``out [q, heads, V]`` for inputs ``mixed_qkv [q, channels]``,
     ``a``/``b [q, heads]``; ``conv_state [slots, channels, W]`` (any strides) and ``ssm_state`` are read only.
@@ -105,8 +123,10 @@ def verify(
     request's committed state in ``slots``."""
     q, channels = mixed_qkv.shape
     heads = params.value_dim // params.head_v_dim
-    kept = KeptNodes(mixed_qkv.new_empty(q, channels), mixed_qkv.new_empty(q, channels), a.new_empty(q, heads),
-                     b.new_empty(q, heads))
+    if into is not None and (into.inputs.shape[0] < q or into.inputs.shape[1] != channels):
+        raise ValueError(f"a pass of {q} nodes of {channels} channels does not fit {tuple(into.inputs.shape)}")
+    kept = (KeptNodes.allocate(q, channels, heads, mixed_qkv.dtype, mixed_qkv.device) if into is None
+            else into.first(q))
     _convolve_kernel[(triton.cdiv(channels, CONV_BLOCK), q)](
         mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), params.conv_weight,
         params.conv_weight.stride(0), params.conv_weight.stride(1), params.conv_bias, conv_state, conv_state.stride(0),

@@ -19,7 +19,10 @@ per block). vLLM splits a hybrid's layers into KV-cache groups of equal size (th
 group shares one cache tensor: groups tell their memory apart by block id only. So each Gated
 DeltaNet group takes a block of its own from the pool's end (the last block for the first group,
 the one before it for the next...), and the attention layers get the blocks before those: no two
-groups may ever hold the same block id.
+groups may ever hold the same block id. In a batch (``HybridBatchKV``) each request holds a block a group
+of its own from the pool below those; one verify pass forks every request's nodes from its own blocks
+(``GDNLayers.begin_batch``: the fused programs read each node's block) and one commit a layer writes
+every request's accepted path into them.
 
 vLLM is touched at two more named points: ``QwenGatedDeltaNetAttention._forward_core`` is
 wrapped, so that inside a tree pass (``_TreeGDN.current`` set) it runs the tree version; the
@@ -41,6 +44,7 @@ from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_upd
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from engine.errors import EngineError
+from engine.models.paged import PagedBatchKV
 from engine.on_vllm import gdn_fused, gdn_tree
 
 KERNELS = gdn_tree.GDNKernels(causal_conv1d_update, fused_sigmoid_gating_delta_rule_update,
@@ -59,6 +63,7 @@ class GDNPass:
     paths: gdn_fused.TreePaths | None
     plans: dict[str, gdn_tree.GDNTreePlan] | None
     node_slots: dict[str, torch.Tensor] | None = None  # by layer name, the fused programs': each node's block, [q]
+    into: dict[str, gdn_fused.KeptNodes] | None = None  # by layer name, where the fused programs keep the nodes' rows
     kept: dict[str, gdn_tree.KeptInputs | gdn_fused.KeptNodes] = field(default_factory=dict)
 
     @property
@@ -86,7 +91,8 @@ def _forward_core_with_tree(self, mixed_qkv, b, a, core_attn_out):
     if tree.paths is not None:
         q = tree.paths.depth.shape[0]
         tree.kept[self.prefix] = gdn_fused.verify(params(self), mixed_qkv[:q], a[:q], b[:q], conv_state, ssm_state,
-                                                  tree.node_slots[self.prefix], tree.paths, core_attn_out[:q])
+                                                  tree.node_slots[self.prefix], tree.paths, core_attn_out[:q],
+                                                  tree.into[self.prefix] if tree.into is not None else None)
         return
     plan = tree.plans[self.prefix]
     q = plan.before.shape[0]
@@ -159,24 +165,31 @@ class GDNLayers:
         if self.group_slots[-1] <= 0:
             raise EngineError(f"vLLM's cache has {last + 1} blocks, too few for {len(groups)} Gated DeltaNet groups")
         self.slots = {name: slot for group, slot in zip(groups, self.group_slots) for name in group.layer_names}
+        self.group_of = {name: index for index, group in enumerate(groups) for name in group.layer_names}
         self.slot = self.group_slots[-1]  # the lowest block the states take: attention rows stay below it
         self.device, self.width = device, conv_state.shape[-1]
         self.fused = FUSED and gdn_fused.fused_fits(device, self.width + 1)
         self.block_tables = [torch.full((1, 1), slot, dtype=torch.int32, device=device) for slot in self.group_slots]
         self.commit_slots = {slot: table[0] for slot, table in zip(self.group_slots, self.block_tables)}  # [1] each
         self.pending: GDNPass | None = None  # the last verify pass, until its commit
+        # what a batch's passes keep of their nodes, one buffer for every size: only the last pass is ever committed,
+        # so the recorded passes of every size share it (``reserve_batch``)
+        self.batch_kept: dict[str, gdn_fused.KeptNodes] | None = None
 
-    def prefill_metadata(self, size: int, slots: torch.Tensor) -> dict:
-        """vLLM's own prefill metadata for the linear layers: the prompt from an empty state, each
-        group's (its own builder) into its own block."""
+    def prefill_metadata(self, size: int, slots: torch.Tensor, blocks: list[int] | None = None, past: int = 0) -> dict:
+        """vLLM's own prefill metadata for the linear layers: ``size`` prompt tokens after ``past`` ones (from an
+        empty state where ``past`` is 0, else from the state they left), each group's (its own builder) in its own
+        block: the single request's (``group_slots``), or a batch's request's ``blocks``."""
         query_start = torch.tensor([0, size], dtype=torch.int32)
-        seq_lens = torch.tensor([size], dtype=torch.int32)
+        seq_lens = torch.tensor([past + size], dtype=torch.int32)
+        tables = self.block_tables if blocks is None else [
+            torch.full((1, 1), block, dtype=torch.int32, device=self.device) for block in blocks]
         layers = {}
-        for group, table in zip(self.groups, self.block_tables):
+        for group, table in zip(self.groups, tables):
             common = CommonAttentionMetadata(
                 query_start_loc=query_start.to(self.device), query_start_loc_cpu=query_start,
                 seq_lens=seq_lens.to(self.device), num_reqs=1, num_actual_tokens=size, max_query_len=size,
-                max_seq_len=size, block_table_tensor=table, slot_mapping=slots,
+                max_seq_len=past + size, block_table_tensor=table, slot_mapping=slots,
                 is_prefilling=torch.ones(1, dtype=torch.bool), seq_lens_cpu_upper_bound=seq_lens,
             )
             metadata = group.metadata_builders[0].build(0, common)
@@ -194,6 +207,24 @@ class GDNLayers:
             plan = gdn_tree.GDNTreePlan.build(visible, self.group_slots[0], self.width, path_length)
             by_slot = {slot: plan if slot == plan.slot else plan.for_slot(slot) for slot in self.group_slots}
             self.pending = GDNPass(self.slots, None, {name: by_slot[slot] for name, slot in self.slots.items()})
+        _TreeGDN.current = self.pending
+        return self.pending
+
+    def reserve_batch(self, tokens: int, dtype: torch.dtype) -> None:
+        """Room for a batch's passes of up to ``tokens`` tokens to keep their nodes' rows in (outside any recording)."""
+        if self.batch_kept is not None and self.batch_kept[self.names[0]].inputs.shape[0] >= tokens:
+            return
+        self.batch_kept = {name: gdn_fused.KeptNodes.allocate(tokens, 2 * p.key_dim + p.value_dim,
+                                                              p.value_dim // p.head_v_dim, dtype, self.device)
+                           for name, p in zip(self.names, self.params)}
+
+    def begin_batch(self, local: torch.Tensor, depth: torch.Tensor, blocks: torch.Tensor) -> GDNPass:
+        """A batch's verify pass (the fused programs'): each token's path in its own request's tree (``local [T, L]``
+        and ``depth [T]``, ``ddtree.verify_paths``') and its request's state block in each group (``blocks [T, G]``);
+        its nodes' rows kept where ``reserve_batch`` made room, if it did."""
+        self.pending = GDNPass(self.slots, gdn_fused.TreePaths.packed(local, depth), None,
+                               {name: blocks[:, group].contiguous() for name, group in self.group_of.items()},
+                               self.batch_kept)
         _TreeGDN.current = self.pending
         return self.pending
 
@@ -217,11 +248,8 @@ class GDNLayers:
         node indices, root first, padded with the leaf past ``length``."""
         tree = self.to_commit()
         if tree.paths is not None:
-            path, length = path.to(torch.int32)[None], length.to(torch.int32).reshape(1)
-            for layer, layer_params in zip(self.layers, self.params):
-                conv_state, ssm_state = states(layer)
-                gdn_fused.commit(layer_params, tree.kept[layer.prefix], conv_state, ssm_state,
-                                 self.commit_slots[tree.slots[layer.prefix]], path, length)
+            self._commit_fused(tree, {name: self.commit_slots[slot] for name, slot in tree.slots.items()},
+                               path.to(torch.int32)[None], length.to(torch.int32).reshape(1))
         else:
             accepted_path = gdn_tree.AcceptedPath.build(tree.tree_plan, path, length)
             for layer, layer_params in zip(self.layers, self.params):
@@ -229,3 +257,74 @@ class GDNLayers:
                 gdn_tree.commit_layer(layer_params, tree.kept[layer.prefix], tree.plans[layer.prefix], accepted_path,
                                       conv_state, ssm_state, KERNELS)
         self.pending = None
+
+    def commit_batch(self, blocks: torch.Tensor, paths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """A batch's pass committed: request r's accepted ``paths[r]`` (the pass's node indices, root first, padded
+        past ``lengths[r]``) becomes its state in its blocks, ``blocks [R, G]`` (one launch a layer for them all)."""
+        self._commit_fused(self.to_commit(), {name: blocks[:, group].contiguous() for name, group in
+                                              self.group_of.items()}, paths.to(torch.int32), lengths.to(torch.int32))
+        self.pending = None
+
+    def _commit_fused(self, tree: GDNPass, slots: dict[str, torch.Tensor], paths: torch.Tensor,
+                      lengths: torch.Tensor) -> None:
+        for layer, layer_params in zip(self.layers, self.params):
+            conv_state, ssm_state = states(layer)
+            gdn_fused.commit(layer_params, tree.kept[layer.prefix], conv_state, ssm_state, slots[layer.prefix], paths,
+                             lengths)
+
+
+class HybridBatchKV(PagedBatchKV):
+    """A batch's cache on a hybrid target: the attention layers' rows paged as any target's (``PagedBatchKV``), in
+    the blocks below the single request's state blocks (``GDNLayers.slot``), and each request's Gated DeltaNet states
+    in blocks of its own from the same pool, one a group (``states [rows, groups]``): a batch's verify forks every
+    node's state from its request's (``GDNLayers.begin_batch``), and ``compact`` commits each request's accepted path
+    into them after moving its attention rows."""
+
+    def __init__(self, caches: list[torch.Tensor], block_size: int, gdn: GDNLayers):
+        super().__init__(caches, block_size, grow=False, blocks=gdn.slot)
+        self.gdn = gdn
+        self.state_blocks: list[list[int]] = []  # by row: its request's block in each group ([] while none)
+        self.states = torch.zeros(0, len(gdn.groups), dtype=torch.int32, device=self.device)
+        self.begins: list[int] = []  # the requests' first tokens in the last pass held (``hold_layout``)
+
+    def hold(self, rows, columns: int) -> None:
+        rows = list(rows)
+        while len(self.state_blocks) < max(rows, default=-1) + 1:
+            self.state_blocks.append([])
+        fresh = [row for row in rows if not self.state_blocks[row]]
+        groups = len(self.gdn.groups)
+        if groups * len(fresh) > len(self.tables.free):
+            raise EngineError(f"the KV cache's {self.blocks - 1} blocks are held by the requests in flight; a hybrid "
+                              f"request's states take {groups} more: fewer requests at once, or a larger cache")
+        for row in fresh:  # a new request's prompt starts from an empty state (vLLM's prefill: no initial state)
+            self.state_blocks[row] = [self.tables.free.pop() for _ in range(groups)]
+        super().hold(rows, columns)
+        if fresh:
+            self.publish()
+
+    def release(self, row: int, last: int, columns: int) -> None:
+        super().release(row, last, columns)
+        self.tables.free.extend(reversed(self.state_blocks[row]))
+        self.state_blocks[row], self.state_blocks[last] = self.state_blocks[last], []
+        self.publish()
+
+    def publish(self) -> None:
+        """The rows' state blocks to the device (a row without a request names the single request's blocks, which
+        no pass of the batch writes)."""
+        self.states = torch.tensor([blocks or self.gdn.group_slots for blocks in self.state_blocks], dtype=torch.int32,
+                                   device=self.device).reshape(-1, len(self.gdn.groups))
+
+    def hold_layout(self, layout) -> None:
+        super().hold_layout(layout)
+        self.begins = layout.query_start_loc[:-1].tolist()
+
+    def compact(self, rows: list[int], pasts: list[int], paths: list[list[int]]) -> None:
+        """``PagedBatchKV.compact``, then each request's accepted path (its own tree's node indices) committed into
+        its states: the paths in the pass's numbering (``begins``), padded with their leaves to the pass's width."""
+        super().compact(rows, pasts, paths)
+        width = self.gdn.to_commit().width
+        packed = [[begin + node for node in path + path[-1:] * (width - len(path))]
+                  for begin, path in zip(self.begins, paths)]
+        self.gdn.commit_batch(self.states[torch.tensor(rows, device=self.device)],
+                              torch.tensor(packed, device=self.device),
+                              torch.tensor([len(path) for path in paths], device=self.device))

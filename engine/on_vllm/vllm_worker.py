@@ -232,6 +232,8 @@ class _BatchForward:
         self.seq_lens = torch.zeros(requests, **int32)
         self.block_table = torch.zeros(requests, blocks, **int32)
         self.trees = TreeQueries(None, None, torch.zeros(tokens, MAX_PATH, **int32), torch.zeros(tokens, **int32))
+        # a hybrid's: each token's request's Gated DeltaNet state blocks, a block a group (``HybridBatchKV.states``)
+        self.states = torch.zeros(tokens, len(target.gdn.groups), **int32) if target.gdn is not None else None
         # the metadata's host copy of query_start_loc says only the pass's size: the kernels read the device's
         bounds = torch.full((requests + 1,), tokens, dtype=torch.int32)
         bounds[0] = 0
@@ -240,14 +242,18 @@ class _BatchForward:
         self.metadata = {name: metadata for name in target.attention_names}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.gdn_pass = None  # a hybrid target's pass as the graph recorded it
 
-    def load(self, layout, table: torch.Tensor, scratch: int) -> None:
-        """The batch's trees (``layout`` on the host) and their requests' rows of the block table (``table [R, b]``)."""
-        self.load_padded(ddtree.padded_verify(layout, self.tokens, self.requests, MAX_PATH), table, scratch)
+    def load(self, layout, table: torch.Tensor, scratch: int, states: torch.Tensor | None = None) -> None:
+        """The batch's trees (``layout`` on the host) and their requests' rows of the block table (``table [R, b]``);
+        on a hybrid their state blocks (``states [R, groups]``)."""
+        self.load_padded(ddtree.padded_verify(layout, self.tokens, self.requests, MAX_PATH), table, scratch, states)
 
-    def load_padded(self, padded: PaddedVerify, table: torch.Tensor, scratch: int) -> None:
+    def load_padded(self, padded: PaddedVerify, table: torch.Tensor, scratch: int,
+                    states: torch.Tensor | None = None) -> None:
         """The pass padded to this size (``ddtree.padded_verify``, or ``slots_verify`` on the device) and its requests'
-        rows of the block table (``table [R, b]``)."""
+        rows of the block table (``table [R, b]``); on a hybrid their state blocks (``states [R, groups]``: the
+        padding tokens' name the single request's, which a verify only reads)."""
         self.ids.copy_(padded.input_ids)
         self.positions.copy_(padded.position_ids)
         self.query_start.copy_(padded.query_start)
@@ -259,18 +265,29 @@ class _BatchForward:
         block_size = self.target.block_size
         self.slots.copy_(ddtree.table_slots(self.block_table, padded.requests.to(self.target.device),
                                             padded.columns.to(self.target.device), block_size))
+        if self.states is not None:
+            single = torch.tensor(self.target.gdn.group_slots, dtype=torch.int32, device=self.target.device)
+            by_request = torch.cat([states, single[None]])  # [R + 1, groups]: the padding request's last
+            self.states.copy_(by_request[padded.requests.to(self.target.device).clamp(max=states.shape[0])])
 
     def run(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits ``[tokens, vocab]`` and the tapped layers (each ``[tokens, hidden]``) of the loaded pass."""
+        gdn = self.target.gdn
         if self.graph is None:
             outputs = self.program()
+            ran = gdn.pending if gdn is not None else None
             self.graph, self.outputs = self.target.recorded(self.program)
+            if gdn is not None:  # the commit reads what the eager run kept; later ones, what the graph keeps
+                self.gdn_pass, gdn.pending = gdn.pending, ran
             return outputs
         self.graph.replay()
+        if gdn is not None:
+            gdn.pending = self.gdn_pass
         return self.outputs
 
     def program(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, None, trees=self.trees)
+        return self.target.run_model(self.ids, self.positions, self.metadata, self.slots, None, trees=self.trees,
+                                     states=self.states)
 
 
 class PagedTarget(Target):
@@ -333,8 +350,9 @@ class PagedTarget(Target):
         self.compaction = _Compaction(self, moves=MAX_PATH)
 
     runs_fixed_step = True  # a hybrid's linear layers fork and commit their states inside the step's programs too
-    # the batch's fixed-shape step (``verify_slots``), not yet run on a GPU: the batch steps readably unless asked
-    verifies_slots = property(lambda self: os.environ.get(BATCH_STEP_VARIABLE) == "fixed")
+    # the batch's fixed-shape step (``verify_slots``), not yet run on a GPU: the batch steps readably unless asked;
+    # a hybrid's batch steps readably (its states commit after the host's walk)
+    verifies_slots = property(lambda self: os.environ.get(BATCH_STEP_VARIABLE) == "fixed" and self.gdn is None)
 
     @property
     def config(self):
@@ -399,20 +417,23 @@ class PagedTarget(Target):
         return self.builder.build(0, common)
 
     def run_model(self, ids, positions, metadata: dict, slots, bias, prefill: bool = False, compiled: bool = False,
-                  last: torch.Tensor | None = None, trees: TreeQueries | None = None
+                  last: torch.Tensor | None = None, trees: TreeQueries | None = None, states: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One pass of vLLM's model; ``compiled``: through torch.compile at this fixed size, unless vLLM compiled
         the model itself. (Dynamo breaks vLLM's graph at each decoder layer and stops at its recompile limit, so
         past the first layers they run eagerly: on a hybrid most of the target stays eager.) ``last``: the logits
         of that row alone, as vLLM's own prompt pass computes them (one row through the LM head). ``trees``: a
-        batch's (``TreeQueries.packed``), in place of one tree's ``bias``."""
+        batch's (``TreeQueries.packed``), in place of one tree's ``bias``; on a hybrid, ``states [T, groups]``: each
+        token's request's state blocks (``HybridBatchKV``)."""
         model = self.text_model
         if compiled and not self.vllm_compiled:
             if self.compiled_model is None:
                 self.compiled_model = torch.compile(self.text_model, dynamic=False)
             model = self.compiled_model
         tree = _Tree.current = TreeQueries.of(bias) if bias is not None else trees
-        if self.gdn is not None and not prefill:
+        if self.gdn is not None and states is not None:
+            self.gdn.begin_batch(tree.table, tree.depth, states)
+        elif self.gdn is not None and not prefill:
             size = ids.numel()
             visible = tree.visible if tree is not None else torch.ones(size, size, dtype=torch.bool, device=ids.device)
             self.gdn.begin(visible, min(size, MAX_PATH))
@@ -428,11 +449,16 @@ class PagedTarget(Target):
             if self.gdn is not None:
                 self.gdn.end()
 
-    runs_batched = property(lambda self: self.gdn is None)  # a hybrid's linear layers: one request at a time
+    # a hybrid's linear layers verify a batch's trees in the fused programs alone
+    runs_batched = property(lambda self: self.gdn is None or self.gdn.fused)
 
     def batch_kv(self, rows: int, columns: int, paged: bool = True) -> PagedBatchKV:
         """A batch's cache: vLLM's own pool, each request through its own blocks (the pool's last block is the
-        batch's scratch); it holds what vLLM allocated."""
+        batch's scratch); it holds what vLLM allocated. A hybrid's requests hold state blocks there too."""
+        if self.gdn is not None:
+            from engine.on_vllm.vllm_gdn import HybridBatchKV
+
+            return HybridBatchKV(self.kv_caches, self.block_size, self.gdn)
         return PagedBatchKV(self.kv_caches, self.block_size, grow=False)
 
     def verify_batch(self, verify_pass, kv: PagedBatchKV, layout, hidden_states: bool):
@@ -449,7 +475,7 @@ class PagedTarget(Target):
         if not self.batch_forwards:
             self.record_batch_graphs(kv.tables.scratch)
         forward = self.batch_forwards[bucket]
-        forward.load(layout, table, kv.tables.scratch)
+        forward.load(layout, table, kv.tables.scratch, self.request_states(kv, layout))
         logits, taps = forward.run()
         tokens = layout.tokens
         return logits[:tokens], self.tapped([tap[:tokens] for tap in taps]) if hidden_states else None
@@ -458,9 +484,13 @@ class PagedTarget(Target):
         """Every padded size's verify recorded at once, each from a pass of padding alone in the ``scratch`` block, so
         that a serving batch never stops to record one when its trees first reach a size."""
         none = torch.zeros(0, self.graph_blocks, dtype=torch.int32, device=self.device)
+        no_states = None
+        if self.gdn is not None:  # every size's recorded pass keeps its nodes in one buffer, made before them
+            self.gdn.reserve_batch(BATCH_BUCKETS[-1][0], self.dtype)
+            no_states = torch.zeros(0, len(self.gdn.groups), dtype=torch.int32, device=self.device)
         for bucket in sorted({batch_bucket(tokens) for tokens in range(1, BATCH_BUCKETS[-1][0] + 1)}):
             forward = self.batch_forwards[bucket] = _BatchForward(self, bucket, self.graph_blocks)
-            forward.load(BatchLayout.empty(), none, scratch)
+            forward.load(BatchLayout.empty(), none, scratch, no_states)
             forward.run()  # the eager pass, then the recording
 
     def verify_slots(self, kv: PagedBatchKV, rows, read, ids, positions, past, visible, hidden_states: bool):
@@ -494,23 +524,49 @@ class PagedTarget(Target):
         trees = TreeQueries.packed(layout, self.device)
         query_start = layout.query_start_loc.to(torch.int32)
         layout = layout.to(self.device)
+        states = self.request_states(kv, layout)
+        if states is not None:  # each token's request's
+            states = states[torch.repeat_interleave(torch.arange(layout.requests), layout.query_start_loc.diff())]
         slots, seq_lens = ddtree.verify_slots(layout, table, self.block_size)
         metadata = self.paged_metadata(query_start, seq_lens.to(torch.int32), table, slots)
         layers = {name: metadata for name in self.attention_names}
         logits, taps = self.run_model(layout.input_ids.to(torch.int32), layout.position_ids, layers, slots, None,
-                                      trees=trees)
+                                      trees=trees, states=states)
         return logits, self.tapped(taps) if hidden_states else None
+
+    def request_states(self, kv: PagedBatchKV, layout) -> torch.Tensor | None:
+        """A hybrid batch's requests' state blocks, ``[R, groups]`` in the layout's order (None: no hybrid)."""
+        return kv.states[layout.rows.to(self.device)] if self.gdn is not None else None
 
     def prompt_chunk(self, input_ids, position_ids, chunk: PagedRows, hidden_states: bool, last_logits: bool):
         """A batch's prompt chunk (``PagedBatchKV.prompt``: one request's tokens, through its blocks) as a batch's
         verify: each token a request of its root alone after the tokens before it, all in the request's row, so every
-        token's row is AR's step of it and the chunk replays from the graph of its size (``verify_batch``)."""
+        token's row is AR's step of it and the chunk replays from the graph of its size (``verify_batch``). A hybrid's
+        chunk is a prefill, whose linear layers carry the request's states on (``hybrid_prompt_chunk``)."""
+        if self.gdn is not None:
+            return self.hybrid_prompt_chunk(input_ids, position_ids, chunk, hidden_states, last_logits)
         size = input_ids.shape[1]
         start, row = chunk.width - size, int(chunk.rows[0])
         layout = pack_trees([ddtree.DraftTree.empty()] * size, input_ids[0].tolist(), list(range(start, chunk.width)),
                             [row] * size)
         logits, hidden = self.verify_batch(None, chunk.kv, layout, hidden_states)
         return logits[-1:] if last_logits else logits, hidden
+
+    def hybrid_prompt_chunk(self, input_ids, position_ids, chunk: PagedRows, hidden_states: bool, last_logits: bool):
+        """A hybrid batch's prompt chunk: one eager causal prefill of the request's tokens after the ``past`` before
+        them, the attention layers through its blocks, the linear layers from its state blocks (an empty state for
+        its first chunk: vLLM's prefill reads none where nothing was computed before) and into them."""
+        size, kv = input_ids.shape[1], chunk.kv
+        past, row = chunk.width - size, int(chunk.rows[0])
+        seq_lens = torch.tensor([past + size], dtype=torch.int32, device=self.device)
+        metadata = self.paged_metadata(torch.tensor([0, size], dtype=torch.int32), seq_lens,
+                                       kv.tables.table[row:row + 1], chunk.slots)
+        layers = {name: metadata for name in self.attention_names}
+        layers |= self.gdn.prefill_metadata(size, chunk.slots, kv.state_blocks[row], past)
+        last = torch.tensor([size - 1], device=self.device) if last_logits else None
+        logits, taps = self.run_model(input_ids[0].to(torch.int32), position_ids[0], layers, chunk.slots, None,
+                                      prefill=True, last=last)
+        return logits, self.tapped(taps) if hidden_states else None
 
     def forward(self, input_ids, position_ids, cache: PagedCache | PagedRows, attention_bias=None,
                 hidden_states=False, last_logits=False):

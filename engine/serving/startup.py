@@ -76,20 +76,24 @@ def compiles_step(args: argparse.Namespace) -> bool:
     return args.engine == "vllm" and args.step != "readable"
 
 
-def load_studio_decoder(args: argparse.Namespace) -> Decoder:
-    """The decoder ``add_model_arguments``' flags name."""
+def load_studio_decoder(args: argparse.Namespace, random_weights: bool = False,
+                        gpu_memory_utilization: float | None = None) -> Decoder:
+    """The decoder ``add_model_arguments``' flags name; on the vLLM engine, ``random_weights`` (config-only folders,
+    timing only) and vLLM's share of the GPU's memory where given."""
     compile_step = compiles_step(args)
     if compile_step:  # before torch.compile or vLLM read them
         os.environ.update(compile_caches(os.environ))
     if args.engine == "vllm":  # imported here: the torch engine never needs vLLM
         from engine.on_vllm.vllm_engine import VllmOptions, load_vllm_decoder
 
+        memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
         return load_vllm_decoder(args.model, args.drafter, dtype=args.dtype or "bfloat16",
                                  options=VllmOptions(tensor_parallel_size=args.tensor_parallel_size,
                                                      cuda_graphs=not args.no_cuda_graphs,
                                                      fixed_step=args.step != "readable",
                                                      compile_step=compile_step, vllm_compile=args.vllm_compile,
-                                                     batch_invariant=args.batch_invariant))
+                                                     batch_invariant=args.batch_invariant,
+                                                     random_weights=random_weights, **memory))
     # on a GPU, greedy steps run as CUDA graphs of fixed-shape programs (engine.loop.fixed_step)
     fixed = args.step == "fixed" or args.step is None and resolve_device(args.device).type == "cuda"
     return load_decoder(args.model, args.drafter, args.device, args.dtype or "float32", fixed_step=fixed,

@@ -1,7 +1,7 @@
 """Where a batched step's time goes: the server's batch without the server.
 
     python -m engine.tools.batch_profile [--requests 16] [--methods ar,ddtree] [--tokens 128] [--profile]
-        [the app's model flags: --engine vllm --model ... --drafter ...]
+        [the app's model flags: --engine vllm --model ... --drafter ...] [--random-weights]
 
 For each number of requests and each method ("auto" trees for those that draft), that many prompts join one batch
 at once (``engine.loop.remote_batch.open_batch``: on the vLLM engine, in its workers) and decode to the end: once
@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="methods, comma-separated; a drafting one's budget after @ (ddtree@16), else auto trees")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens a request")
     parser.add_argument("--profile", action="store_true", help="a third run under cProfile, its heaviest functions")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="vllm engine: --model and --drafter are config-only folders (assets/shapes/), timing only")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm engine: its share of the GPU")
     args = parser.parse_args(argv)
     check_model_arguments(parser, args)
     return args
@@ -87,7 +90,7 @@ def decode_batch(decoder, budgeting, prompts: list[list[int]], settings: DecodeS
 
 
 def main(args: argparse.Namespace) -> int:
-    decoder = load_studio_decoder(args)
+    decoder = load_studio_decoder(args, args.random_weights, args.gpu_memory_utilization)
     budgeting = batch_budgeting(decoder, time_here=True)
     print(f"trees sized by {budgeting.source}: {budgeting.cost}")
     prompts = [decoder.target.chat_ids(row["prompt"]) for row in read_prompts(args.prompts)]

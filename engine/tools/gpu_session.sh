@@ -35,7 +35,7 @@
 #              DDTree (auto) with the Studio's CUDA graphs and, with EAGER=1, without them (~4 min, ~6 with EAGER=1)
 #   fixed-batch  the batched step as fixed-shape programs (DDTREE_BATCH_STEP=fixed): the batch in vLLM's workers
 #              against each request's solo AR (float32), both batch tests, then batch_profile at REQUESTS (4,16) for AR,
-#              DFlash and DDTree@16, the readable step and then the fixed one (~4 min, not yet run)
+#              DFlash and DDTree@16, the readable step and then the fixed one (~3.5 min on an H100)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
 #              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
@@ -47,6 +47,10 @@
 #              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (~2 min each;
 #              hybrid then hybrid-exact: ~7 min)
 #   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (~3 min)
+#   hybrid-batch  after hybrid (carry .whl and .whl-serve): a batch on a hybrid (HybridBatchKV, not yet run on a GPU):
+#              the tiny hybrid through the endpoint in float32, every text at 4 clients against the same prompt's AR at
+#              1; then SHAPE's (default the 27B hybrid's) batched step at 1, 4 and 16 requests, random weights, timing
+#              only (UTIL of the GPU's memory, TOKENS a request) (~6 min, not yet run)
 #   hybrid-kernels  after hybrid: CUDA kernels per step on the tiny hybrid (3 Gated DeltaNet layers, 1 attention; random
 #              weights, so the fixed step's graphs run), the Gated DeltaNet programs against vLLM's own kernels run per
 #              path (DDTREE_GDN=vllm-kernels, the verify before #41): the difference over 3 is a layer's (with
@@ -85,7 +89,7 @@
 # does a hybrid by default, which --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile
 # limit; STEP=--no-vllm-compile: a hybrid's layers eager).
 set -uo pipefail
-PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, serve-hop, serve-float32, batch, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
+PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, serve-hop, serve-float32, batch, fixed-batch, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-batch, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -261,6 +265,16 @@ hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR. A sc
         --tree-budget 16,64 --max-new-tokens 64 $STEP --out "$OUT/gpu-vllm-hybrid-$HYBRID_DTYPE$TAG$tag.json" > "$OUT/bench-hybrid$tag.txt" 2>&1
     tables "$OUT/bench-hybrid$tag.txt" 12
   done ;;
+hybrid-batch)
+  timeout 240 python3 -m engine.tools.serve_bench --prompts assets/prompts/fresh.jsonl --limit 8 --max-tokens 48 \
+      --concurrency 1,4 --methods ar,dflash,ddtree@16 --modes batched --out "$OUT/gpu-serve-hybrid-float32.json" \
+      --server-args "--engine vllm --model $HYBRID --drafter $HYBRID-scripted --dtype float32" > "$OUT/serve-hybrid.txt" 2>&1
+  grep -E '^\| |Error' "$OUT/serve-hybrid.txt" | tail -n 12
+  shape=assets/shapes/${SHAPE:-qwen3.6-27b}
+  timeout 300 python3 -m engine.tools.batch_profile --engine vllm --random-weights --model "$shape" \
+      --drafter "$shape-dflash-b16" --gpu-memory-utilization "${UTIL:-0.45}" --requests 1,4,16 \
+      --methods ar,dflash@16,ddtree@16,ddtree@64 --tokens "${TOKENS:-32}" > "$OUT/batch-profile-hybrid-shape.txt" 2>&1
+  grep -E 'trees sized|x [0-9]+:|Error' "$OUT/batch-profile-hybrid-shape.txt" ;;
 hybrid-kernels)  # kernels per step, the Gated DeltaNet programs (fused) against vLLM's kernels per path (after hybrid)
   # a drafter of random weights (its config alone: a scripted drafter never runs as a CUDA graph)
   mkdir -p "$HYBRID-random" && cp "$HYBRID-shape/config.json" "$HYBRID-random/"
