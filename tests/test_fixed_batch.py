@@ -39,13 +39,16 @@ def same_steps(batched, single) -> None:
     assert [s.committed_text for s in batched.steps] == [s.committed_text for s in single.steps]
 
 
-@pytest.mark.parametrize("cache, recorded_draft", [("rows", False), ("paged", False), ("rows", True)])
-def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(fixed64, cache, recorded_draft):
+@pytest.mark.parametrize("cache, recorded", [("rows", False), ("paged", False), ("rows", True), ("paged", True)])
+def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(fixed64, cache, recorded):
     fixed, plain, asked = fixed64
     batch = Batch(fixed, pinned(CHEAP_NODES), cache=cache)
-    if recorded_draft:  # the drafter's pass a GPU records (a bucket of slots, every context column), run eagerly
+    if recorded:  # what a GPU records, run eagerly: the drafter's pass (a bucket of slots, every context column)
+        # and each program's advance over its buffers at fixed addresses
         batch.graphed_draft = GraphedBatchDraft(fixed.drafter, *fixed.draft_weights, batch.context, replay=False)
+        batch.fixed_graphs = True
     traces = batch.run(list(zip(asked, MIXED)))
+    assert all(bool(program.recorded) == recorded for program in batch.programs.values())
     readable = Batch(plain, pinned(CHEAP_NODES), cache=cache).run(list(zip(asked, MIXED)))
     for ids, settings, trace, other in zip(asked, MIXED, traces, readable):
         same_steps(trace, alone(plain, ids, settings))
@@ -81,10 +84,13 @@ def test_auto_requests_take_the_fixed_step_sized_before_they_draft_and_learn_fro
     assert {step.batch.budget for step in requests[2].trace.steps} == {8}
 
 
-@pytest.mark.parametrize("cache", ["rows", "paged"])
-def test_requests_join_leave_and_move_between_the_fixed_and_the_readable_step(fixed64, cache):
+@pytest.mark.parametrize("cache, recorded", [("rows", False), ("paged", False), ("paged", True)])
+def test_requests_join_leave_and_move_between_the_fixed_and_the_readable_step(fixed64, cache, recorded):
+    """``recorded``: each program's advance over buffers at fixed addresses, recorded anew as the caches grow and rows
+    join (run eagerly, as a GPU's first run of each recording)."""
     fixed, plain, asked = fixed64
     batch = Batch(fixed, pinned(CHEAP_NODES), cache=cache)
+    batch.fixed_graphs = recorded
     first = batch.admit(asked[0], DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget=8))
     second = batch.admit(asked[1], DecodeSettings("dflash", max_new_tokens=TOKENS))
     for _ in range(3):

@@ -191,6 +191,8 @@ class Batch:
         # greedy requests step as fixed-shape programs (``engine.loop.fixed_batch``) where the decoder runs the fixed
         # step and the target verifies slots
         self.fixed = decoder.fixed_step and target.verifies_slots
+        # ... each program's advance replayed from CUDA graphs where a GPU records them (``FixedBatchProgram.graphs``)
+        self.fixed_graphs = decoder.cuda_graphs and target.device.type == "cuda"
         self.programs: dict[tuple, FixedBatchProgram] = {}  # by (nodes, candidates, block, top-k, learns)
         self.accepted: AcceptedRows | None = None  # what the fixed steps' requests accepted last, for their drafts
         self.row_state = RowState(target.device)  # ... and their roots and pasts, for the next step
@@ -515,7 +517,8 @@ class Batch:
                 self.accepted = AcceptedRows(block_size, len(config.target_layer_ids) * config.hidden_size,
                                              self.drafter.dtype, self.target.device)
             self.programs[key] = FixedBatchProgram(self.decoder, self.kv, self.context, self.accepted, self.row_state,
-                                                   nodes, candidates, block_size, top_k, learns, self.graphed_draft)
+                                                   nodes, candidates, block_size, top_k, learns, self.graphed_draft,
+                                                   self.fixed_graphs)
         return self.programs[key]
 
     def hand_over(self, active: list[BatchRequest], program: FixedBatchProgram) -> None:

@@ -6,7 +6,8 @@ packs the trees into a layout and walks each request's own. Here the same step f
 fixed budgets runs as two programs over slots (a slot a request, in its row of the batch's caches; their count
 rounded up to a power of two, ``count_bucket``, the slots past the requests padding of budget 0 in rows of their own,
 whose work nobody reads), whose shapes depend on the slots, the nodes and the caches' buffers alone, so that each
-can be recorded as a CUDA graph (on the GPU they run eagerly for now):
+can be recorded as a CUDA graph (on a GPU the drafter's pass replays the batch's recorded ones, and ``advance`` one
+of its own for each count of slots, ``RecordedAdvance``):
 
 - ``draft``: the drafter's pass over every slot's block (its root, then mask tokens, at its past), fed the rows
   the request accepted last step (``AcceptedRows``: ``[rows, block, taps*hidden]``, how many of them real), which the
@@ -38,11 +39,13 @@ path to the readable step and to each request alone, token for token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 import ddtree.fixed
 from ddtree.fixed import FixedTree
+from engine.gpu.graphs import GraphedCall
 from engine.loop.draft_pass import GraphedBatchDraft, draft_log_probs
 from engine.loop.fixed_step import StepLayout
 from engine.loop.settings import DecodeSettings
@@ -67,8 +70,10 @@ class RowState:
         self.values = torch.zeros(2, 0, dtype=torch.long, device=device)  # [2, rows]: root, past
 
     def reserve(self, rows: int) -> None:
-        if rows > self.values.shape[1]:
-            self.values = torch.cat([self.values, self.values.new_zeros(2, rows - self.values.shape[1])], dim=1)
+        """Room for ``rows`` rows, grown by doubling: a recorded step reads this buffer where it was."""
+        have = self.values.shape[1]
+        if rows > have:
+            self.values = torch.cat([self.values, self.values.new_zeros(2, max(rows, 2 * have) - have)], dim=1)
 
     def set(self, row: int, root: int, past: int) -> None:
         """The host's root and past for the request in ``row`` (it joined, or stepped readably)."""
@@ -112,6 +117,34 @@ class SlotInputs:
         root, past = torch.where(real, state.values[:, host[2]], 0)
         budget, kind, row = host
         return SlotInputs(root, past, budget, kind, row, slice(rows[0], rows[0] + count) if consecutive else row, rows)
+
+
+@dataclass
+class RecordedAdvance:
+    """A program's ``advance`` for one count of slots over inputs at fixed addresses (``inputs``, ``log_probs``),
+    replayed from the CUDA graph recorded after its first run where ``call`` holds one (else run eagerly over the same
+    buffers: how the CPU tests it), and the addresses of the buffers it read and wrote when recorded (``over``): a
+    buffer that moved drops the recording."""
+
+    inputs: SlotInputs
+    log_probs: torch.Tensor | None
+    over: tuple[int, ...]
+    call: GraphedCall | None = None
+
+    @staticmethod
+    def allocate(inputs: SlotInputs, log_probs: torch.Tensor | None, over: tuple[int, ...]) -> RecordedAdvance:
+        """Buffers shaped as ``inputs`` and ``log_probs``; the rows are always read gathered (a view's bounds would be
+        recorded as they were)."""
+        root, past, budget, kind, rows = (value.clone() for value in (inputs.root, inputs.past, inputs.budget,
+                                                                       inputs.kind, inputs.rows))
+        return RecordedAdvance(SlotInputs(root, past, budget, kind, rows, rows, []),
+                               None if log_probs is None else log_probs.clone(), over)
+
+    def load(self, inputs: SlotInputs, log_probs: torch.Tensor | None) -> None:
+        for name in ("root", "past", "budget", "kind", "rows"):
+            getattr(self.inputs, name).copy_(getattr(inputs, name))
+        if log_probs is not None:
+            self.log_probs.copy_(log_probs)
 
 
 def fitted(tree: FixedTree, nodes: int) -> FixedTree:
@@ -161,10 +194,11 @@ class AcceptedRows:
         self.added = torch.zeros(0, dtype=torch.long, device=device)
 
     def reserve(self, rows: int) -> None:
-        """Room for the requests in ``rows`` rows (what is kept stays)."""
-        extra = rows - self.added.numel()
-        if extra <= 0:
+        """Room for the requests in ``rows`` rows (what is kept stays), grown by doubling: a recorded step reads these
+        buffers where they were."""
+        if rows <= self.added.numel():
             return
+        extra = max(rows, 2 * self.added.numel()) - self.added.numel()
         self.features = torch.cat([self.features, self.features.new_zeros(extra, *self.features.shape[1:])])
         self.positions = torch.cat([self.positions, self.positions.new_zeros(extra, self.positions.shape[1])])
         self.added = torch.cat([self.added, self.added.new_zeros(extra)])
@@ -202,10 +236,14 @@ class FixedBatchProgram:
 
     def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, state: RowState, nodes: int,
                  candidates: int, block_size: int, top_k: int, learns: bool = False,
-                 graphed_draft: GraphedBatchDraft | None = None):
+                 graphed_draft: GraphedBatchDraft | None = None, graphs: bool = False):
         self.target, self.drafter, self.kv, self.context = decoder.target, decoder.drafter, kv, context
         self.accepted, self.state = accepted, state
         self.graphed_draft = graphed_draft  # the batch's recorded drafter pass, where a GPU records it
+        # ``graphs``: ``advance`` over buffers at fixed addresses, one set a count of slots, replayed as a CUDA graph
+        # on a GPU (on the CPU run eagerly over the same buffers)
+        self.graphs = graphs
+        self.recorded: dict[int, RecordedAdvance] = {}
         self.nodes, self.depth = nodes, block_size - 1
         # a batch of AR requests alone verifies roots and drafts nothing; where any request drafts, every drafting
         # request drafts every step (its accepted rows are read at once), ``nodes`` of its ``candidates`` verified
@@ -252,7 +290,30 @@ class FixedBatchProgram:
         return log_probs
 
     def advance(self, inputs: SlotInputs, log_probs: torch.Tensor | None) -> torch.Tensor:
-        """The step after its draft: trees, verify, walk, compaction, the next draft's rows; the record."""
+        """The step after its draft: trees, verify, walk, compaction, the next draft's rows; the record. With
+        ``graphs``, replayed over the recorded advance of its count of slots, recorded anew where a buffer it reads
+        or writes has moved since (a cache or a table grown, a row joined)."""
+        if not self.graphs:
+            return self._advance(inputs, log_probs)
+        count, over = inputs.root.numel(), self.buffers()
+        held = self.recorded.get(count)
+        if held is None or held.over != over:
+            held = self.recorded[count] = RecordedAdvance.allocate(inputs, log_probs, over)
+            if self.target.device.type == "cuda":
+                held.call = GraphedCall(partial(self._advance, held.inputs, held.log_probs),
+                                        capturing=self.target.capturing, synchronize=True)
+        held.load(inputs, log_probs)
+        return held.call() if held.call is not None else self._advance(held.inputs, held.log_probs)
+
+    def buffers(self) -> tuple[int, ...]:
+        """Where the buffers ``advance`` reads and writes live now: the caches' (``pass_buffers``), the roots' and
+        pasts', the accepted rows'."""
+        tensors = [self.state.values, *self.kv.pass_buffers()]
+        if self.drafts:
+            tensors += [self.accepted.features, self.accepted.positions, self.accepted.added]
+        return tuple(tensor.data_ptr() for tensor in tensors)
+
+    def _advance(self, inputs: SlotInputs, log_probs: torch.Tensor | None) -> torch.Tensor:
         root, past, rows = inputs.root, inputs.past, inputs.rows
         count = root.numel()
         if log_probs is None:

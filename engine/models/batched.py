@@ -140,6 +140,10 @@ class BatchKV(_Rows):
         self.reserve(int(layout.rows.max()) + 1, width)
         return _PaddedWrite(self, layout.rows, columns, rows_read(layout.rows), width)
 
+    def pass_buffers(self) -> list[torch.Tensor]:
+        """What a recorded pass of slots reads by address: the cache's buffers (replaced as they grow)."""
+        return [self.keys[0]]
+
     def hold_slots(self, rows: list[int], ends: list[int], padding: range) -> None:
         """Room for a pass of slots (``slots``) whose row ``rows[s]`` it writes up to column ``ends[s]``, for its
         padding slots' ``padding`` rows, and for the compaction's scratch column past them all."""

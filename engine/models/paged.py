@@ -29,12 +29,13 @@ class BlockTables:
     """Which blocks of a pool of ``blocks`` each request row holds (``table [rows, max blocks]`` int32, vLLM's
     ``block_table``; entries past a row's own blocks name the scratch block), and the pool's free blocks."""
 
-    def __init__(self, blocks: int, block_size: int, device: torch.device):
+    def __init__(self, blocks: int, block_size: int, device: torch.device, width: int = 1):
+        """``width``: the table's columns to start with (it widens as a row needs more blocks)."""
         self.block_size, self.device = block_size, device
         self.scratch = blocks - 1
         self.free = list(range(blocks - 2, -1, -1))  # popped from the end: block 0 first
         self.held: list[list[int]] = []
-        self.table = torch.full((0, 1), self.scratch, dtype=torch.int32, device=device)
+        self.table = torch.full((0, width), self.scratch, dtype=torch.int32, device=device)
 
     def rows_for(self, rows: int) -> None:
         """Room in the table for ``rows`` request rows."""
@@ -101,11 +102,13 @@ class PagedBatchKV:
     moved in every layer at once (``engine.gpu.kv_moves.RowMover``). A pool that may not ``grow`` (vLLM's, which
     vLLM allocated) refuses a request it has no blocks for."""
 
-    def __init__(self, caches: list[torch.Tensor], block_size: int, grow: bool = True, blocks: int | None = None):
-        """``blocks``: the pool's first blocks alone (the rest are someone else's); by default all of them."""
+    def __init__(self, caches: list[torch.Tensor], block_size: int, grow: bool = True, blocks: int | None = None,
+                 width: int = 1):
+        """``blocks``: the pool's first blocks alone (the rest are someone else's); by default all of them. ``width``:
+        the block table's columns to start with."""
         self.caches, self.can_grow = caches, grow
         self.device = caches[0].device
-        self.tables = BlockTables(caches[0].shape[0] if blocks is None else blocks, block_size, self.device)
+        self.tables = BlockTables(caches[0].shape[0] if blocks is None else blocks, block_size, self.device, width)
         self.move_rows = RowMover(caches, block_size)
 
     @staticmethod
@@ -158,6 +161,10 @@ class PagedBatchKV:
         if row.numel():
             row, source, target = row.to(self.device), source.to(self.device), target.to(self.device)
             self.move_rows(self.tables.slots(row, source), self.tables.slots(row, target))
+
+    def pass_buffers(self) -> list[torch.Tensor]:
+        """What a recorded pass of slots reads by address: the block table and the caches (replaced as they grow)."""
+        return [self.tables.table, self.caches[0]]
 
     @property
     def capacity(self) -> int:

@@ -80,6 +80,8 @@ class TargetModel(Protocol):
                      past: torch.Tensor, visible: torch.Tensor, hidden_states: bool
                      ) -> tuple[torch.Tensor, tuple | None]: ...
 
+    def capturing(self) -> AbstractContextManager: ...  # the batch's CUDA graphs' capture context; yields its stream
+
 
 @runtime_checkable
 class FixedKV(Protocol):

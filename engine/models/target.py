@@ -155,6 +155,10 @@ class Target:
         where it has not run yet, where ``DDTREE_BATCH_STEP=fixed`` asks for it."""
         return self.device.type != "cuda" or os.environ.get(BATCH_STEP_VARIABLE) == "fixed"
 
+    def capturing(self):
+        """The context a CUDA graph of the batch's passes is captured in; yields the capture stream."""
+        return contextlib.nullcontext(None)
+
     def verify_slots(self, kv, rows, read, ids, positions, past, visible, hidden_states: bool):
         """Slots of the batch's rows cache ``kv`` through one fixed-shape pass, each in its row ``rows [b]`` (read as
         ``read`` says) its ``ids [b, n]`` at ``positions`` after its ``past [b]``, ``visible [b, n, n]`` among them

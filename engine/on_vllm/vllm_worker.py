@@ -459,7 +459,8 @@ class PagedTarget(Target):
             from engine.on_vllm.vllm_gdn import HybridBatchKV
 
             return HybridBatchKV(self.kv_caches, self.block_size, self.gdn)
-        return PagedBatchKV(self.kv_caches, self.block_size, grow=False)
+        # a table as wide as a recorded pass's from the start: a wider one would move it under the fixed step's graphs
+        return PagedBatchKV(self.kv_caches, self.block_size, grow=False, width=self.graph_blocks)
 
     def verify_batch(self, verify_pass, kv: PagedBatchKV, layout, hidden_states: bool):
         """A batch's trees (``ddtree.batch.BatchLayout``, on the host) in one pass of vLLM's model, each request's
@@ -514,7 +515,9 @@ class PagedTarget(Target):
         forward = self.batch_forwards[bucket] if recorded else self.slot_forwards[key]
         forward.load_padded(ddtree.slots_verify(ids, positions, past, visible, forward.tokens, BATCH_REQUEST_SLOTS,
                                                 MAX_PATH), table, kv.tables.scratch)
-        logits, taps = forward.run() if recorded else forward.program()
+        # inside the recording of the fixed step's program, the pass is recorded into it rather than replayed
+        replays = recorded and not torch.cuda.is_current_stream_capturing()
+        logits, taps = forward.run() if replays else forward.program()
         hidden = ({index: tap[0].view(count, size, -1) for index, tap in
                    self.tapped([tap[:tokens] for tap in taps]).items()} if hidden_states else None)
         return logits[:tokens].view(count, size, -1), hidden
@@ -630,6 +633,12 @@ class PagedTarget(Target):
                 if forward.graph is None:
                     forward.capture()
 
+    @contextmanager
+    def capturing(self):
+        """vLLM's capture context (its custom all-reduce records into the graph under tensor parallelism)."""
+        with graph_capture(device=self.device) as context:
+            yield context.stream
+
     def recorded(self, program) -> tuple[torch.cuda.CUDAGraph, object]:
         """``program()`` (run once eagerly already, its inputs loaded) recorded as a CUDA graph in this target's
         pool, within vLLM's capture context, and the outputs its replays write."""
@@ -683,11 +692,8 @@ class PagedKV:
     def prefill_cache(self) -> PagedCache:
         return PagedCache()
 
-    @contextmanager
     def capturing(self):
-        """vLLM's capture context (its custom all-reduce records into the graph under tensor parallelism)."""
-        with graph_capture(device=self.target.device) as context:
-            yield context.stream
+        return self.target.capturing()
 
     def verify(self, ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor):
         size = ids.numel()

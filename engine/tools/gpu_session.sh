@@ -35,7 +35,8 @@
 #              DDTree (auto) with the Studio's CUDA graphs and, with EAGER=1, without them (~4 min, ~6 with EAGER=1)
 #   fixed-batch  the batched step as fixed-shape programs (DDTREE_BATCH_STEP=fixed): the batch in vLLM's workers
 #              against each request's solo AR (float32), both batch tests, then batch_profile at REQUESTS (4,16) for AR,
-#              DFlash and DDTree@16, the readable step and then the fixed one (~3.5 min on an H100)
+#              DFlash and DDTree@16, the readable step and then the fixed one (~3.5 min on an H100; the fixed step's
+#              advance replayed from CUDA graphs has not run on a GPU yet)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
 #              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
