@@ -220,8 +220,7 @@ class StaticKV:
         return self.cache
 
     def capturing(self):
-        """The context a CUDA graph of these passes is captured in; yields the capture stream."""
-        return contextlib.nullcontext(None)
+        return self.target.capturing()
 
     def verify(self, ids: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, visible: torch.Tensor):
         n = ids.shape[0]
