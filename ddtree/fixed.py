@@ -26,7 +26,8 @@ program; the decoding loops here run one request, without them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -52,6 +53,11 @@ class FixedTree:
                                                              self.valid.long()]).cpu()
         log_probs, path_log_probs = torch.stack([self.log_probs, self.path_log_probs]).cpu()
         return FixedTree(tokens, parents, depths, log_probs, path_log_probs, ranks, valid.bool())
+
+    @staticmethod
+    def each(combine: Callable[..., torch.Tensor], *trees: FixedTree) -> FixedTree:
+        """The tree whose every field is ``combine`` of the ``trees``' same field (a cut, a stack, a choice...)."""
+        return FixedTree(*(combine(*(getattr(tree, field.name) for tree in trees)) for field in fields(FixedTree)))
 
     @staticmethod
     def empty(device: torch.device) -> FixedTree:

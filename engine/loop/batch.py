@@ -502,8 +502,7 @@ class Batch:
             if own is not None and request.drafts and request.settings.auto_budget:
                 by_method.setdefault(request.row_method, []).append((request, own))
         for row, chosen in by_method.items():
-            stacked = FixedTree(*(torch.stack([getattr(own, name) for _, own in chosen])
-                                  for name in FixedTree.__dataclass_fields__))
+            stacked = FixedTree.each(lambda *fields: torch.stack(fields), *(own for _, own in chosen))
             learned = self.budgeting.learn_fixed(row, [request.expected for request, _ in chosen], stacked, depth)
             for (request, _), (expected, reach) in zip(chosen, learned):
                 request.expected, request.reach = expected, reach

@@ -38,7 +38,7 @@ path to the readable step and to each request alone, token for token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -151,17 +151,13 @@ def fitted(tree: FixedTree, nodes: int) -> FixedTree:
     """``tree`` cut or padded to ``nodes`` nodes; a padding node hangs below the root, invalid."""
     have = tree.tokens.shape[-1]
     if have >= nodes:
-        return FixedTree(*(getattr(tree, name)[..., :nodes] for name in FixedTree.__dataclass_fields__))
-    extra = (*tree.tokens.shape[:-1], nodes - have)
-    long = dict(dtype=torch.long, device=tree.tokens.device)
-    padding = {"tokens": torch.zeros(extra, **long), "parents": torch.zeros(extra, **long),
-               "depths": torch.ones(extra, **long), "log_probs": torch.full(extra, ddtree.fixed.NEG_INF,
-                                                                            device=tree.tokens.device),
-               "path_log_probs": torch.full(extra, ddtree.fixed.NEG_INF, device=tree.tokens.device),
-               "ranks": torch.zeros(extra, **long), "valid": torch.zeros(extra, dtype=torch.bool,
-                                                                         device=tree.tokens.device)}
-    return FixedTree(*(torch.cat([getattr(tree, name), padding[name]], dim=-1)
-                       for name in FixedTree.__dataclass_fields__))
+        return FixedTree.each(lambda field: field[..., :nodes], tree)
+    extra, device = (*tree.tokens.shape[:-1], nodes - have), tree.tokens.device
+    zeros = torch.zeros(extra, dtype=torch.long, device=device)
+    unlikely = torch.full(extra, ddtree.fixed.NEG_INF, device=device)
+    padding = FixedTree(zeros, zeros, torch.ones_like(zeros), unlikely, unlikely, zeros,
+                        torch.zeros(extra, dtype=torch.bool, device=device))
+    return FixedTree.each(lambda field, pad: torch.cat([field, pad], dim=-1), tree, padding)
 
 
 def slot_trees(log_probs: torch.Tensor, kind: torch.Tensor, budget: torch.Tensor, nodes: int, candidates: int
@@ -175,12 +171,10 @@ def slot_trees(log_probs: torch.Tensor, kind: torch.Tensor, budget: torch.Tensor
     best = ddtree.fixed.heap_order(ddtree.fixed.build_tree(log_probs, width))
     chain = fitted(ddtree.fixed.chain_tree(log_probs), width)
     is_chain = (kind == CHAIN)[:, None]
-    whole = FixedTree(*(torch.where(is_chain, getattr(chain, name), getattr(best, name))
-                        for name in FixedTree.__dataclass_fields__))
+    whole = FixedTree.each(lambda of_chain, of_best: torch.where(is_chain, of_chain, of_best), chain, best)
     tree = fitted(whole, nodes)
     within = torch.arange(nodes, device=kind.device)[None, :] < budget[:, None]
-    return FixedTree(tree.tokens, tree.parents, tree.depths, tree.log_probs, tree.path_log_probs, tree.ranks,
-                     tree.valid & within & (kind != NO_TREE)[:, None]), whole
+    return replace(tree, valid=tree.valid & within & (kind != NO_TREE)[:, None]), whole
 
 
 class AcceptedRows:
@@ -317,8 +311,7 @@ class FixedBatchProgram:
         root, past, rows = inputs.root, inputs.past, inputs.rows
         count = root.numel()
         if log_probs is None:
-            tree = best = FixedTree(*(getattr(FixedTree.empty(root.device), name).expand(count, 0)
-                                      for name in FixedTree.__dataclass_fields__))
+            tree = best = FixedTree.each(lambda field: field.expand(count, 0), FixedTree.empty(root.device))
         else:
             tree, best = slot_trees(log_probs, inputs.kind, inputs.budget, self.nodes, self.candidates)
         ids = torch.cat([root[:, None], tree.tokens], dim=1)  # [count, nodes + 1]

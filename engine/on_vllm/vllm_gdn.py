@@ -171,6 +171,7 @@ class GDNLayers:
         self.fused = FUSED and gdn_fused.fused_fits(device, self.width + 1)
         self.block_tables = [torch.full((1, 1), slot, dtype=torch.int32, device=device) for slot in self.group_slots]
         self.commit_slots = {slot: table[0] for slot, table in zip(self.group_slots, self.block_tables)}  # [1] each
+        self.single = torch.tensor(self.group_slots, dtype=torch.int32, device=device)  # [groups]: its blocks
         self.pending: GDNPass | None = None  # the last verify pass, until its commit
         # what a batch's passes keep of their nodes, one buffer for every size: only the last pass is ever committed,
         # so the recorded passes of every size share it (``reserve_batch``)

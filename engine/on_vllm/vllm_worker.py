@@ -266,8 +266,7 @@ class _BatchForward:
         self.slots.copy_(ddtree.table_slots(self.block_table, padded.requests.to(self.target.device),
                                             padded.columns.to(self.target.device), block_size))
         if self.states is not None:
-            single = torch.tensor(self.target.gdn.group_slots, dtype=torch.int32, device=self.target.device)
-            by_request = torch.cat([states, single[None]])  # [R + 1, groups]: the padding request's last
+            by_request = torch.cat([states, self.target.gdn.single[None]])  # [R + 1, groups]: padding's last
             self.states.copy_(by_request[padded.requests.to(self.target.device).clamp(max=states.shape[0])])
 
     def run(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
