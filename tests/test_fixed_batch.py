@@ -12,10 +12,12 @@ import ddtree.fixed
 from engine.loop.batch import Batch
 from engine.loop.decode import Decoder
 from engine.loop.draft_pass import GraphedBatchDraft
-from engine.loop.fixed_batch import CHAIN, NO_TREE, TREE, RowState, SlotInputs, node_bucket, slot_trees
+from engine.loop.fixed_batch import (CHAIN, NO_TREE, TREE, FixedBatchProgram, RowState, SlotInputs, node_bucket,
+                                    slot_trees)
 from engine.loop.settings import DecodeSettings
 from engine.models.batched import BatchKV
 from tests.test_batch import CHEAP_NODES, MIXED, TOKENS, alone, oracle_decoder, pinned
+from tests.test_fixed_step import _HostWork
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,28 @@ def test_every_method_in_one_fixed_step_gives_each_request_what_it_gives_alone(f
     assert first.nodes == 16 + 15 + 0 + 5 + 40 and first.reason == "its own budget: 16 nodes"
     assert traces[2].steps[0].batch.reason.endswith("the root alone") and traces[2].steps[0].tree_tokens == []
     assert traces[4].summary.new_tokens == TOKENS - 9
+
+
+@pytest.mark.parametrize("cache", ["rows", "paged"])
+def test_the_batchs_recorded_advance_does_nothing_a_cuda_graph_cannot_replay(fixed64, cache, monkeypatch):
+    """A GPU records ``advance`` over its buffers; a host read or a shape read from the device inside it fails the
+    recording there. Every method's slots, both caches."""
+    fixed, _, asked = fixed64
+    batch = Batch(fixed, pinned(CHEAP_NODES), cache=cache)
+    batch.fixed_graphs = True
+    found: list[str] = []
+    advance = FixedBatchProgram._advance
+
+    def watched(program, inputs, log_probs):
+        with _HostWork() as host:
+            out = advance(program, inputs, log_probs)
+        found.extend(host.found)
+        return out
+
+    monkeypatch.setattr(FixedBatchProgram, "_advance", watched)
+    traces = batch.run(list(zip(asked, MIXED)))
+    assert all(trace.config.step == "batched fixed" for trace in traces) and all(batch.programs.values())
+    assert found == []
 
 
 def test_auto_requests_take_the_fixed_step_sized_before_they_draft_and_learn_from_their_candidates(fixed64):
