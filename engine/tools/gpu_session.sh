@@ -272,8 +272,10 @@ hybrid-batch)
       --server-args "--engine vllm --model $HYBRID --drafter $HYBRID-scripted --dtype float32" > "$OUT/serve-hybrid.txt" 2>&1
   grep -E '^\| |Error' "$OUT/serve-hybrid.txt" | tail -n 12
   shape=assets/shapes/${SHAPE:-qwen3.6-27b}
+  # the 27B shape's weights fit in 0.45 of an H200's memory, not of an H100's
+  util=${UTIL:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 < 100000) ? 0.9 : 0.45}')}
   timeout 300 python3 -m engine.tools.batch_profile --engine vllm --random-weights --model "$shape" \
-      --drafter "$shape-dflash-b16" --gpu-memory-utilization "${UTIL:-0.45}" --requests 1,4,16 \
+      --drafter "$shape-dflash-b16" --gpu-memory-utilization "$util" --requests 1,4,16 \
       --methods ar,dflash@16,ddtree@16,ddtree@64 --tokens "${TOKENS:-32}" > "$OUT/batch-profile-hybrid-shape.txt" 2>&1
   grep -E 'trees sized|x [0-9]+:|Error' "$OUT/batch-profile-hybrid-shape.txt" ;;
 hybrid-kernels)  # kernels per step, the Gated DeltaNet programs (fused) against vLLM's kernels per path (after hybrid)
