@@ -293,9 +293,8 @@ def densities(offers: list[Offer], cost: StepCost) -> list[float]:
     if not offers:
         return []
     longest = max(offer.available for offer in offers)
-    worth = torch.zeros(len(offers), longest + 1, dtype=torch.float64)  # a column of zeros past the longest
-    for row, offer in enumerate(offers):
-        worth[row, :offer.available] = torch.tensor(offer.worth[:offer.available], dtype=torch.float64)
+    worth = torch.tensor([[*offer.worth[:offer.available], *[0.0] * (longest + 1 - offer.available)]
+                          for offer in offers], dtype=torch.float64)  # [offers, longest + 1]: a column of zeros last
     spend = cost.per_draft_s + cost.per_node_s * torch.arange(1, longest + 2, dtype=torch.float64)
     best = (worth.cumsum(1) / spend).max(dim=1).values
     return [math.inf if offer.fixed else rate for offer, rate in zip(offers, best.tolist())]

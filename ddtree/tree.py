@@ -33,10 +33,7 @@ class DraftTree:
         below its depth's most probable token all the way from the root (the chain DFlash drafts). The drafter
         drafts every depth as if that path were taken, so a node off it is accepted less often than its path
         probability says. Parents come first, so one pass settles every node."""
-        on: list[bool] = []
-        for parent, rank in zip(self.parents.tolist(), self.ranks.tolist()):
-            on.append(rank == 0 and (parent == 0 or on[parent - 1]))
-        return torch.tensor(on, dtype=torch.bool)
+        return on_first_choices_of([self])
 
     def child_maps(self) -> list[dict[int, int]]:
         """For every node (root included), its children keyed by token id."""
@@ -61,6 +58,23 @@ class DraftTree:
         long = torch.empty(0, dtype=torch.long)
         real = torch.empty(0, dtype=torch.float32)
         return DraftTree(long, long, long, real, real, long)
+
+
+def on_first_choices_of(trees: list[DraftTree]) -> torch.Tensor:
+    """``DraftTree.on_first_choices`` of every tree, concatenated (``[sum of sizes]``), in one pass over their nodes."""
+    if not trees:
+        return torch.zeros(0, dtype=torch.bool)
+    parents = torch.cat([tree.parents for tree in trees]).tolist()
+    ranks = torch.cat([tree.ranks for tree in trees]).tolist()
+    begins, begin = [], 0  # each node's tree's first place in ``on``
+    for tree in trees:
+        begins += [begin] * tree.size
+        begin += tree.size
+    on: list[bool] = []
+    for parent, rank, begin in zip(parents, ranks, begins):
+        on.append(rank == 0 and (parent == 0 or on[begin + parent - 1]))
+    return torch.tensor(on, dtype=torch.bool)
+
 
 
 class Drafts:

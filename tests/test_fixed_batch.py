@@ -4,11 +4,14 @@ the programs' parts against their readable forms. On the tiny models (``tests/ti
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import ddtree
 import ddtree.fixed
+from ddtree.fixed import FixedTree
 from engine.loop.batch import Batch
 from engine.loop.decode import Decoder
 from engine.loop.draft_pass import GraphedBatchDraft
@@ -106,6 +109,41 @@ def test_auto_requests_take_the_fixed_step_sized_before_they_draft_and_learn_fro
         assert request.trace.steps[-1].batch.reason.startswith("auto: ")
         assert request.trace.summary.tau > 1.5  # the oracle drafts deep: the trees the batch gave them paid
     assert {step.batch.budget for step in requests[2].trace.steps} == {8}
+
+
+def test_each_auto_request_learns_from_its_own_candidates_in_the_steps_record(fixed64, monkeypatch):
+    """The record's candidates are read once for the whole step; each "auto" request learns from its own row of them
+    (as from a step of its own), whatever requests sit between them."""
+    fixed, _, asked = fixed64
+    kinds = [DecodeSettings("dflash", max_new_tokens=12, tree_budget="auto"), DecodeSettings("ar", max_new_tokens=12),
+             DecodeSettings("ddtree", max_new_tokens=12, tree_budget="auto"),
+             DecodeSettings("ddtree", max_new_tokens=12, tree_budget=8),
+             DecodeSettings("ddtree", max_new_tokens=12, tree_budget="auto")]
+    batch = Batch(fixed, pinned(CHEAP_NODES))
+    steps = []
+    learn = Batch.learn_fixed
+
+    def watched(self, active, candidates, depth):  # each request's row priced alone, by the budgeting as it is now
+        before = [request.expected for request in active]
+        alone = [copy.deepcopy(self.budgeting).learn_fixed(request.row_method, [request.expected],
+                                                           FixedTree.each(lambda field: field[index:index + 1],
+                                                                          candidates), depth)[0]
+                 for index, request in enumerate(active)]
+        learn(self, active, candidates, depth)
+        steps.append([(request, before[index], (request.expected, request.reach), alone[index])
+                      for index, request in enumerate(active)])
+
+    monkeypatch.setattr(Batch, "learn_fixed", watched)
+    batch.run(list(zip(asked, kinds)))
+    learned = 0
+    for step in steps:
+        for index, (request, before, (expected, reach), alone) in enumerate(step):
+            if not (request.drafts and request.settings.auto_budget):
+                assert expected is before
+                continue
+            assert torch.equal(expected, alone[0]) and torch.equal(reach, alone[1])
+            learned += index == len(step) - 1
+    assert learned  # the last request, behind the ones that do not learn, learned
 
 
 @pytest.mark.parametrize("cache, recorded", [("rows", False), ("paged", False), ("paged", True)])

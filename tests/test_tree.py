@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ddtree
+from ddtree.tree import DraftTree, on_first_choices_of
 
 
 def random_log_probs(depth, vocab, seed):
@@ -149,3 +150,16 @@ def test_a_batchs_drafts_read_once_build_the_trees_and_tops_each_draft_builds_al
                                          for f in dataclasses.fields(apart))
         assert draft_top(row, 5) == draft_top(alone, 5)
     assert sorted(drafts._top) == [1, 5, 12, 40], "one read per width, for every request at once"
+
+
+def test_first_choices_of_many_trees_read_each_nodes_parent_in_its_own_tree():
+    def tree(parents, ranks):
+        size = len(parents)
+        return DraftTree(torch.arange(size), torch.tensor(parents), torch.ones(size, dtype=torch.long),
+                         torch.zeros(size), torch.zeros(size), torch.tensor(ranks))
+
+    # the second tree's third node hangs below its own second node (off the first choices), not the first tree's
+    trees = [tree([0, 1, 0], [0, 0, 1]), DraftTree.empty(), tree([0, 1, 2], [0, 1, 0]), tree([0], [1])]
+    assert on_first_choices_of(trees).tolist() == [True, True, False, True, False, False, False]
+    assert torch.cat([t.on_first_choices() for t in trees]).tolist() == on_first_choices_of(trees).tolist()
+    assert on_first_choices_of([]).tolist() == []

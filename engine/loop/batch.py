@@ -40,7 +40,7 @@ from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth, first_n
 from engine.loop.decode import READABLE_SAMPLING
 from engine.loop.draft_pass import GraphedBatchDraft, count_bucket, draft_log_probs
 from engine.loop.fixed_batch import AcceptedRows, FixedBatchProgram, RowState, SlotInputs, node_bucket, slot_kind
-from engine.loop.fixed_step import StageMarks, record_top, record_tree
+from engine.loop.fixed_step import StageMarks, record_top
 from engine.loop.run import Outcome, Run, StageClock, draft_top, logit_margins
 from engine.loop.settings import DecodeSettings
 from engine.methods import METHODS, method
@@ -467,19 +467,21 @@ class Batch:
         step before it was stepped too, and its part is dropped); its stages' seconds."""
         if launched.arrived is not None:
             launched.arrived.synchronize()
-        rows = launched.record.tolist()
         began = time.perf_counter()  # the commit: the host's alone
         program = launched.program
-        kept = [(request, values) for request, values in zip(launched.active, rows) if request.finished is None]
-        roots = [request.root for request, _ in kept]
-        split = [program.split(values) for _, values in kept]
-        outcomes = [self.fixed_outcome(request, step) for (request, _), (step, _) in zip(kept, split)]
+        still = [index for index, request in enumerate(launched.active) if request.finished is None]
+        kept = [launched.active[index] for index in still]
+        roots = [request.root for request in kept]
+        records = program.unpack(launched.record[still])
+        outcomes = [self.fixed_outcome(request, step, tree)
+                    for request, step, tree in zip(kept, records.steps, records.trees)]
         verified = [outcome for outcome, _ in outcomes]
         self.budgeting.observe([outcome.tree for outcome in verified], [outcome.accepted for outcome in verified])
-        self.learn_fixed([request for request, _ in kept], [candidates for _, candidates in split], program.depth)
+        if records.candidates is not None:
+            self.learn_fixed(kept, records.candidates, program.depth)
         stage_s = launched.marks.seconds() | {"commit": time.perf_counter() - began}
         nodes_verified = sum(outcome.tree.size for outcome in verified)
-        for (request, _), root, (outcome, top) in zip(kept, roots, outcomes):
+        for request, root, (outcome, top) in zip(kept, roots, outcomes):
             self.record_step(request, root, top, outcome, nodes_verified, launched.active, launched.t_start, stage_s,
                              fixed_reason(request, outcome.tree.size),
                              program.layout.depth if request.row_method.drafts else 0)
@@ -494,18 +496,19 @@ class Batch:
         launched, self.in_flight = self.in_flight, None
         return self.finish_fixed(launched) if launched is not None else {}
 
-    def learn_fixed(self, active: list[BatchRequest], candidates: list, depth: int) -> None:
-        """Each drafting "auto" request's expectation and reach, from the candidates its fixed step drafted (each
-        method's requests priced together, ``Budgeting.learn_fixed``)."""
+    def learn_fixed(self, active: list[BatchRequest], candidates: FixedTree, depth: int) -> None:
+        """Each drafting "auto" request's expectation and reach, from the candidates its fixed step drafted
+        (``candidates [len(active), n]``; each method's requests priced together, ``Budgeting.learn_fixed``)."""
         by_method: dict = {}
-        for request, own in zip(active, candidates):
-            if own is not None and request.drafts and request.settings.auto_budget:
-                by_method.setdefault(request.row_method, []).append((request, own))
+        for index, request in enumerate(active):
+            if request.drafts and request.settings.auto_budget:
+                by_method.setdefault(request.row_method, []).append(index)
         for row, chosen in by_method.items():
-            stacked = FixedTree.each(lambda *fields: torch.stack(fields), *(own for _, own in chosen))
-            learned = self.budgeting.learn_fixed(row, [request.expected for request, _ in chosen], stacked, depth)
-            for (request, _), (expected, reach) in zip(chosen, learned):
-                request.expected, request.reach = expected, reach
+            rows = torch.tensor(chosen)
+            own = FixedTree.each(lambda field: field[rows], candidates)
+            learned = self.budgeting.learn_fixed(row, [active[index].expected for index in chosen], own, depth)
+            for index, (expected, reach) in zip(chosen, learned):
+                active[index].expected, active[index].reach = expected, reach
 
     def fixed_program(self, nodes: int, candidates: int, block_size: int, top_k: int, learns: bool
                       ) -> FixedBatchProgram:
@@ -544,12 +547,12 @@ class Batch:
                 request.pending_context.append(features)
                 request.pending_positions.append(range(first, first + features.shape[0]))
 
-    def fixed_outcome(self, request: BatchRequest, step: dict[str, list[float]]
+    def fixed_outcome(self, request: BatchRequest, step: dict[str, list[float]], tree: ddtree.DraftTree
                       ) -> tuple[Outcome, tuple[list[list[int]], list[list[float]]]]:
-        """A request's part of a fixed step's record, committed: its outcome and its draft's top tokens."""
+        """A request's part of a fixed step's record (its parts and its verified tree), committed: its outcome and
+        its draft's top tokens."""
         length = int(step["length"][0])
         tokens = [int(t) for t in step["committed"][:length]]
-        tree = record_tree(step)
         committed = request.clip(tokens)
         request.output_ids.extend(committed)
         outcome = Outcome(tree, [int(t) for t in step["target_tokens"][:tree.size + 1]],

@@ -18,7 +18,7 @@ import torch
 import ddtree
 import ddtree.fixed
 from ddtree.allocate import Calibration, Offer, StepCost, allocate, in_worth_order, worth_order
-from ddtree.tree import DraftRow
+from ddtree.tree import DraftRow, on_first_choices_of
 from engine.methods import Method
 
 AUTO_NODES = 64  # the most nodes an "auto" tree drafts: the candidates the allocation chooses among
@@ -55,8 +55,12 @@ class Budgeting:
     def learn(self, row: Method, expected: torch.Tensor | None, offer: Offer) -> torch.Tensor:
         """A request drafted and offered ``offer``: what its next draft is now expected to be worth (its last
         expectation moved towards this draft's), and its method's typical draft likewise."""
+        return self.learned(row, expected, torch.tensor(offer.worth[:AUTO_NODES], dtype=torch.float64))
+
+    def learned(self, row: Method, expected: torch.Tensor | None, offered: torch.Tensor) -> torch.Tensor:
+        """``learn`` from a draft's nodes' worth, best first (``offered [n]``)."""
         worth = torch.zeros(AUTO_NODES, dtype=torch.float64)
-        worth[: len(offer.worth)] = torch.tensor(offer.worth[:AUTO_NODES], dtype=torch.float64)
+        worth[: offered.shape[0]] = offered[:AUTO_NODES]
         typical = self.expectation(row)
         self.typical[row.name] = worth.clone() if typical is None else torch.lerp(typical, worth, TYPICAL_LEARN)
         return worth if expected is None else torch.lerp(expected, worth, LEARN)
@@ -108,7 +112,8 @@ class Budgeting:
         the host, ``engine.loop.fixed_batch``): each one's next expectation and how deep its candidates reach
         (``BatchRequest.reach``), priced together."""
         ordered, worth, counts = self.priced(tree, depth)
-        return [(self.learn(row, own, Offer(tuple(worth[r, :n].tolist()), n)), ordered.depths[r, :n].cummax(0).values)
+        worth = worth.to(torch.float64)
+        return [(self.learned(row, own, worth[r, :n]), ordered.depths[r, :n].cummax(0).values)
                 for r, (own, n) in enumerate(zip(expected, counts))]
 
     def alone(self, row: Method, log_probs: torch.Tensor) -> ddtree.DraftTree:
@@ -121,10 +126,14 @@ class Budgeting:
         once."""
         grown = [(tree, path) for tree, path in zip(trees, paths) if tree.size]
         if grown:
-            taken = torch.cat([torch.zeros(tree.size, dtype=torch.bool).index_fill_(
-                0, torch.tensor(path[1:], dtype=torch.long) - 1, True) for tree, path in grown])
+            accepted, start = [], 0  # every accepted node's place among all the trees' nodes
+            for tree, path in grown:
+                accepted += [start + node - 1 for node in path[1:]]
+                start += tree.size
+            taken = torch.zeros(start, dtype=torch.bool)
+            taken[torch.tensor(accepted, dtype=torch.long)] = True
             self.calibration.observe(torch.cat([tree.path_log_probs for tree, _ in grown]).exp(),
-                                     torch.cat([tree.on_first_choices() for tree, _ in grown]), taken)
+                                     on_first_choices_of([tree for tree, _ in grown]), taken)
 
 
 def first_nodes(tree: ddtree.DraftTree, count: int) -> ddtree.DraftTree:

@@ -43,11 +43,12 @@ from functools import partial
 
 import torch
 
+import ddtree
 import ddtree.fixed
 from ddtree.fixed import FixedTree
 from engine.gpu.graphs import GraphedCall
 from engine.loop.draft_pass import GraphedBatchDraft, draft_log_probs
-from engine.loop.fixed_step import StepLayout
+from engine.loop.fixed_step import TREE_PARTS, StepLayout, record_trees
 from engine.loop.settings import DecodeSettings
 from engine.methods import method as method_row
 
@@ -223,6 +224,15 @@ class AcceptedRows:
             self.added[source] = 0
 
 
+@dataclass
+class SlotRecords:
+    """A fixed step's record read on the host, slot by slot (``FixedBatchProgram.unpack``)."""
+
+    steps: list[dict[str, list[float]]]  # each slot's parts (``StepLayout``)
+    trees: list[ddtree.DraftTree]  # each slot's verified tree, its real nodes
+    candidates: FixedTree | None  # [count, candidates]: what an "auto" slot drafted, where the program learns
+
+
 class FixedBatchProgram:
     """The two programs of a batch's fixed-shape step for one ``nodes`` (module docstring), over the batch's own
     caches: the target's rows (``BatchKV``), the drafter's context (``BatchDraftContext``) and the rows each request
@@ -335,17 +345,21 @@ class FixedBatchProgram:
         priced = torch.cat([best.path_log_probs.double(), best.ranks, best.parents, best.valid, best.depths], dim=1)
         return torch.cat([record, priced.double()], dim=1)  # [count, size + 5 * candidates]
 
-    def split(self, values: list[float]) -> tuple[dict[str, list[float]], FixedTree | None]:
-        """A slot's row of ``advance``'s record: its step (``StepLayout.unpack``) and, where the program ``learns``, its
-        candidates' tree on the host (their path log-probabilities, ranks, parents, depths and valid: what
-        ``Budgeting.learn_fixed`` prices; no tokens)."""
-        size = self.layout.size
-        step = self.layout.unpack(values[:size])
+    def unpack(self, record: torch.Tensor) -> SlotRecords:
+        """``advance``'s record on the host (``[count, size (+ 5 * candidates)]``, float64): each slot's step
+        (``StepLayout.unpack``) and verified tree (``record_trees``), and, where the program ``learns``, every slot's
+        candidates as one tree ``[count, candidates]`` (their path log-probabilities, ranks, parents, depths and
+        valid: what ``Budgeting.learn_fixed`` prices; no tokens)."""
+        layout = self.layout
+        steps = [layout.unpack(values) for values in record[:, :layout.size].tolist()]
+        trees = record_trees(torch.stack([record[:, layout.columns(name)] for name in TREE_PARTS], dim=1))
         if not self.learns:
-            return step, None
-        rest = torch.tensor(values[size:], dtype=torch.float64).view(5, self.candidates)
-        return step, FixedTree(torch.zeros(self.candidates, dtype=torch.long), rest[2].long(), rest[4].long(),
-                               rest[0].float(), rest[0].float(), rest[1].long(), rest[3].bool())
+            return SlotRecords(steps, trees, None)
+        rest = record[:, layout.size:].view(-1, 5, self.candidates)
+        path_log_probs = rest[:, 0].float()
+        candidates = FixedTree(torch.zeros_like(rest[:, 0], dtype=torch.long), rest[:, 2].long(), rest[:, 4].long(),
+                               path_log_probs, path_log_probs, rest[:, 1].long(), rest[:, 3].bool())
+        return SlotRecords(steps, trees, candidates)
 
     def record(self, tree: FixedTree, ids, path, length, bonus, logits, target_tokens, log_probs) -> torch.Tensor:
         """Each slot's step in ``StepLayout`` order, float64: ``[count, size]``, one read for the host."""

@@ -84,6 +84,15 @@ class StepLayout:
     def reduced_size(self) -> int:
         return 1 + 3 * (self.depth + 1)
 
+    def columns(self, name: str) -> slice:
+        """Where part ``name`` sits in a record's row."""
+        at = 0
+        for part, size in self.parts:
+            if part == name:
+                return slice(at, at + size)
+            at += size
+        raise KeyError(name)
+
     def unpack(self, values: list[float]) -> dict[str, list[float]]:
         out, at = {}, 0
         for name, size in self.parts:
@@ -382,15 +391,25 @@ class FixedRun(Run):
                            outcome, stage_s)
 
 
+TREE_PARTS = ("tree_tokens", "tree_parents", "tree_depths", "tree_ranks", "tree_log_probs", "tree_path_log_probs",
+              "tree_valid")
+
+
 def record_tree(step: dict[str, list[float]]) -> ddtree.DraftTree:
     """The record's real tree nodes as the readable ``DraftTree`` (what a trace records), its columns made as one
     tensor."""
-    columns = torch.tensor([step[name] for name in ("tree_tokens", "tree_parents", "tree_depths", "tree_ranks",
-                                                    "tree_log_probs", "tree_path_log_probs", "tree_valid")],
-                           dtype=torch.float64)  # [7, n]
-    kept = columns[:, columns[6].bool()]
-    return ddtree.DraftTree(kept[0].long(), kept[1].long(), kept[2].long(), kept[4].float(), kept[5].float(),
-                            kept[3].long())
+    return record_trees(torch.tensor([[step[name] for name in TREE_PARTS]], dtype=torch.float64))[0]
+
+
+def record_trees(columns: torch.Tensor) -> list[ddtree.DraftTree]:
+    """``columns [count, 7, n]`` (each slot's ``TREE_PARTS``, float64) as each slot's readable tree: the real nodes
+    of every slot cut by one mask and split by slot, a few tensors for the whole step."""
+    valid = columns[:, 6].bool()  # [count, n]
+    kept = columns.transpose(1, 2)[valid]  # [real nodes, 7], slot by slot
+    counts = valid.sum(1).tolist()
+    tokens, parents, depths, ranks = (kept[:, part].long().split(counts) for part in range(4))
+    log_probs, path_log_probs = (kept[:, part].float().split(counts) for part in (4, 5))
+    return [ddtree.DraftTree(*fields) for fields in zip(tokens, parents, depths, log_probs, path_log_probs, ranks)]
 
 
 def record_top(step: dict[str, list[float]], k: int) -> tuple[list[list[int]], list[list[float]]]:
