@@ -15,8 +15,16 @@ from ddtree.fixed import FixedTree
 from engine.loop.batch import Batch
 from engine.loop.decode import Decoder
 from engine.loop.draft_pass import GraphedBatchDraft
-from engine.loop.fixed_batch import (CHAIN, NO_TREE, TREE, FixedBatchProgram, RowState, SlotInputs, node_bucket,
-                                    slot_trees)
+from engine.loop.fixed_batch import (
+    CHAIN,
+    NO_TREE,
+    TREE,
+    FixedBatchProgram,
+    RowState,
+    SlotInputs,
+    node_bucket,
+    slot_trees,
+)
 from engine.loop.settings import DecodeSettings
 from engine.models.batched import BatchKV
 from tests.test_batch import CHEAP_NODES, MIXED, TOKENS, alone, oracle_decoder, pinned
@@ -123,25 +131,27 @@ def test_each_auto_request_learns_from_its_own_candidates_in_the_steps_record(fi
     steps = []
     learn = Batch.learn_fixed
 
+    def row_of(tree: FixedTree, index: int) -> FixedTree:
+        return FixedTree.each(lambda field: field[index:index + 1], tree)
+
     def watched(self, active, candidates, depth):  # each request's row priced alone, by the budgeting as it is now
         before = [request.expected for request in active]
-        alone = [copy.deepcopy(self.budgeting).learn_fixed(request.row_method, [request.expected],
-                                                           FixedTree.each(lambda field: field[index:index + 1],
-                                                                          candidates), depth)[0]
-                 for index, request in enumerate(active)]
+        priced = [copy.deepcopy(self.budgeting).learn_fixed(request.row_method, [request.expected],
+                                                            row_of(candidates, index), depth)[0]
+                  for index, request in enumerate(active)]
         learn(self, active, candidates, depth)
-        steps.append([(request, before[index], (request.expected, request.reach), alone[index])
+        steps.append([(request, before[index], (request.expected, request.reach), priced[index])
                       for index, request in enumerate(active)])
 
     monkeypatch.setattr(Batch, "learn_fixed", watched)
     batch.run(list(zip(asked, kinds)))
     learned = 0
     for step in steps:
-        for index, (request, before, (expected, reach), alone) in enumerate(step):
+        for index, (request, before, (expected, reach), on_its_own) in enumerate(step):
             if not (request.drafts and request.settings.auto_budget):
                 assert expected is before
                 continue
-            assert torch.equal(expected, alone[0]) and torch.equal(reach, alone[1])
+            assert torch.equal(expected, on_its_own[0]) and torch.equal(reach, on_its_own[1])
             learned += index == len(step) - 1
     assert learned  # the last request, behind the ones that do not learn, learned
 

@@ -505,7 +505,7 @@ class Batch:
                 by_method.setdefault(request.row_method, []).append(index)
         for row, chosen in by_method.items():
             rows = torch.tensor(chosen)
-            own = FixedTree.each(lambda field: field[rows], candidates)
+            own = FixedTree.each(lambda field, rows=rows: field[rows], candidates)
             learned = self.budgeting.learn_fixed(row, [active[index].expected for index in chosen], own, depth)
             for index, (expected, reach) in zip(chosen, learned):
                 active[index].expected, active[index].reach = expected, reach
