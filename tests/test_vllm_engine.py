@@ -68,6 +68,11 @@ def torch_engine(studio):
     return Decoder(target, drafter, studio.drafter_info)
 
 
+def first_difference(ours: list[int], theirs: list[int]) -> int:
+    """Where two outputs part (0: the prompt's pass already chose another first token)."""
+    return next((index for index, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
 def verify_in_worker(worker, prompt_ids, tree_fields, accepted, next_token):
     """Runs inside a vLLM worker: prefill, verify a tree, commit a path, decode one more token."""
     import torch
@@ -237,7 +242,9 @@ def test_a_batch_in_the_workers_gives_every_request_its_solo_ar_output_in_float3
     assert len(finished) == 8 and requests[5].trace.summary.stop_reason == "cancelled"
     for index, request in enumerate(requests):
         if index != 5:
-            assert request.trace.output_ids == solo[index], f"{request.trace.config.label} left its solo AR output"
+            assert request.trace.output_ids == solo[index], (
+                f"{request.trace.config.label} (request {index}) left its solo AR output at its token "
+                f"{first_difference(request.trace.output_ids, solo[index])}")
     assert sum(streamed.values()) == sum(len(r.trace.steps) for i, r in enumerate(requests) if i != 5)
     assert max(step.batch.size for step in requests[0].trace.steps) >= 6
     assert studio.run(texts[0], DecodeSettings("ar", 4)).summary.new_tokens == 4
