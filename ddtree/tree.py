@@ -76,7 +76,6 @@ def on_first_choices_of(trees: list[DraftTree]) -> torch.Tensor:
     return torch.tensor(on, dtype=torch.bool)
 
 
-
 class Drafts:
     """Many requests' drafts ``[b, D, V]`` (one drafter pass), read to the host as their trees need them: each
     top-k width once for every request, in one ``topk`` and one read, where a tree built from its own draft
