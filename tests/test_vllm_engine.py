@@ -150,6 +150,49 @@ def test_a_prompt_s_pass_with_its_last_row_alone_gives_that_row(studio):
     torch.testing.assert_close(last[0], every[-1], rtol=0, atol=1e-3)  # one row through the LM head, or all of them
 
 
+def batch_prompt_passes_in_worker(worker, prompts_ids):
+    """Runs inside a vLLM worker: each prompt's last-row logits through the single request's pass, then through a
+    batch's cache: the first prompt in row 0, the second in row 1 beside it, then the first again in row 0 after it
+    left (blocks that held a request before)."""
+    import torch
+
+    target = worker.studio.target
+
+    def single(ids):
+        cache = target.new_cache()
+        logits, _ = target.forward(torch.tensor([ids], device=target.device),
+                                   torch.arange(len(ids), device=target.device)[None], cache, last_logits=True)
+        return logits[-1].float().cpu()
+
+    expected = [single(ids) for ids in prompts_ids]
+    kv = target.batch_kv(2, 0)
+    kv.reserve(2, 0)
+
+    def in_row(row, ids):
+        chunk = kv.prompt(row, 0, len(ids))
+        logits, _ = target.forward(torch.tensor([ids], device=target.device),
+                                   torch.arange(len(ids), device=target.device)[None], chunk, last_logits=True)
+        return logits[-1].float().cpu()
+
+    got = [in_row(0, prompts_ids[0]), in_row(1, prompts_ids[1])]
+    kv.release(0, 1, len(prompts_ids[1]))  # row 1's request moves into row 0
+    kv.reserve(2, 0)
+    got.append(in_row(1, prompts_ids[0]))
+    kv.release(0, 1, len(prompts_ids[0]))
+    kv.release(0, 0, 0)
+    return [((g - e).abs().max().item(), int(g.argmax()), int(e.argmax()))
+            for g, e in zip(got, [expected[0], expected[1], expected[0]])]
+
+
+def test_a_batchs_prompt_pass_gives_the_single_requests_logits(studio):
+    """A batch's prompt chunk (``PagedBatchKV.prompt``; on a hybrid a prefill from the request's own state blocks) is
+    the single request's prompt pass, in any row and in blocks another request held before."""
+    ids = [studio.target.chat_ids(text) for text in prompts(2)]
+    for index, (gap, got, expected) in enumerate(studio.llm.collective_rpc(batch_prompt_passes_in_worker,
+                                                                           args=(ids,))[0]):
+        assert got == expected and gap < 0.15, f"pass {index}: {gap=} chose {got} for {expected}"
+
+
 def test_greedy_dflash_and_ddtree_equal_vllm_ar_in_float32(studio, readable, torch_engine):
     from engine.on_vllm.vllm_engine import native_generate, native_llm
 
