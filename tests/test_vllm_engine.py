@@ -152,8 +152,8 @@ def test_a_prompt_s_pass_with_its_last_row_alone_gives_that_row(studio):
 
 def batch_prompt_passes_in_worker(worker, prompts_ids):
     """Runs inside a vLLM worker: each prompt's last-row logits through the single request's pass, then through a
-    batch's cache: the first prompt in row 0, the second in row 1 beside it, then the first again in row 0 after it
-    left (blocks that held a request before)."""
+    batch's cache: the first prompt in row 0, the second in row 1 beside it, then, once the first has left and the
+    second moved into row 0, the first again in row 1 (in blocks the first request held)."""
     import torch
 
     target = worker.studio.target
