@@ -165,8 +165,9 @@ class Batch:
     @torch.inference_mode()
     def __init__(self, decoder, budgeting: Budgeting, verify: str = "packed", cache: str = "rows"):
         if not decoder.target.runs_batched:
-            raise EngineError(f"{decoder.target.name} cannot verify a batch of trees in one pass (its linear "
-                              "attention layers fork their state per node): serve it one request at a time")
+            raise EngineError(f"{decoder.target.name} cannot verify a batch of trees in one pass on this engine (a "
+                              "hybrid's linear attention layers fork their state per node): serve it one request at "
+                              "a time")
         if verify not in ("packed", "padded"):
             raise EngineError(f"verify must be packed or padded, got {verify!r}")
         if cache not in ("rows", "paged"):  # a target whose cache is paged (vLLM's) pages it either way

@@ -75,6 +75,9 @@ BIAS_PAD_ROWS = 16  # the Triton kernel's largest query tile
 BATCH_BUCKETS = ((128, 16), (256, 32), (512, 64), (1152, 128))  # (up to this many tokens, in steps of)
 BATCH_REQUEST_SLOTS = 256  # a prompt's chunk (``PREFILL_TOKENS``) is as many requests as tokens
 BIAS_REFERENCE = os.environ.get("DDTREE_ATTENTION") == "bias"
+# "1": a hybrid target's requests share steps (``HybridBatchKV``); off, it serves one request at a time, since its
+# batch has not yet given every request its solo AR output on a GPU (``gpu_session.sh hybrid-batch`` sets it)
+HYBRID_BATCH_VARIABLE = "DDTREE_HYBRID_BATCH"
 
 
 @dataclass(frozen=True)
@@ -448,8 +451,11 @@ class PagedTarget(Target):
             if self.gdn is not None:
                 self.gdn.end()
 
-    # a hybrid's linear layers verify a batch's trees in the fused programs alone
-    runs_batched = property(lambda self: self.gdn is None or self.gdn.fused)
+    @property
+    def runs_batched(self) -> bool:
+        """A hybrid's linear layers verify a batch's trees in the fused programs alone, and only where
+        ``DDTREE_HYBRID_BATCH=1`` asks (``HYBRID_BATCH_VARIABLE``)."""
+        return self.gdn is None or (self.gdn.fused and os.environ.get(HYBRID_BATCH_VARIABLE) == "1")
 
     def batch_kv(self, rows: int, columns: int, paged: bool = True) -> PagedBatchKV:
         """A batch's cache: vLLM's own pool, each request through its own blocks (the pool's last block is the

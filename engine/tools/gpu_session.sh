@@ -48,8 +48,9 @@
 #              vLLM's own AR too; HYBRID_DTYPE=bfloat16 runs both hybrid phases in bf16) (~2 min each;
 #              hybrid then hybrid-exact: ~7 min)
 #   hybrid-cost  verify cost vs tree size, hybrid vs all-attention; after hybrid, machine still warm (~3 min)
-#   hybrid-batch  after hybrid (carry .whl and .whl-serve): a batch on a hybrid (HybridBatchKV): a batch's prompt pass
-#              against the single request's, in two rows and in reused blocks, and the batch test in vLLM's workers
+#   hybrid-batch  after hybrid (carry .whl and .whl-serve): a batch on a hybrid (HybridBatchKV, on where
+#              DDTREE_HYBRID_BATCH=1): a batch's prompt pass against the single request's, in two rows and in reused
+#              blocks, and the batch test in vLLM's workers
 #              on the tiny hybrid (each request against its solo AR, float32; a failure names the token where it
 #              parted), the tiny hybrid through the endpoint in float32, every text at 4 clients against the same
 #              prompt's AR at 1; then SHAPE's (default the 27B hybrid's) batched step at 1, 4 and 16 requests, random
@@ -269,6 +270,7 @@ hybrid-exact)  # after hybrid: AR, DFlash and DDTree against vLLM's own AR. A sc
     tables "$OUT/bench-hybrid$tag.txt" 12
   done ;;
 hybrid-batch)
+  export DDTREE_HYBRID_BATCH=1  # the hybrid batch, off by default until it is exact
   DDTREE_VLLM_MODEL=$HYBRID DDTREE_VLLM_DRAFTER=$HYBRID-scripted timeout 240 python3 -m pytest -q -rfE --tb=line \
       -m gpu -p no:cacheprovider tests/test_vllm_engine.py -k "batchs_prompt_pass or batch_in_the_workers and not fixed" \
       > "$OUT/pytest-hybrid-batch.txt" 2>&1
