@@ -352,7 +352,7 @@ class FixedBatchProgram:
         valid: what ``Budgeting.learn_fixed`` prices; no tokens)."""
         layout = self.layout
         steps = [layout.unpack(values) for values in record[:, :layout.size].tolist()]
-        trees = record_trees(torch.stack([record[:, layout.columns(name)] for name in TREE_PARTS], dim=1))
+        trees = record_trees(torch.stack([record[:, layout.columns[name]] for name in TREE_PARTS], dim=1))
         if not self.learns:
             return SlotRecords(steps, trees, None)
         rest = record[:, layout.size:].view(-1, 5, self.candidates)

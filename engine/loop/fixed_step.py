@@ -29,6 +29,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -84,21 +85,17 @@ class StepLayout:
     def reduced_size(self) -> int:
         return 1 + 3 * (self.depth + 1)
 
-    def columns(self, name: str) -> slice:
-        """Where part ``name`` sits in a record's row."""
-        at = 0
-        for part, size in self.parts:
-            if part == name:
-                return slice(at, at + size)
-            at += size
-        raise KeyError(name)
-
-    def unpack(self, values: list[float]) -> dict[str, list[float]]:
+    @cached_property
+    def columns(self) -> dict[str, slice]:
+        """Where each part sits in a record's row."""
         out, at = {}, 0
         for name, size in self.parts:
-            out[name] = values[at: at + size]
+            out[name] = slice(at, at + size)
             at += size
         return out
+
+    def unpack(self, values: list[float]) -> dict[str, list[float]]:
+        return {name: values[part] for name, part in self.columns.items()}
 
 
 class FixedProgram:
