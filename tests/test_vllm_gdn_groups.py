@@ -55,6 +55,7 @@ def vllm_gdn(monkeypatch):
         "vllm.model_executor.layers.mamba.mamba_utils": dict(is_conv_state_dim_first=lambda: False),
         "vllm.model_executor.layers.mamba.ops.causal_conv1d": dict(causal_conv1d_update=gdn_tree.conv_update_reference),
         "vllm.v1.attention.backend": dict(CommonAttentionMetadata=types.SimpleNamespace),
+        "vllm.v1.attention.backends.utils": dict(NULL_BLOCK_ID=0),
     }
     package = types.ModuleType("vllm.model_executor.layers.mamba.gdn")
     monkeypatch.setitem(sys.modules, package.__name__, package)
@@ -168,6 +169,7 @@ def test_a_batch_keeps_each_requests_states_in_blocks_of_its_own_and_commits_the
     held = [block for row in range(3) for block in kv.tables.held[row]]
     states = [block for row in range(3) for block in kv.state_blocks[row]]
     assert len(set(states)) == 3 * GROUPS and not set(states) & (set(held) | set(gdn.group_slots))
+    assert 0 not in states + held  # vLLM's null block: its convolution kernels skip a sequence whose state it names
     assert kv.states.tolist() == [kv.state_blocks[row] for row in range(3)]
     g = torch.Generator().manual_seed(4)
     for layer in layers:  # a committed state of its own in every block

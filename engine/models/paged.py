@@ -29,11 +29,12 @@ class BlockTables:
     """Which blocks of a pool of ``blocks`` each request row holds (``table [rows, max blocks]`` int32, vLLM's
     ``block_table``; entries past a row's own blocks name the scratch block), and the pool's free blocks."""
 
-    def __init__(self, blocks: int, block_size: int, device: torch.device, width: int = 1):
-        """``width``: the table's columns to start with (it widens as a row needs more blocks)."""
+    def __init__(self, blocks: int, block_size: int, device: torch.device, width: int = 1, reserved: int = 0):
+        """``width``: the table's columns to start with (it widens as a row needs more blocks); ``reserved``: the
+        pool's first blocks, which no request ever holds."""
         self.block_size, self.device = block_size, device
         self.scratch = blocks - 1
-        self.free = list(range(blocks - 2, -1, -1))  # popped from the end: block 0 first
+        self.free = list(range(blocks - 2, reserved - 1, -1))  # popped from the end: the lowest first
         self.held: list[list[int]] = []
         self.table = torch.full((0, width), self.scratch, dtype=torch.int32, device=device)
 
@@ -103,12 +104,14 @@ class PagedBatchKV:
     vLLM allocated) refuses a request it has no blocks for."""
 
     def __init__(self, caches: list[torch.Tensor], block_size: int, grow: bool = True, blocks: int | None = None,
-                 width: int = 1):
+                 width: int = 1, reserved: int = 0):
         """``blocks``: the pool's first blocks alone (the rest are someone else's); by default all of them. ``width``:
-        the block table's columns to start with."""
+        the block table's columns to start with. ``reserved``: the first blocks no request holds (vLLM's null
+        block)."""
         self.caches, self.can_grow = caches, grow
         self.device = caches[0].device
-        self.tables = BlockTables(caches[0].shape[0] if blocks is None else blocks, block_size, self.device, width)
+        self.tables = BlockTables(caches[0].shape[0] if blocks is None else blocks, block_size, self.device, width,
+                                  reserved)
         self.move_rows = RowMover(caches, block_size)
 
     @staticmethod

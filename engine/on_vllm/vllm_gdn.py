@@ -42,6 +42,7 @@ from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from engine.errors import EngineError
 from engine.models.paged import PagedBatchKV
@@ -279,10 +280,11 @@ class HybridBatchKV(PagedBatchKV):
     the blocks below the single request's state blocks (``GDNLayers.slot``), and each request's Gated DeltaNet states
     in blocks of its own from the same pool, one a group (``states [rows, groups]``): a batch's verify forks every
     node's state from its request's (``GDNLayers.begin_batch``), and ``compact`` commits each request's accepted path
-    into them after moving its attention rows."""
+    into them after moving its attention rows. No request holds vLLM's null block: its convolution kernels skip a
+    sequence whose state block it is (its output left unwritten)."""
 
     def __init__(self, caches: list[torch.Tensor], block_size: int, gdn: GDNLayers):
-        super().__init__(caches, block_size, grow=False, blocks=gdn.slot)
+        super().__init__(caches, block_size, grow=False, blocks=gdn.slot, reserved=NULL_BLOCK_ID + 1)
         self.gdn = gdn
         self.state_blocks: list[list[int]] = []  # by row: its request's block in each group ([] while none)
         self.states = torch.zeros(0, len(gdn.groups), dtype=torch.int32, device=self.device)

@@ -36,6 +36,7 @@ from vllm.distributed import tensor_model_parallel_all_gather
 from vllm.distributed.parallel_state import graph_capture
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 from vllm.v1.kv_cache_interface import KVQuantMode
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -464,8 +465,10 @@ class PagedTarget(Target):
             from engine.on_vllm.vllm_gdn import HybridBatchKV
 
             return HybridBatchKV(self.kv_caches, self.block_size, self.gdn)
-        # a table as wide as a recorded pass's from the start: a wider one would move it under the fixed step's graphs
-        return PagedBatchKV(self.kv_caches, self.block_size, grow=False, width=self.graph_blocks)
+        # a table as wide as a recorded pass's from the start: a wider one would move it under the fixed step's graphs;
+        # vLLM's null block held by no request, as in a hybrid's (``HybridBatchKV``)
+        return PagedBatchKV(self.kv_caches, self.block_size, grow=False, width=self.graph_blocks,
+                            reserved=NULL_BLOCK_ID + 1)
 
     def verify_batch(self, verify_pass, kv: PagedBatchKV, layout, hidden_states: bool):
         """A batch's trees (``ddtree.batch.BatchLayout``, on the host) in one pass of vLLM's model, each request's
