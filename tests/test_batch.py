@@ -597,15 +597,17 @@ def test_drafts_that_stop_paying_are_tried_again_and_never_stop_another_methods_
 
 
 def test_the_batch_profile_decodes_every_request_and_reports_each_stage(oracle32):
+    from engine.loop.remote_batch import open_batch
     from engine.tools.batch_profile import decode_batch
 
     decoder, asked = oracle32
     settings = DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto")
-    run = decode_batch(decoder, pinned(CHEAP_NODES), asked[:3], settings)
+    batch = open_batch(decoder, pinned(CHEAP_NODES))  # one for both runs, as the tool (and a server) keeps one
+    run = decode_batch(batch, decoder, asked[:3], settings)
     assert run.tokens == sum(len(alone(decoder, ids, settings).output_ids) for ids in asked[:3])
     assert set(run.stages) == {"draft", "tree_build", "tree_compile", "verify", "commit"}
     assert run.steps < run.tokens and len(run.rounds) >= run.steps / 3
     assert run.line("ddtree x 3").startswith(f"ddtree x 3: {run.tokens / run.seconds:.1f} tokens/s, τ ")
     assert run.nodes > 1 and 0 < run.grown <= 1 and f"{run.nodes:.1f} nodes a request a step" in run.line("x")
-    ar = decode_batch(decoder, pinned(CHEAP_NODES), asked[:2], DecodeSettings("ar", max_new_tokens=8))
+    ar = decode_batch(batch, decoder, asked[:2], DecodeSettings("ar", max_new_tokens=8))
     assert (ar.nodes, ar.grown) == (0.0, 0.0)

@@ -68,3 +68,31 @@ def test_a_compiled_step_decodes_the_same_with_fewer_kernels():
     assert fused.run(prompt_ids=prompt_ids, settings=settings).output_ids == ar.output_ids
     before, after = (decoder.kernel_profile(prompt_ids, settings).counts for decoder in (plain, fused))
     assert after["draft"] < before["draft"] and after["verify"] < before["verify"], (before, after)
+
+
+def test_a_batchs_fixed_step_launches_without_waiting_for_the_device():
+    """Once its graphs are recorded, a batch's fixed step is launched while the one before still runs: no copy or
+    read in its launch makes the host wait for the device (a plain copy from the host would, and the pipelined
+    step would then run in lock step)."""
+    from collections import Counter
+
+    from ddtree.allocate import StepCost
+    from engine.gpu.copies import waits_counted
+    from engine.loop.batch import Batch
+    from engine.loop.budgeting import Budgeting
+
+    decoder = load_decoder(device="cuda", dtype="bfloat16", fixed_step=True, cuda_graphs=True)
+    batch = Batch(decoder, Budgeting(StepCost(fixed_s=0.01), follow_steps=False), cache="paged")
+    jobs = [(decoder.target.chat_ids(prompt), DecodeSettings(method, max_new_tokens=40, **budget))
+            for prompt in PROMPTS for method, budget in (("ddtree", {"tree_budget": 16}), ("ar", {}))]
+    batch.run(jobs)  # records every shape the second run takes
+    census: Counter = Counter()
+    launch = batch.launch_fixed
+
+    def counted(*args, **kwargs):
+        with waits_counted(census):
+            return launch(*args, **kwargs)
+
+    batch.launch_fixed = counted
+    traces = batch.run(jobs)
+    assert all(trace.output_ids for trace in traces) and not census, census

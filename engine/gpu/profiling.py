@@ -8,6 +8,7 @@ graph replays) starts inside that stage's range: kernels are attributed by start
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,3 +70,43 @@ def profile_kernels(run: Callable[[], object]) -> KernelProfile:
     kernels = [KernelEvent(event.name, event.time_range.start, event.time_range.elapsed_us()) for event in events
                if event.device_type == DeviceType.CUDA and not event.name.startswith(NOT_KERNELS)]
     return attribute(stages, kernels, len(trace.steps))
+
+
+@dataclass(frozen=True)
+class DeviceTime:
+    """How busy a stretch of work kept the GPU: its kernels' own time against the wall's."""
+
+    wall_s: float
+    kernels: int
+    busy_s: float  # every kernel's time, summed
+    slowest: list[tuple[str, int, float]]  # (kernel name, launches, seconds in all), the most time first
+
+    def line(self, rounds: int) -> str:
+        slowest = "; ".join(f"{name} ×{count / rounds:.1f} {1e3 * seconds / rounds:.3f}"
+                            for name, count, seconds in self.slowest)
+        return (f"device busy {1e3 * self.busy_s / rounds:.2f} ms of {1e3 * self.wall_s / rounds:.2f} ms a round "
+                f"({100 * self.busy_s / self.wall_s:.0f}%), {self.kernels / rounds:.0f} kernels a round; the most time "
+                f"(launches and ms a round): {slowest}")
+
+
+def device_time(run: Callable[[], object], slowest: int = SLOWEST) -> DeviceTime:
+    """The kernels ``run()`` puts on the GPU, timed by the profiler (its CUDA activity alone, so that the host's side
+    runs at its own pace)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("timing kernels needs a CUDA device")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        began = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    by_name: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.device_type == DeviceType.CUDA and not event.name.startswith(NOT_KERNELS):
+            by_name.setdefault(event.name[:NAME_CHARS], []).append(event.time_range.elapsed_us() / 1e6)
+    ranked = sorted(((name, len(times), sum(times)) for name, times in by_name.items()), key=lambda item: -item[2])
+    return DeviceTime(wall, sum(len(times) for times in by_name.values()), sum(t for _, _, t in ranked),
+                      ranked[:slowest])

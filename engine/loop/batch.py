@@ -249,11 +249,12 @@ class Batch:
         everyone = self.requests + self.waiting
         last = max(everyone, key=lambda r: r.row)
         lag = last.settings.block_size if self.in_flight is not None else 0  # the host's past lags the step in flight
-        self.kv.release(request.row, last.row, max(last.start + lag, last.prefilled))
+        columns = max(last.start + lag, last.prefilled)  # the rows the last request's caches may hold
+        self.kv.release(request.row, last.row, columns)
         self.on_device.discard(request)
         if last is not request:
             if self.context is not None:
-                self.context.move_row(last.row, request.row)
+                self.context.move_row(last.row, request.row, columns)
             if self.accepted is not None:
                 self.accepted.move_row(last.row, request.row)
             self.row_state.move_row(last.row, request.row)
@@ -358,6 +359,8 @@ class Batch:
             return
         block_size = request.settings.block_size
         block = torch.full((1, block_size), mask, device=device)
+        # a scratch row past the request's; its rows lie before its prompt's end or its root, whichever is later
+        self.context.reserve(request.row + 2, max(request.prefilled, request.start) + block_size)
         for begin in range(0, features.shape[0], block_size):
             piece, at = features[begin:begin + block_size], positions[begin:begin + block_size].to(device)
             self.graphed_draft(block, at[-1] + 1 + torch.arange(block_size, device=device)[None], piece[None],
@@ -650,7 +653,8 @@ class Batch:
         block_positions = torch.tensor([r.start for r in chosen], device=device)[:, None] + torch.arange(
             block_size, device=device)
         rows, depth = [r.row for r in chosen], max(depths)
-        if self.graphed_draft is not None:
+        if self.graphed_draft is not None:  # a scratch row past theirs; a request's context ends before its root
+            self.context.reserve(max(rows) + 2, max(r.start for r in chosen) + block_size)
             log_probs = self.graphed_draft(block, block_positions, padded, positions, added, rows)[:, :depth]
         else:
             embedding, lm_head = self.decoder.draft_weights

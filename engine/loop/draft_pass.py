@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from engine.gpu.copies import to_device
 from engine.gpu.graphs import GraphedCall
 from engine.models.drafter import DFlashDrafter, DraftContext, StaticDraftContext
 
@@ -159,10 +160,12 @@ class GraphedBatchDraft:
                  feature_positions: torch.Tensor, added: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Log-probabilities ``[count, block_size - 1, vocab]`` for every request's block (``draft_log_probs``'
         arguments, ``block [count, block_size]``; ``rows``: the requests' rows of the context)."""
-        context, index = self.context, torch.tensor(rows, device=self.embedding.device)
+        context, index = self.context, to_device(rows, self.embedding.device)
         count, block_size = block.shape
         shape = (count_bucket(count), block_size)
-        context.reserve(max(rows) + 2, int(context.lengths[index].max()) + block_size)  # a scratch row past them
+        if context.rows < max(rows) + 2:
+            raise ValueError(f"the drafter's context has {context.rows} rows: a recorded pass of rows up to "
+                             f"{max(rows)} needs a scratch row past them (reserve it before drafting)")
         if context.generation != self.generation:
             self.shapes.clear()
             self.generation = context.generation

@@ -46,6 +46,7 @@ import torch
 import ddtree
 import ddtree.fixed
 from ddtree.fixed import FixedTree
+from engine.gpu.copies import to_device
 from engine.gpu.graphs import GraphedCall
 from engine.loop.draft_pass import GraphedBatchDraft, draft_log_probs
 from engine.loop.fixed_step import TREE_PARTS, StepLayout, record_trees
@@ -79,7 +80,7 @@ class RowState:
     def set(self, row: int, root: int, past: int) -> None:
         """The host's root and past for the request in ``row`` (it joined, or stepped readably)."""
         self.reserve(row + 1)
-        self.values[:, row] = torch.tensor([root, past], device=self.values.device)
+        self.values[:, row] = to_device([root, past], self.values.device)
 
     def move_row(self, source: int, target: int) -> None:
         """The request in row ``source`` moved to ``target`` (``Batch.release``)."""
@@ -108,15 +109,13 @@ class SlotInputs:
 
         E.g. 3 requests in rows 0, 1, 2 and spare row 3: 4 slots over rows 0..3, read as a view; requests in rows 0,
         2, 3 (row 1 still joining) and spare row 4: rows [0, 2, 3, 4], gathered."""
-        padding = [(0, NO_TREE, spare + extra) for extra in range(count - len(slots))]
-        host = torch.tensor(slots + padding, dtype=torch.long).T  # [3, S]: budget, kind, row
-        rows = host[2].tolist()
+        padding = [(0, NO_TREE, spare + extra, 0) for extra in range(count - len(slots))]
+        rows = [row for _, _, row in slots] + [row for _, _, row, _ in padding]
         consecutive = rows == list(range(rows[0], rows[0] + count))
         state.reserve(max(rows) + 1)
-        host = host.to(state.values.device)
-        real = (torch.arange(count) < len(slots)).to(host.device)
-        root, past = torch.where(real, state.values[:, host[2]], 0)
-        budget, kind, row = host
+        # [4, S]: budget, kind, row, whether a request is in the slot; one copy, in stream order
+        budget, kind, row, real = to_device([(*slot, 1) for slot in slots] + padding, state.values.device).T
+        root, past = torch.where(real.bool(), state.values[:, row], 0)
         return SlotInputs(root, past, budget, kind, row, slice(rows[0], rows[0] + count) if consecutive else row, rows)
 
 
@@ -213,7 +212,7 @@ class AcceptedRows:
         self.reserve(row + 1)
         count = features.shape[0]
         self.features[row, :count] = features.to(self.features.dtype)
-        self.positions[row, :count] = positions.to(self.positions.device)
+        self.positions[row, :count] = to_device(positions, self.positions.device)
         self.added[row] = count
 
     def move_row(self, source: int, target: int) -> None:
@@ -273,7 +272,7 @@ class FixedBatchProgram:
         if self.drafts:
             last = max([*rows, *padding])
             self.accepted.reserve(last + 1)
-            self.context.reserve(last + 1, max(pasts) + self.depth + 2)
+            self.context.reserve(last + 2, max(pasts) + self.depth + 2)  # a scratch row past every slot's
 
     def draft(self, inputs: SlotInputs) -> torch.Tensor:
         """``[S, depth, vocab]``: every slot's block drafted at once, from the rows it accepted last."""

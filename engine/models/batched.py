@@ -322,8 +322,9 @@ class BatchDraftContext(_Rows):
         if self.rows > self.lengths.numel():
             self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(self.rows - self.lengths.numel())])
 
-    def move_row(self, source: int, target: int, columns: int | None = None) -> None:
-        super().move_row(source, target, int(self.lengths[source]))
+    def move_row(self, source: int, target: int, columns: int) -> None:
+        """``columns``: at least the source row's length, as the host bounds it (its length is not read back)."""
+        super().move_row(source, target, columns)
         self.lengths[target] = self.lengths[source]
 
     def rows_view(self, rows: list[int], new: int) -> _DraftRows:

@@ -22,6 +22,7 @@ import torch
 import ddtree
 from ddtree.batch import BatchLayout
 from engine.errors import EngineError
+from engine.gpu.copies import to_device
 from engine.gpu.kv_moves import RowMover
 
 
@@ -63,7 +64,7 @@ class BlockTables:
             extra = torch.full((self.table.shape[0], len(held) - self.table.shape[1]), self.scratch,
                                dtype=torch.int32, device=self.device)
             self.table = torch.cat([self.table, extra], dim=1)
-        self.table[row, : len(held)] = torch.tensor(held, dtype=torch.int32, device=self.device)
+        self.table[row, : len(held)] = to_device(held, self.device, torch.int32)  # in stream order: no wait
 
     def release(self, row: int, last: int) -> None:
         """Row ``row``'s request leaves: its blocks go back to the pool, and the request in row ``last`` (the

@@ -45,6 +45,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from engine.errors import EngineError
+from engine.gpu.copies import to_device
 from engine.models.paged import PagedBatchKV
 from engine.on_vllm import gdn_fused, gdn_tree
 
@@ -314,8 +315,8 @@ class HybridBatchKV(PagedBatchKV):
     def publish(self) -> None:
         """The rows' state blocks to the device (a row without a request names the single request's blocks, which
         no pass of the batch writes)."""
-        self.states = torch.tensor([blocks or self.gdn.group_slots for blocks in self.state_blocks], dtype=torch.int32,
-                                   device=self.device).reshape(-1, len(self.gdn.groups))
+        self.states = to_device([blocks or self.gdn.group_slots for blocks in self.state_blocks], self.device,
+                                torch.int32).reshape(-1, len(self.gdn.groups))
 
     def hold_layout(self, layout) -> None:
         super().hold_layout(layout)

@@ -1,13 +1,16 @@
 """Where a batched step's time goes: the server's batch without the server.
 
     python -m engine.tools.batch_profile [--requests 16] [--methods ar,ddtree] [--tokens 128] [--profile]
-        [the app's model flags: --engine vllm --model ... --drafter ...] [--random-weights]
+        [--kernels] [--waits] [the app's model flags: --engine vllm --model ... --drafter ...] [--random-weights]
 
-For each number of requests and each method ("auto" trees for those that draft), that many prompts join one batch
-at once (``engine.loop.remote_batch.open_batch``: on the vLLM engine, in its workers) and decode to the end: once
-to warm up, once timed. Prints tokens/s, τ, the rounds and their median, how many nodes the requests' trees got
+For each number of requests and each method ("auto" trees for those that draft), that many prompts join the batch
+at once and decode to the end: once to warm up, once timed. One batch serves every run, as a server keeps one
+(``engine.loop.remote_batch.open_batch``: on the vLLM engine, in its workers), so the timed run replays what the
+warm-up recorded. Prints tokens/s, τ, the rounds and their median, how many nodes the requests' trees got
 and how often they grew one, and each stage's median per step as the traces record it (draft, tree_build,
-tree_compile, verify, commit); ``--profile`` adds a third run under cProfile and prints its heaviest functions.
+tree_compile, verify, commit). More runs, each after the timed one: ``--kernels`` (GPU) how busy the device was
+and its costliest kernels, ``--waits`` (GPU) where the host waited for the device, ``--profile`` the heaviest
+functions under cProfile.
 On the vLLM engine the workers run in this process (as they do by default: ``engine_core_here``), so the profile
 sees their Python as well; the server's log of its rounds says what a served round adds to this.
 """
@@ -21,9 +24,13 @@ import pstats
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 from engine.errors import run_command
+from engine.gpu.copies import waits_counted
+from engine.gpu.profiling import device_time
 from engine.loop.remote_batch import open_batch
 from engine.loop.settings import DecodeSettings
 from engine.methods import AUTO, Label
@@ -60,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="methods, comma-separated; a drafting one's budget after @ (ddtree@16), else auto trees")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens a request")
     parser.add_argument("--profile", action="store_true", help="a third run under cProfile, its heaviest functions")
+    parser.add_argument("--kernels", action="store_true",
+                        help="GPU: a run under the profiler's CUDA activity: the device's busy share, top kernels")
+    parser.add_argument("--waits", action="store_true",
+                        help="GPU: a run that counts where the host waited for the device (PyTorch's sync debug mode)")
     parser.add_argument("--random-weights", action="store_true",
                         help="vllm engine: --model and --drafter are config-only folders (assets/shapes/), timing only")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm engine: its share of the GPU")
@@ -68,9 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def decode_batch(decoder, budgeting, prompts: list[list[int]], settings: DecodeSettings) -> BatchRun:
-    """Every prompt joins one batch at once and decodes ``settings`` to its end."""
-    batch = open_batch(decoder, budgeting)
+def decode_batch(batch, decoder, prompts: list[list[int]], settings: DecodeSettings) -> BatchRun:
+    """Every prompt joins ``batch`` at once and decodes ``settings`` to its end."""
     requests = [batch.admit_prepared("", ids, *decoder.prepare(settings, len(ids))) for ids in prompts]
     rounds, started = [], time.perf_counter()
     while not batch.idle:
@@ -94,6 +104,7 @@ def main(args: argparse.Namespace) -> int:
     budgeting = batch_budgeting(decoder, time_here=True)
     print(f"trees sized by {budgeting.source}: {budgeting.cost}")
     prompts = [decoder.target.chat_ids(row["prompt"]) for row in read_prompts(args.prompts)]
+    batch = open_batch(decoder, budgeting)  # one for every run, as a server keeps one: what it recorded, it replays
     for size in (int(size) for size in args.requests.split(",")):
         for name in args.methods.split(","):
             label = Label.parse(name)
@@ -103,12 +114,21 @@ def main(args: argparse.Namespace) -> int:
             settings = DecodeSettings(label.method.name, max_new_tokens=args.tokens,
                                       **({"tree_budget": budget} if label.method.drafts else {}))
             chosen = [prompts[i % len(prompts)] for i in range(size)]
-            decode_batch(decoder, budgeting, chosen, settings)  # warm-up: first shapes, kernels compiled
-            print(decode_batch(decoder, budgeting, chosen, settings).line(f"{name} x {size}"), flush=True)
+            decode_batch(batch, decoder, chosen, settings)  # warm-up: first shapes, kernels compiled, graphs recorded
+            timed = decode_batch(batch, decoder, chosen, settings)
+            print(timed.line(f"{name} x {size}"), flush=True)
+            if args.kernels:
+                print(device_time(partial(decode_batch, batch, decoder, chosen, settings)).line(len(timed.rounds)))
+            if args.waits:
+                census: Counter = Counter()
+                with waits_counted(census):
+                    decode_batch(batch, decoder, chosen, settings)
+                print(f"the host waited for the device {sum(census.values()) / len(timed.rounds):.1f} times a round: "
+                      + "; ".join(f"{where} ×{count}" for where, count in census.most_common(12)), flush=True)
             if args.profile:
                 profile = cProfile.Profile()
                 profile.enable()
-                decode_batch(decoder, budgeting, chosen, settings)
+                decode_batch(batch, decoder, chosen, settings)
                 profile.disable()
                 for order in ("tottime", "cumulative"):
                     out = io.StringIO()
