@@ -34,9 +34,10 @@
 #              workers against each request's solo AR (float32), then batch_profile at REQUESTS (4,16) for AR, DFlash and
 #              DDTree (auto) with the Studio's CUDA graphs and, with EAGER=1, without them (~4 min, ~6 with EAGER=1)
 #   fixed-batch  the batched step as fixed-shape programs (DDTREE_BATCH_STEP=fixed): the batch in vLLM's workers
-#              against each request's solo AR (float32), both batch tests, then batch_profile at REQUESTS (4,16) for AR,
-#              DFlash and DDTree@16, the readable step and then the fixed one (~3.5 min on an H100; the fixed step's
-#              advance replayed from CUDA graphs has not run on a GPU yet)
+#              against each request's solo AR (float32), both batch tests, and that a batch's step launches without
+#              waiting for the device; then batch_profile at REQUESTS (4,16) for METHODS (AR, DFlash, DDTree@16 and
+#              auto), with the device's busy share and where the host waited (READABLE=1: the readable step first)
+#              (~5 min on an H100)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
 #              float64 at 52-84 tokens (tests/test_vllm_prefill_kernels.py), a drafter scripted with
@@ -186,10 +187,15 @@ fixed-batch)
   DDTREE_BATCH_STEP=fixed timeout 300 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider \
       tests/test_vllm_engine.py -k batch_in_the_workers > "$OUT/pytest-fixed-batch.txt" 2>&1
   grep -E '^(FAILED|ERROR)|passed|failed|Error' "$OUT/pytest-fixed-batch.txt" | tail -n 6
-  for step in readable fixed; do
-    DDTREE_BATCH_STEP=$step timeout 200 python3 -m engine.tools.batch_profile --engine vllm $MODELS \
-        --requests "${REQUESTS:-4,16}" --methods ar,dflash,ddtree@16 --tokens 96 > "$OUT/batch-profile-$step.txt" 2>&1
-    echo "$step:"; grep -E 'trees sized|x [0-9]+:|Error' "$OUT/batch-profile-$step.txt" | tail -n 7
+  timeout 150 python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/test_fixed_step_gpu.py \
+      -k launches_without_waiting > "$OUT/pytest-launch-waits.txt" 2>&1
+  grep -E '^(FAILED|ERROR)|passed|failed|^E ' "$OUT/pytest-launch-waits.txt" | tail -n 6
+  # the fixed step, with the device's busy share and where the host waited; READABLE=1 the readable step first
+  for step in $([ "${READABLE:-0}" = 1 ] && echo readable) fixed; do
+    DDTREE_BATCH_STEP=$step timeout 280 python3 -m engine.tools.batch_profile --engine vllm $MODELS \
+        --requests "${REQUESTS:-4,16}" --methods "${METHODS:-ar,dflash,ddtree@16,ddtree}" --tokens 128 \
+        $([ $step = fixed ] && echo --kernels --waits) > "$OUT/batch-profile-$step.txt" 2>&1
+    echo "$step:"; grep -E 'trees sized|x [0-9]+:|device busy|host waited|Error' "$OUT/batch-profile-$step.txt" | tail -n 24
   done ;;
 humaneval)
   timeout 560 python3 -m engine.tools.bench --engine vllm --no-progress $MODELS --native ar,dflash $STEP \
