@@ -262,3 +262,26 @@ def test_a_round_launches_the_next_fixed_step_before_it_finishes_the_one_in_flig
         batch.advance()
     for request, ids in zip(requests, asked):
         same_steps(request.trace, alone(plain, ids, request.settings))
+
+
+def test_a_steps_auto_requests_learn_together_what_each_would_learn_from_its_offer():
+    """``Budgeting.learn_fixed`` prices every "auto" request's candidates at once; each request's next expectation and
+    reach, and the method's typical draft after them all, are what ``learn`` makes of each one's offer in turn."""
+    from ddtree.allocate import Offer
+    from engine.loop.budgeting import Budgeting
+    from engine.methods import method
+
+    generator = torch.Generator().manual_seed(0)
+    row = method("ddtree")
+    tree = ddtree.fixed.heap_order(row.fixed(torch.log_softmax(torch.randn(4, 2, 6, generator=generator) * 3, -1),
+                                             row.nodes(64, 2)))
+    expected = [None, torch.rand(64, dtype=torch.float64, generator=generator), None,
+                torch.rand(64, dtype=torch.float64, generator=generator)]
+    together, each = Budgeting(), Budgeting()
+    learned = together.learn_fixed(row, expected, tree, 2)
+    ordered, worth, counts = each.priced(tree, 2)
+    assert max(counts) < 64  # a block of 2 holds fewer candidates: the expectation is padded past them
+    for r, (next_expected, reach) in enumerate(learned):
+        own = each.learn(row, expected[r], Offer(tuple(worth[r, :counts[r]].tolist()), counts[r]))
+        assert torch.equal(next_expected, own) and torch.equal(reach, ordered.depths[r, :counts[r]].cummax(0).values)
+    assert torch.equal(together.typical["ddtree"], each.typical["ddtree"])

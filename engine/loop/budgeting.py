@@ -59,11 +59,22 @@ class Budgeting:
 
     def learned(self, row: Method, expected: torch.Tensor | None, offered: torch.Tensor) -> torch.Tensor:
         """``learn`` from a draft's nodes' worth, best first (``offered [n]``)."""
-        worth = torch.zeros(AUTO_NODES, dtype=torch.float64)
-        worth[: offered.shape[0]] = offered[:AUTO_NODES]
-        typical = self.expectation(row)
-        self.typical[row.name] = worth.clone() if typical is None else torch.lerp(typical, worth, TYPICAL_LEARN)
-        return worth if expected is None else torch.lerp(expected, worth, LEARN)
+        worth = torch.zeros(1, AUTO_NODES, dtype=torch.float64)
+        worth[0, : offered.shape[0]] = offered[:AUTO_NODES]
+        return self.learned_rows(row, [expected], worth)[0]
+
+    def learned_rows(self, row: Method, expected: list[torch.Tensor | None], offered: torch.Tensor) -> torch.Tensor:
+        """``learned`` for many drafts of one method at once (``offered [a, AUTO_NODES]``, zeros past each one's
+        nodes): ``[a, AUTO_NODES]``, each one's next expectation; the method's typical draft moves towards each in
+        turn."""
+        for own in offered:
+            typical = self.expectation(row)
+            self.typical[row.name] = own.clone() if typical is None else torch.lerp(typical, own, TYPICAL_LEARN)
+        known = [r for r, own in enumerate(expected) if own is not None]
+        moved = offered.clone()
+        if known:
+            moved[known] = torch.lerp(torch.stack([expected[r] for r in known]), offered[known], LEARN)
+        return moved
 
     def relax(self, row: Method, expected: torch.Tensor | None) -> torch.Tensor | None:
         """A request that did not draft this step: its expectation a step nearer its method's typical draft, and
@@ -112,9 +123,13 @@ class Budgeting:
         the host, ``engine.loop.fixed_batch``): each one's next expectation and how deep its candidates reach
         (``BatchRequest.reach``), priced together."""
         ordered, worth, counts = self.priced(tree, depth)
-        worth = worth.to(torch.float64)
-        return [(self.learned(row, own, worth[r, :n]), ordered.depths[r, :n].cummax(0).values)
-                for r, (own, n) in enumerate(zip(expected, counts))]
+        width = min(AUTO_NODES, worth.shape[1])
+        real = torch.arange(width) < torch.tensor(counts)[:, None]  # [a, width]: each one's own nodes
+        offered = torch.zeros(len(counts), AUTO_NODES, dtype=torch.float64)  # [a, AUTO_NODES]: as ``learned`` pads
+        offered[:, :width] = torch.where(real, worth[:, :width].to(torch.float64), 0.0)
+        moved = self.learned_rows(row, expected, offered)
+        reach = ordered.depths.cummax(-1).values  # [a, n]
+        return [(moved[r], reach[r, :n]) for r, n in enumerate(counts)]
 
     def alone(self, row: Method, log_probs: torch.Tensor) -> ddtree.DraftTree:
         """An "auto" tree for a request that runs alone: a batch of one, drafting."""
