@@ -85,3 +85,18 @@ def test_text_pieces_join_to_the_full_decode_even_for_split_characters(decoder):
     pieces = [stream.push(token) for token in ids]
     assert "".join(pieces) == tokenizer.decode(ids)
     assert "\ufffd" not in "".join(pieces)
+
+
+def test_a_tokens_text_is_decoded_once_and_kept(decoder, monkeypatch):
+    """A finished trace carries the text of every token it shows (``Target.token_text``): a special token written
+    out, and each token decoded once, however many traces show it."""
+    target = decoder.target
+    end = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    plain = target.text_ids("Hello")[0]
+    expected = {token: target.tokenizer.decode([token], skip_special_tokens=False) for token in (end, plain)}
+    target.token_texts.clear()
+    decoded = []
+    decode = target.tokenizer.decode
+    monkeypatch.setattr(target.tokenizer, "decode", lambda ids, **kw: decoded.append(ids) or decode(ids, **kw))
+    assert [target.token_text(token) for token in (end, plain, end, plain)] == [expected[end], expected[plain]] * 2
+    assert expected[end] == "<|im_end|>" and decoded == [[end], [plain]]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -63,6 +63,7 @@ class Target:
     tokenizer: object
     name: str
     stop_ids: list[int]
+    token_texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)  # ``token_text``'s, by token
     batched_modules: ClassVar[bool] = True  # its modules' outputs are [batch, tokens, ...] (vLLM's: [tokens, ...])
 
     @property
@@ -112,8 +113,12 @@ class Target:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def token_text(self, token: int) -> str:
-        """One token's own text, a special token's too (``<|im_end|>``): how a trace shows the token."""
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        """One token's own text, a special token's too (``<|im_end|>``): how a trace shows the token. Kept once
+        decoded: a finished request's trace names hundreds of tokens, most of them shown by traces before it."""
+        text = self.token_texts.get(token)
+        if text is None:
+            text = self.token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     def new_cache(self):
         from transformers import DynamicCache
