@@ -21,7 +21,7 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> 
     """``values`` (a list, or a tensor on the host) on ``device``, copied in stream order: later kernels see it, and
     the host does not wait for earlier ones."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
+    if device.type != "cuda" or host.device.type != "cpu":  # no pinning to do: on the host, or already on a device
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
