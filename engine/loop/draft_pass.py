@@ -159,7 +159,9 @@ class GraphedBatchDraft:
     def __call__(self, block: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
                  feature_positions: torch.Tensor, added: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Log-probabilities ``[count, block_size - 1, vocab]`` for every request's block (``draft_log_probs``'
-        arguments, ``block [count, block_size]``; ``rows``: the requests' rows of the context)."""
+        arguments, ``block [count, block_size]``; ``rows``: the requests' rows of the context). The caller has
+        reserved the context's room, by the host's own bounds: a scratch row past ``rows``, and a block of columns past
+        each of their contexts (their lengths are the device's, not read back)."""
         context, index = self.context, to_device(rows, self.embedding.device)
         count, block_size = block.shape
         shape = (count_bucket(count), block_size)
