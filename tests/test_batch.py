@@ -596,6 +596,18 @@ def test_drafts_that_stop_paying_are_tried_again_and_never_stop_another_methods_
     assert not waited[0] and any(waited)  # not at once: the evidence against it counts for a while
 
 
+def test_the_batch_profile_times_vllms_own_decoders_only_beside_the_vllm_engine(capsys):
+    from engine.tools.batch_profile import parse_args
+
+    assert [job.label for job in parse_args(["--engine", "vllm", "--native", "ar,mtp"]).native_jobs] == [
+        "vllm-ar", "vllm-mtp"]
+    for argv, said in ((["--native", "ar"], "add --engine vllm"),
+                       (["--engine", "vllm", "--native", "ar,eagle"], "--native takes ar, ar-graphless, dflash")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert said in capsys.readouterr().err
+
+
 def test_the_batch_profile_decodes_every_request_and_reports_each_stage(oracle32):
     from engine.loop.remote_batch import open_batch
     from engine.tools.batch_profile import decode_batch

@@ -1,7 +1,8 @@
 """Where a batched step's time goes: the server's batch without the server.
 
     python -m engine.tools.batch_profile [--requests 16] [--methods ar,ddtree] [--tokens 128] [--profile]
-        [--kernels] [--waits] [the app's model flags: --engine vllm --model ... --drafter ...] [--random-weights]
+        [--kernels] [--waits] [--native ar,mtp]
+        [the app's model flags: --engine vllm --model ... --drafter ...] [--random-weights]
 
 For each number of requests and each method ("auto" trees for those that draft), that many prompts join the batch
 at once and decode to the end: once to warm up, once timed. One batch serves every run, as a server keeps one
@@ -10,7 +11,8 @@ warm-up recorded. Prints tokens/s, τ, the rounds and their median, how many nod
 and how often they grew one, and each stage's median per step as the traces record it (draft, tree_build,
 tree_compile, verify, commit). More runs, each after the timed one: ``--kernels`` (GPU) how busy the device was
 and its costliest kernels, ``--waits`` (GPU) where the host waited for the device, ``--profile`` the heaviest
-functions under cProfile.
+functions under cProfile. ``--native ar,mtp`` then times vLLM's own decoders at each number of requests, as that
+many clients of its continuous batching: the baseline a batched step is held to, in the same run.
 On the vLLM engine the workers run in this process (as they do by default: ``engine_core_here``), so the profile
 sees their Python as well; the server's log of its rounds says what a served round adds to this.
 """
@@ -28,14 +30,14 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
-from engine.errors import run_command
+from engine.errors import EngineError, run_command
 from engine.gpu.copies import waits_counted
 from engine.gpu.profiling import device_time
 from engine.loop.remote_batch import open_batch
 from engine.loop.settings import DecodeSettings
 from engine.methods import AUTO, Label
 from engine.serving.startup import add_model_arguments, batch_budgeting, check_model_arguments, load_studio_decoder
-from engine.tools.bench import read_prompts
+from engine.tools.bench import plan_native_jobs, read_prompts
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="GPU: a run under the profiler's CUDA activity: the device's busy share, top kernels")
     parser.add_argument("--waits", action="store_true",
                         help="GPU: a run that counts where the host waited for the device (PyTorch's sync debug mode)")
+    parser.add_argument("--native", default="", metavar="ar,mtp",
+                        help="vllm engine: then vLLM's own decoders (ar, ar-graphless, dflash, mtp) at each number of "
+                             "requests, as that many clients of its continuous batching, once the Studio's engine has "
+                             "given the GPU back")
+    parser.add_argument("--native-mtp-tokens", type=int, default=3, metavar="N", help="--native mtp: tokens it drafts")
     parser.add_argument("--random-weights", action="store_true",
                         help="vllm engine: --model and --drafter are config-only folders (assets/shapes/), timing only")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm engine: its share of the GPU")
     args = parser.parse_args(argv)
     check_model_arguments(parser, args)
+    if args.native and args.engine != "vllm":
+        parser.error("--native times vLLM's own decoders beside the vLLM engine's: add --engine vllm")
+    try:
+        args.native_jobs = plan_native_jobs(args.native) if args.native else []
+    except EngineError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -134,7 +147,40 @@ def main(args: argparse.Namespace) -> int:
                     out = io.StringIO()
                     pstats.Stats(profile, stream=out).sort_stats(order).print_stats(40)
                     print(out.getvalue(), flush=True)
+    if args.native_jobs:
+        time_native(decoder, args, prompts)
     return 0
+
+
+def time_native(decoder, args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """vLLM's own decoders (``--native``) on the same prompts at each number of requests, as that many clients of its
+    continuous batching (``native_clients``), once the Studio's engine has given the GPU back (at 27B the two do not
+    fit side by side): a line each, tokens/s and τ (vLLM's counters) beside the Studio's lines above."""
+    import torch
+
+    from engine.on_vllm.vllm_engine import native_acceptance, native_clients, native_llm
+
+    decoder.close()
+    torch.cuda.empty_cache()
+    stops = decoder.target.stop_ids
+    for job in args.native_jobs:
+        native = job.native
+        drafted = decoder.drafter.block_size - 1 if native.our_drafter else args.native_mtp_tokens
+        llm = native_llm(args.model, args.dtype or "bfloat16", args.drafter if native.our_drafter else None, drafted,
+                         options=decoder.options, mtp=native.mtp, cuda_graphs=native.cuda_graphs)
+        native_clients(llm, prompts[:1], 1, 8, stops)  # warm-up, untimed
+        for size in (int(size) for size in args.requests.split(",")):
+            chosen = [prompts[i % len(prompts)] for i in range(size)]
+            native_clients(llm, chosen, size, args.tokens, stops)  # this many requests' graphs, untimed
+            before = native_acceptance(llm)
+            began = time.perf_counter()
+            answers = native_clients(llm, chosen, size, args.tokens, stops)
+            seconds = time.perf_counter() - began
+            drafts, accepted = (after - earlier for after, earlier in zip(native_acceptance(llm), before))
+            print(f"{job.label} x {size}: {sum(len(a.output_ids) for a in answers) / seconds:.1f} tokens/s, "
+                  f"τ {1 + accepted / drafts if drafts else 1.0:.2f} (vLLM's own, {size} clients)", flush=True)
+        del llm
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -54,8 +54,10 @@
 #              blocks, and the batch test in vLLM's workers
 #              on the tiny hybrid (each request against its solo AR, float32; a failure names the token where it
 #              parted), the tiny hybrid through the endpoint in float32, every text at 4 clients against the same
-#              prompt's AR at 1; then SHAPE's (default the 27B hybrid's) batched step at 1, 4 and 16 requests, random
-#              weights, timing only (UTIL of the GPU's memory, TOKENS a request) (~6.5 min; its first run was not exact)
+#              prompt's AR at 1 (~3 min; its first run was not exact: vLLM's null block, since reserved)
+#   shape-batch  SHAPE's (default the 27B hybrid's) batch at 1, 4 and 16 requests, random weights, timing only: AR,
+#              DFlash and DDTree at the allocator's budgets and DDTree@64, then vLLM's own AR and MTP at the same
+#              concurrency (batch_profile --native; UTIL of the GPU's memory, TOKENS a request) (not yet run)
 #   hybrid-kernels  after hybrid: CUDA kernels per step on the tiny hybrid (3 Gated DeltaNet layers, 1 attention; random
 #              weights, so the fixed step's graphs run), the Gated DeltaNet programs against vLLM's own kernels run per
 #              path (DDTREE_GDN=vllm-kernels, the verify before #41): the difference over 3 is a layer's (with
@@ -94,7 +96,7 @@
 # does a hybrid by default, which --compile-step's torch.compile of vLLM's model does not reach past dynamo's recompile
 # limit; STEP=--no-vllm-compile: a hybrid's layers eager).
 set -uo pipefail
-PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, serve-hop, serve-float32, batch, fixed-batch, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-batch, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
+PHASES='check, kernels, gdn, gdn-profile, tests, float32, fresh, baseline, app, serve, serve-hop, serve-float32, batch, fixed-batch, humaneval, hybrid, hybrid-exact, hybrid-cost, hybrid-batch, shape-batch, hybrid-kernels, hybrid-modules, hybrid-margins, shape, exact, rows or rows-vllm'
 phase=${1:?phase: $PHASES}
 TOKENS=${TOKENS:-128}
 STEP=${STEP:-} TAG=${TAG:-}
@@ -284,14 +286,20 @@ hybrid-batch)
   timeout 240 python3 -m engine.tools.serve_bench --prompts assets/prompts/fresh.jsonl --limit 8 --max-tokens 48 \
       --concurrency 1,4 --methods ar,dflash,ddtree@16 --modes batched --out "$OUT/gpu-serve-hybrid-float32.json" \
       --server-args "--engine vllm --model $HYBRID --drafter $HYBRID-scripted --dtype float32" > "$OUT/serve-hybrid.txt" 2>&1
-  grep -E '^\| |Error' "$OUT/serve-hybrid.txt" | tail -n 12
+  grep -E '^\| |Error' "$OUT/serve-hybrid.txt" | tail -n 12 ;;
+shape-batch)  # SHAPE's (default the 27B hybrid's) batch at 1, 4 and 16 requests, random weights, timing only: AR, DFlash
+  # and DDTree at the budgets the allocator picks and DDTree@64, then vLLM's own AR and MTP as that many clients of its
+  # continuous batching once the Studio's engine has closed (UTIL of the GPU's memory, TOKENS a request; a hybrid:
+  # carry .whl, and DDTREE_HYBRID_BATCH=1, which the phase sets)
+  export DDTREE_HYBRID_BATCH=1
   shape=assets/shapes/${SHAPE:-qwen3.6-27b}
   # the 27B shape's weights fit in 0.45 of an H200's memory, not of an H100's
   util=${UTIL:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 < 100000) ? 0.9 : 0.45}')}
-  timeout 300 python3 -m engine.tools.batch_profile --engine vllm --random-weights --model "$shape" \
+  timeout 560 python3 -m engine.tools.batch_profile --engine vllm --random-weights --model "$shape" \
       --drafter "$shape-dflash-b16" --gpu-memory-utilization "$util" --requests 1,4,16 \
-      --methods ar,dflash@16,ddtree@16,ddtree@64 --tokens "${TOKENS:-32}" > "$OUT/batch-profile-hybrid-shape.txt" 2>&1
-  grep -E 'trees sized|x [0-9]+:|Error' "$OUT/batch-profile-hybrid-shape.txt" ;;
+      --methods "${METHODS:-ar,dflash,ddtree,ddtree@64}" --tokens "${TOKENS:-32}" --native "${NATIVE:-ar,mtp}" \
+      > "$OUT/batch-profile-shape.txt" 2>&1
+  grep -E 'trees sized|x [0-9]+:|Error' "$OUT/batch-profile-shape.txt" ;;
 hybrid-kernels)  # kernels per step, the Gated DeltaNet programs (fused) against vLLM's kernels per path (after hybrid)
   # a drafter of random weights (its config alone: a scripted drafter never runs as a CUDA graph)
   mkdir -p "$HYBRID-random" && cp "$HYBRID-shape/config.json" "$HYBRID-random/"
