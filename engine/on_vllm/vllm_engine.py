@@ -491,6 +491,25 @@ def native_clients(llm, prompts: list[list[int]], clients: int, max_new_tokens: 
     return sorted(answers, key=lambda answer: answer.index)
 
 
+@dataclass
+class ClientsRun:
+    """``native_clients`` timed: its answers, its wall seconds and its τ."""
+
+    answers: list[NativeAnswer]
+    seconds: float
+    tau: float  # vLLM's counters over the run: tokens a step (1 where nothing drafts)
+
+
+def timed_clients(llm, prompts: list[list[int]], clients: int, max_new_tokens: int, stop_ids: list[int]) -> ClientsRun:
+    """``native_clients``, timed, with τ from vLLM's speculative-decoding counters over the run alone."""
+    before = native_acceptance(llm)
+    began = time.monotonic()
+    answers = native_clients(llm, prompts, clients, max_new_tokens, stop_ids)
+    seconds = time.monotonic() - began
+    drafts, accepted = (after - earlier for after, earlier in zip(native_acceptance(llm), before))
+    return ClientsRun(answers, seconds, 1 + accepted / drafts if drafts else 1.0)
+
+
 def _top2_gap(top: dict) -> float:
     values = sorted((entry.logprob for entry in top.values()), reverse=True)
     return values[0] - values[1] if len(values) > 1 else float("inf")

@@ -158,7 +158,7 @@ def time_native(decoder, args: argparse.Namespace, prompts: list[list[int]]) -> 
     fit side by side): a line each, tokens/s and τ (vLLM's counters) beside the Studio's lines above."""
     import torch
 
-    from engine.on_vllm.vllm_engine import native_acceptance, native_clients, native_llm
+    from engine.on_vllm.vllm_engine import native_clients, native_llm, timed_clients
 
     decoder.close()
     torch.cuda.empty_cache()
@@ -172,13 +172,9 @@ def time_native(decoder, args: argparse.Namespace, prompts: list[list[int]]) -> 
         for size in (int(size) for size in args.requests.split(",")):
             chosen = [prompts[i % len(prompts)] for i in range(size)]
             native_clients(llm, chosen, size, args.tokens, stops)  # this many requests' graphs, untimed
-            before = native_acceptance(llm)
-            began = time.perf_counter()
-            answers = native_clients(llm, chosen, size, args.tokens, stops)
-            seconds = time.perf_counter() - began
-            drafts, accepted = (after - earlier for after, earlier in zip(native_acceptance(llm), before))
-            print(f"{job.label} x {size}: {sum(len(a.output_ids) for a in answers) / seconds:.1f} tokens/s, "
-                  f"τ {1 + accepted / drafts if drafts else 1.0:.2f} (vLLM's own, {size} clients)", flush=True)
+            timed = timed_clients(llm, chosen, size, args.tokens, stops)
+            print(f"{job.label} x {size}: {sum(len(a.output_ids) for a in timed.answers) / timed.seconds:.1f} "
+                  f"tokens/s, τ {timed.tau:.2f} (vLLM's own, {size} clients)", flush=True)
         del llm
         torch.cuda.empty_cache()
 

@@ -173,7 +173,7 @@ def measure_native(args: argparse.Namespace, natives: list[Method], prompts: lis
     """vLLM's own AR and DFlash (``--native``) on the same prompts, once the Studio's servers are gone: its engine
     in this process at its fastest settings that keep its outputs (``native_llm``), under each concurrency as many
     clients (``native_clients``: its own continuous batching), every round; each method's runs as it ends."""
-    from engine.on_vllm.vllm_engine import ClientTarget, model_folder, native_acceptance, native_clients, native_llm
+    from engine.on_vllm.vllm_engine import ClientTarget, model_folder, native_clients, native_llm, timed_clients
     from engine.serving.startup import add_model_arguments
 
     parser = argparse.ArgumentParser()
@@ -189,16 +189,12 @@ def measure_native(args: argparse.Namespace, natives: list[Method], prompts: lis
         for concurrency in concurrencies:
             rounds = []
             for _ in range(args.rounds):
-                drafts, accepted = native_acceptance(llm)
-                began = time.monotonic()
-                answers = native_clients(llm, ids, concurrency, args.max_tokens, stops)
-                wall = time.monotonic() - began
-                drafts, accepted = (after - before for after, before in zip(native_acceptance(llm), (drafts, accepted)))
-                tau = 1 + accepted / drafts if drafts else 1.0  # vLLM's counters: tokens a step, its own DFlash's
+                timed = timed_clients(llm, ids, concurrency, args.max_tokens, stops)
                 as_sent = [Answer(prompts[a.index]["id"], target.decode(a.output_ids),
-                                  len(a.output_ids), a.sent, a.first, a.done, 0.0) for a in answers]
-                rounds.append(judged(Run("vllm", NATIVE_LABELS[row], concurrency, sum(a.tokens for a in as_sent) / wall,
-                                         *latencies(as_sent), tau, "-", [asdict(a) for a in as_sent]), reference))
+                                  len(a.output_ids), a.sent, a.first, a.done, 0.0) for a in timed.answers]
+                rounds.append(judged(Run("vllm", NATIVE_LABELS[row], concurrency,
+                                         sum(a.tokens for a in as_sent) / timed.seconds, *latencies(as_sent),
+                                         timed.tau, "-", [asdict(a) for a in as_sent]), reference))
                 print(table(rounds[-1:]).splitlines()[-1], flush=True)
             runs.append(merged(rounds))
         del llm
