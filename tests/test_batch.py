@@ -514,7 +514,7 @@ def test_the_drafters_fixed_shape_pass_drafts_what_the_eager_pass_drafts():
             batch.advance()
         runs.append([request.trace for request in requests])
     # 3 drafting requests run as 4: a padding request in the scratch row beside them
-    assert passes.calls >= 10 and {count for count, _ in batch.graphed_draft.shapes} >= {1, 2, 4}
+    assert passes.calls >= 10 and {count for count, _, _ in batch.graphed_draft.shapes} >= {1, 2, 4}
     for index, (eager, fixed) in enumerate(zip(*runs)):
         settings = kinds[(index if index < 4 else index - 4) % len(kinds)]
         assert fixed.output_ids == eager.output_ids == alone(decoder, asked[index], settings).output_ids

@@ -5,6 +5,7 @@ the programs' parts against their readable forms. On the tiny models (``tests/ti
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import ddtree
 import ddtree.fixed
 from ddtree.fixed import FixedTree
 from engine.loop.batch import Batch
-from engine.loop.decode import Decoder
+from engine.loop.decode import Decoder, DrafterInfo
 from engine.loop.draft_pass import GraphedBatchDraft
 from engine.loop.fixed_batch import (
     CHAIN,
@@ -27,8 +28,9 @@ from engine.loop.fixed_batch import (
 )
 from engine.loop.settings import DecodeSettings
 from engine.models.batched import BatchKV
-from tests.test_batch import CHEAP_NODES, MIXED, TOKENS, alone, oracle_decoder, pinned
+from tests.test_batch import CHEAP_NODES, DEAR_NODES, MIXED, TOKENS, VOCAB, alone, oracle_decoder, pinned, prompts
 from tests.test_fixed_step import _HostWork
+from tests.tiny import tiny_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +264,59 @@ def test_a_round_launches_the_next_fixed_step_before_it_finishes_the_one_in_flig
         batch.advance()
     for request, ids in zip(requests, asked):
         same_steps(request.trace, alone(plain, ids, request.settings))
+
+
+CONTEXT_SWAY = 20.0  # a random drafter's weights times this: drafts that turn on the context, not on the block alone
+
+
+@pytest.mark.parametrize("cache, recorded", [("rows", False), ("paged", True)])
+def test_a_fixed_step_whose_drafts_do_not_pay_verifies_roots_and_keeps_the_drafters_context(cache, recorded):
+    """Where the batch's drafts are worth less than drafting costs (``plan_drafts``), the fixed step drafts nothing and
+    verifies roots, as the readable step does, yet reads each request's accepted rows into the drafter's context: the
+    first draft once drafts pay again (nodes cheap) is the draft a request alone makes from the whole of its context.
+    A random drafter, its weights scaled up so that its draft turns on every row of its context."""
+    target = tiny_target(0, vocab=VOCAB)
+    drafter = tiny_drafter(target, 0)
+    with torch.no_grad():
+        for module in drafter.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(CONTEXT_SWAY)
+    plain = Decoder(target, drafter, DrafterInfo("random", trained=False))
+    fixed = Decoder(target, plain.drafter, plain.drafter_info, fixed_step=True)
+    asked = prompts(3)
+    kinds = [DecodeSettings("ddtree", max_new_tokens=TOKENS, tree_budget="auto"),
+             DecodeSettings("dflash", max_new_tokens=TOKENS, tree_budget="auto"),
+             DecodeSettings("ar", max_new_tokens=TOKENS)]
+    batch = Batch(fixed, pinned(DEAR_NODES), cache=cache)
+    if recorded:  # the drafter's recorded pass reads the rows of a step that drafts nothing too (its roots alone)
+        batch.graphed_draft = GraphedBatchDraft(fixed.drafter, *fixed.draft_weights, batch.context, replay=False)
+        batch.fixed_graphs = True
+    requests = [batch.admit(ids, settings) for ids, settings in zip(asked, kinds)]
+    for _ in range(6):
+        batch.advance()
+    assert any(program.keeps and not program.drafts for program in batch.programs.values())
+    batch.budgeting.cost = CHEAP_NODES
+    while not batch.idle:
+        batch.advance()
+    for request, ids in zip(requests, asked):
+        assert request.trace.output_ids == alone(plain, ids, DecodeSettings("ar", max_new_tokens=TOKENS)).output_ids
+    for request, ids in zip(requests[:2], asked):
+        steps = request.trace.steps
+        skipped = [step.batch.reason.startswith("auto: not drafted") for step in steps]
+        assert all(not step.tree_tokens for step, skip in zip(steps, skipped) if skip)
+        # the first draft after steps that drafted nothing (the random drafter's first drafts teach the batch that
+        # they are worth little)
+        drafted = next(index for index in range(2, len(steps)) if skipped[index - 2] and skipped[index - 1]
+                       and steps[index].tree_tokens)
+        first = steps[drafted]
+        # the request alone, its prompt what the batch had committed before the step's root (the prompt pass's token,
+        # then the steps'): its prompt pass picks the root
+        past = ids + request.trace.output_ids[:sum(len(step.committed_ids) for step in steps[:drafted])]
+        budget = len(first.tree_tokens)
+        single = alone(plain, past, replace(request.settings, max_new_tokens=TOKENS, tree_budget=budget)).steps[0]
+        assert first.root_token == single.root_token
+        # its best ``budget`` nodes (a DFlash request alone verifies its whole chain, whatever the budget)
+        assert tree_worth(first) == pytest.approx(sorted(single.tree_path_probs[:budget]), rel=1e-6)
 
 
 def test_a_steps_auto_requests_learn_together_what_each_would_learn_from_its_offer():

@@ -430,16 +430,26 @@ class Batch:
         (its root and past are where the step before left them, ``RowState``), and its record is copied back without
         waiting. An "auto" request's budget is the nodes the batch is expected to give it before it drafts
         (``expected_nodes``); it drafts ``AUTO_NODES`` candidates, and learns from them what its next draft is
-        worth."""
+        worth. Where no request's draft is expected to pay (``plan_drafts``), the step drafts nothing and verifies
+        roots, as AR's does, its drafting requests' accepted rows still read into the drafter's context."""
         drafting = [r for r in active if r.row_method.drafts]
         learns = any(r.settings.auto_budget for r in drafting)
-        expected = self.expected_nodes(active)[2] if learns else [0] * len(active)
+        if learns:
+            _, planned, expected = self.expected_nodes(active)
+            drafts = any(planned)
+        else:
+            drafts, expected = bool(drafting), [0] * len(active)
+        if learns and not drafts:  # a step without drafts: each "auto" request drifts back to its method's typical
+            # draft, as one the readable step does not draft for does (``Budgeting.relax``)
+            for request in drafting:
+                request.expected = self.budgeting.relax(request.row_method, request.expected)
         budgets = [count if r.settings.auto_budget else fixed_nodes(r) for r, count in zip(active, expected)]
-        nodes = node_bucket(max(budgets))
-        candidates = AUTO_NODES if learns else nodes if drafting else 0
+        nodes = node_bucket(max(budgets)) if drafts else 0
+        candidates = (AUTO_NODES if learns else nodes) if drafts else 0
         full = [r for r in drafting if r.settings.trace_detail == "full"]
         program = self.fixed_program(nodes, candidates, max(r.settings.block_size for r in active),
-                                     max((r.settings.record_top_k for r in full), default=0), learns)
+                                     max((r.settings.record_top_k for r in full), default=0), learns,
+                                     keeps_context=bool(drafting))
         for request in active:
             if request not in self.on_device:  # it joined, or stepped readably: the host's root and past are its
                 self.row_state.set(request.row, request.root, request.start)
@@ -447,7 +457,7 @@ class Batch:
         cuda = self.target.device.type == "cuda"
         marks = StageMarks(cuda)  # the device's own clock: no waits between stages
         with marks.stage("draft"):  # the rows a readable step left go to the device, a block a request
-            if program.drafts:
+            if program.keeps:
                 self.hand_over(active, program)
             count, spare = count_bucket(len(active)), len(self.requests) + len(self.waiting)  # rows past everyone's
             inputs = SlotInputs.of([(budget, slot_kind(r.settings), r.row) for r, budget in zip(active, budgets)],
@@ -455,7 +465,7 @@ class Batch:
             # the host's pasts lag the step in flight by at most a block
             program.room([r.row for r in active], [r.start + program.depth + 1 for r in active],
                          range(spare, spare + count - len(active)))
-            log_probs = program.draft(inputs) if program.drafts else None
+            log_probs = program.draft(inputs) if program.keeps else None
         with marks.stage("verify"):  # the trees, the pass, the walks, the compaction: one program
             record = program.advance(inputs, log_probs)[:len(active)]
         arrived = None
@@ -487,10 +497,10 @@ class Batch:
         nodes_verified = sum(outcome.tree.size for outcome in verified)
         for request, root, (outcome, top) in zip(kept, roots, outcomes):
             self.record_step(request, root, top, outcome, nodes_verified, launched.active, launched.t_start, stage_s,
-                             fixed_reason(request, outcome.tree.size),
+                             fixed_reason(request, outcome.tree.size, program.drafts),
                              program.layout.depth if request.row_method.drafts else 0)
         self.last_step_end = time.perf_counter()  # the step launched meanwhile runs on
-        drafting = sum(1 for request in launched.active if request.row_method.drafts)
+        drafting = sum(1 for request in launched.active if request.row_method.drafts) if program.drafts else 0
         self.measured(StepShape(len(launched.active), nodes_verified, drafting, drafting * program.layout.depth,
                                 self.last_step_end - launched.t_start, stage_s["draft"]))
         return stage_s
@@ -514,17 +524,17 @@ class Batch:
             for index, (expected, reach) in zip(chosen, learned):
                 active[index].expected, active[index].reach = expected, reach
 
-    def fixed_program(self, nodes: int, candidates: int, block_size: int, top_k: int, learns: bool
-                      ) -> FixedBatchProgram:
-        key = (nodes, candidates, block_size, top_k, learns)
+    def fixed_program(self, nodes: int, candidates: int, block_size: int, top_k: int, learns: bool,
+                      keeps_context: bool) -> FixedBatchProgram:
+        key = (nodes, candidates, block_size, top_k, learns, keeps_context)
         if key not in self.programs:
-            if candidates and self.accepted is None:
+            if keeps_context and self.accepted is None:
                 config = self.drafter.config
                 self.accepted = AcceptedRows(block_size, len(config.target_layer_ids) * config.hidden_size,
                                              self.drafter.dtype, self.target.device)
             self.programs[key] = FixedBatchProgram(self.decoder, self.kv, self.context, self.accepted, self.row_state,
                                                    nodes, candidates, block_size, top_k, learns, self.graphed_draft,
-                                                   self.fixed_graphs)
+                                                   self.fixed_graphs, keeps_context)
         return self.programs[key]
 
     def hand_over(self, active: list[BatchRequest], program: FixedBatchProgram) -> None:
@@ -803,12 +813,15 @@ def fixed_nodes(request: BatchRequest) -> int:
     return request.row_method.nodes(request.settings.tree_budget, request.settings.block_size - 1)
 
 
-def fixed_reason(request: BatchRequest, nodes: int) -> str:
-    """What a trace says of a fixed step's tree of ``nodes`` nodes (``Batch.reason`` of the readable step)."""
+def fixed_reason(request: BatchRequest, nodes: int, drafted: bool) -> str:
+    """What a trace says of a fixed step's tree of ``nodes`` nodes (``Batch.reason`` of the readable step); ``drafted``:
+    whether the step drafted."""
     if not request.row_method.drafts:
         return f"{request.row_method.title}: the root alone"
     if not request.settings.auto_budget:
         return f"its own budget: {fixed_nodes(request)} nodes"
+    if not drafted:
+        return "auto: not drafted, the batch's drafts are expected to be worth less than drafting costs here"
     return f"auto: {nodes} nodes, what the batch was expected to give its draft before it drafted"
 
 

@@ -108,23 +108,24 @@ class GraphedDraft:
 @dataclass(frozen=True)
 class BatchDraftInputs:
     """A batch's drafter pass for ``count`` requests at fixed addresses: each request's block (its root, then mask
-    tokens) and positions, a block's worth of new context rows (the real ones first, ``added`` of them) with their
-    positions, and the request's row of the ``BatchDraftContext``."""
+    tokens; the root alone where a fixed step drafts nothing and reads rows) and positions, up to ``new`` context rows
+    (a block's worth; the real ones first, ``added`` of them) with their positions, and the request's row of the
+    ``BatchDraftContext``."""
 
-    block: torch.Tensor  # [count, block_size] long
-    positions: torch.Tensor  # [count, block_size] long
-    features: torch.Tensor  # [count, block_size, taps * hidden]
-    feature_positions: torch.Tensor  # [count, block_size] long
+    block: torch.Tensor  # [count, block] long
+    positions: torch.Tensor  # [count, block] long
+    features: torch.Tensor  # [count, new, taps * hidden]
+    feature_positions: torch.Tensor  # [count, new] long
     added: torch.Tensor  # [count] long
     rows: torch.Tensor  # [count] long
 
     @staticmethod
-    def allocate(count: int, block_size: int, width: int, device: torch.device, dtype: torch.dtype
+    def allocate(count: int, block: int, new: int, width: int, device: torch.device, dtype: torch.dtype
                  ) -> BatchDraftInputs:
         long = dict(dtype=torch.long, device=device)
-        return BatchDraftInputs(torch.zeros(count, block_size, **long), torch.zeros(count, block_size, **long),
-                                torch.zeros(count, block_size, width, dtype=dtype, device=device),
-                                torch.zeros(count, block_size, **long), torch.zeros(count, **long),
+        return BatchDraftInputs(torch.zeros(count, block, **long), torch.zeros(count, block, **long),
+                                torch.zeros(count, new, width, dtype=dtype, device=device),
+                                torch.zeros(count, new, **long), torch.zeros(count, **long),
                                 torch.zeros(count, **long))
 
     def load(self, block, positions, features, feature_positions, added, rows, scratch: int) -> None:
@@ -142,7 +143,8 @@ class BatchDraftInputs:
 
 class GraphedBatchDraft:
     """The batched step's drafter pass over a ``BatchDraftContext`` at fixed shapes, replayed as a CUDA graph, one
-    per block size and bucket of drafting requests (``count_bucket``: the slots past the requests are padding, so
+    per block size (a fixed step that drafts nothing passes roots alone) and bucket of drafting requests
+    (``count_bucket``: the slots past the requests are padding, so
     a step's count seldom records a graph): each request brings a block's worth of new context rows (padded,
     and masked past its real ones), the pass reads every column of the context's buffers and drafts the
     whole block, and the caller keeps the depth it asked for. The graphs read the context's buffers in place, so
@@ -153,7 +155,8 @@ class GraphedBatchDraft:
                  replay: bool = True):
         self.drafter, self.embedding, self.lm_head, self.context = drafter, embedding, lm_head, context
         self.replay = replay
-        self.shapes: dict[tuple[int, int], tuple[BatchDraftInputs, GraphedCall | None]] = {}  # by (count, block)
+        # by (count, block, new rows)
+        self.shapes: dict[tuple[int, int, int], tuple[BatchDraftInputs, GraphedCall | None]] = {}
         self.generation = context.generation
 
     def __call__(self, block: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
@@ -164,7 +167,7 @@ class GraphedBatchDraft:
         each of their contexts (their lengths are the device's, not read back)."""
         context, index = self.context, to_device(rows, self.embedding.device)
         count, block_size = block.shape
-        shape = (count_bucket(count), block_size)
+        shape = (count_bucket(count), block_size, features.shape[1])
         if context.rows < max(rows) + 2:
             raise ValueError(f"the drafter's context has {context.rows} rows: a recorded pass of rows up to "
                              f"{max(rows)} needs a scratch row past them (reserve it before drafting)")
@@ -172,8 +175,7 @@ class GraphedBatchDraft:
             self.shapes.clear()
             self.generation = context.generation
         if shape not in self.shapes:
-            inputs = BatchDraftInputs.allocate(shape[0], block_size, features.shape[-1], self.embedding.device,
-                                               self.embedding.dtype)
+            inputs = BatchDraftInputs.allocate(*shape, features.shape[-1], self.embedding.device, self.embedding.dtype)
             graphed = GraphedCall(partial(self._pass, inputs), synchronize=True) if self.replay else None
             self.shapes[shape] = inputs, graphed
         inputs, graphed = self.shapes[shape]

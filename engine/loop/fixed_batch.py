@@ -11,7 +11,7 @@ of its own for each count of slots, ``RecordedAdvance``):
 
 - ``draft``: the drafter's pass over every slot's block (its root, then mask tokens, at its past), fed the rows
   the request accepted last step (``AcceptedRows``: ``[rows, block, taps*hidden]``, how many of them real), which the
-  ``advance`` before left on the device;
+  ``advance`` before left on the device (a step whose drafts would not pay passes the roots alone, for those rows);
 - ``advance``: each slot's tree of ``nodes`` nodes below its root (its method's: the best-first tree in the heap's
   order, DFlash's chain, or none), cut to the slot's own budget by the tree's ``valid`` mask; one target pass over
   ``[b, nodes + 1]`` tokens (``TargetModel.verify_slots``: each slot's past, then its tree, ancestors only); the
@@ -239,7 +239,7 @@ class FixedBatchProgram:
 
     def __init__(self, decoder, kv, context, accepted: AcceptedRows | None, state: RowState, nodes: int,
                  candidates: int, block_size: int, top_k: int, learns: bool = False,
-                 graphed_draft: GraphedBatchDraft | None = None, graphs: bool = False):
+                 graphed_draft: GraphedBatchDraft | None = None, graphs: bool = False, keeps_context: bool = False):
         self.target, self.drafter, self.kv, self.context = decoder.target, decoder.drafter, kv, context
         self.accepted, self.state = accepted, state
         self.graphed_draft = graphed_draft  # the batch's recorded drafter pass, where a GPU records it
@@ -249,17 +249,20 @@ class FixedBatchProgram:
         self.recorded: dict[int, RecordedAdvance] = {}
         self.nodes, self.depth = nodes, block_size - 1
         # a batch of AR requests alone verifies roots and drafts nothing; where any request drafts, every drafting
-        # request drafts every step (its accepted rows are read at once), ``nodes`` of its ``candidates`` verified
+        # request drafts every step, ``nodes`` of its ``candidates`` verified. A step whose drafts would not pay
+        # (``keeps_context``) drafts nothing and verifies roots, and still reads its drafting requests' accepted rows
+        # into the drafter's context and keeps the rows they accept, so that a later step can draft from them
         self.drafts = candidates > 0
+        self.keeps = self.drafts or keeps_context
         self.candidates = max(candidates, nodes) if self.drafts else 0
         self.learns = learns and self.drafts  # the record brings every slot's candidates back ("auto" requests)
-        if self.drafts and self.drafter is None:
+        if self.keeps and self.drafter is None:
             raise ValueError("a program that drafts needs the decoder's drafter")
         top_k = min(top_k, self.target.config.vocab_size) if self.drafts else 0
         self.layout = StepLayout(self.depth if self.drafts else 0, nodes, top_k)
         device = self.target.device
         self.slots = torch.arange(self.depth + 1, device=device)
-        if self.drafts:
+        if self.keeps:
             self.embedding, self.lm_head = decoder.draft_weights
 
     # -- a step
@@ -269,17 +272,18 @@ class FixedBatchProgram:
         every tree (and the compaction's scratch) in the target's cache, and for a block past every context in the
         drafter's. Sizes move buffers, so they are the host's to know, not read from the device."""
         self.kv.hold_slots(rows, [past + self.nodes + 1 for past in pasts], padding)
-        if self.drafts:
+        if self.keeps:
             last = max([*rows, *padding])
             self.accepted.reserve(last + 1)
             self.context.reserve(last + 2, max(pasts) + self.depth + 2)  # a scratch row past every slot's
 
-    def draft(self, inputs: SlotInputs) -> torch.Tensor:
-        """``[S, depth, vocab]``: every slot's block drafted at once, from the rows it accepted last."""
-        rows = inputs.rows
-        block = torch.full((rows.numel(), self.depth + 1), self.drafter.mask_token_id, device=self.slots.device)
+    def draft(self, inputs: SlotInputs) -> torch.Tensor | None:
+        """``[S, depth, vocab]``: every slot's block drafted at once, from the rows it accepted last. A program that
+        drafts nothing passes its roots alone, for the rows it reads into the drafter's context: None."""
+        rows, width = inputs.rows, self.layout.depth + 1
+        block = torch.full((rows.numel(), width), self.drafter.mask_token_id, device=self.slots.device)
         block[:, 0] = inputs.root
-        positions = inputs.past[:, None] + self.slots  # [S, block]
+        positions = inputs.past[:, None] + self.slots[:width]  # [S, width]
         # a slot that drafts nothing (AR, padding) reads no rows: a padding slot's row keeps an empty context
         accepted = self.accepted
         added = torch.where(inputs.kind == NO_TREE, 0, accepted.added[rows])
@@ -290,7 +294,7 @@ class FixedBatchProgram:
             log_probs = draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions, features, at,
                                         self.context.fixed_view(rows, inputs.read), added)
         accepted.added[rows] = 0
-        return log_probs
+        return log_probs if self.drafts else None
 
     def advance(self, inputs: SlotInputs, log_probs: torch.Tensor | None) -> torch.Tensor:
         """The step after its draft: trees, verify, walk, compaction, the next draft's rows; the record. With
@@ -312,14 +316,14 @@ class FixedBatchProgram:
         """Where the buffers ``advance`` reads and writes live now: the caches' (``pass_buffers``), the roots' and
         pasts', the accepted rows'."""
         tensors = [self.state.values, *self.kv.pass_buffers()]
-        if self.drafts:
+        if self.keeps:
             tensors += [self.accepted.features, self.accepted.positions, self.accepted.added]
         return tuple(tensor.data_ptr() for tensor in tensors)
 
     def _advance(self, inputs: SlotInputs, log_probs: torch.Tensor | None) -> torch.Tensor:
         root, past, rows = inputs.root, inputs.past, inputs.rows
         count = root.numel()
-        if log_probs is None:
+        if not self.drafts:
             tree = best = FixedTree.each(lambda field: field.expand(count, 0), FixedTree.empty(root.device))
         else:
             tree, best = slot_trees(log_probs, inputs.kind, inputs.budget, self.nodes, self.candidates)
@@ -327,16 +331,17 @@ class FixedBatchProgram:
         positions = past[:, None] + torch.cat([torch.zeros_like(root)[:, None], tree.depths], dim=1)
         visible = ddtree.fixed.ancestor_mask(tree.parents, max(self.depth, 1))  # [count, nodes + 1, nodes + 1]
         logits, hidden = self.target.verify_slots(self.kv, rows, inputs.read, ids, positions, past, visible,
-                                                  self.drafts)
+                                                  self.keeps)
         target_tokens = logits.argmax(dim=-1)  # [count, nodes + 1]
         path, length, bonus = ddtree.fixed.follow_tree(tree, target_tokens, visible, self.layout.depth)  # [count, D+1]
         self.kv.compact_slots(rows, past, path, length)
         self.state.values[:, rows] = torch.stack([bonus, past + length])  # what the next step starts from
-        if self.drafts:
+        if self.keeps:
             features = self.drafter.context_features(hidden)  # [count, nodes + 1, width]
-            kept = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))  # [count, depth + 1, width]
-            self.accepted.features[rows] = kept
-            self.accepted.positions[rows] = past[:, None] + self.slots
+            kept = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))  # [count, D + 1, width]
+            wide = kept.shape[1]
+            self.accepted.features[rows, :wide] = kept
+            self.accepted.positions[rows, :wide] = past[:, None] + self.slots[:wide]
             self.accepted.added[rows] = length
         record = self.record(tree, ids, path, length, bonus, logits, target_tokens, log_probs)
         if not self.learns:
