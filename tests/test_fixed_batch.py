@@ -266,6 +266,20 @@ def test_a_round_launches_the_next_fixed_step_before_it_finishes_the_one_in_flig
         same_steps(request.trace, alone(plain, ids, request.settings))
 
 
+def test_a_drafter_in_a_dtype_of_its_own_drafts_in_the_fixed_step():
+    """The rows a fixed step keeps for the next draft are kept in the drafter's dtype (bfloat16 drafts beside a float32
+    target is the CPU's default): here a float32 drafter beside a float64 target, each request its solo AR output."""
+    target = tiny_target(0, vocab=VOCAB)
+    drafter = tiny_drafter(target, 0).to(torch.float32)
+    fixed = Decoder(target, drafter, DrafterInfo("random", trained=False), fixed_step=True)
+    asked = prompts(2)
+    kinds = [DecodeSettings("ddtree", max_new_tokens=12, tree_budget=8), DecodeSettings("dflash", max_new_tokens=12)]
+    traces = Batch(fixed, pinned(CHEAP_NODES)).run(list(zip(asked, kinds)))
+    for trace, ids in zip(traces, asked):
+        assert trace.config.step == "batched fixed" and any(step.tree_tokens for step in trace.steps)
+        assert trace.output_ids == alone(fixed, ids, DecodeSettings("ar", max_new_tokens=12)).output_ids
+
+
 CONTEXT_SWAY = 20.0  # a random drafter's weights times this: drafts that turn on the context, not on the block alone
 
 

@@ -82,7 +82,8 @@ def test_a_batchs_fixed_step_launches_without_waiting_for_the_device():
     from engine.loop.budgeting import Budgeting
 
     decoder = load_decoder(device="cuda", dtype="bfloat16", fixed_step=True, cuda_graphs=True)
-    batch = Batch(decoder, Budgeting(StepCost(fixed_s=0.01), follow_steps=False), cache="paged")
+    trees_pay = StepCost(fixed_s=0.01, per_request_s=0.001, per_node_s=0.0001, per_draft_s=0.001)
+    batch = Batch(decoder, Budgeting(trees_pay, follow_steps=False), cache="paged")
     jobs = [(decoder.target.chat_ids(prompt), DecodeSettings(method, max_new_tokens=40, **budget))
             for prompt in PROMPTS for method, budget in (("ddtree", {"tree_budget": 16}), ("ar", {}))]
     batch.run(jobs)  # records every shape the second run takes

@@ -36,6 +36,7 @@ from ddtree.batch import BatchLayout, pack_trees
 from ddtree.fixed import FixedTree
 from ddtree.tree import DraftRow, Drafts
 from engine.errors import EngineError
+from engine.gpu.copies import to_device
 from engine.loop.budgeting import AUTO_NODES, Budgeting, expected_worth, first_nodes
 from engine.loop.decode import READABLE_SAMPLING
 from engine.loop.draft_pass import GraphedBatchDraft, count_bucket, draft_log_probs
@@ -328,7 +329,7 @@ class Batch:
         if begin == 0:
             request.t0 = request.clock.now()
         with request.clock.stage("target"):
-            chunk = torch.tensor([ids[begin:end]], device=device)
+            chunk = to_device([ids[begin:end]], device)
             positions = torch.arange(begin, end, device=device)[None]
             visible = torch.arange(end, device=device)[None, :] <= positions[0, :, None]  # causal over the past
             bias = ddtree.batch.layout_bias(visible[None], self.target.dtype)
@@ -364,7 +365,7 @@ class Batch:
         for begin in range(0, features.shape[0], block_size):
             piece, at = features[begin:begin + block_size], positions[begin:begin + block_size].to(device)
             self.graphed_draft(block, at[-1] + 1 + torch.arange(block_size, device=device)[None], piece[None],
-                               at[None], torch.tensor([piece.shape[0]], device=device), [request.row])
+                               at[None], to_device([piece.shape[0]], device), [request.row])
 
     def first_token(self, request: BatchRequest, logits: torch.Tensor) -> None:
         first = int(ddtree.sample_tokens(logits[-1:], request.settings.temperature, request.generator)[0])

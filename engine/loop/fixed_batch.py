@@ -293,7 +293,7 @@ class FixedBatchProgram:
         else:
             log_probs = draft_log_probs(self.drafter, self.embedding, self.lm_head, block, positions, features, at,
                                         self.context.fixed_view(rows, inputs.read), added)
-        accepted.added[rows] = 0
+        accepted.added.index_fill_(0, rows, 0)  # a scalar set by index would be copied from the host, and wait
         return log_probs if self.drafts else None
 
     def advance(self, inputs: SlotInputs, log_probs: torch.Tensor | None) -> torch.Tensor:
@@ -340,7 +340,7 @@ class FixedBatchProgram:
             features = self.drafter.context_features(hidden)  # [count, nodes + 1, width]
             kept = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))  # [count, D + 1, width]
             wide = kept.shape[1]
-            self.accepted.features[rows, :wide] = kept
+            self.accepted.features[rows, :wide] = kept.to(self.accepted.features.dtype)  # the drafter's dtype
             self.accepted.positions[rows, :wide] = past[:, None] + self.slots[:wide]
             self.accepted.added[rows] = length
         record = self.record(tree, ids, path, length, bonus, logits, target_tokens, log_probs)
