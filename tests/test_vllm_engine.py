@@ -324,6 +324,39 @@ def test_a_fixed_batch_in_the_workers_gives_every_request_its_solo_ar_output_in_
                                                             for step in trace.steps)
 
 
+@pytest.mark.skipif(os.environ.get("DDTREE_BATCH_STEP") != "fixed",
+                    reason="the vLLM engine's batch takes the fixed step where DDTREE_BATCH_STEP=fixed "
+                           "(gpu_session.sh fixed-batch)")
+def test_a_fixed_batch_in_the_workers_whose_drafts_stop_and_start_gives_each_request_its_solo_ar_output(studio):
+    """Step costs under which drafts pay for a few requests but not for a crowd: while the AR requests are in, the
+    fixed step in vLLM's workers drafts nothing and verifies roots, reading the "auto" requests' accepted rows into
+    the drafter's context (``FixedBatchProgram(keeps_context=True)``); once they leave, it drafts again. Each request's
+    output is its own AR run's."""
+    from ddtree.allocate import StepCost
+    from engine.loop.budgeting import Budgeting
+
+    texts = prompts(6)
+    kinds = [DecodeSettings("ddtree", NEW_TOKENS, tree_budget="auto"),
+             DecodeSettings("dflash", NEW_TOKENS, tree_budget="auto")] + [DecodeSettings("ar", 8)] * 4
+    solo = [studio.run(text, DecodeSettings("ar", settings.max_new_tokens)).output_ids
+            for text, settings in zip(texts, kinds)]
+    crowded = StepCost(fixed_s=0.05, per_request_s=0.001, per_node_s=0.001, per_draft_s=0.02)
+    batch = studio.remote_batch(Budgeting(crowded, follow_steps=False))
+    requests = []
+    for index, (text, settings) in enumerate(zip(texts, kinds)):
+        prepared, notes = studio.prepare(settings, len(studio.target.chat_ids(text)))
+        requests.append(batch.admit_prepared(text, studio.target.chat_ids(text), prepared, notes, name=f"r{index}"))
+    while not batch.idle:
+        batch.advance()
+    for request, own in zip(requests, solo):
+        assert request.trace.output_ids == own, f"{request.trace.config.label} left its solo AR output"
+    resumed = 0
+    for request in requests[:2]:
+        skipped = [step.batch.reason.startswith("auto: not drafted") for step in request.trace.steps]
+        resumed += any(skip and later.tree_tokens for skip, later in zip(skipped, request.trace.steps[1:]))
+    assert resumed  # a step without drafts, then one with
+
+
 def test_bad_settings_fail_in_the_driver_and_the_engine_keeps_serving(studio):
     with pytest.raises(EngineError, match="block size 99"):
         studio.run(prompts(1)[0], DecodeSettings("dflash", 8, block_size=99))
