@@ -35,8 +35,9 @@
 #              DDTree (auto) with the Studio's CUDA graphs and, with EAGER=1, without them (~4 min, ~6 with EAGER=1)
 #   fixed-batch  the batched step as fixed-shape programs (DDTREE_BATCH_STEP=fixed): the batch in vLLM's workers
 #              against each request's solo AR (float32), the batch tests (one whose drafts stop and start), and that
-#              a batch's step launches without waiting for the device; then batch_profile at REQUESTS (4,16) for METHODS (AR, DFlash, DDTree@16 and
-#              auto), with the device's busy share and where the host waited (READABLE=1: the readable step first)
+#              a batch's step launches without waiting for the device; then batch_profile at REQUESTS (4,16) for
+#              METHODS (AR, DFlash, DDTree@16 and auto), with the device's busy share and where the host waited
+#              (READABLE=1: the readable step first)
 #              (~5 min on an H100)
 #   humaneval  bf16 speed on HumanEval vs vLLM's AR (~5 min)
 #   hybrid     tiny Qwen3.5 folders, vLLM's GDN kernels under the tree tests, its float32 prefill kernels against
