@@ -336,6 +336,7 @@ def test_a_fixed_batch_in_the_workers_whose_drafts_stop_and_start_gives_each_req
     from engine.loop.budgeting import Budgeting
 
     texts = prompts(6)
+    ids = [studio.target.chat_ids(text) for text in texts]
     kinds = [DecodeSettings("ddtree", NEW_TOKENS, tree_budget="auto"),
              DecodeSettings("dflash", NEW_TOKENS, tree_budget="auto")] + [DecodeSettings("ar", 8)] * 4
     solo = [studio.run(text, DecodeSettings("ar", settings.max_new_tokens)).output_ids
@@ -343,9 +344,9 @@ def test_a_fixed_batch_in_the_workers_whose_drafts_stop_and_start_gives_each_req
     crowded = StepCost(fixed_s=0.05, per_request_s=0.001, per_node_s=0.001, per_draft_s=0.02)
     batch = studio.remote_batch(Budgeting(crowded, follow_steps=False))
     requests = []
-    for index, (text, settings) in enumerate(zip(texts, kinds)):
-        prepared, notes = studio.prepare(settings, len(studio.target.chat_ids(text)))
-        requests.append(batch.admit_prepared(text, studio.target.chat_ids(text), prepared, notes, name=f"r{index}"))
+    for index, (text, own_ids, settings) in enumerate(zip(texts, ids, kinds)):
+        prepared, notes = studio.prepare(settings, len(own_ids))
+        requests.append(batch.admit_prepared(text, own_ids, prepared, notes, name=f"r{index}"))
     while not batch.idle:
         batch.advance()
     for request, own in zip(requests, solo):

@@ -438,12 +438,12 @@ class Batch:
         if learns:
             _, planned, expected = self.expected_nodes(active)
             drafts = any(planned)
+            if not drafts:  # each "auto" request drifts back to its method's typical draft, as one the readable step
+                # does not draft for does (``Budgeting.relax``)
+                for request in drafting:
+                    request.expected = self.budgeting.relax(request.row_method, request.expected)
         else:
             drafts, expected = bool(drafting), [0] * len(active)
-        if learns and not drafts:  # a step without drafts: each "auto" request drifts back to its method's typical
-            # draft, as one the readable step does not draft for does (``Budgeting.relax``)
-            for request in drafting:
-                request.expected = self.budgeting.relax(request.row_method, request.expected)
         budgets = [count if r.settings.auto_budget else fixed_nodes(r) for r, count in zip(active, expected)]
         nodes = node_bucket(max(budgets)) if drafts else 0
         candidates = (AUTO_NODES if learns else nodes) if drafts else 0
