@@ -268,6 +268,28 @@ def allocate(offers: list[Offer], cost: StepCost, requests: int, drafts: int, dr
     return Allocation(tuple(counts), float(tokens + gains[best]), float(seconds[best]), cutoff)
 
 
+def shared_budget(worth: torch.Tensor, cost: StepCost, requests: int, budgets: list[int], drafts: int,
+                  draft_rows: int) -> Allocation:
+    """The nodes a fixed-shape step verifies below every root, one of ``budgets`` (the sizes its programs come in; 0:
+    none, and then no draft). Its pass runs that many nodes in every slot, so each free request is given them all: a
+    request cut to fewer would leave nodes the pass runs anyway. ``worth [F, N]``: each free request's expected
+    nodes' worth, best first (zeros past its own); ``drafts`` and ``draft_rows``: the step's drafting, where it drafts.
+    Each budget n is priced as ``allocate`` prices a step, every slot n nodes, ``(requests + Σ each free request's
+    first n) / cost.seconds(requests, requests * n, ...)``; the fastest wins, a tie the smaller. ``Allocation.nodes``:
+    the budget, once a free request.
+
+    Worked example, two free requests worth (0.9, 0.5, 0.1, 0) and (0.8, 0.2, 0, 0), budgets 0, 2, 4: tokens 2,
+    2 + 1.4 + 1.0 = 4.4 and 2 + 1.5 + 1.0 = 4.5; budget 2 wins unless two more nodes a slot cost under 2 % of its
+    step."""
+    sizes = torch.tensor(budgets, dtype=torch.long)  # [K]
+    gains = torch.cat([worth.new_zeros(worth.shape[0], 1), worth.cumsum(1)], dim=1)  # [F, N + 1]: each first n
+    tokens = requests + gains[:, sizes.clamp(max=worth.shape[1])].sum(0).double()  # [K]
+    drafting = (sizes > 0).long()
+    seconds = cost.seconds(requests, requests * sizes, drafting * drafts, drafting * draft_rows)  # [K]
+    best = int(torch.argmax(tokens / seconds))  # the first maximum: ``budgets`` run smallest first
+    return Allocation((budgets[best],) * worth.shape[0], float(tokens[best]), float(seconds[best]), None)
+
+
 def plan_drafts(offers: list[Offer | None], cost: StepCost, requests: int) -> list[bool]:
     """Which requests to draft for this step: ``offers[r]`` is request r's worth at its last draft (None:
     it cannot draft; a request never drafted offers what its prior says). Requests are taken in order of

@@ -26,6 +26,7 @@ from ddtree.allocate import (
     plan_drafts,
     prefix_rates,
     prefix_rates_readable,
+    shared_budget,
 )
 from ddtree.batch import pack_trees
 from engine.loop.budgeting import AUTO_NODES, Budgeting
@@ -370,3 +371,46 @@ def test_every_prefixs_rate_in_one_pass_is_each_prefixs_own_allocation(seed):
     cost = StepCost(fixed_s=0.01, per_request_s=0.002, per_node_s=0.0008, per_draft_s=0.003, draft_pass_s=0.004,
                     tree_step_s=0.002, per_tree_request_s=0.0005, row_group=4, few_rows=12)
     assert prefix_rates(offers, cost, 12) == prefix_rates_readable(offers, cost, 12)
+
+
+def shared_budget_readable(worth: list[list[float]], cost: StepCost, requests: int, budgets: list[int], drafts: int,
+                           draft_rows: int) -> tuple[int, float]:
+    """Each budget's step priced in plain floats, one at a time: the best budget and its tokens a second."""
+    best, best_rate = None, -1.0
+    for n in budgets:
+        tokens = requests + sum(sum(own[:n]) for own in worth)
+        rate = tokens / cost.seconds(requests, requests * n, drafts if n else 0, draft_rows if n else 0)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best, best_rate
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_fixed_steps_shared_budget_is_the_fastest_of_its_budgets(seed):
+    generator = torch.Generator().manual_seed(seed)
+    free = int(torch.randint(1, 6, (1,), generator=generator))
+    worth = torch.rand(free, 16, generator=generator, dtype=torch.float64).sort(dim=1, descending=True).values
+    worth[:, int(torch.randint(2, 16, (1,), generator=generator)):] = 0.0  # zeros past a request's own nodes
+    cost = StepCost(*torch.rand(4, generator=generator).mul(0.01).tolist(), draft_pass_s=0.002, per_draft_row_s=1e-4,
+                    tree_step_s=0.001, per_tree_request_s=2e-4)
+    budgets = [0, 1, 2, 4, 8, 16, 32] if seed % 2 else [4, 8, 16, 32]  # with a fixed budget's floor: no 0
+    requests = free + seed % 3  # and AR requests beside them, whose slots verify the nodes too
+    allocation = shared_budget(worth, cost, requests, budgets, free, free * 15)
+    best, rate = shared_budget_readable(worth.tolist(), cost, requests, budgets, free, free * 15)
+    assert allocation.nodes == (best,) * free
+    assert allocation.tokens_per_s == pytest.approx(rate)
+
+
+def test_a_shared_budget_grows_with_cheap_nodes_and_is_none_where_drafts_do_not_pay():
+    worth = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2], [0.9, 0.5, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0]],
+                         dtype=torch.float64)
+    budgets = [0, 1, 2, 4, 8]
+    cheap = StepCost(fixed_s=0.01, per_request_s=0.001, per_node_s=1e-5, per_draft_s=1e-4)
+    assert shared_budget(worth, cheap, 2, budgets, 2, 30).nodes == (8, 8)  # nodes the pass runs anyway all given
+    dear_nodes = replace(cheap, per_node_s=0.004)
+    assert shared_budget(worth, dear_nodes, 2, budgets, 2, 30).nodes == (1, 1)
+    dear_drafts = replace(cheap, per_draft_s=0.05)
+    assert shared_budget(worth, dear_drafts, 2, budgets, 2, 30).nodes == (0, 0)
+    # AR requests beside them verify every node of the bucket too, and earn nothing from it
+    assert shared_budget(worth, replace(cheap, per_node_s=0.0003), 2, budgets, 2, 30).nodes == (8, 8)
+    assert shared_budget(worth, replace(cheap, per_node_s=0.0003), 16, budgets, 2, 30).nodes[0] < 8

@@ -31,7 +31,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import ddtree
-from ddtree.allocate import Allocation, Offer, StepCost, allocate, measured_scales, plan_drafts
+from ddtree.allocate import Allocation, Offer, StepCost, allocate, measured_scales, plan_drafts, shared_budget
 from ddtree.batch import BatchLayout, pack_trees
 from ddtree.fixed import FixedTree
 from ddtree.tree import DraftRow, Drafts
@@ -429,26 +429,25 @@ class Batch:
     def launch_fixed(self, active: list[BatchRequest], t_start: float) -> LaunchedStep:
         """A fixed step launched on the device: the host tells it each request's budget, method and row in one copy
         (its root and past are where the step before left them, ``RowState``), and its record is copied back without
-        waiting. An "auto" request's budget is the nodes the batch is expected to give it before it drafts
-        (``expected_nodes``); it drafts ``AUTO_NODES`` candidates, and learns from them what its next draft is
-        worth. Where no request's draft is expected to pay (``plan_drafts``), the step drafts nothing and verifies
-        roots, as AR's does, its drafting requests' accepted rows still read into the drafter's context."""
+        waiting. Every "auto" request's budget is the step's shared one (``shared_budget``); it drafts ``AUTO_NODES``
+        candidates, and learns from them what its next draft is worth. Where no draft is expected to pay, the step
+        drafts nothing and verifies roots, as AR's does, its drafting requests' accepted rows still read into the
+        drafter's context."""
         drafting = [r for r in active if r.row_method.drafts]
         learns = any(r.settings.auto_budget for r in drafting)
-        if learns:
-            _, planned, expected = self.expected_nodes(active)
-            drafts = any(planned)
-            if not drafts:  # each "auto" request drifts back to its method's typical draft, as one the readable step
-                # does not draft for does (``Budgeting.relax``)
-                for request in drafting:
-                    request.expected = self.budgeting.relax(request.row_method, request.expected)
-        else:
-            drafts, expected = bool(drafting), [0] * len(active)
-        budgets = [count if r.settings.auto_budget else fixed_nodes(r) for r, count in zip(active, expected)]
+        depth = max(r.settings.block_size for r in active) - 1
+        shared = self.shared_budget(active, depth) if learns else 0
+        drafts = bool(shared) or any(not r.settings.auto_budget for r in drafting)
+        if learns and not drafts:  # each "auto" request drifts back to its method's typical draft, as one the
+            # readable step does not draft for does (``Budgeting.relax``)
+            for request in drafting:
+                request.expected = self.budgeting.relax(request.row_method, request.expected)
+        budgets = [0 if not r.row_method.drafts else shared if r.settings.auto_budget else fixed_nodes(r)
+                   for r in active]
         nodes = node_bucket(max(budgets)) if drafts else 0
         candidates = (AUTO_NODES if learns else nodes) if drafts else 0
         full = [r for r in drafting if r.settings.trace_detail == "full"]
-        program = self.fixed_program(nodes, candidates, max(r.settings.block_size for r in active),
+        program = self.fixed_program(nodes, candidates, depth + 1,
                                      max((r.settings.record_top_k for r in full), default=0), learns,
                                      keeps_context=bool(drafting))
         for request in active:
@@ -477,6 +476,26 @@ class Batch:
             arrived.record()
         return LaunchedStep(active, program, marks, record, arrived, t_start)
 
+    def shared_budget(self, active: list[BatchRequest], depth: int) -> int:
+        """The nodes a fixed step gives each drafting "auto" request before it drafts (0: none drafts). The program
+        verifies as many nodes in every slot, so each is given them all, and the count is the one whose step the
+        requests' expected drafts make the most tokens a second (``ddtree.allocate.shared_budget``; a request not yet
+        priced, with no expectation, its first node sure): a power of two (``node_bucket``), at least the bucket of
+        any fixed budget's request, whose draft the step makes whatever it costs."""
+        auto = [r for r in active if r.row_method.drafts and r.settings.auto_budget]
+        fixed = [fixed_nodes(r) for r in active if r.row_method.drafts and not r.settings.auto_budget]
+        worth = torch.zeros(len(auto), AUTO_NODES, dtype=torch.float64)  # [auto, AUTO_NODES]
+        for index, request in enumerate(auto):
+            expected = (request.expected if request.expected is not None else
+                        self.budgeting.expectation(request.row_method))
+            worth[index] = expected if expected is not None else torch.eye(1, AUTO_NODES, dtype=torch.float64)[0]
+        unpriced = any(r.expected is None and self.budgeting.expectation(r.row_method) is None for r in auto)
+        floor = max(node_bucket(max(fixed, default=0)), int(unpriced))
+        budgets = [0, *(1 << power for power in range(AUTO_NODES.bit_length()))]  # 0, 1, 2, 4, ... AUTO_NODES
+        drafting = len(auto) + len(fixed)
+        return shared_budget(worth, self.cost, len(active), [n for n in budgets if n >= floor], drafting,
+                             drafting * depth).nodes[0]
+
     def finish_fixed(self, launched: LaunchedStep) -> dict[str, float]:
         """A launched fixed step read once and committed for the requests still decoding (one that finished in the
         step before it was stepped too, and its part is dropped); its stages' seconds."""
@@ -498,12 +517,14 @@ class Batch:
         nodes_verified = sum(outcome.tree.size for outcome in verified)
         for request, root, (outcome, top) in zip(kept, roots, outcomes):
             self.record_step(request, root, top, outcome, nodes_verified, launched.active, launched.t_start, stage_s,
-                             fixed_reason(request, outcome.tree.size, program.drafts),
+                             fixed_reason(request, program.nodes, program.drafts),
                              program.layout.depth if request.row_method.drafts else 0)
         self.last_step_end = time.perf_counter()  # the step launched meanwhile runs on
         drafting = sum(1 for request in launched.active if request.row_method.drafts) if program.drafts else 0
-        self.measured(StepShape(len(launched.active), nodes_verified, drafting, drafting * program.layout.depth,
-                                self.last_step_end - launched.t_start, stage_s["draft"]))
+        # its pass's nodes, as ``shared_budget`` prices them: every slot verifies the program's
+        self.measured(StepShape(len(launched.active), len(launched.active) * program.nodes, drafting,
+                                drafting * program.layout.depth, self.last_step_end - launched.t_start,
+                                stage_s["draft"]))
         return stage_s
 
     def drain(self) -> dict[str, float]:
@@ -815,15 +836,16 @@ def fixed_nodes(request: BatchRequest) -> int:
 
 
 def fixed_reason(request: BatchRequest, nodes: int, drafted: bool) -> str:
-    """What a trace says of a fixed step's tree of ``nodes`` nodes (``Batch.reason`` of the readable step); ``drafted``:
-    whether the step drafted."""
+    """What a trace says of a fixed step of ``nodes`` nodes a slot (``Batch.reason`` of the readable step);
+    ``drafted``: whether the step drafted."""
     if not request.row_method.drafts:
         return f"{request.row_method.title}: the root alone"
     if not request.settings.auto_budget:
         return f"its own budget: {fixed_nodes(request)} nodes"
     if not drafted:
         return "auto: not drafted, the batch's drafts are expected to be worth less than drafting costs here"
-    return f"auto: {nodes} nodes, what the batch was expected to give its draft before it drafted"
+    return (f"auto: {nodes} nodes, the step's shared budget: the most tokens a second its drafts were expected to "
+            "give")
 
 
 def drafted_rows(drafts: dict[BatchRequest, DraftRow]) -> int:
