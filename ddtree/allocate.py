@@ -96,9 +96,13 @@ STALL = 3.0  # a step slower than this many times the steps' median ratio to the
 
 def measured_scales(cost: StepCost, steps: list[tuple[int, int, int, int, float]]) -> tuple[float, float]:
     """How much longer than ``cost`` predicts measured steps took, part by part (``StepCost.parts``): ``(roots,
-    trees)`` multipliers, least squares on each step's relative error (``steps``: requests, nodes, drafts, drafted
-    rows and seconds each), pulled towards (1, 1) as if ``SCALE_PRIOR_STEPS`` steps had taken what ``cost`` says, so
-    that a few steps, or steps that never drafted, leave a part as it was. A step that stalled (a recording, a
+    trees)`` multipliers (``steps``: requests, nodes, drafts, drafted rows and seconds each), each least squares on
+    the steps' relative errors, pulled towards 1 as if ``SCALE_PRIOR_STEPS`` steps had taken what ``cost`` says, so
+    that a few steps, or none of a kind, leave a part as it was. The roots' part is scaled by the steps that verified
+    roots alone (no node, no draft), the trees' by the others, their roots as scaled: a step that drafts cannot tell
+    its roots' time from its trees', and what a served step adds to the fitted cost (sizing, pricing and recording
+    its trees) is its trees'. Were such a step's excess shared with the roots, an AR step would look dearer too,
+    and trees that cost more than the fit says would go on looking worth it. A step that stalled (a recording, a
     compilation) counts as ``STALL`` times the steps' usual ratio to the cost, not as long as it took.
 
     What it is for: the fitted cost times steps of fixed budgets alone, where a served step also sizes, prices and
@@ -110,11 +114,21 @@ def measured_scales(cost: StepCost, steps: list[tuple[int, int, int, int, float]
     ratio = torch.tensor([shape[4] for shape in steps], dtype=torch.float64) / predicted  # [S]
     ratio = ratio.clamp(max=STALL * float(ratio.median()))
     rows = parts / predicted[:, None]  # [S, 2]: each step's parts as shares of its prediction, so each weighs alike
-    # the prior: each part as sure as SCALE_PRIOR_STEPS typical steps of it (barely, for a part no step had)
-    prior = SCALE_PRIOR_STEPS * (rows ** 2).mean(0).clamp_min(1e-6)
-    normal = rows.T @ rows + torch.diag(prior)
-    roots, trees = torch.linalg.solve(normal, rows.T @ ratio + prior).clamp(*SCALE_BOUNDS).tolist()
+    bare = torch.tensor([nodes == 0 and drafts == 0 for _, nodes, drafts, _, _ in steps])  # [S]: roots alone
+    roots = scale_towards_one(rows[bare, 0], ratio[bare] - rows[bare, 1])  # a bare step's filler rows as fitted
+    trees = scale_towards_one(rows[~bare, 1], ratio[~bare] - roots * rows[~bare, 0])
     return roots, trees
+
+
+def scale_towards_one(share: torch.Tensor, excess: torch.Tensor) -> float:
+    """The least-squares ``s`` of ``share * s ≈ excess`` over steps (``[S]`` each: a part's share of a step's
+    predicted time, and what the step took of it, relative to the prediction), with ``SCALE_PRIOR_STEPS`` typical
+    steps' worth of belief that ``s`` is 1; 1 where no step had the part; within ``SCALE_BOUNDS``."""
+    if not share.numel():
+        return 1.0
+    prior = SCALE_PRIOR_STEPS * float((share ** 2).mean().clamp_min(1e-6))
+    scale = (float(share @ excess) + prior) / (float(share @ share) + prior)
+    return min(max(scale, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
 
 
 CALIBRATION_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

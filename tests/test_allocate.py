@@ -214,13 +214,14 @@ def measured_steps(roots: float, trees: float) -> list[tuple[int, int, int, int,
 
 def test_measured_steps_scale_a_costs_roots_and_its_trees_apart():
     """``measured_scales``: steps that took 1.3 times the roots' part and twice the trees' give those scales back,
-    pulled a little towards 1 by the prior; steps that never drafted leave the trees' part as fitted; a stalled step
-    counts as a few times the usual; no part scales past its bounds."""
+    pulled a little towards 1 by the prior (the roots' by the steps of roots alone, a quarter of them); steps that
+    never drafted leave the trees' part as fitted; a stalled step counts as a few times the usual; no part scales past
+    its bounds."""
     roots, trees = 3.0, 5.0
     assert MEASURED.scaled(roots, trees).parts(8, 40, 8, 64) == pytest.approx(
         tuple(scale * part for scale, part in zip((roots, trees), MEASURED.parts(8, 40, 8, 64))))
     assert measured_scales(MEASURED, []) == (1.0, 1.0)
-    steps = measured_steps(1.3, 2.0) * 8
+    steps = measured_steps(1.3, 2.0) * 32
     roots, trees = measured_scales(MEASURED, steps)
     assert roots == pytest.approx(1.3, rel=0.05) and trees == pytest.approx(2.0, rel=0.08) and trees < 2.0
     few_roots, few_trees = measured_scales(MEASURED, steps[:6])
@@ -231,8 +232,45 @@ def test_measured_steps_scale_a_costs_roots_and_its_trees_apart():
     stalled = list(steps)
     stalled[5] = (*stalled[5][:4], stalled[5][4] * 100)  # a recording or a compilation
     assert measured_scales(MEASURED, stalled) == pytest.approx(measured_scales(MEASURED, steps), abs=0.15)
-    assert measured_scales(MEASURED, measured_steps(10.0, 10.0) * 8) == (SCALE_BOUNDS[1], SCALE_BOUNDS[1])
-    assert measured_scales(MEASURED, measured_steps(0.05, 0.05) * 8) == (SCALE_BOUNDS[0], SCALE_BOUNDS[0])
+    assert measured_scales(MEASURED, measured_steps(10.0, 10.0) * 32) == (SCALE_BOUNDS[1], SCALE_BOUNDS[1])
+    assert measured_scales(MEASURED, measured_steps(0.05, 0.05) * 32) == (SCALE_BOUNDS[0], SCALE_BOUNDS[0])
+
+
+def test_what_steps_that_all_draft_take_beyond_the_cost_is_their_trees():
+    """Steps that all draft cannot tell their roots' time from their trees': their roots stay as fitted (the steps of
+    roots alone say what they cost), and the whole excess scales the trees, so that an AR step does not look dearer
+    with them."""
+    drafting = [step for step in measured_steps(1.0, 3.0) if step[2]] * 8
+    roots, trees = measured_scales(MEASURED, drafting)
+    assert roots == 1.0 and trees > 2.7
+    both = [step for step in measured_steps(1.5, 1.5) if step[2]] * 8  # roots slower too, and no step to tell
+    roots, trees = measured_scales(MEASURED, both)
+    assert roots == 1.0 and trees > 1.5
+
+
+@pytest.mark.parametrize("true, accepted", [
+    (StepCost(fixed_s=0.002, per_request_s=0.0001, per_node_s=3e-5, per_draft_s=1e-4, draft_pass_s=0.002,
+              per_draft_row_s=1e-5, tree_step_s=0.001, per_tree_request_s=1e-4), 0.75),  # drafts do not pay
+    (StepCost(fixed_s=0.002, per_request_s=0.0001, per_node_s=1e-5, per_draft_s=5e-5, draft_pass_s=0.001,
+              per_draft_row_s=5e-6, tree_step_s=0.0005, per_tree_request_s=5e-5), 0.8),  # small trees pay
+])
+def test_a_batch_whose_trees_cost_three_times_the_fit_comes_to_the_true_costs_budget(true, accepted):
+    """A fixed step's shared budget chosen by the cost scaled to the batch's own steps, as ``Batch`` refits it: where
+    the fit prices trees at a third of what they take, the steps' budget comes to the one the true cost picks. (With
+    the excess of drafting steps shared with the roots, AR steps looked dearer too and the trees stayed too big.)"""
+    worth = (accepted ** torch.arange(1, 65, dtype=torch.float64))[None].repeat(16, 1)  # 16 requests' drafts
+    budgets, believed = [0, 1, 2, 4, 8, 16, 32, 64], true.scaled(1.0, 1 / 3)
+    kept, scales, chosen = [], (1.0, 1.0), []
+    for step in range(480):
+        nodes = shared_budget(worth, believed.scaled(*scales), 16, budgets, 16, 16 * 15).nodes[0]
+        drafts = 16 if nodes else 0
+        kept = [*kept, (16, 16 * nodes, drafts, drafts * 15, true.seconds(16, 16 * nodes, drafts, drafts * 15))][-256:]
+        if step % 16 == 15:
+            scales = measured_scales(believed, kept)
+        chosen.append(nodes)
+    best = shared_budget(worth, true, 16, budgets, 16, 16 * 15).nodes[0]
+    assert set(chosen[-32:]) == {best}
+    assert shared_budget(worth, believed, 16, budgets, 16, 16 * 15).nodes[0] > best  # where the fit alone would go
 
 
 def recorded_drafts() -> list[torch.Tensor]:
