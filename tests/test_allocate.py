@@ -256,12 +256,13 @@ def test_what_steps_that_all_draft_take_beyond_the_cost_is_their_trees():
 ])
 def test_a_batch_whose_trees_cost_three_times_the_fit_comes_to_the_true_costs_budget(true, accepted):
     """A fixed step's shared budget chosen by the cost scaled to the batch's own steps, as ``Batch`` refits it: where
-    the fit prices trees at a third of what they take, the steps' budget comes to the one the true cost picks. (With
-    the excess of drafting steps shared with the roots, AR steps looked dearer too and the trees stayed too big.)"""
+    the fit prices trees at a third of what they take, the steps take the budget the true cost picks, but for a few
+    tries of a bigger one each time the steps that taught it have left the window. (With the excess of drafting steps
+    shared with the roots, AR steps looked dearer too and every step kept the fit's too big trees.)"""
     worth = (accepted ** torch.arange(1, 65, dtype=torch.float64))[None].repeat(16, 1)  # 16 requests' drafts
     budgets, believed = [0, 1, 2, 4, 8, 16, 32, 64], true.scaled(1.0, 1 / 3)
     kept, scales, chosen = [], (1.0, 1.0), []
-    for step in range(480):
+    for step in range(800):
         nodes = shared_budget(worth, believed.scaled(*scales), 16, budgets, 16, 16 * 15).nodes[0]
         drafts = 16 if nodes else 0
         kept = [*kept, (16, 16 * nodes, drafts, drafts * 15, true.seconds(16, 16 * nodes, drafts, drafts * 15))][-256:]
@@ -269,7 +270,8 @@ def test_a_batch_whose_trees_cost_three_times_the_fit_comes_to_the_true_costs_bu
             scales = measured_scales(believed, kept)
         chosen.append(nodes)
     best = shared_budget(worth, true, 16, budgets, 16, 16 * 15).nodes[0]
-    assert set(chosen[-32:]) == {best}
+    cycle = chosen[-272:]  # a window of steps and the tries after it
+    assert cycle.count(best) >= 0.85 * len(cycle)
     assert shared_budget(worth, believed, 16, budgets, 16, 16 * 15).nodes[0] > best  # where the fit alone would go
 
 
