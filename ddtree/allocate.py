@@ -293,8 +293,8 @@ def shared_budget(worth: torch.Tensor, cost: StepCost, requests: int, budgets: l
     the budget, once a free request.
 
     Worked example, two free requests worth (0.9, 0.5, 0.1, 0) and (0.8, 0.2, 0, 0), budgets 0, 2, 4: tokens 2,
-    2 + 1.4 + 1.0 = 4.4 and 2 + 1.5 + 1.0 = 4.5; budget 2 wins unless two more nodes a slot cost under 2 % of its
-    step."""
+    2 + 1.4 + 1.0 = 4.4 and 2 + 1.5 + 1.0 = 4.5; of 2 and 4, 4 wins only where two more nodes a slot add under 2.3 %
+    to the step of 2."""
     sizes = torch.tensor(budgets, dtype=torch.long)  # [K]
     gains = torch.cat([worth.new_zeros(worth.shape[0], 1), worth.cumsum(1)], dim=1)  # [F, N + 1]: each first n
     tokens = requests + gains[:, sizes.clamp(max=worth.shape[1])].sum(0).double()  # [K]

@@ -119,6 +119,10 @@ def test_auto_requests_take_the_fixed_step_sized_before_they_draft_and_learn_fro
         assert request.trace.steps[-1].batch.reason.startswith("auto: ")
         assert request.trace.summary.tau > 1.5  # the oracle drafts deep: the trees the batch gave them paid
     assert {step.batch.budget for step in requests[2].trace.steps} == {8}
+    # every slot verifies the program's nodes, so a drafting DDTree request's tree is the step's whole shared budget
+    for request in (requests[0], requests[4]):
+        drafted = [step for step in request.trace.steps if "shared budget" in step.batch.reason]
+        assert drafted and all(step.batch.budget == int(step.batch.reason.split()[1]) for step in drafted)
 
 
 def test_each_auto_request_learns_from_its_own_candidates_in_the_steps_record(fixed64, monkeypatch):

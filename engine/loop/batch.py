@@ -429,14 +429,14 @@ class Batch:
     def launch_fixed(self, active: list[BatchRequest], t_start: float) -> LaunchedStep:
         """A fixed step launched on the device: the host tells it each request's budget, method and row in one copy
         (its root and past are where the step before left them, ``RowState``), and its record is copied back without
-        waiting. Every "auto" request's budget is the step's shared one (``shared_budget``); it drafts ``AUTO_NODES``
-        candidates, and learns from them what its next draft is worth. Where no draft is expected to pay, the step
-        drafts nothing and verifies roots, as AR's does, its drafting requests' accepted rows still read into the
-        drafter's context."""
+        waiting. Every "auto" request's budget is the step's shared one (``shared_auto_budget``); it drafts
+        ``AUTO_NODES`` candidates, and learns from them what its next draft is worth. Where no draft is expected to
+        pay, the step drafts nothing and verifies roots, as AR's does, its drafting requests' accepted rows still read
+        into the drafter's context."""
         drafting = [r for r in active if r.row_method.drafts]
         learns = any(r.settings.auto_budget for r in drafting)
         depth = max(r.settings.block_size for r in active) - 1
-        shared = self.shared_budget(active, depth) if learns else 0
+        shared = self.shared_auto_budget(active, depth) if learns else 0
         drafts = bool(shared) or any(not r.settings.auto_budget for r in drafting)
         if learns and not drafts:  # each "auto" request drifts back to its method's typical draft, as one the
             # readable step does not draft for does (``Budgeting.relax``)
@@ -476,7 +476,7 @@ class Batch:
             arrived.record()
         return LaunchedStep(active, program, marks, record, arrived, t_start)
 
-    def shared_budget(self, active: list[BatchRequest], depth: int) -> int:
+    def shared_auto_budget(self, active: list[BatchRequest], depth: int) -> int:
         """The nodes a fixed step gives each drafting "auto" request before it drafts (0: none drafts). The program
         verifies as many nodes in every slot, so each is given them all, and the count is the one whose step the
         requests' expected drafts make the most tokens a second (``ddtree.allocate.shared_budget``; a request not yet
@@ -485,11 +485,14 @@ class Batch:
         auto = [r for r in active if r.row_method.drafts and r.settings.auto_budget]
         fixed = [fixed_nodes(r) for r in active if r.row_method.drafts and not r.settings.auto_budget]
         worth = torch.zeros(len(auto), AUTO_NODES, dtype=torch.float64)  # [auto, AUTO_NODES]
+        unpriced = False
         for index, request in enumerate(auto):
             expected = (request.expected if request.expected is not None else
                         self.budgeting.expectation(request.row_method))
-            worth[index] = expected if expected is not None else torch.eye(1, AUTO_NODES, dtype=torch.float64)[0]
-        unpriced = any(r.expected is None and self.budgeting.expectation(r.row_method) is None for r in auto)
+            if expected is None:
+                unpriced, worth[index, 0] = True, 1.0
+            else:
+                worth[index] = expected
         floor = max(node_bucket(max(fixed, default=0)), int(unpriced))
         budgets = [0, *(1 << power for power in range(AUTO_NODES.bit_length()))]  # 0, 1, 2, 4, ... AUTO_NODES
         drafting = len(auto) + len(fixed)
