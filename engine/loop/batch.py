@@ -56,6 +56,8 @@ INITIAL_ROWS = 4
 GRAPHED_CONTEXT_ROWS = 40
 KEPT_SHAPES = 256
 KEPT_GAPS = 32  # the last gaps between consecutive steps, whose median is what a round costs beyond its step
+# the budgets a fixed step's "auto" requests share, its programs' node buckets up to an "auto" tree's candidates
+SHARED_BUDGETS = (0, *(1 << power for power in range(AUTO_NODES.bit_length())))  # 0, 1, 2, 4, ... AUTO_NODES
 REFIT_STEPS = 16  # steps between two measurings of how the steps' time compares with the cost model's
 INITIAL_COLUMNS = 512
 
@@ -476,6 +478,11 @@ class Batch:
             arrived.record()
         return LaunchedStep(active, program, marks, record, arrived, t_start)
 
+    def expectation(self, request: BatchRequest) -> torch.Tensor | None:
+        """What a request's next draft is expected to be worth: its own drafts' say, else its method's typical draft
+        (``Budgeting.expectation``); None before either."""
+        return request.expected if request.expected is not None else self.budgeting.expectation(request.row_method)
+
     def shared_auto_budget(self, active: list[BatchRequest], depth: int) -> int:
         """The nodes a fixed step gives each drafting "auto" request before it drafts (0: none drafts). The program
         verifies as many nodes in every slot, so each is given them all, and the count is the one whose step the
@@ -487,16 +494,14 @@ class Batch:
         worth = torch.zeros(len(auto), AUTO_NODES, dtype=torch.float64)  # [auto, AUTO_NODES]
         unpriced = False
         for index, request in enumerate(auto):
-            expected = (request.expected if request.expected is not None else
-                        self.budgeting.expectation(request.row_method))
+            expected = self.expectation(request)
             if expected is None:
                 unpriced, worth[index, 0] = True, 1.0
             else:
                 worth[index] = expected
         floor = max(node_bucket(max(fixed, default=0)), int(unpriced))
-        budgets = [0, *(1 << power for power in range(AUTO_NODES.bit_length()))]  # 0, 1, 2, 4, ... AUTO_NODES
         drafting = len(auto) + len(fixed)
-        return shared_budget(worth, self.cost, len(active), [n for n in budgets if n >= floor], drafting,
+        return shared_budget(worth, self.cost, len(active), [n for n in SHARED_BUDGETS if n >= floor], drafting,
                              drafting * depth).nodes[0]
 
     def finish_fixed(self, launched: LaunchedStep) -> dict[str, float]:
@@ -650,8 +655,7 @@ class Batch:
         it (``allocate``)."""
         offers: list[Offer | None] = []
         for request in active:
-            expected = (request.expected if request.expected is not None else
-                        self.budgeting.expectation(request.row_method))
+            expected = self.expectation(request)
             if not request.row_method.drafts:
                 offers.append(None)
             elif request.settings.auto_budget and expected is not None:
